@@ -333,10 +333,6 @@ def run(problem: str, algo: str, settings: Settings | None = None, instance: Ins
                           max_physical_batch=max(n, 1), seed=s.seed)
     except NotImplementedError as e:  # an algorithm may refuse a setting it does not support
         raise NotApplicable(f"{algo}: {e}") from e
-    except MemoryError as e:  # PLD discretisation of an extreme (z, q) pair
-        raise ConfigError(f"{algo}: the privacy accountant could not account noise multiplier "
-                          f"{s.noise_multiplier:g} at sample rate {batch / n:g} ({type(e).__name__}); use "
-                          f"a larger --noise-multiplier (a tiny one gives no meaningful epsilon anyway)") from e
     x = inst.data.float()
     y = torch.zeros(n, dtype=torch.long)
     x_opt64 = inst.x_opt.double()

@@ -168,3 +168,16 @@ def test_spec_dp_event_accounts_like_the_report():
     acc = pld.PLDAccountant()
     acc.compose(spec.dp_event(400))
     assert acc.get_epsilon(1e-5) == pytest.approx(account(spec, 400, 1e-5).epsilon, rel=1e-9)
+
+
+def test_pld_grid_too_large_is_a_clear_config_error(monkeypatch):
+    """An accountant that runs out of memory (PLD grid of an extreme z, q) becomes a ConfigError
+    naming the fix, never a raw MemoryError traceback."""
+    from dp_accounting.pld import pld_privacy_accountant
+
+    def boom(self, event, count=1):
+        raise MemoryError
+
+    monkeypatch.setattr(pld_privacy_accountant.PLDAccountant, "compose", boom)
+    with pytest.raises(ConfigError, match="--accountant rdp"):
+        gaussian.epsilon(1e-3, 0.1, 10, 1e-5, "pld")

@@ -70,8 +70,14 @@ def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: floa
     if sample_rate == 1 and accountant == "pld":
         return gaussian_exact_epsilon(noise_multiplier, steps, delta)
     acc = make_accountant(accountant)
-    acc.compose(SampledGaussian(noise_multiplier, sample_rate).event(steps))
-    return float(acc.get_epsilon(delta))
+    try:
+        acc.compose(SampledGaussian(noise_multiplier, sample_rate).event(steps))
+        return float(acc.get_epsilon(delta))
+    except MemoryError as e:  # the PLD grid of an extreme (z, q) pair does not fit in memory
+        raise ConfigError(
+            f"the {accountant} accountant cannot represent noise multiplier {noise_multiplier:g} at sample "
+            f"rate {sample_rate:g} ({steps} steps): its privacy-loss grid does not fit in memory. Use a larger "
+            f"--noise-multiplier (this one gives no meaningful epsilon) or --accountant rdp") from e
 
 
 def gaussian_exact_epsilon(noise_multiplier: float, steps: int, delta: float) -> float:
@@ -82,7 +88,8 @@ def gaussian_exact_epsilon(noise_multiplier: float, steps: int, delta: float) ->
     mu = math.sqrt(steps) / noise_multiplier
 
     def excess(e: float) -> float:
-        return float(norm.cdf(-e / mu + mu / 2) - np.exp(e + norm.logcdf(-e / mu - mu / 2)) - delta)
+        with np.errstate(over="ignore"):  # e^eps Phi(.) -> inf only where the excess is -inf anyway
+            return float(norm.cdf(-e / mu + mu / 2) - np.exp(e + norm.logcdf(-e / mu - mu / 2)) - delta)
 
     if excess(0.0) <= 0:
         return 0.0

@@ -72,6 +72,8 @@ def variant_overrides(name: str, base: TrainConfig, ef_ratio: float) -> dict:
 
 def _same_config(a: dict, b: dict) -> bool:
     skip = {"out", "resume", "overwrite", "max_physical_batch", "eval_batch_size", "data_dir"}
+    # runs recorded before the flag existed derived batches and noise from the seed: reproducible
+    a = {"reproducible_noise": True, **a}
     return {k: v for k, v in a.items() if k not in skip} == {k: v for k, v in jsonable(b).items() if k not in skip}
 
 
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.lr is not None:
             hp["lr"] = args.lr
         base = TrainConfig(data="fashion-mnist", model=model, algo="dpsgd", epsilon=args.epsilons[0],
+                           reproducible_noise=True,  # a benchmark releases numbers, not models
                            delta=args.delta, epochs=args.epochs, clip=args.clip, momentum=args.momentum,
                            accountant=args.accountant, subset=args.subset, validation=args.validation,
                            max_physical_batch=args.max_physical_batch, device=args.device, **hp)

@@ -90,8 +90,10 @@ class Algorithm:
         if not self.private:
             return AccountingSpec("none", sample_rate)
         per_sample, _ = self.stages(cfg)
-        bound = [s.bound for s in per_sample if s.bound is not None][-1]
-        note = f"per-example L2 sensitivity {bound:g} ({type([s for s in per_sample if s.bound][-1]).__name__})"
+        last = per_sample[-1]
+        if last.bound is None:
+            raise ConfigError(f"{self.name}: the last per-example stage ({type(last).__name__}) bounds no norm")
+        note = f"per-example L2 sensitivity {last.bound:g} ({type(last).__name__})"
         dice = None
         if self.accounting == "dice":
             c1, c2 = self.dice_units(cfg)

@@ -17,10 +17,10 @@ from torch import Tensor, nn
 
 from . import algorithms, privacy
 from .algorithms import AlgoConfig
-from .errors import ConfigError, ResumeMismatchError
+from .errors import ConfigError, NonFiniteGradientError, ResumeMismatchError
 from .grads import FuncGradients, LossFn, PerSampleGradients, check_finite, cross_entropy
 from .privacy import PrivacyReport
-from .sampling import PoissonSampler
+from .sampling import PoissonSampler, secret_seeds
 from .transforms import StepContext
 
 
@@ -51,6 +51,15 @@ class DPEngine:
     overshooting) or ``noise_multiplier``. ``batch_size`` is the *expected* Poisson batch size B;
     the sampling rate is q = B / n. ``steps`` defaults to ``epochs * round(n / B)``.
 
+    Randomness: ``seed`` drives only public randomness (the gradient backends' groupings and
+    augmentations; the caller seeds the model init). The Poisson batches and the pipeline's draws
+    (Gaussian noise, pre-clipping perturbation) come from secret streams: the guarantee needs the
+    batches and the noise to be unpredictable, so by default
+    (``noise_seed=None``) their generators are seeded from the OS CSPRNG and recorded nowhere but in
+    the private ``state_dict`` (``clipbias.sampling.secret_seeds``). Pass ``noise_seed`` for
+    reproducible runs; the guarantee then assumes that integer is secret. torch's generators are
+    not cryptographically secure (as in Opacus without ``secure_mode``): see docs/privacy.md.
+
     Gradient backend: ``grads`` if given, else ``algo.gradients(model, loss_fn, config, n=,
     batch_size=, seed=)`` when the algorithm defines it (the methods of ``clipbias.methods``), else
     ``FuncGradients``. Optional backend hooks: ``iter_rows(x, y, indices, step, max_physical_batch)``
@@ -72,7 +81,7 @@ class DPEngine:
                  delta: float = 1e-5, noise_multiplier: float | None = None, accountant: str = "pld",
                  dice_accounting: str = "certified", config: AlgoConfig | None = None,
                  loss_fn: LossFn = cross_entropy, max_physical_batch: int = 512, seed: int = 0,
-                 grads: PerSampleGradients | None = None) -> None:
+                 noise_seed: int | None = None, grads: PerSampleGradients | None = None) -> None:
         self.algo = algorithms.get(algorithm)
         self.config = config or AlgoConfig()
         if not isinstance(n, int) or n < 1:
@@ -81,6 +90,8 @@ class DPEngine:
             raise ConfigError(f"--batch-size must lie in (0, N={n}], got {batch_size!r}")
         if max_physical_batch < 1:
             raise ConfigError(f"max_physical_batch must be >= 1, got {max_physical_batch!r}")
+        if epsilon is not None and noise_multiplier is not None:
+            raise ConfigError("give either epsilon (the noise is calibrated to it) or noise_multiplier, not both")
         privacy.check_delta(delta)
         privacy.check_accountant(accountant)
         self.n, self.expected_batch_size = n, float(batch_size)
@@ -118,10 +129,12 @@ class DPEngine:
                      if make is not None else FuncGradients(model, loss_fn))
         self.grads = grads
         self.params = self.grads.layout.params(model)
-        self.pipeline = self.algo.pipeline(self.config, self.expected_batch_size, z, seed + 1, device)
+        sampler_seed, noise_stream_seed = secret_seeds(noise_seed)
+        self.reproducible_noise = noise_seed is not None
+        self.pipeline = self.algo.pipeline(self.config, self.expected_batch_size, z, noise_stream_seed, device)
         self.optimizer = algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer,
                                                    self.params, self.config)
-        self.sampler = PoissonSampler(n, self.sample_rate, seed, steps_per_epoch)
+        self.sampler = PoissonSampler(n, self.sample_rate, sampler_seed, steps_per_epoch)
         self.max_physical_batch = max_physical_batch
         self.steps_taken = 0
         self.settings = PrivacySettings(algorithm, n, self.sample_rate, steps, z, delta, accountant,
@@ -144,12 +157,17 @@ class DPEngine:
         ref_sum = torch.zeros(d, device=dev)
         proc_sum = torch.zeros(d, device=dev)
         losses = []
-        for g, loss, idx in self._rows(x, y, indices):
-            check_finite(g, idx)
-            r, p = self.pipeline.rows(g, StepContext(idx, self.steps_taken))
-            ref_sum += r
-            proc_sum += p
-            losses.append(loss)
+        rng = self._rng_state()
+        try:
+            for g, loss, idx in self._rows(x, y, indices):
+                check_finite(g, idx)
+                r, p = self.pipeline.rows(g, StepContext(idx, self.steps_taken))
+                ref_sum += r
+                proc_sum += p
+                losses.append(loss)
+        except NonFiniteGradientError:  # a later micro-batch failed: rewind the draws made so far
+            self._set_rng_state(rng)
+            raise
         update = self.pipeline.finish(proc_sum, ref_sum)
         for param, u in zip(self.params, self.grads.layout.unflatten(update)):
             param.grad = u.to(param.dtype)
@@ -160,6 +178,18 @@ class DPEngine:
             self.grads.commit()
         self.steps_taken += 1
         return torch.cat(losses) if losses else torch.zeros(0)
+
+    def _rng_state(self) -> tuple:
+        """States of the generators a micro-batch may advance before a later one fails its check."""
+        gens = [st.generator for st in self.pipeline.per_sample if isinstance(getattr(st, "generator", None),
+                                                                                torch.Generator)]
+        return torch.get_rng_state(), [(g, g.get_state()) for g in gens]
+
+    @staticmethod
+    def _set_rng_state(state: tuple) -> None:
+        torch.set_rng_state(state[0])
+        for g, s in state[1]:
+            g.set_state(s)
 
     def _rows(self, x: Tensor, y: Tensor, indices: Tensor | None):
         """``(rows [r, d], losses, example ids or None)`` per physical micro-batch.
@@ -194,7 +224,11 @@ class DPEngine:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """All DP state. PRIVATE: holds the error-feedback buffer and RNG states; never release it."""
+        """All DP state except the model weights (save ``model.state_dict()`` beside it).
+
+        PRIVATE: holds the error-feedback buffer and the secret sampler/noise generator states;
+        never release it.
+        """
         return {"settings": asdict(self.settings), "steps_taken": self.steps_taken,
                 "optimizer": self.optimizer.state_dict(), "pipeline": self.pipeline.state_dict(),
                 "sampler": self.sampler.state_dict(),

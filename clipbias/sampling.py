@@ -6,6 +6,9 @@ updates are normalised by the expected size B = qN, never the realised one.
 
 from __future__ import annotations
 
+import secrets
+
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -32,7 +35,9 @@ class PoissonSampler:
         """One batch: the indices i with U_i < q."""
         if self.q == 1:
             return torch.arange(self.n)
-        return (torch.rand(self.n, generator=self.generator) < self.q).nonzero().flatten()
+        # float64 uniforms on a 2^-53 grid: P(U < q) is q to within 2^-53 (float32 was 2^-24 coarse)
+        u = torch.rand(self.n, generator=self.generator, dtype=torch.float64)
+        return (u < self.q).nonzero().flatten()
 
     def __len__(self) -> int:
         return self.steps
@@ -49,3 +54,24 @@ class PoissonSampler:
             raise ConfigError(f"sampler state is for n={state['n']}, q={state['q']}; this sampler has "
                               f"n={self.n}, q={self.q}")
         self.generator.set_state(state["rng"])
+
+
+_DOMAIN = 0x636C697062696173  # "clipbias": separates these streams from torch.manual_seed(seed)
+
+
+def secret_seeds(noise_seed: int | None = None) -> tuple[int, int]:
+    """Seeds of the two secret random streams: (Poisson sampler, Gaussian noise).
+
+    The DP guarantee assumes nobody can predict the batches or the noise. With ``noise_seed=None``
+    (the default) the streams are seeded from 128 bits of the operating system's CSPRNG
+    (``secrets``), which are never written anywhere; only the generator states in the private
+    checkpoint can continue them. An integer ``noise_seed`` makes runs reproducible (tests,
+    benchmarks, toy problems): the guarantee then holds only while that integer stays secret.
+    The two streams are independent children of one ``numpy.random.SeedSequence``.
+    """
+    if noise_seed is not None and (not isinstance(noise_seed, int) or isinstance(noise_seed, bool)
+                                   or noise_seed < 0):
+        raise ConfigError(f"noise seed must be an integer >= 0 or None, got {noise_seed!r}")
+    entropy = secrets.randbits(128) if noise_seed is None else [noise_seed, _DOMAIN]
+    sampler, noise = np.random.SeedSequence(entropy).spawn(2)
+    return (int(sampler.generate_state(1, np.uint64)[0]), int(noise.generate_state(1, np.uint64)[0]))

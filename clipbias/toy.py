@@ -330,7 +330,8 @@ def run(problem: str, algo: str, settings: Settings | None = None, instance: Ins
         engine = DPEngine(model, algo, n=n, batch_size=batch, steps=s.steps, delta=s.delta,
                           noise_multiplier=s.noise_multiplier if a.private else None,
                           dice_accounting=s.dice_accounting, config=cfg, loss_fn=inst.loss_fn,
-                          max_physical_batch=max(n, 1), seed=s.seed)
+                          max_physical_batch=max(n, 1), seed=s.seed,
+                          noise_seed=s.seed)  # toy problems are deterministic research runs
     except NotImplementedError as e:  # an algorithm may refuse a setting it does not support
         raise NotApplicable(f"{algo}: {e}") from e
     x = inst.data.float()

@@ -93,6 +93,7 @@ class TrainConfig:
     dice_accounting: str = "certified"
     noise_multiplier: float | None = None
     seed: int = 0
+    reproducible_noise: bool = False
     device: str = "cpu"
     optimizer: str | None = None
     momentum: float = 0.0
@@ -547,7 +548,8 @@ def train(config: TrainConfig, *, dataset: Dataset | None = None, splits: Splits
                       epsilon=cfg.epsilon if algo.private else None,
                       noise_multiplier=cfg.noise_multiplier if algo.private else None,
                       delta=cfg.delta, accountant=cfg.accountant, dice_accounting=cfg.dice_accounting,
-                      config=algo_cfg, max_physical_batch=cfg.max_physical_batch, seed=cfg.seed)
+                      config=algo_cfg, max_physical_batch=cfg.max_physical_batch, seed=cfg.seed,
+                      noise_seed=cfg.seed if cfg.reproducible_noise else None)
     steps_per_epoch = len(engine.sampler)
 
     history: list[dict] = []
@@ -573,6 +575,7 @@ def train(config: TrainConfig, *, dataset: Dataset | None = None, splits: Splits
         "basis": projected.basis, "certified": projected.certified,
         "warning": privacy.delta_warning(cfg.delta, n) if algo.private else None,
         "preprocessing_private": splits.info["preprocessing_private"],
+        "reproducible_noise": cfg.reproducible_noise,
         "resumed_at_epoch": start_epoch if ckpt is not None else None, "device": str(dev),
     }
     if algo.accounting == "dice" and cfg.dice_accounting == "certified":
@@ -657,8 +660,7 @@ def train(config: TrainConfig, *, dataset: Dataset | None = None, splits: Splits
         "target_epsilon": cfg.epsilon if algo.private else math.inf,
         "epsilon": final.epsilon, "delta": final.delta, "accountant": final.accountant,
         "basis": final.basis, "certified": final.certified,
-        "privacy_note": None if final.certified else (
-            "heuristic: authors' protocol, not a proof" if algo.private else "non-private: no DP guarantee"),
+        "privacy_note": privacy_note(cfg, final.certified, algo.private, splits.info),
         "delta_warning": header["warning"],
         "test_accuracy": history[-1]["test_accuracy"] if history else None,
         "val_accuracy": history[-1].get("val_accuracy") if history else None,
@@ -693,6 +695,22 @@ def _to_cpu(obj: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- several runs
+
+def privacy_note(cfg: TrainConfig, certified: bool, private: bool, info: dict) -> str | None:
+    """What the guarantee does not cover, in words (``None`` when nothing needs saying)."""
+    notes = []
+    if not private:
+        notes.append("non-private: no DP guarantee")
+    elif not certified:
+        notes.append("heuristic: authors' protocol, not a proof")
+    if private and cfg.reproducible_noise:
+        notes.append(f"reproducible noise: batches and noise are derived from --seed {cfg.seed}, which this "
+                     "file records; the guarantee holds only while the seed is secret (do not publish this "
+                     "file with the model)")
+    if private and info.get("preprocessing_private") is False:
+        notes.append("data standardised with statistics of the private training split (not accounted)")
+    return "; ".join(notes) or None
+
 
 def run_many(base: TrainConfig, variants: list[tuple[str, dict]], seeds: list[int], *,
              out: str | os.PathLike | None = None, splits: Splits | None = None, progress: bool = False,

@@ -118,7 +118,8 @@ class ErrorFeedback(Stage):
         return e / (e.norm() + self.gamma)
 
     def __call__(self, aggregate: Tensor, reference_mean: Tensor) -> Tensor:
-        e = self.e if self.e is not None else torch.zeros_like(aggregate)
+        # .to: a checkpoint saved on the CPU may be resumed on CUDA (no-op when already there)
+        e = self.e.to(aggregate.device) if self.e is not None else torch.zeros_like(aggregate)
         v = aggregate + self.feedback(e)
         self._pending = e + reference_mean - v
         return v
@@ -178,9 +179,12 @@ class Pipeline:
 
     @property
     def sensitivity(self) -> float | None:
-        """Per-example L2 bound of the aggregated sum (the last bounding per-sample stage)."""
-        bounds = [s.bound for s in self.per_sample if s.bound is not None]
-        return bounds[-1] if bounds else None
+        """Per-example L2 bound of the aggregated sum: the bound of the *last* per-sample stage.
+
+        ``None`` (the pipeline is refused) when the last stage bounds nothing: an unbounded stage
+        after a Clip would void the Clip's bound.
+        """
+        return self.per_sample[-1].bound if self.per_sample else None
 
     def rows(self, g: Tensor, ctx: StepContext) -> tuple[Tensor, Tensor]:
         """Per-example rows -> (reference rows summed, processed rows summed)."""

@@ -10,7 +10,7 @@ from clipbias.algorithms import AlgoConfig
 from clipbias.engine import DPEngine
 from clipbias.errors import ConfigError, NonFiniteGradientError, ResumeMismatchError, UnsupportedModelError
 from clipbias.grads import FuncGradients, ParamLayout
-from clipbias.sampling import PoissonSampler
+from clipbias.sampling import PoissonSampler, secret_seeds
 from clipbias.transforms import clip_rows
 
 
@@ -69,12 +69,12 @@ def test_dpsgd_one_step_against_hand_values():
     y = torch.tensor([0.0, 2.0, 0.0])
     m = Linear1([1.0, 2.0])
     eng = DPEngine(m, "dpsgd", n=3, batch_size=2.0, steps=1, noise_multiplier=2.0, loss_fn=sq,
-                   config=AlgoConfig(lr=0.1, clip=1.0), seed=5)
+                   config=AlgoConfig(lr=0.1, clip=1.0), noise_seed=5)
     # hand: g_i = (w.x_i - y_i) x_i; clip to 1; sum / B (B = 2, the expected size, not 3)
     w = torch.tensor([1.0, 2.0])
     g = torch.stack([(w @ x[i] - y[i]) * x[i] for i in range(3)])
     clipped = torch.stack([gi * min(1.0, 1.0 / float(gi.norm())) for gi in g])
-    noise = torch.randn(2, generator=torch.Generator().manual_seed(6))  # the engine seeds noise with seed+1
+    noise = torch.randn(2, generator=torch.Generator().manual_seed(secret_seeds(5)[1]))  # the noise stream
     expected = w - 0.1 * (clipped.sum(0) / 2.0 + 2.0 * 1.0 / 2.0 * noise)
     eng.step(x, y)
     assert torch.allclose(m.w.detach(), expected, atol=1e-6)
@@ -161,7 +161,8 @@ def make_engine(model, algo="dice", **kw):
     x = torch.randn(64, 1, 6, 6, generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 4, (64,), generator=torch.Generator().manual_seed(2))
     args = dict(n=64, batch_size=8.0, epochs=2, noise_multiplier=30.0, dice_accounting="conservative",
-                config=AlgoConfig(lr=0.2, clip=0.5, ef_clip=0.05), seed=3, max_physical_batch=3) | kw
+                config=AlgoConfig(lr=0.2, clip=0.5, ef_clip=0.05), seed=3, noise_seed=3,
+                max_physical_batch=3) | kw
     return DPEngine(model, algo, **args), x, y
 
 
@@ -286,11 +287,12 @@ def test_dice_adam_one_step_against_hand_adam():
     m = Linear1([1.0, 1.0])
     lr, b1, b2, eps = 0.01, 0.9, 0.999, 1e-8
     eng = DPEngine(m, "dice-adam", n=2, batch_size=2.0, steps=1, noise_multiplier=3.0,
-                   dice_accounting="conservative", loss_fn=sq, config=AlgoConfig(lr=lr, clip=1.0, ef_clip=0.5))
+                   dice_accounting="conservative", loss_fn=sq, config=AlgoConfig(lr=lr, clip=1.0, ef_clip=0.5),
+                   noise_seed=0)
     w = torch.tensor([1.0, 1.0])
     g = torch.stack([(w @ x[i]) * x[i] for i in range(2)])
     v = sum(gi * min(1.0, 1.0 / float(gi.norm())) for gi in g) / 2.0  # e_0 = 0
-    u = v + 3.0 * 1.0 / 2.0 * torch.randn(2, generator=torch.Generator().manual_seed(1))
+    u = v + 3.0 * 1.0 / 2.0 * torch.randn(2, generator=torch.Generator().manual_seed(secret_seeds(0)[1]))
     m1, m2 = (1 - b1) * u, (1 - b2) * u**2
     expected = w - lr * (m1 / (1 - b1)) / ((m2 / (1 - b2)).sqrt() + eps)
     eng.step(x, y)
@@ -309,3 +311,66 @@ def test_resume_treats_int_and_float_method_settings_alike():
     e1, _, _ = make_engine(small_cnn(), "dpsgd", config=AlgoConfig(lr=0.2, clip=0.5, extra={"p": 4}))
     e2, _, _ = make_engine(small_cnn(), "dpsgd", config=AlgoConfig(lr=0.2, clip=0.5, extra={"p": 4.0}))
     e2.load_state_dict(e1.state_dict())
+
+
+def test_batches_and_noise_are_secret_by_default_and_reproducible_on_request():
+    """Default: the sampler and noise streams come from the OS CSPRNG, so two engines with the same
+    public seed draw different batches and noise; with noise_seed they are identical."""
+    def first_update(**kw):
+        m = Linear1([0.0, 0.0])
+        eng = DPEngine(m, "dpsgd", n=200, batch_size=20.0, steps=1, noise_multiplier=1.0, loss_fn=sq,
+                       config=AlgoConfig(lr=1.0, clip=1.0), seed=0, **kw)
+        idx = eng.sampler.sample()
+        eng.step(torch.ones(len(idx), 2), torch.zeros(len(idx)), idx)
+        return idx, m.w.detach().clone()
+
+    (i1, w1), (i2, w2) = first_update(), first_update()
+    assert not torch.equal(i1, i2) and not torch.equal(w1, w2)
+    (i3, w3), (i4, w4) = first_update(noise_seed=7), first_update(noise_seed=7)
+    assert torch.equal(i3, i4) and torch.equal(w3, w4)
+    s_a, s_b = secret_seeds(7)
+    assert s_a != s_b and secret_seeds(7) == (s_a, s_b) and secret_seeds(None) != secret_seeds(None)
+    with pytest.raises(ConfigError, match="noise seed"):
+        secret_seeds(-1)
+
+
+def test_engine_refuses_epsilon_and_noise_multiplier_together():
+    with pytest.raises(ConfigError, match="not both"):
+        DPEngine(Linear1([0.0, 0.0]), "dpsgd", n=10, batch_size=2.0, steps=1, epsilon=1.0,
+                 noise_multiplier=1.0, loss_fn=sq)
+
+
+def test_poisson_inclusion_uses_float64_uniforms():
+    """Inclusion is U_i < q with U_i float64 (2^-53 grid), so P(include) is q to within 2^-53; with
+    float32 uniforms it would be q rounded up to the 2^-24 grid (3e-6 relative at q = 256/60000)."""
+    n, q = 100_000, 256 / 60000
+    s = PoissonSampler(n, q, seed=11)
+    u = torch.rand(n, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    assert torch.equal(s.sample(), (u < q).nonzero().flatten())
+
+
+def test_feedback_state_loaded_on_cpu_follows_the_update_device():
+    """Checkpoints are saved on the CPU; resumed on another device, the error-feedback buffer and the
+    outer momentum move to the update's device (the 'meta' device stands in for CUDA here: mixing
+    it with CPU tensors raises exactly as CUDA does)."""
+    from clipbias.methods.momentum import OuterMomentum
+    from clipbias.transforms import ErrorFeedback
+
+    a = torch.zeros(3, device="meta")
+    with pytest.raises(RuntimeError):
+        a + torch.ones(3)
+    ef = ErrorFeedback(c2=1.0)
+    ef.load_state_dict({"e": torch.ones(3)})
+    assert ef(a, a).device.type == "meta"
+    om = OuterMomentum(0.9)
+    om.load_state_dict({"m": torch.ones(3)})
+    assert om(a).device.type == "meta"
+
+
+def test_sensitivity_is_the_last_stage_bound():
+    """An unbounded stage after a Clip voids the Clip's bound: the pipeline has no sensitivity."""
+    from clipbias.methods.perturb import Perturb
+    from clipbias.transforms import Clip, Pipeline
+
+    assert Pipeline([Perturb(0.1), Clip(2.0)], 1.0).sensitivity == 2.0
+    assert Pipeline([Clip(2.0), Perturb(0.1)], 1.0).sensitivity is None

@@ -13,13 +13,14 @@ from clipbias import algorithms
 from clipbias.algorithms import AlgoConfig
 from clipbias.data import Dataset
 from clipbias.engine import DPEngine
-from clipbias.errors import ConfigError
+from clipbias.errors import ConfigError, NonFiniteGradientError
 from clipbias.methods import (GroupBatchNorm, batchclip_logits, batchclip_predict, batchnorm_variant,
                               clipped_quantity, compose, keyed_ints, keyed_normal, mix, noise_ratio_vs_dpsgd,
                               num_groups, public_split, sampling_noise)
 from clipbias.methods._common import AUGMENT, GROUP, PERTURB, PUBLIC
 from clipbias.methods.augment import CropFlip
 from clipbias.privacy import gaussian
+from clipbias.sampling import secret_seeds
 from clipbias.transforms import StepContext
 
 N, D_IN, CLASSES = 24, 6, 3
@@ -51,6 +52,7 @@ def engine(model, algo, batch_size=8.0, extra=None, seed=0, clip=0.5, lr=0.1, st
     kw.setdefault("accountant", "rdp")
     # the accounting's N is 4x the data unless full batch: a small q keeps the RDP accountant fast
     n = kw.pop("n", N if batch_size == N else 4 * N)
+    kw.setdefault("noise_seed", seed)  # reproducible batches and noise for the replicas below
     return DPEngine(model, algo, n=n, batch_size=batch_size, steps=steps, noise_multiplier=Z,
                     config=cfg, seed=seed, **kw)
 
@@ -73,10 +75,10 @@ def clip(v: torch.Tensor, c: float) -> torch.Tensor:
 
 
 class NoiseReplica:
-    """The engine's Gaussian noise: generator seeded seed + 1, one randn(d) per step."""
+    """The engine's Gaussian noise: the noise stream of ``secret_seeds(noise_seed)``, one randn(d) per step."""
 
     def __init__(self, seed: int, d: int):
-        self.g, self.d = torch.Generator().manual_seed(seed + 1), d
+        self.g, self.d = torch.Generator().manual_seed(secret_seeds(seed)[1]), d
 
     def __call__(self, std: float) -> torch.Tensor:
         return std * torch.randn(self.d, generator=self.g)
@@ -115,7 +117,7 @@ def test_perturb_update_matches_independent_computation():
     noise = NoiseReplica(0, d)
     for step, idx in enumerate([torch.tensor([0, 3, 5, 7]), torch.tensor([1, 2, 9])]):
         eng.step(x[idx], y[idx], idx)
-        zeta = keyed_normal(1, PERTURB, step, idx.tolist(), d)  # stage seed = engine seed + 1
+        zeta = keyed_normal(secret_seeds(0)[1], PERTURB, step, idx.tolist(), d)  # pipeline (noise) seed
         s = sum(clip(loop_grad(ref, x[i:i + 1], y[i]) + k * zeta[j], c) for j, i in enumerate(idx.tolist()))
         upd = s / 8 + noise(Z * c / 8)
         with torch.no_grad():
@@ -554,7 +556,7 @@ def test_dice_perturb_update_matches_independent_computation():
     noise = NoiseReplica(0, d)
     e = torch.zeros(d)
     for step, idx in enumerate([torch.tensor([0, 4, 9]), torch.tensor([2, 3])]):
-        zeta = keyed_normal(1, PERTURB, step, idx.tolist(), d)
+        zeta = keyed_normal(secret_seeds(0)[1], PERTURB, step, idx.tolist(), d)
         g = [loop_grad(ref, x[i:i + 1], y[i]) for i in idx.tolist()]
         v = sum(clip(gi + k * zeta[j], c1) for j, gi in enumerate(g)) / 8 + clip(e, c2)
         e = e + sum(g) / 8 - v
@@ -651,3 +653,41 @@ def test_sampling_noise_definition_and_probes():
     assert tau2["p-avg"] < tau2["dpsgd"]  # averaging lowers the sampling noise of the clipped quantity
     assert tau2["perturb"] == pytest.approx(tau2["dpsgd"] + 0.25 * d, rel=0.15)  # + k^2 d: Chen's trade-off
     assert math.isfinite(tau2["self-aug"])
+
+
+@pytest.mark.parametrize("algo,extra", [("dpsgd", {}), ("perturb", {"k": 0.3}), ("dice-perturb", {"k": 0.3})])
+def test_resume_continues_the_secret_streams(algo, extra):
+    """Default engines draw secret seeds, so a resumed engine has fresh ones; loading the checkpoint
+    must replace them: the original and the resumed engine then make identical next steps."""
+    x, y = data()
+    kw = {"cfg": {"ef_clip": 0.05}, "dice_accounting": "conservative"} if algo.startswith("dice") else {}
+    m1 = tiny_cnn()
+    e1 = engine(m1, algo, extra=extra, noise_seed=None, **kw)
+    idx = torch.tensor([0, 3, 5])
+    e1.step(x[idx], y[idx], idx)
+    state = {"model": {k: v.clone() for k, v in m1.state_dict().items()}, "engine": e1.state_dict()}
+    m2 = tiny_cnn()
+    m2.load_state_dict(state["model"])
+    e2 = engine(m2, algo, extra=extra, noise_seed=None, **kw)
+    e2.load_state_dict(state["engine"])
+    nxt = e1.sampler.sample()
+    assert torch.equal(nxt, e2.sampler.sample())
+    e1.step(x[nxt % N], y[nxt % N], nxt)
+    e2.step(x[nxt % N], y[nxt % N], nxt)
+    assert torch.equal(params_of(m1), params_of(m2))
+
+
+def test_failed_micro_batch_rewinds_the_perturbation_stream():
+    """Without example indices Perturb draws from a sequential generator; a NaN in a later
+    micro-batch must leave it (and the engine) as before the step."""
+    x, y = data()
+    m = tiny_cnn()
+    eng = engine(m, "perturb", extra={"k": 0.3}, max_physical_batch=2)
+    stage = next(st for st in eng.pipeline.per_sample if hasattr(st, "generator"))
+    before, w = stage.generator.get_state(), params_of(m)
+    xb = x[:4].clone()
+    xb[3] = float("nan")
+    with pytest.raises(NonFiniteGradientError):
+        eng.step(xb, y[:4])
+    assert torch.equal(stage.generator.get_state(), before) and torch.equal(params_of(m), w)
+    assert eng.steps_taken == 0

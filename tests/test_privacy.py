@@ -107,17 +107,17 @@ def test_certified_closed_form(q, T, z, c1, c2, B, gmax):
                            + math.log((a - 1) / a) - (math.log(1e-5) + math.log(a)) / (a - 1))
     grid = np.linspace(1.001, 2000, 400000)
     ok = dice.lemma_a11_valid(q, z / 2, grid)
-    if gmax is not None and gmax > c1:
-        ok &= dice.lemma_a11_valid(q, z * c1 / (2 * (gmax - c1)), grid)
+    if cbar2 > 0:  # the feedback term's Lemma A.11 application, at the sensitivity eq. (25) uses
+        ok &= dice.lemma_a11_valid(q, z * c1 / (2 * cbar2), grid)
     best = min(per_alpha(a) for a in grid[ok][::50]) if ok.sum() > 50 else min(per_alpha(a) for a in grid[ok])
     assert eps == pytest.approx(best, rel=5e-3)
     assert eps <= per_alpha(alpha) + 1e-9
 
 
 def test_certified_grad_bound_tightens():
-    base = DiceParams(0.01, 1000, 1.0, 1.0, 100)
-    bounded = DiceParams(0.01, 1000, 1.0, 1.0, 100, grad_bound=1.0)  # G' = 0: no clipping error at all
-    assert base.feedback_bound == 100 and bounded.feedback_bound == 0
+    base = DiceParams(0.01, 1000, 1.0, 0.02, 100)  # r = 2: z = 20 passes the feedback check (20/4 >= 4)
+    bounded = DiceParams(0.01, 1000, 1.0, 0.02, 100, grad_bound=1.0)  # G' = 0: no clipping error at all
+    assert base.feedback_bound == 2 and bounded.feedback_bound == 0
     assert dice.certified_epsilon(bounded, 20.0, 1e-5)[0] < dice.certified_epsilon(base, 20.0, 1e-5)[0]
 
 
@@ -127,8 +127,13 @@ def test_certified_refusals():
         dice.certified_epsilon(p, 7.9, 1e-5)
     with pytest.raises(PrivacyAccountingError, match="1/5"):
         dice.certified_epsilon(DiceParams(0.25, 100, 1.0, 0.01, 25), 50.0, 1e-5)
-    with pytest.raises(PrivacyAccountingError, match="2 G'/B"):  # feedback term too: z C1 / (2 G') < 4
-        dice.certified_epsilon(DiceParams(0.01, 100, 1.0, 0.01, 100, grad_bound=3.0), 10.0, 1e-5)
+    with pytest.raises(PrivacyAccountingError, match="2 Cbar2/B"):  # feedback term: z C1 / (2 G') < 4
+        dice.certified_epsilon(DiceParams(0.01, 100, 1.0, 0.05, 100, grad_bound=3.0), 10.0, 1e-5)
+    # without --grad-bound the feedback sensitivity is 2 B C2 / B: r = 4 needs z >= 8 r = 32
+    r4 = DiceParams(0.01, 100, 1.0, 0.04, 100)
+    with pytest.raises(PrivacyAccountingError, match="z >= 8 Cbar2/C1"):
+        dice.certified_epsilon(r4, 27.0, 1e-5)
+    assert dice.certified_epsilon(r4, 32.0, 1e-5)[0] > 0
 
 
 def test_certified_calibration_never_overshoots_and_needs_more_noise_than_dpsgd():
@@ -136,7 +141,7 @@ def test_certified_calibration_never_overshoots_and_needs_more_noise_than_dpsgd(
     z = dice.calibrate(3.0, 1e-5, p, "certified")
     assert dice.certified_epsilon(p, z, 1e-5)[0] <= 3.0
     z_dpsgd = gaussian.calibrate(3.0, 1e-5, 256 / 60000, 2340, "rdp")
-    assert z > 8 and z > 50 * z_dpsgd  # C2 = C1 -> Cbar2 = B C1: a finding, see docs/privacy.md
+    assert z >= 8 * 256 and z > 50 * z_dpsgd  # C2 = C1 -> Cbar2 = B C1, z >= 8 r: see docs/privacy.md
 
 
 def test_conservative_and_authors():

@@ -66,13 +66,15 @@ def test_results_files_and_private_checkpoint(tmp_path, splits):
 
 
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, splits):
-    full = train(dataclasses.replace(BASE, out=str(tmp_path / "a")), splits=splits)
+    # two separate runs draw the same batches and noise only with --reproducible-noise
+    full = train(dataclasses.replace(BASE, reproducible_noise=True, out=str(tmp_path / "a")), splits=splits)
+    assert "reproducible noise" in full["privacy_note"] and "secret" in full["privacy_note"]
 
     def stop_after_first(rec):
         if rec["epoch"] == 1:
             raise Stop
 
-    cfg_b = dataclasses.replace(BASE, out=str(tmp_path / "b"))
+    cfg_b = dataclasses.replace(BASE, reproducible_noise=True, out=str(tmp_path / "b"))
     with pytest.raises(Stop):
         train(cfg_b, splits=splits, on_epoch_end=stop_after_first)
     assert load_checkpoint(tmp_path / "b")["epoch"] == 1

@@ -44,6 +44,10 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
     g.add_argument("--dice-accounting", choices=DICE_ACCOUNTING, default="certified",
                    help="DiceSGD basis: certified (the paper's proof, conditions checked; default), "
                         "conservative (proven, no amplification), authors (NOT certified)")
+    g.add_argument("--reproducible-noise", action="store_true",
+                   help="derive the Poisson batches and the Gaussian noise from --seed (reproducible runs, "
+                        "tests, benchmarks); the guarantee then holds only while the seed stays secret. "
+                        "Default: seeded from the OS's CSPRNG, kept only in the private checkpoint")
     t = p.add_argument_group("training")
     t.add_argument("--epochs", type=int, default=d["epochs"], required=req["epochs"], metavar="K")
     t.add_argument("--batch-size", type=float, default=d["batch_size"], required=req["batch_size"],
@@ -111,7 +115,8 @@ def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
               delta=args.delta, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, clip=args.clip,
               ef_clip=args.ef_clip, grad_bound=args.grad_bound, accountant=args.accountant,
               dice_accounting=args.dice_accounting, noise_multiplier=args.noise_multiplier,
-              seed=getattr(args, "seed", 0), device=args.device, optimizer=args.optimizer,
+              seed=getattr(args, "seed", 0), reproducible_noise=getattr(args, "reproducible_noise", False),
+              device=args.device, optimizer=args.optimizer,
               momentum=args.momentum, weight_decay=args.weight_decay, gamma=args.gamma,
               max_physical_batch=args.max_physical_batch, validation=args.validation, subset=args.subset,
               public_source=args.public_source, extra=extra)
@@ -155,6 +160,9 @@ def print_header(h: dict, stream=None) -> None:
         "basis": h["basis"],
         "certified": fmt_certified(h["certified"], private),
     }
+    if private:
+        rows["batches and noise"] = ("derived from --seed (--reproducible-noise): keep the seed secret"
+                                     if h.get("reproducible_noise") else "secret (seeded from the OS CSPRNG)")
     if h.get("ef_ratio_r") is not None:
         r = h["ef_ratio_r"]
         rows["feedback ratio r"] = (f"{r:.4g} (r = B*C2/C1; the certified noise grows with r"

@@ -281,11 +281,11 @@ class Method(Algorithm):
     def spec(self, cfg: AlgoConfig, sample_rate: float, z: float, expected_batch_size: float) -> AccountingSpec:
         s = self._checked(cfg, sample_rate, expected_batch_size)
         per_sample, _ = self.build(cfg, s, 0, expected_batch_size)
-        bounding = [st for st in per_sample if st.bound is not None]
-        if not bounding:
-            raise ConfigError(f"{self.name}: no stage bounds the per-example norm")
+        if not per_sample or per_sample[-1].bound is None:
+            raise ConfigError(f"{self.name}: the last per-example stage must bound the norm (Clip/Normalize)")
+        last = per_sample[-1]
         note = (self.note(cfg, s) if self.note is not None else
-                f"per-example L2 sensitivity {bounding[-1].bound:g} ({type(bounding[-1]).__name__})")
+                f"per-example L2 sensitivity {last.bound:g} ({type(last).__name__})")
         dice = None
         if self.accounting == "dice":
             c1, c2 = self.dice_units(cfg)

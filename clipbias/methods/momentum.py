@@ -215,7 +215,8 @@ class InnerMomentumGradients:
             raise ConfigError(f"cannot resume inner-outer: checkpoint has K0={state['k0']}, "
                               f"gamma0={state['gamma0']} but now K0={self.k0}, gamma0={self.gamma0}; "
                               f"resume with the original --k0/--gamma0")
-        self.history = [dict(h) for h in state["history"]]
+        dev = {k: v.device for k, v in self.fg.params().items()}  # checkpoints are saved on the CPU
+        self.history = [{k: v.to(dev[k]) for k, v in h.items()} for h in state["history"]]
         self._pending = None
 
 
@@ -230,7 +231,7 @@ class OuterMomentum(Stage):
         self._pending: Tensor | None = None
 
     def __call__(self, v: Tensor) -> Tensor:
-        m = v if self.m is None else (1 - self.gamma1) * self.m + v
+        m = v if self.m is None else (1 - self.gamma1) * self.m.to(v.device) + v  # .to: CPU checkpoints
         self._pending = m
         return m
 

@@ -46,7 +46,6 @@ class Perturb(PerSample):
         return {"seed": self.seed, "rng": self.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("seed", self.seed) != self.seed:
-            raise ConfigError(f"perturbation seed changed (checkpoint {state['seed']}, now {self.seed}); "
-                              f"resume with the original --seed")
+        # the key of the draws is part of the (secret) stream state: a resumed run continues it
+        self.seed = int(state.get("seed", self.seed))
         self.generator.set_state(state["rng"])

@@ -121,12 +121,14 @@ def certified_conditions(p: DiceParams, z: float) -> tuple[np.ndarray, list[str]
         why.append(f"noise multiplier z={z:g} gives z/2={sigma_grad:g} < 4 relative to the proof's "
                    f"sensitivity 2 C1 / B (Lemma A.11 needs >= 4, i.e. z >= 8)")
     valid = lemma_a11_valid(q, sigma_grad, _ALPHAS)
-    gp = p.g_prime
-    if gp is not None and gp > 0:  # Lemma A.7 step (e): sensitivity 2 G' / B
-        sigma_fb = z * p.clip / (2 * gp)
+    cb = p.feedback_bound
+    if cb > 0:  # Lemma A.7 step (e): the feedback term, sensitivity 2 Cbar2 / B (the bound eq. (25) uses)
+        sigma_fb = z * p.clip / (2 * cb)
         if sigma_fb < 4:
-            why.append(f"noise relative to the feedback sensitivity 2 G'/B is {sigma_fb:g} < 4 "
-                       f"(G' = G_max - C1 = {gp:g}); Lemma A.11 needs >= 4")
+            what = "B C2" if p.g_prime is None else f"min(B C2, G_max - C1)"
+            why.append(f"noise relative to the feedback sensitivity 2 Cbar2/B is z C1/(2 Cbar2) = {sigma_fb:g} "
+                       f"< 4 (Cbar2 = {what} = {cb:g}, r = B C2/C1 = {p.ratio:g}); Lemma A.11 needs >= 4, "
+                       f"i.e. z >= 8 Cbar2/C1")
         valid &= lemma_a11_valid(q, sigma_fb, _ALPHAS)
     if not why and not valid.any():
         why.append("no Renyi order alpha satisfies Lemma A.11's range conditions")

@@ -125,7 +125,7 @@ def certified_conditions(p: DiceParams, z: float) -> tuple[np.ndarray, list[str]
     if cb > 0:  # Lemma A.7 step (e): the feedback term, sensitivity 2 Cbar2 / B (the bound eq. (25) uses)
         sigma_fb = z * p.clip / (2 * cb)
         if sigma_fb < 4:
-            what = "B C2" if p.g_prime is None else f"min(B C2, G_max - C1)"
+            what = "B C2" if p.g_prime is None else "min(B C2, G_max - C1)"
             why.append(f"noise relative to the feedback sensitivity 2 Cbar2/B is z C1/(2 Cbar2) = {sigma_fb:g} "
                        f"< 4 (Cbar2 = {what} = {cb:g}, r = B C2/C1 = {p.ratio:g}); Lemma A.11 needs >= 4, "
                        f"i.e. z >= 8 Cbar2/C1")

@@ -130,7 +130,6 @@ class DPEngine:
         self.grads = grads
         self.params = self.grads.layout.params(model)
         sampler_seed, noise_stream_seed = secret_seeds(noise_seed)
-        self.reproducible_noise = noise_seed is not None
         self.pipeline = self.algo.pipeline(self.config, self.expected_batch_size, z, noise_stream_seed, device)
         self.optimizer = algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer,
                                                    self.params, self.config)

@@ -17,14 +17,6 @@ TRAIN = ["train", "--data", "digits", "--model", "logreg", "--algo", "dpsgd", "-
          "--accountant", "rdp", "--quiet"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def run(argv, capsys):
     """(exit code, stdout, stderr) of ``clipbias ARGV``; argparse errors exit via SystemExit."""
     try:

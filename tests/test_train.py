@@ -20,17 +20,8 @@ BASE = TrainConfig(data="digits", model="mlp", algo="dice", epsilon=3.0, delta=1
                    batch_size=64, lr=0.5, clip=1.0, ef_clip=1.0 / 64, accountant="rdp")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread is faster, and much faster on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
-def splits(one_thread):
+def splits():
     return prepare_splits(BASE)
 
 

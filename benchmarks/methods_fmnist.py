@@ -246,6 +246,18 @@ def arm_result(arm: Arm, data: dict, a, out: Path) -> dict:
             "train_s_mean": statistics.fmean(r["train_s"] for r in finals), "runs": finals}
 
 
+def write_summary(path: Path, protocol: dict, results: dict) -> None:
+    """Merge this command's pairs into ``methods_summary.json`` (pairs of earlier commands are kept,
+    each with the protocol of the command that produced it)."""
+    old = json.loads(path.read_text()) if path.exists() else {}
+    pairs_ = old.get("pairs", {})
+    if "protocol" in old:   # older single-command layout: attach its protocol to its pairs
+        pairs_ = {k: {"protocol": old["protocol"], "arms": v} for k, v in pairs_.items()}
+    for k, v in results.items():
+        pairs_[k] = {"protocol": protocol, "arms": [{kk: vv for kk, vv in r.items() if kk != "runs"} for r in v]}
+    path.write_text(json.dumps({"pairs": pairs_}, indent=1, default=str))
+
+
 def fmt(x: float, digits: int = 3) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}g}"
 
@@ -303,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch intra-op threads (default 1: on a shared machine a 2-thread pool fighting "
                         "for the cores was 10x slower; run several processes instead)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--arms", default="both", choices=("both", "baseline", "method"),
+                   help="run only one arm of each pair (to split a pair over two processes with the same "
+                        "--out; a later 'both' call assembles the pair from the cached runs)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
@@ -338,13 +353,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in a.pairs:
         if not a.quiet:
             print(f"pair {name}", file=sys.stderr, flush=True)
-        arms = [arm_result(arm, data, a, out) for arm in table[name]]
+        chosen = {"both": table[name], "baseline": table[name][:1], "method": table[name][1:]}[a.arms]
+        arms = [arm_result(arm, data, a, out) for arm in chosen]
         results[name] = arms
-        (out / f"methods_{name}.json").write_text(json.dumps({"protocol": protocol, "pair": name, "arms": arms},
-                                                             indent=1, default=str))
-    (out / "methods_summary.json").write_text(json.dumps(
-        {"protocol": protocol, "pairs": {k: [{kk: vv for kk, vv in r.items() if kk != "runs"} for r in v]
-                                         for k, v in results.items()}}, indent=1, default=str))
+        if a.arms == "both":
+            (out / f"methods_{name}.json").write_text(json.dumps(
+                {"protocol": protocol, "pair": name, "arms": arms}, indent=1, default=str))
+    if a.arms == "both":
+        write_summary(out / "methods_summary.json", protocol, results)
     print(markdown(results))
     return 0
 

@@ -207,9 +207,9 @@ def cached(path: Path, key: dict, fn):
     f = path / f"{name}.json"
     if f.exists():
         return json.loads(f.read_text())
-    res = fn()
+    res = {**fn(), "key": key}
     path.mkdir(parents=True, exist_ok=True)
-    f.write_text(json.dumps({**res, "key": key}, indent=1, default=str))
+    f.write_text(json.dumps(res, indent=1, default=str))
     return res
 
 

@@ -1,0 +1,175 @@
+"""CUDA: every algorithm makes the same update on the GPU as on the CPU, the GPU noise and
+perturbation have the stated scale, empty batches work there, and a CUDA run checkpoints and resumes
+exactly.
+
+Skipped where torch sees no CUDA device (CI is CPU-only). On a GPU machine:
+``python -m pytest tests/test_cuda.py``. TF32 is switched off here so that the GPU computes the same
+float32 arithmetic as the CPU and the comparisons can be tight (training itself leaves torch's
+defaults alone: TF32 changes the gradients' rounding, never the clipping bound or the noise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from clipbias.algorithms import AlgoConfig
+from clipbias.engine import DPEngine
+from clipbias.grads import FuncGradients
+from clipbias.methods import batchnorm_variant, keyed_normal
+from clipbias.methods import perturb as perturb_module
+from clipbias.models import build_model
+from clipbias.train import TrainConfig, load_checkpoint, prepare_splits, train
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+N, D_IN, CLASSES = 24, 6, 3
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def exact_float32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def tiny_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 2, 3), nn.GroupNorm(1, 2), nn.Tanh(), nn.Flatten(),
+                         nn.Linear(2 * 4 * 4, CLASSES))
+
+
+def params_of(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().cpu() for p in model.parameters() if p.requires_grad])
+
+
+ALGOS = [("dpsgd", {}), ("normalized", {}), ("dice", {}), ("dice-adam", {}), ("dice-auto", {}),
+         ("perturb", {"k": 0.5}), ("self-aug", {"K": 2}), ("inner-outer", {"K0": 2}), ("p-avg", {"p": 2}),
+         ("batch-clip", {"p": 3}), ("dpgd-momentum", {}), ("dice-perturb", {"k": 0.5}),
+         ("dice-self-aug", {"K": 2})]
+
+
+def _run(algo: str, extra: dict, device: torch.device, steps: int = 3) -> torch.Tensor:
+    """``steps`` engine steps on ``device`` with the Gaussian noise switched off after construction
+    (its realisations differ between the CPU and CUDA generators; its scale is tested below). The
+    caller makes the pre-clipping perturbation device-independent for the same reason."""
+    g = torch.Generator().manual_seed(1)
+    x = (3 * torch.randn(N, 1, D_IN, D_IN, generator=g)).to(device)  # large gradients: clipping binds
+    y = torch.randint(0, CLASSES, (N,), generator=g).to(device)
+    model = tiny_cnn()
+    if algo == "batch-clip":
+        model = batchnorm_variant(model)
+        extra = {**extra, "public": torch.randn(6, 1, D_IN, D_IN, generator=g).to(device)}
+    model = model.to(device)
+    bs = float(N) if algo == "dpgd-momentum" else 8.0
+    eng = DPEngine(model, algo, n=N, batch_size=bs, steps=steps, noise_multiplier=5.0, accountant="rdp",
+                   dice_accounting="conservative", noise_seed=0, max_physical_batch=5,
+                   config=AlgoConfig(lr=0.1, clip=0.5, extra=extra))
+    eng.pipeline.noise.std = 0.0
+    for _ in range(steps):
+        idx = eng.sampler.sample()
+        eng.step(x[idx.to(device)], y[idx.to(device)], idx)
+    return params_of(model)
+
+
+@pytest.mark.parametrize("algo,extra", ALGOS, ids=[a for a, _ in ALGOS])
+def test_every_algorithm_makes_the_cpu_update_on_cuda(algo, extra, monkeypatch):
+    def cpu_draws(*args, **kw):  # the CPU generator's rows, moved: the same zeta on both devices
+        device = kw.pop("device", args[5] if len(args) > 5 else "cpu")
+        return keyed_normal(*args[:5], "cpu", *args[6:], **kw).to(device)
+
+    monkeypatch.setattr(perturb_module, "keyed_normal", cpu_draws)
+    before = params_of(tiny_cnn())
+    cpu, gpu = _run(algo, extra, torch.device("cpu")), _run(algo, extra, CUDA)
+    assert not torch.equal(cpu, before)
+    assert torch.allclose(cpu, gpu, rtol=1e-4, atol=1e-5), float((cpu - gpu).abs().max())
+
+
+def test_gpu_noise_has_the_stated_scale_and_an_empty_batch_is_noise_only():
+    """An empty Poisson batch: the update is the noise alone, std z C / B per coordinate, drawn on the GPU."""
+    torch.manual_seed(0)
+    model = nn.Linear(200, 50).to(CUDA)
+    z, c, b, lr = 2.0, 0.5, 8.0, 1.0
+    eng = DPEngine(model, "dpsgd", n=100, batch_size=b, steps=4, noise_multiplier=z, accountant="rdp",
+                   noise_seed=0, config=AlgoConfig(lr=lr, clip=c))
+    assert eng.pipeline.noise.generator.device.type == "cuda"
+    before = params_of(model)
+    empty = torch.zeros(0, 200, device=CUDA), torch.zeros(0, dtype=torch.long, device=CUDA)
+    losses = eng.step(*empty, torch.zeros(0, dtype=torch.long))
+    assert losses.numel() == 0 and eng.steps_taken == 1
+    w = (params_of(model) - before) / -lr
+    assert w.numel() == 10050
+    assert float(w.mean()) == pytest.approx(0.0, abs=4 * z * c / b / w.numel() ** 0.5)
+    assert float(w.std()) == pytest.approx(z * c / b, rel=0.03)
+
+
+def test_gpu_perturbation_is_keyed_and_standard_normal():
+    """On CUDA zeta_i is drawn by a CUDA generator (other numbers than on the CPU, same law): a pure
+    function of (seed, step, example), N(0, 1) in every coordinate."""
+    a = keyed_normal(3, 7, 5, list(range(64)), 4000, CUDA)
+    assert a.device.type == "cuda"
+    assert torch.equal(a[10:], keyed_normal(3, 7, 5, list(range(10, 64)), 4000, CUDA))
+    assert not torch.equal(a, keyed_normal(3, 7, 6, list(range(64)), 4000, CUDA))
+    assert abs(float(a.mean())) < 4 / (a.numel() ** 0.5)
+    assert float(a.var()) == pytest.approx(1.0, rel=0.01)
+
+
+def test_gpu_noise_stream_round_trips_through_state_dict():
+    model = nn.Linear(30, 4).to(CUDA)
+    eng = DPEngine(model, "dpsgd", n=100, batch_size=8.0, steps=4, noise_multiplier=1.0, accountant="rdp",
+                   config=AlgoConfig(lr=1.0, clip=1.0))
+    state = eng.pipeline.state_dict()
+    v = torch.zeros(124, device=CUDA)
+    first = eng.pipeline.noise(v)
+    eng.pipeline.load_state_dict(state)
+    assert torch.equal(first, eng.pipeline.noise(v))
+
+
+@pytest.mark.parametrize("name", ["cnn-gn", "resnet20-enhanced", "gru-norm"])
+def test_per_example_gradients_agree_with_the_cpu(name):
+    torch.manual_seed(0)
+    model = build_model(name, (1, 28, 28), 10)
+    x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    g_cpu, l_cpu = FuncGradients(model)(x, y)
+    g_gpu, l_gpu = FuncGradients(model.to(CUDA))(x.to(CUDA), y.to(CUDA))
+    assert torch.allclose(l_cpu, l_gpu.cpu(), rtol=1e-4, atol=1e-5)
+    assert torch.allclose(g_cpu, g_gpu.cpu(), rtol=1e-3, atol=1e-5)
+
+
+BASE = TrainConfig(data="digits", model="mlp", algo="dice", epsilon=3.0, delta=1e-5, epochs=3,
+                   batch_size=64, lr=0.5, clip=1.0, ef_clip=1.0 / 64, accountant="rdp", device="cuda",
+                   reproducible_noise=True)
+
+
+class Stop(Exception):
+    pass
+
+
+def test_cuda_run_interrupted_and_resumed_equals_uninterrupted(tmp_path):
+    """The checkpoint is written on the CPU and read back onto the GPU (error feedback, noise stream)."""
+    splits = prepare_splits(BASE)
+    assert splits.x_train.device.type == "cuda"
+    full = train(dataclasses.replace(BASE, out=str(tmp_path / "a")), splits=splits)
+    assert full["certified"] and 0 < full["epsilon"] <= 3 and full["test_accuracy"] > 0.2  # 10 classes
+
+    def stop_after_first(rec):
+        if rec["epoch"] == 1:
+            raise Stop
+
+    cfg_b = dataclasses.replace(BASE, out=str(tmp_path / "b"))
+    with pytest.raises(Stop):
+        train(cfg_b, splits=splits, on_epoch_end=stop_after_first)
+    resumed = train(dataclasses.replace(cfg_b, resume=True), splits=splits)
+    a, b = load_checkpoint(tmp_path / "a"), load_checkpoint(tmp_path / "b")
+    for k in a["model"]:
+        assert torch.allclose(a["model"][k], b["model"][k], rtol=0, atol=1e-6), k
+    ea = [s["e"] for s in a["engine"]["pipeline"].values() if "e" in s][0]
+    eb = [s["e"] for s in b["engine"]["pipeline"].values() if "e" in s][0]
+    assert ea.device.type == "cpu" and torch.allclose(ea, eb, rtol=0, atol=1e-6)
+    assert resumed["epsilon"] == full["epsilon"]
+    assert resumed["test_accuracy"] == pytest.approx(full["test_accuracy"], abs=1e-3)

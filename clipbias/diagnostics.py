@@ -369,10 +369,13 @@ def instruments(g: Tensor, clip: float, reference: Tensor | None = None, *, proj
     """Every per-step instrument on one set of per-example gradients.
 
     Returns a JSON-able dict plus, under the key ``_arrays``, the tensors the figures need
-    (cosines, projections); :func:`strip_arrays` removes them.
+    (cosines, projections); :func:`strip_arrays` removes them. The instruments run on the CPU in
+    float64 whatever the device of ``g`` (their random projections and groupings come from CPU
+    generators, so a run on CUDA records the same numbers as on the CPU, up to the gradients' rounding).
     """
     gen = torch.Generator().manual_seed(seed)
-    ref = None if reference is None else reference.double().flatten()
+    g = g.detach().double().cpu()
+    ref = None if reference is None else reference.detach().double().flatten().cpu()
     bias = clipping_bias(g, clip, ref)
     hist = cosine_histogram(g, ref, bins)
     sym = projection_symmetry(g, projections, gen)

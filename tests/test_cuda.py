@@ -1,6 +1,6 @@
 """CUDA: every algorithm makes the same update on the GPU as on the CPU, the GPU noise and
-perturbation have the stated scale, empty batches work there, and a CUDA run checkpoints and resumes
-exactly.
+perturbation have the stated scale, empty batches work there, a CUDA run checkpoints and resumes
+exactly, and the diagnostics record the same numbers from GPU gradients.
 
 Skipped where torch sees no CUDA device (CI is CPU-only). On a GPU machine:
 ``python -m pytest tests/test_cuda.py``. TF32 is switched off here so that the GPU computes the same
@@ -11,12 +11,15 @@ defaults alone: TF32 changes the gradients' rounding, never the clipping bound o
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 from torch import nn
 
+from clipbias import diagnostics
 from clipbias.algorithms import AlgoConfig
+from clipbias.cli import main
 from clipbias.engine import DPEngine
 from clipbias.grads import FuncGradients
 from clipbias.methods import batchnorm_variant, keyed_normal
@@ -173,3 +176,24 @@ def test_cuda_run_interrupted_and_resumed_equals_uninterrupted(tmp_path):
     assert ea.device.type == "cpu" and torch.allclose(ea, eb, rtol=0, atol=1e-6)
     assert resumed["epsilon"] == full["epsilon"]
     assert resumed["test_accuracy"] == pytest.approx(full["test_accuracy"], abs=1e-3)
+
+
+def test_instruments_on_gpu_rows_equal_the_cpu_ones():
+    g = torch.randn(40, 300, generator=torch.Generator().manual_seed(0))
+    ref = g.mean(0) + 0.1
+    cpu = diagnostics.strip_arrays(diagnostics.instruments(g, 1.0, ref, projections=3, seed=1))
+    gpu = diagnostics.strip_arrays(diagnostics.instruments(g.to(CUDA), 1.0, ref.to(CUDA), projections=3, seed=1))
+    assert gpu == cpu
+
+
+def test_diagnose_cli_on_cuda(tmp_path, capsys):
+    out = tmp_path / "diag"
+    rc = main(["diagnose", "--data", "digits", "--model", "mlp", "--algo", "dpsgd", "--epsilon", "3",
+               "--epochs", "1", "--batch-size", "50", "--lr", "0.5", "--subset", "200", "--record-size", "60",
+               "--reference-size", "200", "--track-size", "8", "--track-reference-size", "50",
+               "--steps-at", "0,end", "--projections", "4", "--device", "cuda", "--out", str(out), "--quiet"])
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads((out / "diagnostics.json").read_text())
+    assert [r["step"] for r in res["records"]] == [0, 4]
+    assert res["noise_correlation"]["iterations"] == 4
+    assert (out / "projections.png").stat().st_size > 5000

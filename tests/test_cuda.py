@@ -27,9 +27,10 @@ from clipbias.methods import perturb as perturb_module
 from clipbias.models import build_model
 from clipbias.train import TrainConfig, load_checkpoint, prepare_splits, train
 
+from test_methods import CLASSES, D_IN, N, tiny_cnn  # the same tiny model and data shape
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-N, D_IN, CLASSES = 24, 6, 3
 CUDA = torch.device("cuda")
 
 
@@ -39,12 +40,6 @@ def exact_float32():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-
-
-def tiny_cnn() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 2, 3), nn.GroupNorm(1, 2), nn.Tanh(), nn.Flatten(),
-                         nn.Linear(2 * 4 * 4, CLASSES))
 
 
 def params_of(model: nn.Module) -> torch.Tensor:

@@ -148,7 +148,7 @@ def run(arm: Arm, lr: float, seed: int, data: dict, a: argparse.Namespace) -> di
     t0 = time.perf_counter()
     eng = DPEngine(model, arm.algo, n=n, batch_size=batch, epochs=epochs, epsilon=a.epsilon, delta=a.delta,
                    accountant=a.accountant, dice_accounting=a.dice_accounting, config=cfg,
-                   max_physical_batch=a.max_physical_batch, seed=seed,
+                   max_physical_batch=a.max_physical_batch,
                    noise_seed=seed)  # reproducible: a benchmark releases numbers, not models
     calib_s = time.perf_counter() - t0
     xp, yp = xv[:a.probe_size], yv[:a.probe_size]

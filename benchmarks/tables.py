@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fmnist import VARIANTS, markdown  # noqa: E402
+from fmnist import label_order, markdown  # noqa: E402
 
 from clipbias.train import summarize  # noqa: E402
 
@@ -38,7 +38,7 @@ def cells(out: Path) -> list[dict]:
         found.setdefault((m[1], float(m[2])), {}).setdefault(v[1], []).append(res)
     out_cells = []
     for (model, eps), runs in sorted(found.items(), key=lambda kv: (kv[0][0] != "scatter-linear", kv[0])):
-        runs = {k: runs[k] for k in VARIANTS if k in runs}
+        runs = {k: runs[k] for k in sorted(runs, key=label_order)}
         rows = summarize(runs)
         for r, name in zip(rows, runs):
             r["variant"] = name

@@ -10,7 +10,7 @@ accounted like any other.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -20,7 +20,7 @@ from .algorithms import AlgoConfig
 from .errors import ConfigError, NonFiniteGradientError, ResumeMismatchError
 from .grads import FuncGradients, LossFn, PerSampleGradients, check_finite, cross_entropy
 from .privacy import PrivacyReport
-from .sampling import PoissonSampler, secret_seeds
+from .sampling import PoissonSampler, secret_streams
 from .transforms import StepContext
 
 
@@ -48,20 +48,22 @@ class DPEngine:
     """Private training with one of ``clipbias.algorithms.ALGORITHMS``.
 
     Give either ``epsilon`` (the noise multiplier is calibrated for ``steps`` steps, never
-    overshooting) or ``noise_multiplier``. ``batch_size`` is the *expected* Poisson batch size B;
+    overshooting) or ``noise_multiplier``. Error-feedback algorithms (DiceSGD family) are accounted
+    by ``dice_accounting`` (default ``sound``; ``paper`` and ``authors`` are refuted and report
+    ``certified = False``); without ``config.ef_clip`` they use C2 = 0.01 C1 / B (r = 0.01). ``batch_size`` is the *expected* Poisson batch size B;
     the sampling rate is q = B / n. ``steps`` defaults to ``epochs * round(n / B)``.
 
-    Randomness: ``seed`` drives only public randomness (the gradient backends' groupings and
-    augmentations; the caller seeds the model init). The Poisson batches and the pipeline's draws
-    (Gaussian noise, pre-clipping perturbation) come from secret streams: the guarantee needs the
-    batches and the noise to be unpredictable, so by default
-    (``noise_seed=None``) their generators are seeded from the OS CSPRNG and recorded nowhere but in
-    the private ``state_dict`` (``clipbias.sampling.secret_seeds``). Pass ``noise_seed`` for
-    reproducible runs; the guarantee then assumes that integer is secret. torch's generators are
+    Randomness: the caller seeds the model init (public). The Poisson batches, the pipeline's draws
+    (Gaussian noise, pre-clipping perturbation) and the keyed per-example draws of the gradient
+    backends (augmentations, groupings, public partners) come from secret streams: the guarantee
+    needs them unpredictable, so by default (``noise_seed=None``) their generators are seeded from
+    the OS CSPRNG and recorded nowhere but in the private ``state_dict``
+    (``clipbias.sampling.secret_streams``). Pass ``noise_seed`` for reproducible runs; the guarantee
+    then assumes that integer is secret. torch's generators are
     not cryptographically secure (as in Opacus without ``secure_mode``): see docs/privacy.md.
 
     Gradient backend: ``grads`` if given, else ``algo.gradients(model, loss_fn, config, n=,
-    batch_size=, seed=)`` when the algorithm defines it (the methods of ``clipbias.methods``), else
+    batch_size=, seed=<secret keyed stream>)`` when the algorithm defines it (the methods of ``clipbias.methods``), else
     ``FuncGradients``. Optional backend hooks: ``iter_rows(x, y, indices, step, max_physical_batch)``
     yields ``(rows, losses, ids)`` for a whole logical batch; ``commit()`` runs after each successful
     step; ``state_dict``/``load_state_dict`` are part of the engine's checkpoint.
@@ -79,8 +81,8 @@ class DPEngine:
     def __init__(self, model: nn.Module, algorithm: str, *, n: int, batch_size: float,
                  epochs: int | None = None, steps: int | None = None, epsilon: float | None = None,
                  delta: float = 1e-5, noise_multiplier: float | None = None, accountant: str = "pld",
-                 dice_accounting: str = "certified", config: AlgoConfig | None = None,
-                 loss_fn: LossFn = cross_entropy, max_physical_batch: int = 512, seed: int = 0,
+                 dice_accounting: str = privacy.DEFAULT_DICE_ACCOUNTING, config: AlgoConfig | None = None,
+                 loss_fn: LossFn = cross_entropy, max_physical_batch: int = 512,
                  noise_seed: int | None = None, grads: PerSampleGradients | None = None) -> None:
         self.algo = algorithms.get(algorithm)
         self.config = config or AlgoConfig()
@@ -88,6 +90,9 @@ class DPEngine:
             raise ConfigError(f"dataset size n must be a positive integer, got {n!r}")
         if not (0 < batch_size <= n):
             raise ConfigError(f"--batch-size must lie in (0, N={n}], got {batch_size!r}")
+        if self.algo.accounting == "dice" and self.config.ef_clip is None:
+            # the privacy cost of error feedback grows with r = B C2 / C1: default r = 0.01
+            self.config = replace(self.config, ef_clip=privacy.dice.default_ef_clip(self.config.clip, batch_size))
         if max_physical_batch < 1:
             raise ConfigError(f"max_physical_batch must be >= 1, got {max_physical_batch!r}")
         if epsilon is not None and noise_multiplier is not None:
@@ -123,13 +128,13 @@ class DPEngine:
 
         self.model = model
         device = next(model.parameters()).device
+        sampler_seed, noise_stream_seed, self.keyed_seed = secret_streams(noise_seed)
         if grads is None:  # an algorithm may compute its rows differently (clipbias.methods)
             make = getattr(self.algo, "gradients", None)
-            grads = (make(model, loss_fn, self.config, n=n, batch_size=self.expected_batch_size, seed=seed)
-                     if make is not None else FuncGradients(model, loss_fn))
+            grads = (make(model, loss_fn, self.config, n=n, batch_size=self.expected_batch_size,
+                          seed=self.keyed_seed) if make is not None else FuncGradients(model, loss_fn))
         self.grads = grads
         self.params = self.grads.layout.params(model)
-        sampler_seed, noise_stream_seed = secret_seeds(noise_seed)
         self.pipeline = self.algo.pipeline(self.config, self.expected_batch_size, z, noise_stream_seed, device)
         self.optimizer = algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer,
                                                    self.params, self.config)
@@ -230,7 +235,7 @@ class DPEngine:
         """
         return {"settings": asdict(self.settings), "steps_taken": self.steps_taken,
                 "optimizer": self.optimizer.state_dict(), "pipeline": self.pipeline.state_dict(),
-                "sampler": self.sampler.state_dict(),
+                "sampler": self.sampler.state_dict(), "keyed_seed": self.keyed_seed,
                 "grads": self.grads.state_dict() if hasattr(self.grads, "state_dict") else {}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -244,6 +249,10 @@ class DPEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         self.pipeline.load_state_dict(state["pipeline"])
         self.sampler.load_state_dict(state["sampler"])
+        if "keyed_seed" in state:  # the secret key of the backends' per-example draws continues too
+            self.keyed_seed = state["keyed_seed"]
+            if hasattr(self.grads, "seed"):
+                self.grads.seed = self.keyed_seed
         if hasattr(self.grads, "load_state_dict"):
             self.grads.load_state_dict(state.get("grads", {}))
 

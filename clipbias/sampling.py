@@ -60,18 +60,28 @@ _DOMAIN = 0x636C697062696173  # "clipbias": separates these streams from torch.m
 
 
 def secret_seeds(noise_seed: int | None = None) -> tuple[int, int]:
-    """Seeds of the two secret random streams: (Poisson sampler, Gaussian noise).
+    """Seeds of the first two secret streams, (Poisson sampler, Gaussian noise): ``secret_streams``."""
+    return secret_streams(noise_seed)[:2]
+
+
+def secret_streams(noise_seed: int | None = None) -> tuple[int, int, int]:
+    """Seeds of the three secret random streams: (Poisson sampler, Gaussian noise, keyed draws).
+
+    The keyed draws are the per-(step, example) randomness of the methods (augmentations, p-avg
+    groups, BatchClipping's public partners): keyed by example index, they must be secret too, or
+    removing one example (which shifts every later index) would change the others' draws in a way
+    the adversary can predict (docs/privacy.md, "Hidden state and keyed randomness").
 
     The DP guarantee assumes nobody can predict the batches or the noise. With ``noise_seed=None``
     (the default) the streams are seeded from 128 bits of the operating system's CSPRNG
     (``secrets``), which are never written anywhere; only the generator states in the private
     checkpoint can continue them. An integer ``noise_seed`` makes runs reproducible (tests,
     benchmarks, toy problems): the guarantee then holds only while that integer stays secret.
-    The two streams are independent children of one ``numpy.random.SeedSequence``.
+    The streams are independent children of one ``numpy.random.SeedSequence`` (children are indexed,
+    so the first two are the same as before the third existed).
     """
     if noise_seed is not None and (not isinstance(noise_seed, int) or isinstance(noise_seed, bool)
                                    or noise_seed < 0):
         raise ConfigError(f"noise seed must be an integer >= 0 or None, got {noise_seed!r}")
     entropy = secrets.randbits(128) if noise_seed is None else [noise_seed, _DOMAIN]
-    sampler, noise = np.random.SeedSequence(entropy).spawn(2)
-    return (int(sampler.generate_state(1, np.uint64)[0]), int(noise.generate_state(1, np.uint64)[0]))
+    return tuple(int(c.generate_state(1, np.uint64)[0]) for c in np.random.SeedSequence(entropy).spawn(3))

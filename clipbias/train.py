@@ -90,7 +90,7 @@ class TrainConfig:
     ef_clip: float | None = None
     grad_bound: float | None = None
     accountant: str = "pld"
-    dice_accounting: str = "certified"
+    dice_accounting: str = privacy.DEFAULT_DICE_ACCOUNTING
     noise_multiplier: float | None = None
     seed: int = 0
     reproducible_noise: bool = False
@@ -165,9 +165,7 @@ class TrainConfig:
         if self.accountant not in privacy.ACCOUNTANTS:
             raise ConfigError(f"--accountant must be one of {', '.join(privacy.ACCOUNTANTS)}, "
                               f"got {self.accountant!r}")
-        if self.dice_accounting not in privacy.DICE_ACCOUNTING:
-            raise ConfigError(f"--dice-accounting must be one of {', '.join(privacy.DICE_ACCOUNTING)}, "
-                              f"got {self.dice_accounting!r}")
+        privacy.dice.check_basis(self.dice_accounting)
         _check_int(self.seed, "--seed", 0)
         _check_int(self.split_seed, "split_seed", 0)
         if self.device not in ("cpu", "cuda"):
@@ -548,7 +546,7 @@ def train(config: TrainConfig, *, dataset: Dataset | None = None, splits: Splits
                       epsilon=cfg.epsilon if algo.private else None,
                       noise_multiplier=cfg.noise_multiplier if algo.private else None,
                       delta=cfg.delta, accountant=cfg.accountant, dice_accounting=cfg.dice_accounting,
-                      config=algo_cfg, max_physical_batch=cfg.max_physical_batch, seed=cfg.seed,
+                      config=algo_cfg, max_physical_batch=cfg.max_physical_batch,
                       noise_seed=cfg.seed if cfg.reproducible_noise else None)
     steps_per_epoch = len(engine.sampler)
 
@@ -578,9 +576,9 @@ def train(config: TrainConfig, *, dataset: Dataset | None = None, splits: Splits
         "reproducible_noise": cfg.reproducible_noise,
         "resumed_at_epoch": start_epoch if ckpt is not None else None, "device": str(dev),
     }
-    if algo.accounting == "dice" and cfg.dice_accounting == "certified":
-        c2 = algo_cfg.c2
-        header["ef_ratio_r"] = engine.expected_batch_size * c2 / cfg.clip
+    if algo.accounting == "dice" and engine.spec.dice is not None:
+        header["ef_ratio_r"] = engine.spec.dice.ratio
+        header["ef_clip"] = engine.spec.dice.ef_clip
     if on_start is not None:
         on_start(header)
 
@@ -661,6 +659,7 @@ def train(config: TrainConfig, *, dataset: Dataset | None = None, splits: Splits
         "epsilon": final.epsilon, "delta": final.delta, "accountant": final.accountant,
         "basis": final.basis, "certified": final.certified,
         "privacy_note": privacy_note(cfg, final.certified, algo.private, splits.info),
+        **({"ef_ratio_r": header["ef_ratio_r"]} if "ef_ratio_r" in header else {}),
         "delta_warning": header["warning"],
         "test_accuracy": history[-1]["test_accuracy"] if history else None,
         "val_accuracy": history[-1].get("val_accuracy") if history else None,
@@ -702,7 +701,8 @@ def privacy_note(cfg: TrainConfig, certified: bool, private: bool, info: dict) -
     if not private:
         notes.append("non-private: no DP guarantee")
     elif not certified:
-        notes.append("heuristic: authors' protocol, not a proof")
+        notes.append(f"NOT a guarantee: DiceSGD's '{cfg.dice_accounting}' bound is refuted by a canary attack "
+                     f"(docs/privacy.md); for reproducing the paper only")
     if private and cfg.reproducible_noise:
         notes.append(f"reproducible noise: batches and noise are derived from --seed {cfg.seed}, which this "
                      "file records; the guarantee holds only while the seed is secret (do not publish this "

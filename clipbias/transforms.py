@@ -30,17 +30,18 @@ class StepContext:
 
 def clip_rows(g: Tensor, c: float) -> Tensor:
     """clip(g_i, C) = g_i * min(1, C / ||g_i||), row-wise (global L2 norm over all parameters)."""
-    norms = g.norm(dim=1, keepdim=True)
+    norms = g.norm(dim=-1, keepdim=True)
     return g * torch.clamp(c / norms.clamp_min(1e-30), max=1.0)
 
 
 def clip_vec(v: Tensor, c: float) -> Tensor:
-    return clip_rows(v.unsqueeze(0), c).squeeze(0)
+    """clip(v, C) of one vector ``[d]`` (or of each of ``[..., d]``)."""
+    return clip_rows(v, c)
 
 
 def normalize_rows(g: Tensor, gamma: float) -> Tensor:
     """g_i / (||g_i|| + gamma): automatic clipping (Bu et al. 2022); every row has norm < 1."""
-    return g / (g.norm(dim=1, keepdim=True) + gamma)
+    return g / (g.norm(dim=-1, keepdim=True) + gamma)
 
 
 class Stage:
@@ -115,7 +116,7 @@ class ErrorFeedback(Stage):
     def feedback(self, e: Tensor) -> Tensor:
         if self.c2 is not None:
             return clip_vec(e, self.c2)
-        return e / (e.norm() + self.gamma)
+        return e / (e.norm(dim=-1, keepdim=True) + self.gamma)
 
     def __call__(self, aggregate: Tensor, reference_mean: Tensor) -> Tensor:
         # .to: a checkpoint saved on the CPU may be resumed on CUDA (no-op when already there)
@@ -193,7 +194,7 @@ class Pipeline:
         ref = g
         for s in self.per_sample:
             g = s(g, ctx)
-        return ref.sum(0), g.sum(0)
+        return ref.sum(-2), g.sum(-2)
 
     def finish(self, processed_sum: Tensor, reference_sum: Tensor) -> Tensor:
         """Sums over the logical batch -> the (noisy) update handed to the base optimizer."""

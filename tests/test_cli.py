@@ -164,11 +164,12 @@ def test_train_json_non_private_epsilon_is_inf(capsys, tmp_path):
     assert "non-private" in err  # the header (on stderr with --json)
 
 
-def test_train_dice_authors_header_says_heuristic(capsys, tmp_path):
+def test_train_dice_authors_header_says_refuted(capsys, tmp_path):
     argv = _replace(_replace(TRAIN, "--algo", "dice"), "--dice-accounting", "authors")
     code, stdout, err = run(argv + ["--out", tmp_path / "d"], capsys)
     assert code == 0, err
-    assert "false  (heuristic: authors' protocol, not a proof)" in stdout
+    assert "false  (NOT a guarantee: a DiceSGD bound refuted by a canary attack" in stdout
+    assert "REFUTED" in stdout  # in the basis line too
 
 
 def test_train_delta_warning(capsys, tmp_path):
@@ -221,13 +222,17 @@ def test_compare_table_and_files(capsys, tmp_path):
     assert code == 0, err
     assert "mean ± std" in stdout and "basis" in stdout
     rows = {line.split()[0]: line for line in stdout.splitlines() if line.startswith(("dpsgd ", "dice"))}
-    assert "true" in rows["dice"] and "false (heuristic)" in rows["dice:authors"]
+    assert "true" in rows["dice"] and "false (REFUTED bound)" in rows["dice:authors"]
     d = json.loads((out / "compare.json").read_text())
     by = {r["label"]: r for r in d["rows"]}
     assert set(by) == {"dpsgd", "dice", "dice:authors"}
     assert by["dice"]["certified"] and not by["dice:authors"]["certified"]
-    assert by["dice"]["ef_clip"] == pytest.approx(1 / 64)  # r = 1 by default
-    assert by["dice"]["noise_multiplier"] >= 8 and len(by["dpsgd"]["test_accuracies"]) == 2
+    assert by["dice"]["ef_clip"] == pytest.approx(0.01 / 64)  # r = 0.01 by default
+    assert by["dice"]["dice_accounting"] == "sound" and "REFUTED" in by["dice:authors"]["basis"]
+    # sound accounting (PLD) costs noise over DPSGD's under the same accountant: feedback is never amplified
+    from clipbias.privacy import gaussian
+    z_dpsgd_pld = gaussian.calibrate(3.0, 1e-5, 64 / 1347, 21, "pld")
+    assert by["dice"]["noise_multiplier"] > z_dpsgd_pld and len(by["dpsgd"]["test_accuracies"]) == 2
     assert (out / "curves.png").is_file()
 
 

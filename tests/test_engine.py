@@ -161,7 +161,7 @@ def make_engine(model, algo="dice", **kw):
     x = torch.randn(64, 1, 6, 6, generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 4, (64,), generator=torch.Generator().manual_seed(2))
     args = dict(n=64, batch_size=8.0, epochs=2, noise_multiplier=30.0, dice_accounting="conservative",
-                config=AlgoConfig(lr=0.2, clip=0.5, ef_clip=0.05), seed=3, noise_seed=3,
+                config=AlgoConfig(lr=0.2, clip=0.5, ef_clip=0.05), noise_seed=3,
                 max_physical_batch=3) | kw
     return DPEngine(model, algo, **args), x, y
 
@@ -274,10 +274,14 @@ def test_calibrated_engine_reaches_target_and_non_private_reports_inf():
     assert math.isinf(sgd.privacy().epsilon) and sgd.privacy().certified is False
 
 
-def test_certified_dice_refused_at_construction_when_proof_does_not_apply():
+def test_paper_dice_bound_refused_at_construction_when_it_does_not_apply():
     from clipbias.errors import PrivacyAccountingError
     with pytest.raises(PrivacyAccountingError, match="z >= 8"):
-        DPEngine(small_cnn(), "dice", n=640, batch_size=32, epochs=1, noise_multiplier=2.0)
+        DPEngine(small_cnn(), "dice", n=640, batch_size=32, epochs=1, noise_multiplier=2.0,
+                 dice_accounting="paper")
+    eng = DPEngine(small_cnn(), "dice", n=640, batch_size=32, epochs=1, noise_multiplier=2.0)
+    assert eng.dice_accounting == "sound" and eng.privacy(20).certified
+    assert eng.config.ef_clip == pytest.approx(0.01 * 1.0 / 32)  # default feedback ratio r = 0.01
 
 
 def test_dice_adam_one_step_against_hand_adam():
@@ -319,7 +323,7 @@ def test_batches_and_noise_are_secret_by_default_and_reproducible_on_request():
     def first_update(**kw):
         m = Linear1([0.0, 0.0])
         eng = DPEngine(m, "dpsgd", n=200, batch_size=20.0, steps=1, noise_multiplier=1.0, loss_fn=sq,
-                       config=AlgoConfig(lr=1.0, clip=1.0), seed=0, **kw)
+                       config=AlgoConfig(lr=1.0, clip=1.0), **kw)
         idx = eng.sampler.sample()
         eng.step(torch.ones(len(idx), 2), torch.zeros(len(idx)), idx)
         return idx, m.w.detach().clone()

@@ -20,7 +20,9 @@ from clipbias.methods import (GroupBatchNorm, batchclip_logits, batchclip_predic
 from clipbias.methods._common import AUGMENT, GROUP, PERTURB, PUBLIC
 from clipbias.methods.augment import CropFlip
 from clipbias.privacy import gaussian
-from clipbias.sampling import secret_seeds
+from clipbias.sampling import secret_seeds, secret_streams
+
+KEYED0 = secret_streams(0)[2]  # the secret key of the backends' draws in an engine with noise_seed=0
 from clipbias.transforms import StepContext
 
 N, D_IN, CLASSES = 24, 6, 3
@@ -45,7 +47,7 @@ def engine(model, algo, batch_size=8.0, extra=None, seed=0, clip=0.5, lr=0.1, st
     n = kw.pop("n", N if batch_size == N else 4 * N)
     kw.setdefault("noise_seed", seed)  # reproducible batches and noise for the replicas below
     return DPEngine(model, algo, n=n, batch_size=batch_size, steps=steps, noise_multiplier=Z,
-                    config=cfg, seed=seed, **kw)
+                    config=cfg, **kw)
 
 
 def params_of(model) -> torch.Tensor:
@@ -258,7 +260,7 @@ def test_p_avg_update_matches_independent_computation():
     assert eng.pipeline.noise.std == pytest.approx(Z * 2 * c / groups)
     noise = NoiseReplica(0, eng.grads.layout.dim)
     idx = torch.arange(13)
-    gid = keyed_ints(0, GROUP, 0, idx.tolist(), 1, groups).flatten()  # backend seed = engine seed
+    gid = keyed_ints(KEYED0, GROUP, 0, idx.tolist(), 1, groups).flatten()  # backend seed: the secret keyed stream
     s = 0
     for j in range(groups):
         members = idx[gid == j].tolist()
@@ -309,7 +311,7 @@ def test_self_aug_update_matches_independent_computation():
     noise = NoiseReplica(0, eng.grads.layout.dim)
     idx = torch.tensor([2, 4, 6, 8, 10])
     aug = CropFlip(pad=1, flip=True)
-    codes = keyed_ints(0, AUGMENT, 0, idx.tolist(), K, aug.choices)
+    codes = keyed_ints(KEYED0, AUGMENT, 0, idx.tolist(), K, aug.choices)
     s = 0
     for j, i in enumerate(idx.tolist()):
         xa = aug(x[i:i + 1], codes[j:j + 1])
@@ -349,7 +351,7 @@ def test_batch_clip_update_matches_independent_computation():
     eng = engine(m, "batch-clip", extra={"public": pub, "p": p}, clip=c, lr=lr, max_physical_batch=7)
     noise = NoiseReplica(0, eng.grads.layout.dim)
     idx = torch.tensor([1, 3, 5, 20])
-    draws = keyed_ints(0, PUBLIC, 0, idx.tolist(), p - 1, len(pub))
+    draws = keyed_ints(KEYED0, PUBLIC, 0, idx.tolist(), p - 1, len(pub))
     s = 0
     for j, i in enumerate(idx.tolist()):
         group = torch.cat([x[i:i + 1], pub[draws[j]]])  # private example first, then p - 1 public
@@ -682,3 +684,17 @@ def test_failed_micro_batch_rewinds_the_perturbation_stream():
         eng.step(xb, y[:4])
     assert torch.equal(stage.generator.get_state(), before) and torch.equal(params_of(m), w)
     assert eng.steps_taken == 0
+
+
+@pytest.mark.parametrize("algo,extra", [("p-avg", {}), ("self-aug", {"K": 2})])
+def test_keyed_draws_come_from_the_secret_stream_and_resume(algo, extra):
+    """Groupings and augmentations are keyed by example index: with a public key, removing one example
+    (which shifts every later index) would change the others' rows predictably (docs/privacy.md).
+    The key is the secret keyed stream: fresh from the OS CSPRNG by default, the noise seed's third
+    stream on request, and carried by the private checkpoint."""
+    a = engine(tiny_cnn(), algo, extra=extra, noise_seed=None)
+    b = engine(tiny_cnn(), algo, extra=extra, noise_seed=None)
+    assert a.grads.seed != b.grads.seed
+    assert engine(tiny_cnn(), algo, extra=extra, noise_seed=5).grads.seed == secret_streams(5)[2]
+    b.load_state_dict(a.state_dict())
+    assert b.grads.seed == a.grads.seed == a.keyed_seed

@@ -115,12 +115,12 @@ def test_private_toy_run_reports_the_engines_epsilon():
     assert np_.privacy["epsilon"] == "inf" and np_.settings["noise_multiplier"] == 0.0
 
 
-def test_dice_toy_accounting_is_conservative_and_certified_is_refused_at_q_1():
+def test_dice_toy_accounting_is_sound_and_the_paper_bound_is_refused_at_q_1():
     r = toy.run("dice-b1", "dice", toy.settings_for("dice-b1", steps=20))
-    assert r.privacy["certified"] and "amplification-free" in r.privacy["basis"]
-    assert "q <= 1/5" in r.privacy["note"]
+    assert r.privacy["certified"] and "sound bound" in r.privacy["basis"]
+    assert "feedback ratio" in r.privacy["note"]
     with pytest.raises(Exception, match="q=1 > 1/5|1/5"):
-        toy.run("dice-b1", "dice", toy.settings_for("dice-b1", steps=20, dice_accounting="certified",
+        toy.run("dice-b1", "dice", toy.settings_for("dice-b1", steps=20, dice_accounting="paper",
                                                     noise_multiplier=10.0))
 
 

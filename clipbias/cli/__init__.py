@@ -11,14 +11,15 @@ import sys
 from ..errors import ClipbiasError
 
 # Order in --help; modules not listed come after, alphabetically.
-_ORDER = ["train", "compare", "account", "calibrate", "toy", "diagnose", "export"]
+_ORDER = ["train", "compare", "account", "calibrate", "audit", "toy", "diagnose", "export"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="clipbias",
         description="Differentially private training without clipping bias: DP-SGD, DiceSGD and the "
-                    "bias-reduction methods of Chen et al. and Xiao et al., with certified accounting.")
+                    "bias-reduction methods of Chen et al. and Xiao et al., with proven accounting and "
+                    "empirical privacy audits.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     mods = [m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")]
     for name in sorted(mods, key=lambda n: (_ORDER.index(n) if n in _ORDER else len(_ORDER), n)):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from ..errors import ConfigError
-from ..privacy import (ACCOUNTANTS, DICE_ACCOUNTING, AccountingSpec, DiceParams, account, calibrate,
-                       delta_warning)
+from ..privacy import (ACCOUNTANTS, DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING, AccountingSpec, DiceParams,
+                       account, calibrate, delta_warning)
+from ..privacy.dice import DEFAULT_EF_RATIO, default_ef_clip
 from ..privacy.report import check_delta, check_positive, check_rate, check_steps
 from ._common import emit, warn
 
@@ -23,14 +24,17 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("DiceSGD (--algo dice)")
     g.add_argument("--clip", type=float, default=1.0, metavar="C1", help="per-example clip C1 (default 1)")
     g.add_argument("--ef-clip", type=float, default=None, metavar="C2",
-                   help="feedback clip C2 on the average-gradient scale (default C1)")
+                   help=f"feedback clip C2 on the average-gradient scale (default {DEFAULT_EF_RATIO:g} C1 / B, "
+                        f"feedback ratio r = B C2 / C1 = {DEFAULT_EF_RATIO:g})")
     g.add_argument("--grad-bound", type=float, default=None, metavar="GMAX",
-                   help="explicit outer clip of every per-example gradient (gives G' = GMAX - C1)")
+                   help="explicit outer clip of every per-example gradient (the paper basis uses G' = GMAX - C1)")
     g.add_argument("--batch-size", type=float, default=None, metavar="B",
                    help="expected batch size B = qN (needed for dice unless --dataset-size is given)")
-    g.add_argument("--dice-accounting", choices=DICE_ACCOUNTING, default="certified",
-                   help="certified: the paper's proof (Thm 3.8), conditions checked; conservative: our "
-                        "amplification-free proof; authors: the authors' protocol (NOT certified)")
+    g.add_argument("--dice-accounting", choices=DICE_ACCOUNTING, default=DEFAULT_DICE_ACCOUNTING,
+                   help="sound (default): our proof for hidden error feedback (docs/privacy.md); "
+                        "conservative: the same without amplification (looser); paper: the paper's Thm 3.8 "
+                        "and authors: the authors' protocol, both REFUTED by a canary attack "
+                        "(certified = false, reproduction only)")
     p.add_argument("--dataset-size", type=int, default=None, metavar="N",
                    help="dataset size N (for the delta >= 1/N warning and B = qN)")
     p.add_argument("--json", action="store_true", help="print JSON on stdout")
@@ -56,7 +60,7 @@ def _spec(args: argparse.Namespace, z: float) -> AccountingSpec:
             raise ConfigError("--batch-size B (or --dataset-size N, giving B = qN) is required for --algo dice")
         b = q * args.dataset_size
     check_positive(b, "--batch-size")
-    c2 = args.ef_clip if args.ef_clip is not None else args.clip
+    c2 = args.ef_clip if args.ef_clip is not None else default_ef_clip(args.clip, b)
     return AccountingSpec("dice", q, z, "DiceSGD", DiceParams(q, 1, args.clip, c2, b, args.grad_bound))
 
 

@@ -1,6 +1,6 @@
 """``clipbias compare``: several algorithms on the same data, model, epsilon and seeds; one table.
 
-With no arguments it runs the default comparison: DPSGD-GC vs DiceSGD (certified accounting, r = 1)
+With no arguments it runs the default comparison: DPSGD-GC vs DiceSGD (sound accounting, r = 0.01)
 on Fashion-MNIST at epsilon = 3, delta = 1e-5 (see ``DEFAULTS`` and docs/cli.md for why these
 settings; about 10 minutes on 2 CPU cores).
 """
@@ -17,15 +17,16 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..privacy import DICE_ACCOUNTING
+from ..privacy.dice import DEFAULT_EF_RATIO, check_basis
 from ..train import CURVES, jsonable, load_algorithms, prepare_splits, run_many, write_json
 from ._common import emit
 from .train import add_training_flags, config_from_args, fmt_eps, set_threads
 
 # The default comparison. scatter-linear trains ~13 s per epoch on the full 60k Fashion-MNIST on one
 # idle core (cnn ~19 s), after a one-off ~70 s scattering pass (then cached on disk), and is the
-# stronger model at small budgets. Measured: 9 min 18 s wall on a busy 2-core machine. B = 2048 (Tramer & Boneh's Fashion-MNIST batch size for the cnn) keeps DiceSGD's certified
-# noise (z >= 8, a condition of the proof) usable: its per-coordinate std z*C1/B shrinks with B.
-# lr 4, momentum 0.9, clip 0.1 as in Tramer & Boneh. See docs/cli.md for the measurements.
+# stronger model at small budgets. B = 2048 (Tramer & Boneh's Fashion-MNIST batch size for the cnn),
+# lr 4, momentum 0.9, clip 0.1 as in Tramer & Boneh. DiceSGD's feedback ratio r = B C2 / C1 defaults
+# to DEFAULT_EF_RATIO (docs/algorithms/dicesgd.md, "Defaults"). See docs/cli.md for the measurements.
 DEFAULTS = {"data": "fashion-mnist", "model": "scatter-linear", "epsilon": 3.0, "delta": 1e-5,
             "epochs": 3, "batch_size": 2048.0, "lr": 4.0, "clip": 0.1, "momentum": 0.9}
 DEFAULT_ALGOS = ["dpsgd", "dice"]
@@ -44,9 +45,10 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         if algos[name].accounting != "dice":
             raise ConfigError(f"--algos {spec}: ':{acc}' (DiceSGD accounting) applies only to DiceSGD "
                               f"algorithms")
-        if acc not in DICE_ACCOUNTING:
-            raise ConfigError(f"--algos {spec}: accounting must be one of {', '.join(DICE_ACCOUNTING)}")
-        over["dice_accounting"] = acc
+        try:
+            over["dice_accounting"] = check_basis(acc)
+        except ConfigError as e:
+            raise ConfigError(f"--algos {spec}: {e}") from None
     return spec, over
 
 
@@ -56,7 +58,7 @@ def _table(rows: list[dict]) -> str:
     body = []
     for r in rows:
         acct = r["dice_accounting"] or ("none" if math.isinf(r["epsilon"]) else r["accountant"])
-        cert = "true" if r["certified"] else ("false (heuristic)" if not math.isinf(r["epsilon"])
+        cert = "true" if r["certified"] else ("false (REFUTED bound)" if not math.isinf(r["epsilon"])
                                               else "false (non-private)")
         body.append([r["label"], acct,
                      f"{100 * r['test_accuracy_mean']:.2f} ± {100 * r['test_accuracy_std']:.2f} %"
@@ -76,15 +78,14 @@ def _run(args: argparse.Namespace) -> int:
     base = config_from_args(args, algo="dpsgd", seed=seeds[0] if seeds else 0)
     if args.ef_ratio is not None and args.ef_clip is not None:
         raise ConfigError("give --ef-clip or --ef-ratio, not both")
-    ratio = 1.0 if args.ef_ratio is None else args.ef_ratio
+    ratio = DEFAULT_EF_RATIO if args.ef_ratio is None else args.ef_ratio
     if not (math.isfinite(ratio) and ratio > 0):
         raise ConfigError(f"--ef-ratio must be > 0, got {ratio!r}")
     variants = []
     for spec in algos:
         label, over = parse_variant(spec)
         if load_algorithms()[over["algo"]].accounting == "dice" and args.ef_clip is None:
-            # C2 = r C1 / B: r = 1 keeps the certified DiceSGD noise at its z >= 8 floor (C2 = C1
-            # would multiply it by ~sqrt(1 + 2B^2)); unless the user set --ef-clip / --ef-ratio.
+            # C2 = r C1 / B: the sound privacy cost of feedback grows with r (unless --ef-clip is given)
             over["ef_clip"] = ratio * args.clip / args.batch_size if args.batch_size else None
         variants.append((label, over))
     for _, over in variants:
@@ -134,7 +135,8 @@ def _run(args: argparse.Namespace) -> int:
     for r in result["summary"]:
         print(f"{r['label']}: basis: {r['basis']}")
     if any(not r["certified"] and not math.isinf(r["epsilon"]) for r in result["summary"]):
-        print("certified = false (heuristic): the DiceSGD authors' protocol, not a proof.")
+        print("certified = false: a DiceSGD bound (paper / authors) that a canary attack refutes "
+              "(docs/privacy.md): NOT a guarantee, shown only to reproduce the paper.")
     print(f"\nwrote {out / 'compare.json'} and {out / CURVES} ({time.perf_counter() - t0:.0f} s)")
     return 0
 
@@ -144,18 +146,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "compare", help="several algorithms, same data/model/epsilon/seeds, one table",
         description="Run each --algos value on the same data, model, privacy budget and seeds, and print "
                     "mean ± std test accuracy, epsilon, certified, noise multiplier and time per epoch. "
-                    "With no arguments: DPSGD-GC vs DiceSGD (certified, r = 1) on Fashion-MNIST, "
+                    "With no arguments: DPSGD-GC vs DiceSGD (sound accounting, r = 0.01) on Fashion-MNIST, "
                     "epsilon = 3, delta = 1e-5, scatter-linear, 3 epochs, B = 2048, lr 4, momentum 0.9, "
                     "clip 0.1, seeds 0 1 2, 1 thread (about 5-10 min on 2 CPU cores).")
     p.add_argument("--algos", nargs="+", default=None, metavar="NAME[:ACCOUNTING]",
                    help="algorithms (default: dpsgd dice); NAME:ACCOUNTING picks DiceSGD's accounting "
-                        "per row, e.g. dice:certified dice:authors")
+                        "per row, e.g. dice:sound dice:paper (paper and authors are refuted: reproduction only)")
     p.add_argument("--seeds", nargs="+", type=int, default=None, metavar="S",
                    help=f"seeds (default: {' '.join(map(str, DEFAULT_SEEDS))})")
     add_training_flags(p, algo=False, defaults=DEFAULTS)
     p.set_defaults(momentum=DEFAULTS["momentum"])
     p.add_argument("--ef-ratio", type=float, default=None, metavar="R",
-                   help="DiceSGD feedback clip C2 = R * C1 / B (default R = 1) unless --ef-clip is given")
+                   help=f"DiceSGD feedback clip C2 = R * C1 / B (default R = {DEFAULT_EF_RATIO:g}) unless --ef-clip is given")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="output directory (default runs/compare-<data>-<model>-eps<E>)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -162,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
                       epsilon=cfg.epsilon if algo.private else None,
                       noise_multiplier=cfg.noise_multiplier if algo.private else None,
                       delta=cfg.delta, accountant=cfg.accountant, dice_accounting=cfg.dice_accounting,
-                      config=algo_cfg, max_physical_batch=cfg.max_physical_batch, seed=cfg.seed,
+                      config=algo_cfg, max_physical_batch=cfg.max_physical_batch,
                       noise_seed=cfg.seed)  # diagnostics are not private: reproducible noise
 
     gen = torch.Generator().manual_seed(cfg.seed + 7919)

@@ -14,6 +14,7 @@ from pathlib import Path
 from .. import algorithms, toy
 from .. import diagnostics_plots as plots
 from ..errors import ConfigError
+from ..privacy import DICE_ACCOUNTING
 from ._common import emit
 
 # method-specific flags, named as in `clipbias train` (dest -> AlgoConfig.extra key)
@@ -173,8 +174,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--x0", type=float, default=None, help="start, on every coordinate (default: the problem's)")
     p.add_argument("--seed", type=int, default=None, help="seed of sampling, noise and (chen-mixture) data")
     p.add_argument("--delta", type=float, default=None, help="delta of the reported epsilon (default 1e-5)")
-    p.add_argument("--dice-accounting", choices=("certified", "conservative", "authors"), default=None,
-                   help="DiceSGD basis (default conservative: the certified bound needs q <= 1/5 and z >= 8)")
+    p.add_argument("--dice-accounting", choices=DICE_ACCOUNTING, default=None,
+                   help="DiceSGD basis (default sound; paper and authors are refuted, reproduction only)")
     p.add_argument("--momentum", type=float, default=None)
     p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default=None)
     m = p.add_argument_group("method-specific (as in `clipbias train`)")

@@ -8,12 +8,13 @@ import sys
 
 from ..data import DATASET_NAMES
 from ..errors import ConfigError
-from ..privacy import ACCOUNTANTS, DICE_ACCOUNTING
+from ..privacy import ACCOUNTANTS, DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING
+from ..privacy.dice import DEFAULT_EF_RATIO
 from ..train import (CHECKPOINT, CURVES, RESULTS, TrainConfig, default_out, load_algorithms, train,
                      tune_allocator)
 from ._common import emit, warn
 
-HEURISTIC = "false  (heuristic: authors' protocol, not a proof)"
+REFUTED = "false  (NOT a guarantee: a DiceSGD bound refuted by a canary attack; reproduction only)"
 
 
 def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, defaults: dict | None = None) -> None:
@@ -41,9 +42,11 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
                    metavar="D", help="target delta (default 1e-5; keep it well below 1/N)")
     g.add_argument("--accountant", choices=ACCOUNTANTS, default="pld",
                    help="pld (default, tightest) or rdp")
-    g.add_argument("--dice-accounting", choices=DICE_ACCOUNTING, default="certified",
-                   help="DiceSGD basis: certified (the paper's proof, conditions checked; default), "
-                        "conservative (proven, no amplification), authors (NOT certified)")
+    g.add_argument("--dice-accounting", choices=DICE_ACCOUNTING, default=DEFAULT_DICE_ACCOUNTING,
+                   help="DiceSGD (error feedback) basis: sound (default; proven, docs/privacy.md), "
+                        "conservative (proven, looser), paper (the paper's Thm 3.8) and authors (the "
+                        "authors' protocol): both REFUTED by a canary attack, certified = false, for "
+                        "reproducing the paper only")
     g.add_argument("--reproducible-noise", action="store_true",
                    help="derive the Poisson batches and the Gaussian noise from --seed (reproducible runs, "
                         "tests, benchmarks); the guarantee then holds only while the seed stays secret. "
@@ -56,7 +59,9 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
     t.add_argument("--clip", type=float, default=d["clip"], metavar="C1",
                    help="per-example clipping norm C1 (default 1)")
     t.add_argument("--ef-clip", type=float, default=None, metavar="C2",
-                   help="DiceSGD feedback clip C2 on the average-gradient scale (train default: C1)")
+                   help=f"DiceSGD feedback clip C2 on the average-gradient scale (default "
+                        f"{DEFAULT_EF_RATIO:g} * C1 / B, i.e. feedback ratio r = B*C2/C1 = {DEFAULT_EF_RATIO:g}: "
+                        f"the sound privacy cost of feedback grows with r)")
     t.add_argument("--grad-bound", type=float, default=None, metavar="GMAX",
                    help="outer clip of every per-example gradient (DiceSGD: G' = GMAX - C1)")
     t.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default=None,
@@ -133,7 +138,7 @@ def fmt_certified(certified: bool, private: bool, basis: str = "") -> str:
         return "true"
     if not private:
         return "false  (non-private: no DP guarantee)"
-    return HEURISTIC
+    return REFUTED
 
 
 def print_header(h: dict, stream=None) -> None:
@@ -165,8 +170,8 @@ def print_header(h: dict, stream=None) -> None:
                                      if h.get("reproducible_noise") else "secret (seeded from the OS CSPRNG)")
     if h.get("ef_ratio_r") is not None:
         r = h["ef_ratio_r"]
-        rows["feedback ratio r"] = (f"{r:.4g} (r = B*C2/C1; the certified noise grows with r"
-                                    + ("; --ef-clip C1/B gives r = 1)" if r > 1.5 else ")"))
+        rows["feedback ratio r"] = (f"{r:.4g} (r = B*C2/C1 with C2 = {h['ef_clip']:.4g}; the sound noise "
+                                    f"grows with r: each step pays for a 2r shift, sampled or not)")
     if h.get("resumed_at_epoch") is not None:
         rows["resumed"] = f"from the checkpoint after epoch {h['resumed_at_epoch']}"
     emit(rows, False, stream)

@@ -14,12 +14,12 @@ from dp_accounting import dp_event
 
 from ..errors import ConfigError
 from . import dice, gaussian
-from .dice import DICE_ACCOUNTING, DiceParams
+from .dice import DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING, DiceParams
 from .report import (ACCOUNTANTS, PrivacyReport, check_accountant, check_delta, check_epsilon,
                      check_rate, check_steps, delta_warning)
 
 __all__ = ["AccountingSpec", "PrivacyReport", "DiceParams", "account", "calibrate", "ACCOUNTANTS",
-           "DICE_ACCOUNTING", "delta_warning", "dice", "gaussian"]
+           "DICE_ACCOUNTING", "DEFAULT_DICE_ACCOUNTING", "delta_warning", "dice", "gaussian"]
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,8 @@ class AccountingSpec:
     """How an algorithm's releases are accounted.
 
     kind ``gaussian``: Poisson-subsampled Gaussian with multiplier z relative to ``sensitivity``;
-    kind ``dice``: DiceSGD (``dice`` holds C1, C2, B, G_max; steps filled in by ``account``);
+    kind ``dice``: DiceSGD error feedback (``dice`` holds C1, C2, B, G_max; steps filled in by
+    ``account``), accounted by one of ``DICE_ACCOUNTING`` (default ``sound``);
     kind ``none``: non-private, epsilon = inf.
     ``heuristic`` marks specs whose guarantee is not proven (labelled in every output).
     """
@@ -37,15 +38,21 @@ class AccountingSpec:
     noise_multiplier: float = 0.0
     sensitivity: str = ""
     dice: DiceParams | None = None
-    certifiable: bool = True  # False: the paper's certified DiceSGD proof does not apply
+    certifiable: bool = True  # False: even the paper's (refuted) DiceSGD proof does not apply
     why_not_certifiable: str = ""
 
-    def dp_event(self, steps: int) -> dp_event.DpEvent:
-        """The dp-accounting event of T steps (DiceSGD has none: its proof is algorithm-specific)."""
+    def dp_event(self, steps: int, dice_accounting: str = DEFAULT_DICE_ACCOUNTING) -> dp_event.DpEvent:
+        """The dp-accounting event of T steps.
+
+        DiceSGD: the sound bound's mixture-of-Gaussians event (units of C1/B); the other bases are
+        algorithm-specific formulas with no event (``UnsupportedDpEvent``).
+        """
         if self.kind == "none" or self.noise_multiplier == 0:
             return dp_event.NonPrivateDpEvent()
         if self.kind == "gaussian":
             return gaussian.SampledGaussian(self.noise_multiplier, self.sample_rate).event(steps)
+        if self.kind == "dice" and dice.check_basis(dice_accounting) == "sound":
+            return dice.sound_event(replace(self.dice, steps=steps), self.noise_multiplier)
         return dp_event.UnsupportedDpEvent()
 
     def to_dict(self) -> dict:
@@ -57,7 +64,7 @@ class AccountingSpec:
 
 
 def account(spec: AccountingSpec, steps: int, delta: float, accountant: str = "pld",
-            dice_accounting: str = "certified") -> PrivacyReport:
+            dice_accounting: str = DEFAULT_DICE_ACCOUNTING) -> PrivacyReport:
     """The (epsilon, delta) statement after ``steps`` steps (0 steps: epsilon 0)."""
     check_delta(delta)
     check_accountant(accountant)
@@ -77,7 +84,7 @@ def account(spec: AccountingSpec, steps: int, delta: float, accountant: str = "p
 
 
 def calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, accountant: str = "pld",
-              dice_accounting: str = "certified") -> float:
+              dice_accounting: str = DEFAULT_DICE_ACCOUNTING) -> float:
     """Noise multiplier for ``spec`` reaching at most ``epsilon`` after ``steps`` steps."""
     check_epsilon(epsilon)
     check_delta(delta)
@@ -91,10 +98,8 @@ def calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, ac
 
 
 def _check_dice_method(spec: AccountingSpec, method: str) -> None:
-    if method not in DICE_ACCOUNTING:
-        raise ConfigError(f"--dice-accounting must be one of {', '.join(DICE_ACCOUNTING)}, got {method!r}")
-    if method == "certified" and not spec.certifiable:
+    dice.check_basis(method)
+    if method == "paper" and not spec.certifiable:
         from ..errors import PrivacyAccountingError
-        raise PrivacyAccountingError(f"cannot certify this algorithm with the DiceSGD proof: "
-                                     f"{spec.why_not_certifiable}. Use --dice-accounting conservative "
-                                     f"(proven, looser) or authors (uncertified).")
+        raise PrivacyAccountingError(f"the paper's DiceSGD bound does not even claim this algorithm: "
+                                     f"{spec.why_not_certifiable}. Use --dice-accounting sound (the default).")

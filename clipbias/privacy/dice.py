@@ -1,40 +1,65 @@
-"""Privacy accounting for DiceSGD (Zhang, Bu, Wu, Hong), three bases. See docs/privacy.md.
+"""Privacy accounting for DiceSGD (Zhang, Bu, Wu, Hong): four bases. See docs/privacy.md.
 
 Units (resolved explicitly; the paper mixes them): C1 clips each per-example gradient; C2 clips the
 feedback buffer e, which lives on the scale of the *average* gradient (v = (1/B) sum clip(g_i, C1)
-+ clip(e, C2)). Expressed in per-example units the feedback bound is ``Cbar2 = B * C2``, and with an
-explicit outer clip G_max on every per-example gradient ``Cbar2 = min(B C2, G')``, G' = G_max - C1.
-The noise added to v is ``N(0, sigma1^2 I)`` with ``sigma1 = z * C1 / B``: z is the multiplier
-relative to one example's clipped contribution, exactly as in DPSGD-GC.
++ clip(e, C2)). The noise added to v is ``N(0, sigma1^2 I)`` with ``sigma1 = z * C1 / B``: z is the
+multiplier relative to one example's clipped contribution, exactly as in DPSGD-GC, and
+``r = B C2 / C1`` is the feedback bound in units of one example's contribution.
 
-* ``certified``: the paper's own proof (Thm 3.8, App. A.2 eq. (25) and the sum after it):
-  per-step RDP ``16 q^2 alpha (C1^2 + 2 Cbar2^2) / (B^2 sigma1^2) = 16 alpha q^2 (1 + 2 (Cbar2/C1)^2)
-  / z^2``, valid only where Lemma A.11 (Mironov, Talwar, Zhang 2019, Thm 11) applies: q <= 1/5, noise
-  >= 4 times the sensitivity 2 C1 / B the proof uses (i.e. z >= 8), and alpha in the lemma's range.
-  Converted to (epsilon, delta) with the Canonne-Kamath-Steinke conversion, alpha optimised inside
-  the valid range.
-* ``conservative``: a bound we prove without the paper's subsampling step (docs/privacy.md, "A bound
-  without amplification"): couple the sampling, use joint quasi-convexity of Renyi divergence over
-  the sampling pattern, and compose T adaptive Gaussians whose means differ by at most
-  ``C1/B + 2 C2`` -> per-step RDP ``alpha (1 + 2 r)^2 / (2 z^2)`` with ``r = B C2 / C1``.
-* ``authors``: the protocol used to reproduce the paper's experiments, NOT a proof:
-  ``z_dice = z_DPSGD(eps, delta, q, T) * sqrt(1 + 2 r)``. Always ``certified = False``.
+* ``sound`` (default; our proof, docs/privacy.md "Sound accounting of error feedback"): conditioned
+  on the released history, adding one example moves the mean of the released update by
+  ``1[example sampled now] a + b`` with ``||a|| <= C1/B`` (a fresh Poisson inclusion) and
+  ``||b|| <= 2 C2`` (two clipped buffers, whatever the hidden state). Each step is dominated by the
+  mixture ``(1-q) N(2r, z^2) + q N(2r + 1, z^2)`` against ``N(0, z^2)`` (units of C1/B), composed T
+  times by dp-accounting's PLD accountant (``MixtureOfGaussiansDpEvent``), both adjacency directions.
+* ``conservative``: the same argument without the mixture: T adaptive Gaussians whose means differ
+  by at most ``C1/B + 2 C2`` (never below ``sound``).
+* ``paper``: the paper's Theorem 3.8 (App. A.2 eq. (25)), kept to reproduce the paper only. It is
+  **refuted** by a canary attack (``clipbias audit``; docs/privacy.md): ``certified = False``.
+* ``authors``: the authors' experimental protocol ``z_DPSGD * sqrt(1 + 2 r)``; not a proof and
+  refuted by the same attack: ``certified = False``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
+from dp_accounting import dp_event, pld
 
 from ..errors import ConfigError, PrivacyAccountingError
 from . import gaussian
 from .report import (PrivacyReport, check_delta, check_epsilon, check_positive, check_rate,
                      check_steps)
 
-DICE_ACCOUNTING = ("certified", "conservative", "authors")
+DICE_ACCOUNTING = ("sound", "conservative", "paper", "authors")
+DEFAULT_DICE_ACCOUNTING = "sound"
+CERTIFIED_BASES = ("sound", "conservative")  # the bases whose numbers rest on a proof we checked
+RENAMED = {"certified": "paper"}  # old name -> new name (the old default was the refuted bound)
+DEFAULT_EF_RATIO = 0.01  # default feedback ratio r = B C2 / C1 (docs/algorithms/dicesgd.md, "Defaults")
 _ALPHAS = 1.0 + np.geomspace(1e-3, 1e4, 6000)
+# PLD discretisation of the sound bound: pessimistic (an upper bound on epsilon at any interval);
+# 1e-3 is within 0.03% of 1e-4 on the configurations in docs/privacy.md and 10x faster.
+SOUND_DISCRETIZATION = 1e-3
+
+
+def check_basis(method: str) -> str:
+    """The DiceSGD accounting basis, or a ConfigError that names the valid ones."""
+    if method in RENAMED:
+        raise ConfigError(
+            f"--dice-accounting {method!r} was renamed {RENAMED[method]!r}: it is the paper's Theorem 3.8, "
+            f"which a canary attack refutes (docs/privacy.md), so it is no longer certified nor the default. "
+            f"Use 'sound' (the default, proven) or 'paper' to reproduce the paper's numbers.")
+    if method not in DICE_ACCOUNTING:
+        raise ConfigError(f"--dice-accounting must be one of {', '.join(DICE_ACCOUNTING)}, got {method!r}")
+    return method
+
+
+def default_ef_clip(clip: float, batch_size: float, ratio: float = DEFAULT_EF_RATIO) -> float:
+    """C2 = r C1 / B: the feedback clip giving the feedback ratio r (default 0.01)."""
+    return ratio * clip / batch_size
 
 
 @dataclass(frozen=True)
@@ -64,7 +89,7 @@ class DiceParams:
 
     @property
     def feedback_bound(self) -> float:
-        """Cbar2 = min(B C2, G'): the feedback bound in per-example units."""
+        """Cbar2 = min(B C2, G'): the paper's feedback bound in per-example units (``paper`` basis)."""
         cb = self.batch_size * self.ef_clip
         return cb if self.g_prime is None else min(cb, self.g_prime)
 
@@ -74,6 +99,59 @@ class DiceParams:
         return self.batch_size * self.ef_clip / self.clip
 
 
+# ---------------------------------------------------------------- sound (default)
+def sound_step_event(p: DiceParams, z: float) -> dp_event.DpEvent:
+    """One step's dominating pair, as a dp-accounting event (units of C1/B: noise std z).
+
+    ``N(0, z^2)`` against ``(1-q) N(2r, z^2) + q N(2r + 1, z^2)``: the feedback term moves the mean by
+    up to 2 r whether or not the example is sampled now; its own clipped gradient adds 1 with
+    probability q.
+    """
+    r, q = p.ratio, p.sample_rate
+    if q >= 1:
+        return dp_event.MixtureOfGaussiansDpEvent(z, [2 * r + 1], [1.0])
+    return dp_event.MixtureOfGaussiansDpEvent(z, [2 * r, 2 * r + 1], [1 - q, q])
+
+
+def sound_event(p: DiceParams, z: float) -> dp_event.DpEvent:
+    """The T-step event of the sound bound."""
+    step = sound_step_event(p, z)
+    return dp_event.SelfComposedDpEvent(step, p.steps) if p.steps != 1 else step
+
+
+def sound_epsilon(p: DiceParams, z: float, delta: float) -> float:
+    """Epsilon of the sound bound (PLD, pessimistic discretisation: an upper bound)."""
+    check_delta(delta)
+    check_positive(z, "--noise-multiplier")
+    return _sound_epsilon(p.ratio, p.sample_rate, p.steps, float(z), float(delta))
+
+
+@functools.lru_cache(maxsize=4096)
+def _sound_epsilon(r: float, q: float, steps: int, z: float, delta: float) -> float:
+    if q >= 1:  # one Gaussian of shift (2r + 1)/z per step: the exact mu-GDP formula, no PLD grid
+        return gaussian.gaussian_exact_epsilon(z / (1 + 2 * r), steps, delta)
+    p = DiceParams(q, steps, 1.0, r, 1.0)  # only r, q and T matter
+    acc = pld.PLDAccountant(value_discretization_interval=SOUND_DISCRETIZATION)
+    try:
+        acc.compose(sound_event(p, z))
+        return float(acc.get_epsilon(delta))
+    except MemoryError as e:
+        raise PrivacyAccountingError(
+            f"the PLD accountant cannot represent DiceSGD's sound bound at noise multiplier {z:g} (r = {r:g}, "
+            f"q = {q:g}, T = {steps}): its privacy-loss grid does not fit in memory. Use a larger noise "
+            f"multiplier or a smaller feedback ratio r = B*C2/C1") from e
+
+
+# ---------------------------------------------------------------- conservative
+def conservative_epsilon(p: DiceParams, z: float, delta: float) -> float:
+    """Amplification-free bound: T adaptive Gaussians, mean shift <= (1 + 2 r) C1 / B."""
+    check_delta(delta)
+    check_positive(z, "--noise-multiplier")
+    z_eff = z / (1 + 2 * p.ratio)
+    return gaussian.epsilon(z_eff, 1.0, p.steps, delta, "pld")
+
+
+# ---------------------------------------------------------------- paper (refuted; reproduction only)
 def rdp_to_dp(alpha: np.ndarray, rdp: np.ndarray, delta: float) -> np.ndarray:
     """(alpha, rdp)-RDP -> epsilon at delta (Canonne, Kamath, Steinke 2020, Prop. 12).
 
@@ -104,13 +182,13 @@ def lemma_a11_valid(q: float, sigma: float, alpha: np.ndarray) -> np.ndarray:
     return (alpha > 1) & c1 & c2
 
 
-def certified_rdp(p: DiceParams, z: float, alpha: np.ndarray) -> np.ndarray:
+def paper_rdp(p: DiceParams, z: float, alpha: np.ndarray) -> np.ndarray:
     """Eq. (25) summed over T steps: 16 alpha T q^2 (1 + 2 (Cbar2 / C1)^2) / z^2."""
     k = (p.feedback_bound / p.clip) ** 2
     return 16.0 * np.asarray(alpha) * p.steps * p.sample_rate**2 * (1 + 2 * k) / z**2
 
 
-def certified_conditions(p: DiceParams, z: float) -> tuple[np.ndarray, list[str]]:
+def paper_conditions(p: DiceParams, z: float) -> tuple[np.ndarray, list[str]]:
     """The alpha grid points where every Lemma A.11 application of the proof holds, and why not."""
     why: list[str] = []
     q = p.sample_rate
@@ -135,28 +213,24 @@ def certified_conditions(p: DiceParams, z: float) -> tuple[np.ndarray, list[str]
     return valid, why
 
 
-def certified_epsilon(p: DiceParams, z: float, delta: float) -> tuple[float, float]:
-    """(epsilon, best alpha) under the paper's proof; raises PrivacyAccountingError outside it."""
+def paper_epsilon(p: DiceParams, z: float, delta: float) -> tuple[float, float]:
+    """(epsilon, best alpha) of the paper's Theorem 3.8; raises outside its stated conditions.
+
+    Refuted: a canary attack beats this number (docs/privacy.md). For reproduction only.
+    """
     check_delta(delta)
     check_positive(z, "--noise-multiplier")
-    valid, why = certified_conditions(p, z)
+    valid, why = paper_conditions(p, z)
     if why:
-        raise PrivacyAccountingError("cannot certify DiceSGD: " + "; ".join(why)
-                                     + ". Raise the noise, lower q, or use --dice-accounting conservative.")
+        raise PrivacyAccountingError("the paper's DiceSGD bound (Thm 3.8) does not apply: " + "; ".join(why)
+                                     + ". Raise the noise or lower q; for a guarantee use --dice-accounting sound.")
     alphas = _ALPHAS[valid]
-    eps = rdp_to_dp(alphas, certified_rdp(p, z, alphas), delta)
+    eps = rdp_to_dp(alphas, paper_rdp(p, z, alphas), delta)
     i = int(np.argmin(eps))
     return float(eps[i]), float(alphas[i])
 
 
-def conservative_epsilon(p: DiceParams, z: float, delta: float) -> float:
-    """Our amplification-free bound: T adaptive Gaussians, mean shift <= (1 + 2 r) C1 / B."""
-    check_delta(delta)
-    check_positive(z, "--noise-multiplier")
-    z_eff = z / (1 + 2 * p.ratio)
-    return gaussian.epsilon(z_eff, 1.0, p.steps, delta, "pld")
-
-
+# ---------------------------------------------------------------- authors (refuted heuristic)
 def authors_factor(p: DiceParams) -> float:
     """sqrt(1 + 2 r): the authors' noise inflation of DPSGD's multiplier (not a proof)."""
     return math.sqrt(1 + 2 * p.ratio)
@@ -166,59 +240,77 @@ def authors_epsilon(p: DiceParams, z: float, delta: float, accountant: str = "pl
     return gaussian.epsilon(z / authors_factor(p), p.sample_rate, p.steps, delta, accountant)
 
 
+REFUTED = ("REFUTED by a canary attack on the hidden feedback buffer (docs/privacy.md, 'Audits'; "
+           "`clipbias audit --algo dice --dice-accounting {basis}`): NOT a guarantee")
 BASIS = {
-    "certified": "DiceSGD Thm 3.8 (Zhang et al.), App. A.2 eq. (25): per-step RDP 16 alpha q^2 "
-                 "(1 + 2 (Cbar2/C1)^2) / z^2, Lemma A.11 conditions checked, alpha={alpha:.3g}, "
-                 "Canonne-Kamath-Steinke RDP->DP conversion",
+    "sound": "DiceSGD error feedback, sound bound (clipbias docs/privacy.md): per step the mixture "
+             "(1-q) N(2r, z^2) + q N(2r+1, z^2) vs N(0, z^2) in units of C1/B, r = B C2/C1 = {r:.4g}, "
+             "dominates the released update whatever the hidden buffer; T-fold PLD composition "
+             "(dp-accounting MixtureOfGaussiansDpEvent, both adjacency directions)",
     "conservative": "DiceSGD amplification-free bound (clipbias docs/privacy.md): T adaptive "
-                    "Gaussians with sensitivity (1 + 2 r) C1/B, r = B C2 / C1, PLD",
-    "authors": "DiceSGD authors' protocol (heuristic, NOT a proof): z_DPSGD * sqrt(1 + 2 r), "
-               "r = B C2 / C1, accounted as DPSGD with {accountant}",
+                    "Gaussians with sensitivity (1 + 2 r) C1/B, r = B C2 / C1 = {r:.4g}, exact GDP composition",
+    "paper": "DiceSGD paper's Thm 3.8 (Zhang et al., App. A.2 eq. (25)): per-step RDP 16 alpha q^2 "
+             "(1 + 2 (Cbar2/C1)^2) / z^2, alpha={alpha:.3g}; " + REFUTED.format(basis="paper"),
+    "authors": "DiceSGD authors' experimental protocol (heuristic, NOT a proof): z_DPSGD * sqrt(1 + 2 r), "
+               "r = {r:.4g}, accounted as DPSGD with {accountant}; " + REFUTED.format(basis="authors"),
 }
 
 
-def report(p: DiceParams, z: float, delta: float, method: str = "certified",
+def report(p: DiceParams, z: float, delta: float, method: str = DEFAULT_DICE_ACCOUNTING,
            accountant: str = "pld") -> PrivacyReport:
-    if method not in DICE_ACCOUNTING:
-        raise ConfigError(f"--dice-accounting must be one of {', '.join(DICE_ACCOUNTING)}, got {method!r}")
-    if method == "certified":
-        eps, alpha = certified_epsilon(p, z, delta)
-        return PrivacyReport(eps, delta, "dice-certified-rdp", BASIS["certified"].format(alpha=alpha),
-                             True, z)
+    check_basis(method)
+    r = p.ratio
+    if method == "sound":
+        return PrivacyReport(sound_epsilon(p, z, delta), delta, "pld", BASIS["sound"].format(r=r), True, z)
     if method == "conservative":
-        return PrivacyReport(conservative_epsilon(p, z, delta), delta, "pld", BASIS["conservative"],
-                             True, z)
+        return PrivacyReport(conservative_epsilon(p, z, delta), delta, "pld",
+                             BASIS["conservative"].format(r=r), True, z)
+    if method == "paper":
+        eps, alpha = paper_epsilon(p, z, delta)
+        return PrivacyReport(eps, delta, "dice-paper-rdp", BASIS["paper"].format(alpha=alpha), False, z)
     return PrivacyReport(authors_epsilon(p, z, delta, accountant), delta, accountant,
-                         BASIS["authors"].format(accountant=accountant), False, z)
+                         BASIS["authors"].format(r=r, accountant=accountant), False, z)
 
 
-def calibrate(target_epsilon: float, delta: float, p: DiceParams, method: str = "certified",
+def calibrate(target_epsilon: float, delta: float, p: DiceParams, method: str = DEFAULT_DICE_ACCOUNTING,
               accountant: str = "pld") -> float:
     """Smallest z (0.1% tolerance) whose DiceSGD epsilon under ``method`` is <= the target."""
     check_epsilon(target_epsilon)
     check_delta(delta)
+    check_basis(method)
     if method == "authors":
         return gaussian.calibrate(target_epsilon, delta, p.sample_rate, p.steps, accountant) * authors_factor(p)
+    z_cons = gaussian.calibrate(target_epsilon, delta, 1.0, p.steps, "pld") * (1 + 2 * p.ratio)
     if method == "conservative":
-        return gaussian.calibrate(target_epsilon, delta, 1.0, p.steps, "pld") * (1 + 2 * p.ratio)
-    if method != "certified":
-        raise ConfigError(f"--dice-accounting must be one of {', '.join(DICE_ACCOUNTING)}, got {method!r}")
+        return z_cons
+    if method == "sound":
+        # eps_DPSGD(z) <= eps_sound(z) <= eps_conservative(z): the answer lies in [z_DPSGD, z_cons]
+        lo = gaussian.calibrate(target_epsilon, delta, p.sample_rate, p.steps, "pld") * (1 - 2e-3)
+        return _bisect(lambda z: sound_epsilon(p, z, delta) <= target_epsilon, lo, z_cons)
     if p.sample_rate > 0.2:
-        raise PrivacyAccountingError(f"cannot certify DiceSGD: sample rate q={p.sample_rate:g} > 1/5 "
-                                     "(Lemma A.11). Lower the batch size or use --dice-accounting conservative.")
+        raise PrivacyAccountingError(f"the paper's DiceSGD bound needs q <= 1/5 (Lemma A.11), got "
+                                     f"q={p.sample_rate:g}")
 
     def ok(z: float) -> bool:
         try:
-            return certified_epsilon(p, z, delta)[0] <= target_epsilon
+            return paper_epsilon(p, z, delta)[0] <= target_epsilon
         except PrivacyAccountingError:
             return False
 
-    lo, hi = 0.0, 8.0
+    hi = 8.0
     while not ok(hi):
-        lo, hi = hi, hi * 2
+        hi *= 2
         if hi > 1e8:
-            raise PrivacyAccountingError(f"cannot certify epsilon={target_epsilon:g} for DiceSGD with "
-                                         f"these settings (noise multiplier would exceed 1e8)")
+            raise PrivacyAccountingError(f"the paper's DiceSGD bound cannot reach epsilon={target_epsilon:g} "
+                                         f"with these settings (noise multiplier would exceed 1e8)")
+    return _bisect(ok, hi / 2 if hi > 8 else 0.0, hi)
+
+
+def _bisect(ok, lo: float, hi: float) -> float:
+    """Smallest z in (lo, hi] with ok(z), to 0.1% relative tolerance; ok(hi) must hold. Returns the
+    upper end of the bracket, so the answer always satisfies ok (never overshoots epsilon)."""
+    while not ok(hi):  # discretisation can put a bound a hair above its analytic bracket
+        lo, hi = hi, hi * 1.01
     while hi - lo > 1e-3 * hi:
         mid = 0.5 * (lo + hi)
         lo, hi = (lo, mid) if ok(mid) else (mid, hi)

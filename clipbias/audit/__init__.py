@@ -1,0 +1,18 @@
+"""Empirical privacy auditing: experiments that can refute an accounting claim.
+
+An accountant's epsilon is a proof; an audit is a distinguishing experiment whose success gives a
+*lower* bound on the true epsilon at a stated confidence, so a claim below it is false (and a claim
+above it is merely not refuted). Two experiments (docs/privacy.md, "Audits"):
+
+* ``canary``: the white-box Monte-Carlo test of ``canary.py``, thousands of runs per world through
+  the algorithm's own pipeline stages;
+* ``one_run``: Steinke, Nasr & Jagielski (2023), many canaries in one real training run.
+"""
+
+from .canary import CanaryAudit, canary_audit, check_batched, claim, simulate
+from .one_run import CanaryGradients, OneRunAudit, one_run_audit
+from .stats import epsilon_lower_bound, one_run_epsilon_lower_bound, one_run_p_value
+
+__all__ = ["CanaryAudit", "canary_audit", "check_batched", "claim", "simulate", "CanaryGradients",
+           "OneRunAudit", "one_run_audit", "epsilon_lower_bound", "one_run_epsilon_lower_bound",
+           "one_run_p_value"]

@@ -1,0 +1,156 @@
+"""The canary audit: a white-box Monte-Carlo distinguishing test (docs/privacy.md, "Audits").
+
+
+* datasets: D = {} and D' = {canary} (add/remove-one neighbours; the normaliser is the expected
+  batch size B as in every run, and q the Poisson rate);
+* the canary's per-example gradient is a fixed vector of norm ``canary_norm`` (a worst case for
+  clipping; for error feedback it saturates the hidden buffer), the only gradient in the run;
+* the mechanism is the algorithm's own ``Pipeline`` (the same stage objects a ``DPEngine`` step
+  runs), driven with a leading axis of independent trials: Poisson inclusion of the canary,
+  per-example stages, aggregation by B, error feedback, Gaussian noise;
+* the adversary sees every released noisy update and thresholds the statistic
+  ``S = sum_t <u_t, canary direction> / (sigma sqrt(T))`` (N(0, 1) under D for a noise-only run);
+* epsilon lower bound: for thresholds on a grid fixed in advance, Clopper-Pearson bounds on the
+  false-positive and true-positive rates in both directions, Bonferroni-corrected for every bound
+  used, ``eps >= ln((TPR_lo - delta) / FPR_hi)``; the best threshold is reported
+  (``clipbias.audit.stats.epsilon_lower_bound``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from .. import algorithms, privacy
+from ..algorithms import AlgoConfig
+from ..errors import ConfigError
+from ..privacy.report import check_delta, check_positive, check_rate, check_steps
+from ..transforms import Pipeline, StepContext
+from .stats import epsilon_lower_bound
+
+
+@dataclass(frozen=True)
+class CanaryAudit:
+    """One canary audit: the mechanism's settings, the claim to test, and the experiment's size."""
+
+    algo: str
+    noise_multiplier: float               # z the mechanism runs at
+    sample_rate: float
+    steps: int
+    batch_size: float                     # expected batch size B (the normaliser)
+    clip: float = 1.0
+    ef_clip: float | None = None          # C2 (DiceSGD family); default as in DPEngine
+    grad_bound: float | None = None
+    gamma: float = 0.01
+    dice_accounting: str = privacy.DEFAULT_DICE_ACCOUNTING
+    delta: float = 1e-5
+    claim_noise_multiplier: float | None = None  # the claim is computed at this z (default: z)
+    canary_norm: float | None = None      # default: grad_bound, else 1e4 * clip
+    trials: int = 4000
+    confidence: float = 0.95
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_positive(self.noise_multiplier, "--noise-multiplier")
+        check_rate(self.sample_rate)
+        check_steps(self.steps)
+        check_positive(self.batch_size, "--batch-size")
+        check_delta(self.delta)
+        if self.claim_noise_multiplier is not None:
+            check_positive(self.claim_noise_multiplier, "--claim-noise-multiplier")
+        if self.canary_norm is not None:
+            check_positive(self.canary_norm, "--canary-norm")
+        if not (isinstance(self.trials, int) and self.trials >= 10):
+            raise ConfigError(f"--trials must be an integer >= 10, got {self.trials!r}")
+        if not 0 < self.confidence < 1:
+            raise ConfigError(f"--confidence must lie in (0, 1), got {self.confidence!r}")
+
+    def algo_config(self) -> AlgoConfig:
+        ef_clip = self.ef_clip
+        if ef_clip is None and algorithms.get(self.algo).accounting == "dice":
+            ef_clip = privacy.dice.default_ef_clip(self.clip, self.batch_size)
+        return AlgoConfig(lr=1.0, clip=self.clip, ef_clip=ef_clip, grad_bound=self.grad_bound,
+                          gamma=self.gamma, extra=dict(self.extra))
+
+    @property
+    def norm(self) -> float:
+        if self.canary_norm is not None:
+            return self.canary_norm
+        return self.grad_bound if self.grad_bound is not None else 1e4 * self.clip
+
+
+def check_batched(name: str) -> algorithms.Algorithm:
+    """The algorithm, if its rows are per-example gradients mapped row by row (what the batched
+    canary simulation drives); a ConfigError naming the reason otherwise."""
+    algo = algorithms.get(name)
+    if not algo.private:
+        raise ConfigError(f"--algo {name} is not private (epsilon = inf): there is no claim to audit")
+    if getattr(algo, "backend", None) is not None or getattr(algo, "divisor", None) is not None:
+        raise ConfigError(f"--algo {name} computes its rows with its own backend (groups, momentum over "
+                          f"past iterates or augmentations), which the batched canary simulation does not "
+                          f"drive; audit it with --mode one-run")
+    return algo
+
+
+def simulate(audit: CanaryAudit, with_canary: bool, *, progress: bool = False) -> np.ndarray:
+    """The statistic S of ``audit.trials`` independent runs, with or without the canary."""
+    algo = check_batched(audit.algo)
+    cfg = audit.algo_config()
+    trials = audit.trials
+    seed = audit.seed * 2 + int(with_canary)
+    pipe = algo.pipeline(cfg, audit.batch_size, audit.noise_multiplier, seed, "cpu")
+    if pipe.noise is None or pipe.noise.std <= 0:
+        raise ConfigError(f"--algo {audit.algo}: its pipeline adds no noise")
+    sigma = pipe.noise.std
+    gen = torch.Generator().manual_seed(seed + (1 << 40))
+    canary = torch.full((trials, 1, 1), float(audit.norm))  # d = 1: a one-parameter model
+    total = torch.zeros(trials, 1)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=audit.steps, unit="step", mininterval=1.0, leave=False,
+                   desc=f"{'D' + chr(39) if with_canary else 'D'} ({trials} runs)")
+    for t in range(audit.steps):
+        ref, proc = pipe.rows(canary, StepContext(None, t))  # every stage of a DPEngine step
+        if with_canary:
+            inc = (torch.rand(trials, 1, generator=gen, dtype=torch.float64) < audit.sample_rate).float()
+        else:
+            inc = torch.zeros(trials, 1)
+        # D = {} has no example at all; D' = {canary} has it in the batch with probability q
+        u = Pipeline.finish(pipe, proc * inc, ref * inc)  # released noisy update (before post-processing)
+        pipe.commit()
+        total += u
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return (total[:, 0] / (sigma * math.sqrt(audit.steps))).numpy().astype(np.float64)
+
+
+def claim(audit: CanaryAudit) -> privacy.PrivacyReport:
+    """What the library states for this configuration (at ``claim_noise_multiplier`` if given)."""
+    algo = algorithms.get(audit.algo)
+    z = audit.claim_noise_multiplier or audit.noise_multiplier
+    spec = algo.spec(audit.algo_config(), audit.sample_rate, z, audit.batch_size)
+    return privacy.account(spec, audit.steps, audit.delta, "pld", audit.dice_accounting)
+
+
+def canary_audit(audit: CanaryAudit, *, progress: bool = False) -> dict:
+    """Run the canary audit and compare with the claim. Returns the JSON-able result."""
+    rep = claim(audit)
+    null = simulate(audit, False, progress=progress)
+    alt = simulate(audit, True, progress=progress)
+    lb = epsilon_lower_bound(null, alt, audit.delta, audit.confidence)
+    refuted = lb["epsilon_lower_bound"] > rep.epsilon
+    return {
+        **lb,
+        "epsilon_claimed": rep.epsilon, "certified": rep.certified, "basis": rep.basis,
+        "refuted": refuted, "confidence": audit.confidence, "method": "canary",
+        "trials": audit.trials, "delta": audit.delta,
+        "mean_shift": float(alt.mean() - null.mean()),
+        "settings": {k: v for k, v in asdict(audit).items() if k != "extra"},
+    }

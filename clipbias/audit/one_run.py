@@ -1,0 +1,191 @@
+"""The one-run audit (Steinke, Nasr & Jagielski 2023): m canaries, one real training run.
+
+Each of ``m`` canaries is included in the training set independently with probability 1/2; one run
+of the algorithm (a real ``DPEngine`` on a real model and data set) trains on the real examples plus
+the included canaries; the auditor scores every canary, guesses "in" for the ``k`` highest scores and
+"out" for the ``k`` lowest, and the number of right guesses gives an epsilon lower bound
+(``stats.one_run_epsilon_lower_bound``; Bonferroni over the ``k`` tried).
+
+* ``gradient`` canaries (white-box): canary j's per-example gradient is ``norm * e_{c_j}`` on its own
+  random coordinate c_j (a Dirac gradient, inserted in the engine's per-example rows by
+  ``CanaryGradients``); score: ``theta_0[c_j] - theta_T[c_j]``, the released updates' sum along c_j.
+  For algorithms whose rows are per-example gradients (no row backend of their own).
+* ``input`` canaries (black-box): held-out test images with random labels; score: minus the final
+  model's loss on them. Any algorithm.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor
+
+from .. import algorithms, privacy
+from ..errors import ConfigError
+from ..grads import FuncGradients, ParamLayout, cross_entropy
+from ..privacy.report import check_delta, check_positive
+from .stats import one_run_epsilon_lower_bound
+
+GUESS_FRACTIONS = (0.02, 0.05, 0.1, 0.2)  # k / m tried (each side), fixed a priori
+
+
+@dataclass(frozen=True)
+class OneRunAudit:
+    algo: str
+    noise_multiplier: float
+    batch_size: float
+    steps: int
+    canaries: int = 1000
+    canary_type: str = "gradient"
+    data: str = "fashion-mnist"
+    model: str = "cnn"
+    lr: float = 4.0
+    clip: float = 0.1
+    momentum: float = 0.9
+    ef_clip: float | None = None
+    canary_norm: float | None = None      # gradient canaries: default 10 C1 (clipped to C1)
+    delta: float = 1e-5
+    dice_accounting: str = privacy.DEFAULT_DICE_ACCOUNTING
+    claim_noise_multiplier: float | None = None
+    confidence: float = 0.95
+    seed: int = 0
+    subset: int | None = None
+
+    def __post_init__(self) -> None:
+        check_positive(self.noise_multiplier, "--noise-multiplier")
+        check_delta(self.delta)
+        if self.canary_type not in ("gradient", "input"):
+            raise ConfigError(f"--canary-type must be gradient or input, got {self.canary_type!r}")
+        if not (isinstance(self.canaries, int) and self.canaries >= 20):
+            raise ConfigError(f"--canaries must be an integer >= 20, got {self.canaries!r}")
+        if not (isinstance(self.steps, int) and self.steps >= 1):
+            raise ConfigError(f"--steps must be an integer >= 1, got {self.steps!r}")
+
+
+class CanaryGradients:
+    """Per-example rows of ``inner`` for real examples; a Dirac row ``norm * e_{c_j}`` for canary j.
+
+    Canaries are marked by negative labels ``y = -1 - j`` (their inputs are ignored), so the engine's
+    ordinary Poisson sampling and micro-batching carry them like any example.
+    """
+
+    def __init__(self, inner: FuncGradients, coords: Tensor, norm: float) -> None:
+        self.inner, self.layout = inner, inner.layout
+        self.coords, self.norm = coords, float(norm)
+
+    def __call__(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        is_canary = y < 0
+        rows = torch.zeros(len(y), self.layout.dim, device=x.device)
+        losses = torch.zeros(len(y), device=x.device)
+        real = (~is_canary).nonzero().flatten()
+        if len(real):
+            g, loss = self.inner(x[real], y[real])
+            rows[real], losses[real] = g, loss
+        can = is_canary.nonzero().flatten()
+        rows[can, self.coords.to(x.device)[-1 - y[can]]] = self.norm
+        return rows, losses
+
+
+def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dict:
+    """Train once with the canaries, score them, and bound epsilon from below."""
+    from ..engine import DPEngine
+    from ..train import TrainConfig, _build_model, evaluate, prepare_splits
+
+    algo = algorithms.get(a.algo)
+    if not algo.private:
+        raise ConfigError(f"--algo {a.algo} is not private (epsilon = inf): there is no claim to audit")
+    if a.canary_type == "gradient" and getattr(algo, "backend", None) is not None:
+        raise ConfigError(f"--algo {a.algo} computes its rows with its own backend: gradient canaries cannot "
+                          f"be inserted; use --canary-type input")
+    cfg = TrainConfig(data=a.data, model=a.model, algo=a.algo, noise_multiplier=a.noise_multiplier,
+                      batch_size=a.batch_size, lr=a.lr, clip=a.clip, ef_clip=a.ef_clip, momentum=a.momentum,
+                      delta=a.delta, dice_accounting=a.dice_accounting, subset=a.subset, seed=a.seed)
+    cfg.validate()
+    splits = splits or prepare_splits(cfg)
+    gen = torch.Generator().manual_seed(a.seed)
+    m = a.canaries
+    inside = torch.rand(m, generator=gen) < 0.5
+    torch.manual_seed(a.seed)
+    model = _build_model(cfg, tuple(splits.info["input_shape"]), splits.info["num_classes"])
+    x_test, y_test = splits.x_test, splits.y_test
+    if a.canary_type == "gradient":
+        inner = FuncGradients(model, cross_entropy)
+        coords = torch.randperm(inner.layout.dim, generator=gen)[:m]
+        if len(coords) < m:
+            raise ConfigError(f"--canaries {m} exceeds the model's {inner.layout.dim} parameters")
+        grads = CanaryGradients(inner, coords, a.canary_norm or 10 * a.clip)
+        ids = inside.nonzero().flatten()
+        x_can = torch.zeros(len(ids), *splits.x_train.shape[1:])
+        y_can = -1 - ids
+    else:
+        if m >= len(y_test):
+            raise ConfigError(f"--canaries {m} must be below the {len(y_test)} test examples")
+        perm = torch.randperm(len(y_test), generator=gen)
+        can_x, keep = x_test[perm[:m]], perm[m:]
+        can_y = torch.randint(0, splits.info["num_classes"], (m,), generator=gen)
+        x_test, y_test = x_test[keep], y_test[keep]
+        x_can, y_can, grads = can_x[inside], can_y[inside], None
+    x_all = torch.cat([splits.x_train, x_can])
+    y_all = torch.cat([splits.y_train, y_can])
+    engine = DPEngine(model, a.algo, n=len(y_all), batch_size=a.batch_size, steps=a.steps,
+                      noise_multiplier=a.noise_multiplier, delta=a.delta, dice_accounting=a.dice_accounting,
+                      config=cfg.algo_config(), grads=grads)
+    layout = engine.grads.layout
+    theta0 = torch.cat([p.detach().flatten() for p in layout.params(model)]).clone()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=a.steps, unit="step", mininterval=1.0, leave=False, desc=f"one-run {a.algo}")
+    for _ in range(a.steps):
+        idx = engine.sampler.sample()
+        engine.step(x_all[idx], y_all[idx], idx)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    if a.canary_type == "gradient":
+        theta = torch.cat([p.detach().flatten() for p in layout.params(model)])
+        scores = (theta0 - theta)[coords]
+    else:
+        with torch.no_grad():
+            model.eval()
+            scores = -torch.nn.functional.cross_entropy(model(can_x), can_y, reduction="none")
+    acc, _ = evaluate(model, x_test, y_test)
+    order = torch.argsort(scores, descending=True)
+    best = {"epsilon_lower_bound": 0.0, "guesses": 0, "correct": 0}
+    level = 1 - (1 - a.confidence) / len(GUESS_FRACTIONS)
+    for frac in GUESS_FRACTIONS:
+        k = max(1, int(frac * m))
+        correct = int(inside[order[:k]].sum()) + int((~inside[order[-k:]]).sum())
+        eps = one_run_epsilon_lower_bound(m, 2 * k, correct, a.delta, level)
+        if eps > best["epsilon_lower_bound"]:
+            best = {"epsilon_lower_bound": eps, "guesses": 2 * k, "correct": correct}
+    z_claim = a.claim_noise_multiplier or a.noise_multiplier
+    spec = algo.spec(engine.config, engine.sample_rate, z_claim, engine.expected_batch_size)
+    rep = privacy.account(spec, a.steps, a.delta, "pld", a.dice_accounting)
+    return {**best, "epsilon_claimed": rep.epsilon, "certified": rep.certified, "basis": rep.basis,
+            "refuted": best["epsilon_lower_bound"] > rep.epsilon, "confidence": a.confidence,
+            "method": f"one-run ({a.canary_type} canaries; Steinke, Nasr & Jagielski 2023)",
+            "canaries": m, "included": int(inside.sum()), "delta": a.delta, "test_accuracy": acc,
+            "settings": asdict(a), "sample_rate": engine.sample_rate,
+            "score_gap": float(scores[inside].mean() - scores[~inside].mean())
+            if 0 < int(inside.sum()) < m else math.nan}
+
+
+def run_from_args(args) -> dict:
+    """``clipbias audit --mode one-run``: B from --batch-size, else q times the training-set size."""
+    from ..train import TrainConfig, prepare_splits
+    lr = args.lr if args.lr is not None else 4.0
+    probe = TrainConfig(data=args.data, model=args.model, algo=args.algo, noise_multiplier=args.noise_multiplier,
+                        batch_size=1.0, lr=lr, clip=args.clip)
+    probe.validate()
+    splits = prepare_splits(probe)
+    b = args.batch_size if args.batch_size is not None else args.sample_rate * splits.n
+    a = OneRunAudit(algo=args.algo, noise_multiplier=args.noise_multiplier, batch_size=b, steps=args.steps,
+                    canaries=args.canaries, canary_type=args.canary_type, data=args.data, model=args.model,
+                    lr=lr, clip=args.clip, ef_clip=args.ef_clip, canary_norm=args.canary_norm, delta=args.delta,
+                    dice_accounting=args.dice_accounting, claim_noise_multiplier=args.claim_noise_multiplier,
+                    confidence=args.confidence, seed=args.seed)
+    return one_run_audit(a, progress=not args.quiet, splits=splits)

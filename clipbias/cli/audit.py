@@ -1,0 +1,92 @@
+"""``clipbias audit``: an experiment that can refute a privacy claim (docs/privacy.md, "Audits")."""
+
+from __future__ import annotations
+
+import argparse
+
+from .. import audit
+from ..errors import ConfigError
+from ..privacy import DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING
+from ..train import load_algorithms
+from ._common import emit
+
+
+def _canary(args: argparse.Namespace) -> dict:
+    a = audit.CanaryAudit(
+        algo=args.algo, noise_multiplier=args.noise_multiplier, sample_rate=args.sample_rate,
+        steps=args.steps, batch_size=args.batch_size, clip=args.clip, ef_clip=args.ef_clip,
+        grad_bound=args.grad_bound, gamma=args.gamma, dice_accounting=args.dice_accounting,
+        delta=args.delta, claim_noise_multiplier=args.claim_noise_multiplier, canary_norm=args.canary_norm,
+        trials=args.trials, confidence=args.confidence, seed=args.seed)
+    return audit.canary_audit(a, progress=not args.quiet)
+
+
+def _run(args: argparse.Namespace) -> int:
+    load_algorithms()
+    if args.mode == "canary":
+        if args.batch_size is None:
+            raise ConfigError("--batch-size B (the expected batch size, the update's normaliser) is required")
+        res = _canary(args)
+    else:
+        from ..audit.one_run import run_from_args
+        res = run_from_args(args)
+    if args.json:
+        emit(res, True)
+        return 0
+    verdict = ("REFUTED: the attack's lower bound exceeds the claim" if res["refuted"] else
+               "not refuted (an audit can only refute; a passing audit is not a proof)")
+    emit({"algo": args.algo, "method": res["method"],
+          "epsilon lower bound": f"{res['epsilon_lower_bound']:.4g} (at {res['confidence']:.0%} confidence, "
+                                 f"delta {res['delta']:g})",
+          "epsilon claimed": f"{res['epsilon_claimed']:.4g}",
+          "certified": str(res["certified"]).lower(), "basis": res["basis"],
+          "verdict": verdict,
+          **({"trials": f"{res['trials']} per world"} if "trials" in res else {"canaries": res["canaries"]})},
+         False)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "audit", help="empirical privacy audit: a lower bound on epsilon that can refute a claim",
+        description="Run a distinguishing attack against an algorithm and compare its epsilon lower bound "
+                    "(Clopper-Pearson, Bonferroni-corrected) with the epsilon the library claims. "
+                    "canary (default): white-box Monte-Carlo test, D = {} vs D' = {canary}, the "
+                    "algorithm's own pipeline stages over --trials independent runs per world. "
+                    "one-run: Steinke, Nasr & Jagielski (2023), m canaries in one training run.")
+    p.add_argument("--algo", required=True, metavar="NAME", help="the algorithm to audit (e.g. dpsgd, dice)")
+    p.add_argument("--mode", choices=("canary", "one-run"), default="canary")
+    p.add_argument("--noise-multiplier", type=float, required=True, metavar="Z",
+                   help="the noise multiplier the mechanism runs at")
+    p.add_argument("--claim-noise-multiplier", type=float, default=None, metavar="Z2",
+                   help="compute the claimed epsilon at Z2 while the mechanism runs at Z (catches an "
+                        "implementation that adds less noise than it claims)")
+    p.add_argument("--sample-rate", type=float, required=True, metavar="Q", help="Poisson sampling rate q")
+    p.add_argument("--steps", type=int, required=True, metavar="T")
+    p.add_argument("--batch-size", type=float, default=None, metavar="B",
+                   help="expected batch size B (canary mode: the normaliser of the update)")
+    p.add_argument("--clip", type=float, default=1.0, metavar="C1")
+    p.add_argument("--ef-clip", type=float, default=None, metavar="C2",
+                   help="DiceSGD feedback clip (default 0.01 C1 / B, as in training)")
+    p.add_argument("--grad-bound", type=float, default=None, metavar="G",
+                   help="outer clip of every per-example gradient (also the canary's norm by default)")
+    p.add_argument("--gamma", type=float, default=0.01, help="normalisation constant (normalized, dice-auto)")
+    p.add_argument("--dice-accounting", choices=DICE_ACCOUNTING, default=DEFAULT_DICE_ACCOUNTING,
+                   help="the DiceSGD basis whose claim is tested (default sound)")
+    p.add_argument("--delta", type=float, default=1e-5)
+    p.add_argument("--trials", type=int, default=4000, metavar="N",
+                   help="canary mode: independent runs per world (default 4000)")
+    p.add_argument("--canary-norm", type=float, default=None, metavar="G",
+                   help="canary mode: the canary gradient's norm (default --grad-bound, else 1e4 C1)")
+    p.add_argument("--canaries", type=int, default=1000, metavar="M",
+                   help="one-run mode: number of canaries, each included with probability 1/2")
+    p.add_argument("--canary-type", choices=("gradient", "input"), default="gradient",
+                   help="one-run mode: white-box Dirac gradient canaries or black-box input canaries")
+    p.add_argument("--data", default="fashion-mnist", help="one-run mode: data set")
+    p.add_argument("--model", default="cnn", help="one-run mode: model")
+    p.add_argument("--lr", type=float, default=None, help="one-run mode: learning rate")
+    p.add_argument("--confidence", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0, help="seed of the experiment (the audit's own randomness)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_run)

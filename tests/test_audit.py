@@ -93,3 +93,68 @@ def test_refusals_name_the_problem():
     with pytest.raises(ConfigError, match="--trials"):
         audit.CanaryAudit("dpsgd", 1.0, 0.01, 10, 10.0, trials=3)
     assert algorithms.get("dice").private
+
+
+# ---------------------------------------------------------------- one-run audit (Steinke et al. 2023)
+def test_one_run_p_value_without_delta_is_the_binomial_tail():
+    from scipy.stats import binom
+    for eps in (0.0, 0.5, 2.0):
+        p = 1 / (1 + math.exp(-eps))
+        assert audit.one_run_p_value(1000, 200, 150, eps, 0.0) == pytest.approx(binom.sf(149, 200, p), rel=1e-9)
+    # delta only adds: the bound is never below the pure-DP tail
+    assert audit.one_run_p_value(1000, 200, 150, 1.0, 1e-5) >= audit.one_run_p_value(1000, 200, 150, 1.0, 0.0)
+
+
+def test_one_run_bound_against_randomized_response():
+    """Guesses right with probability e^eps0 / (1 + e^eps0) (the eps0-DP randomized response, which
+    the theorem says is the worst case): the 95% lower bound exceeds eps0 in about 5% of experiments
+    (here 1 of 20, seeded) and otherwise approaches it from below."""
+    rng = np.random.default_rng(3)
+    eps0, r = 2.0, 2000
+    hits = []
+    for _ in range(20):
+        v = int(rng.binomial(r, 1 / (1 + math.exp(-eps0))))
+        hits.append(audit.one_run_epsilon_lower_bound(r, r, v, 0.0, 0.95))
+    assert sum(h > eps0 for h in hits) <= 2 and np.median(hits) < eps0 and min(hits) > 1.5
+    assert audit.one_run_epsilon_lower_bound(1000, 100, 50, 1e-5) == 0.0  # chance guessing: no bound
+
+
+def test_canary_gradients_insert_dirac_rows_and_keep_real_rows():
+    import torch
+    from clipbias.grads import FuncGradients
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    inner = FuncGradients(model)
+    coords = torch.tensor([4, 1, 7])
+    cg = audit.CanaryGradients(inner, coords, 5.0)
+    x = torch.randn(4, 3)
+    y = torch.tensor([1, -1, 0, -3])  # examples 1 and 3 are canaries 0 and 2
+    rows, _ = cg(x, y)
+    real, _ = inner(x[[0, 2]], y[[0, 2]])
+    assert torch.equal(rows[[0, 2]], real)
+    expect = torch.zeros(2, inner.layout.dim)
+    expect[0, 4], expect[1, 7] = 5.0, 5.0
+    assert torch.equal(rows[[1, 3]], expect)
+
+
+def test_cli_audit_json_keys(capsys):
+    import json
+    from clipbias.cli import main
+    code = main(["audit", "--algo", "dpsgd", "--noise-multiplier", "0.3", "--claim-noise-multiplier", "3",
+                 "--sample-rate", "0.01", "--steps", "500", "--batch-size", "10", "--trials", "2000",
+                 "--quiet", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0 and d["refuted"] and d["method"] == "canary" and d["trials"] == 2000
+    assert {"epsilon_lower_bound", "epsilon_claimed", "certified", "confidence"} <= set(d)
+
+
+def test_one_run_audit_end_to_end_catches_understated_noise():
+    """A real DPEngine run on digits with 200 Dirac gradient canaries: the run at z = 0.3 that claims
+    z = 5 is refuted; the honest claim at z = 0.3 is not (it is far above what 200 canaries can show)."""
+    kw = dict(algo="dpsgd", noise_multiplier=0.3, batch_size=67.35, steps=100, canaries=200, data="digits",
+              model="mlp", lr=0.5, clip=1.0, seed=1)
+    cheat = audit.one_run_audit(audit.OneRunAudit(**kw, claim_noise_multiplier=5.0))
+    assert cheat["refuted"] and cheat["epsilon_lower_bound"] > cheat["epsilon_claimed"]
+    assert cheat["canaries"] == 200 and 0 < cheat["correct"] <= cheat["guesses"]
+    honest = audit.one_run_audit(audit.OneRunAudit(**kw))
+    assert not honest["refuted"] and honest["epsilon_lower_bound"] < honest["epsilon_claimed"]

@@ -8,7 +8,8 @@ the included canaries; the auditor scores every canary, guesses "in" for the ``k
 
 * ``gradient`` canaries (white-box): canary j's per-example gradient is ``norm * e_{c_j}`` on its own
   random coordinate c_j (a Dirac gradient, inserted in the engine's per-example rows by
-  ``CanaryGradients``); score: ``theta_0[c_j] - theta_T[c_j]``, the released updates' sum along c_j.
+  ``CanaryGradients``); score: ``theta_0[c_j] - theta_T[c_j]``, the released updates' sum along c_j,
+  divided by the spread of the updates of c_j's parameter tensor.
   For algorithms whose rows are per-example gradients (no row backend of their own).
 * ``input`` canaries (black-box): held-out test images with random labels; score: minus the final
   model's loss on them. Any algorithm.
@@ -16,6 +17,7 @@ the included canaries; the auditor scores every canary, guesses "in" for the ``k
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
@@ -35,7 +37,7 @@ GUESS_FRACTIONS = (0.02, 0.05, 0.1, 0.2)  # k / m tried (each side), fixed a pri
 class OneRunAudit:
     algo: str
     noise_multiplier: float
-    batch_size: float
+    batch_size: float | None              # None: full batch (every example, canaries included, each step)
     steps: int
     canaries: int = 1000
     canary_type: str = "gradient"
@@ -96,12 +98,14 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
     algo = algorithms.get(a.algo)
     if not algo.private:
         raise ConfigError(f"--algo {a.algo} is not private (epsilon = inf): there is no claim to audit")
+    public = any(st.key == "public" for st in getattr(algo, "schema", ()))
     if a.canary_type == "gradient" and getattr(algo, "backend", None) is not None:
         raise ConfigError(f"--algo {a.algo} computes its rows with its own backend: gradient canaries cannot "
                           f"be inserted; use --canary-type input")
     cfg = TrainConfig(data=a.data, model=a.model, algo=a.algo, noise_multiplier=a.noise_multiplier,
-                      batch_size=a.batch_size, lr=a.lr, clip=a.clip, ef_clip=a.ef_clip, momentum=a.momentum,
-                      delta=a.delta, dice_accounting=a.dice_accounting, subset=a.subset, seed=a.seed)
+                      batch_size=a.batch_size or 1.0, lr=a.lr, clip=a.clip, ef_clip=a.ef_clip, momentum=a.momentum,
+                      delta=a.delta, dice_accounting=a.dice_accounting, subset=a.subset, seed=a.seed,
+                      extra={"public_size": 100} if public else {})
     cfg.validate()
     splits = splits or prepare_splits(cfg)
     gen = torch.Generator().manual_seed(a.seed)
@@ -109,6 +113,15 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
     inside = torch.rand(m, generator=gen) < 0.5
     torch.manual_seed(a.seed)
     model = _build_model(cfg, tuple(splits.info["input_shape"]), splits.info["num_classes"])
+    algo_cfg, logits = cfg.algo_config(), model
+    if public:  # BatchClipping: the BatchNorm variant, public features from the test split (App. E)
+        from ..methods import batchclip_logits, batchnorm_variant
+        model = batchnorm_variant(model)
+        algo_cfg = dataclasses.replace(algo_cfg, extra={**cfg.extra, "public": splits.public_x})
+        p_group = algo.settings(algo_cfg)["p"]
+
+        def logits(x: Tensor) -> Tensor:
+            return batchclip_logits(model, x, splits.public_x, p_group, seed=a.seed)
     x_test, y_test = splits.x_test, splits.y_test
     if a.canary_type == "gradient":
         inner = FuncGradients(model, cross_entropy)
@@ -129,9 +142,10 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
         x_can, y_can, grads = can_x[inside], can_y[inside], None
     x_all = torch.cat([splits.x_train, x_can])
     y_all = torch.cat([splits.y_train, y_can])
-    engine = DPEngine(model, a.algo, n=len(y_all), batch_size=a.batch_size, steps=a.steps,
+    batch = float(len(y_all)) if a.batch_size is None else a.batch_size
+    engine = DPEngine(model, a.algo, n=len(y_all), batch_size=batch, steps=a.steps,
                       noise_multiplier=a.noise_multiplier, delta=a.delta, dice_accounting=a.dice_accounting,
-                      config=cfg.algo_config(), grads=grads)
+                      config=algo_cfg, grads=grads)
     layout = engine.grads.layout
     theta0 = torch.cat([p.detach().flatten() for p in layout.params(model)]).clone()
     bar = None
@@ -146,13 +160,17 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
     if bar is not None:
         bar.close()
     if a.canary_type == "gradient":
-        theta = torch.cat([p.detach().flatten() for p in layout.params(model)])
-        scores = (theta0 - theta)[coords]
+        # the total update along each canary's coordinate, in units of the spread of its parameter
+        # tensor's updates (real training moves layers by very different amounts; a function of the
+        # released model only, so the guesses stay valid)
+        moved = theta0 - torch.cat([p.detach().flatten() for p in layout.params(model)])
+        spread = torch.cat([c.std().expand(len(c)) for c in torch.split(moved, layout.numels)])
+        scores = moved[coords] / spread[coords].clamp_min(1e-12)
     else:
         with torch.no_grad():
             model.eval()
-            scores = -torch.nn.functional.cross_entropy(model(can_x), can_y, reduction="none")
-    acc, _ = evaluate(model, x_test, y_test)
+            scores = -torch.nn.functional.cross_entropy(logits(can_x), can_y, reduction="none")
+    acc, _ = evaluate(model, x_test, y_test, predict=(lambda m, x: logits(x).argmax(1)) if public else None)
     order = torch.argsort(scores, descending=True)
     best = {"epsilon_lower_bound": 0.0, "guesses": 0, "correct": 0}
     level = 1 - (1 - a.confidence) / len(GUESS_FRACTIONS)
@@ -171,21 +189,26 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
             "canaries": m, "included": int(inside.sum()), "delta": a.delta, "test_accuracy": acc,
             "settings": asdict(a), "sample_rate": engine.sample_rate,
             "score_gap": float(scores[inside].mean() - scores[~inside].mean())
-            if 0 < int(inside.sum()) < m else math.nan}
+            if 0 < int(inside.sum()) < m else math.nan, "score_std": float(scores.std())}
 
 
 def run_from_args(args) -> dict:
     """``clipbias audit --mode one-run``: B from --batch-size, else q times the training-set size."""
     from ..train import TrainConfig, prepare_splits
     lr = args.lr if args.lr is not None else 4.0
+    public = any(st.key == "public" for st in getattr(algorithms.get(args.algo), "schema", ()))
     probe = TrainConfig(data=args.data, model=args.model, algo=args.algo, noise_multiplier=args.noise_multiplier,
-                        batch_size=1.0, lr=lr, clip=args.clip)
+                        batch_size=1.0, lr=lr, clip=args.clip, subset=args.subset,
+                        extra={"public_size": 100} if public else {})
     probe.validate()
     splits = prepare_splits(probe)
-    b = args.batch_size if args.batch_size is not None else args.sample_rate * splits.n
+    if args.sample_rate >= 1:
+        b = None  # full batch: B = N + the included canaries
+    else:
+        b = args.batch_size if args.batch_size is not None else args.sample_rate * splits.n
     a = OneRunAudit(algo=args.algo, noise_multiplier=args.noise_multiplier, batch_size=b, steps=args.steps,
                     canaries=args.canaries, canary_type=args.canary_type, data=args.data, model=args.model,
                     lr=lr, clip=args.clip, ef_clip=args.ef_clip, canary_norm=args.canary_norm, delta=args.delta,
                     dice_accounting=args.dice_accounting, claim_noise_multiplier=args.claim_noise_multiplier,
-                    confidence=args.confidence, seed=args.seed)
+                    confidence=args.confidence, seed=args.seed, subset=args.subset)
     return one_run_audit(a, progress=not args.quiet, splits=splits)

@@ -84,7 +84,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="one-run mode: white-box Dirac gradient canaries or black-box input canaries")
     p.add_argument("--data", default="fashion-mnist", help="one-run mode: data set")
     p.add_argument("--model", default="cnn", help="one-run mode: model")
-    p.add_argument("--lr", type=float, default=None, help="one-run mode: learning rate")
+    p.add_argument("--lr", type=float, default=None, help="one-run mode: learning rate (default 4)")
+    p.add_argument("--subset", type=int, default=None, metavar="N",
+                   help="one-run mode: train on the first N training examples (plus the included canaries)")
     p.add_argument("--confidence", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0, help="seed of the experiment (the audit's own randomness)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

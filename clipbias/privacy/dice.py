@@ -240,8 +240,9 @@ def authors_epsilon(p: DiceParams, z: float, delta: float, accountant: str = "pl
     return gaussian.epsilon(z / authors_factor(p), p.sample_rate, p.steps, delta, accountant)
 
 
-REFUTED = ("REFUTED by a canary attack on the hidden feedback buffer (docs/privacy.md, 'Audits'; "
-           "`clipbias audit --algo dice --dice-accounting {basis}`): NOT a guarantee")
+REFUTED = ("REFUTED by a canary attack on the hidden feedback buffer (epsilon >= 6.57 where the paper's bound "
+           "states 1.63; >= 7.63 where the authors' protocol states 2; docs/privacy.md, `clipbias audit --algo "
+           "dice --dice-accounting {basis}`): NOT a guarantee")
 BASIS = {
     "sound": "DiceSGD error feedback, sound bound (clipbias docs/privacy.md): per step the mixture "
              "(1-q) N(2r, z^2) + q N(2r+1, z^2) vs N(0, z^2) in units of C1/B, r = B C2/C1 = {r:.4g}, "

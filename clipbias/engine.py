@@ -48,10 +48,12 @@ class DPEngine:
     """Private training with one of ``clipbias.algorithms.ALGORITHMS``.
 
     Give either ``epsilon`` (the noise multiplier is calibrated for ``steps`` steps, never
-    overshooting) or ``noise_multiplier``. Error-feedback algorithms (DiceSGD family) are accounted
-    by ``dice_accounting`` (default ``sound``; ``paper`` and ``authors`` are refuted and report
-    ``certified = False``); without ``config.ef_clip`` they use C2 = 0.01 C1 / B (r = 0.01). ``batch_size`` is the *expected* Poisson batch size B;
+    overshooting) or ``noise_multiplier``. ``batch_size`` is the *expected* Poisson batch size B;
     the sampling rate is q = B / n. ``steps`` defaults to ``epochs * round(n / B)``.
+
+    Error-feedback algorithms (the DiceSGD family) are accounted by ``dice_accounting`` (default
+    ``sound``; ``paper`` and ``authors`` are refuted and report ``certified = False``); without
+    ``config.ef_clip`` they use C2 = 0.01 C1 / B (feedback ratio r = 0.01).
 
     Randomness: the caller seeds the model init (public). The Poisson batches, the pipeline's draws
     (Gaussian noise, pre-clipping perturbation) and the keyed per-example draws of the gradient
@@ -63,7 +65,7 @@ class DPEngine:
     not cryptographically secure (as in Opacus without ``secure_mode``): see docs/privacy.md.
 
     Gradient backend: ``grads`` if given, else ``algo.gradients(model, loss_fn, config, n=,
-    batch_size=, seed=<secret keyed stream>)`` when the algorithm defines it (the methods of ``clipbias.methods``), else
+    batch_size=, seed=<the secret key>)`` when the algorithm defines it (``clipbias.methods``), else
     ``FuncGradients``. Optional backend hooks: ``iter_rows(x, y, indices, step, max_physical_batch)``
     yields ``(rows, losses, ids)`` for a whole logical batch; ``commit()`` runs after each successful
     step; ``state_dict``/``load_state_dict`` are part of the engine's checkpoint.

@@ -29,14 +29,10 @@ class StepContext:
 
 
 def clip_rows(g: Tensor, c: float) -> Tensor:
-    """clip(g_i, C) = g_i * min(1, C / ||g_i||), row-wise (global L2 norm over all parameters)."""
+    """clip(g_i, C) = g_i * min(1, C / ||g_i||) along the last axis (global L2 norm over all
+    parameters): each row of ``[..., b, d]``, or one vector ``[d]``."""
     norms = g.norm(dim=-1, keepdim=True)
     return g * torch.clamp(c / norms.clamp_min(1e-30), max=1.0)
-
-
-def clip_vec(v: Tensor, c: float) -> Tensor:
-    """clip(v, C) of one vector ``[d]`` (or of each of ``[..., d]``)."""
-    return clip_rows(v, c)
 
 
 def normalize_rows(g: Tensor, gamma: float) -> Tensor:
@@ -115,7 +111,7 @@ class ErrorFeedback(Stage):
 
     def feedback(self, e: Tensor) -> Tensor:
         if self.c2 is not None:
-            return clip_vec(e, self.c2)
+            return clip_rows(e, self.c2)
         return e / (e.norm(dim=-1, keepdim=True) + self.gamma)
 
     def __call__(self, aggregate: Tensor, reference_mean: Tensor) -> Tensor:

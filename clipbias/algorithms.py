@@ -139,6 +139,14 @@ register(Algorithm(
     dice_units=lambda c: (1.0, 1.0)))
 
 
+def reads_ef_clip(algo: Algorithm) -> bool:
+    """Whether ``algo`` clips an error-feedback buffer with ``AlgoConfig.ef_clip`` (C2)."""
+    if algo.accounting != "dice" and algo.name != "ef-sgd":
+        return False
+    _, ef = algo.stages(AlgoConfig(clip=2.0, ef_clip=3.0))
+    return ef is not None and ef.c2 == 3.0
+
+
 def make_optimizer(name: str, params, cfg: AlgoConfig) -> torch.optim.Optimizer:
     """The base optimizer that consumes the private update as ``.grad``."""
     if name == "sgd":

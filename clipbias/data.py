@@ -52,6 +52,7 @@ FASHION_MNIST_STD = 0.3530
 
 DEFAULT_FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
+FASHION_MNIST_CLASSES = 10
 _FASHION_FILES = {
     "x_train": "train-images-idx3-ubyte.gz",
     "y_train": "train-labels-idx1-ubyte.gz",
@@ -199,6 +200,12 @@ def _decode_fashion(paths: dict[str, Path]) -> dict[str, Tensor]:
         if images.shape[1:] != (28, 28) or images.shape[0] != labels.shape[0]:
             raise IdxFormatError(f"Fashion-MNIST {split}: images {images.shape} and labels "
                                  f"{labels.shape} do not fit together")
+        bad = np.flatnonzero(labels >= FASHION_MNIST_CLASSES)
+        if len(bad):  # a corrupted label byte would otherwise add classes to the model silently
+            raise IdxFormatError(f"{paths[f'y_{split}']}: label {int(labels[bad[0]])} at index {int(bad[0])} "
+                                 f"({len(bad)} label(s) in all) is outside Fashion-MNIST's classes "
+                                 f"0..{FASHION_MNIST_CLASSES - 1}: the file is corrupted; reinstall it with "
+                                 f"`apt-get install --reinstall {FASHION_MNIST_PACKAGE}`")
         x = torch.from_numpy(images.astype(np.float32)).div_(255.0)
         x = x.sub_(FASHION_MNIST_MEAN).div_(FASHION_MNIST_STD).unsqueeze(1)
         out[f"x_{split}"] = x.contiguous()

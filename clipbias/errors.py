@@ -25,3 +25,7 @@ class PrivacyAccountingError(ClipbiasError, ValueError):
 
 class ResumeMismatchError(ClipbiasError, ValueError):
     """A resumed run's privacy-relevant settings differ from the checkpoint's."""
+
+
+class TrainingDivergedError(ClipbiasError, FloatingPointError):
+    """The training loss (or the model) became infinite or NaN: the result is unusable."""

@@ -39,7 +39,7 @@ from . import algorithms, privacy
 from .algorithms import AlgoConfig
 from .data import DATASET_NAMES, Dataset, load_dataset
 from .engine import DPEngine
-from .errors import ClipbiasError, ConfigError, ResumeMismatchError
+from .errors import ClipbiasError, ConfigError, ResumeMismatchError, TrainingDivergedError
 from .privacy.report import check_delta, check_epsilon, check_nonnegative, check_positive
 
 __all__ = ["TrainConfig", "Splits", "prepare_splits", "train", "evaluate", "load_checkpoint",
@@ -154,6 +154,10 @@ class TrainConfig:
         check_positive(self.clip, "--clip")
         if self.ef_clip is not None:
             check_positive(self.ef_clip, "--ef-clip")
+            if not algorithms.reads_ef_clip(algo):  # it would be recorded but change nothing
+                raise ConfigError(f"--ef-clip applies to the clipped error-feedback algorithms (dice, dice-adam, "
+                                  f"dice-perturb, dice-self-aug, ef-sgd); --algo {self.algo} has no clipped "
+                                  f"feedback buffer: drop --ef-clip")
         if self.grad_bound is not None:
             check_positive(self.grad_bound, "--grad-bound")
         check_positive(self.gamma, "--gamma")
@@ -505,6 +509,9 @@ def train(config: TrainConfig, *, dataset: Dataset | None = None, splits: Splits
         elif ck_path.exists() and not cfg.overwrite:
             raise ConfigError(f"--out {out} already holds a checkpoint; continue it with --resume, "
                               f"or replace it with --overwrite")
+        elif (out / RESULTS).exists() and not cfg.overwrite:
+            raise ConfigError(f"--out {out} already holds a finished run's {RESULTS} (no checkpoint to resume); "
+                              f"choose another --out, or replace it with --overwrite")
         out.mkdir(parents=True, exist_ok=True)
     elif cfg.resume:
         raise ConfigError("--resume needs --out DIR (the run directory to continue)")
@@ -622,6 +629,15 @@ def train(config: TrainConfig, *, dataset: Dataset | None = None, splits: Splits
                        basis=rep.basis)
             rec["epoch_time_s"], rec["eval_time_s"] = train_time, time.perf_counter() - t1
             history.append(rec)
+            if _diverged(rec, engine.params):  # fail loudly: never report an accuracy of a broken model
+                if out is not None:
+                    write_json({"config": cfg.to_dict(), "diverged": True, "history": history,
+                                "epsilon": rep.epsilon, "delta": rep.delta, "basis": rep.basis,
+                                "certified": rep.certified, "steps": engine.steps_taken}, out / RESULTS)
+                raise TrainingDivergedError(
+                    f"training diverged in epoch {epoch + 1} (training loss {rec['train_loss']:.3g}, test loss "
+                    f"{rec['test_loss']}): the model is unusable. Lower --lr (now {cfg.lr:g}) and start again"
+                    + (f" with --overwrite; {out / RESULTS} records the diverged run" if out is not None else ""))
             last_acc, last_eps = acc, rep.epsilon
             if bar is not None:
                 bar.set_postfix({"ep": f"{epoch + 1}/{cfg.epochs}", "loss": f"{rec['train_loss']:.3f}",
@@ -676,6 +692,14 @@ def train(config: TrainConfig, *, dataset: Dataset | None = None, splits: Splits
             plot_curves({cfg.algo: [history]}, out / CURVES,
                         title=f"{cfg.data} / {cfg.model} / {_eps_label(results)}")
     return results
+
+
+def _diverged(rec: dict, params: list[Tensor]) -> bool:
+    """An infinite/NaN training or test loss, or a non-finite weight."""
+    losses = [rec["train_loss"], rec.get("test_loss")]
+    if any(v is not None and not math.isfinite(v) for v in losses):
+        return True
+    return not all(bool(torch.isfinite(p).all()) for p in params)
 
 
 def _eps_label(res: dict) -> str:

@@ -250,3 +250,20 @@ def test_help_lists_commands(capsys):
     code, out, _ = run(["--help"], capsys)
     for cmd in ("train", "compare", "account", "calibrate", "export"):
         assert cmd in out
+
+
+def test_finished_runs_are_never_overwritten_silently(capsys, tmp_path):
+    """A results.json without checkpoint (train) and an earlier compare are refused without
+    --overwrite, and the files stay byte-identical (issue 17)."""
+    d = tmp_path / "done"
+    d.mkdir()
+    (d / "results.json").write_text('{"kept": true}')
+    code, _, err = run(TRAIN + ["--out", d], capsys)
+    assert code == 2 and "--overwrite" in err and (d / "results.json").read_text() == '{"kept": true}'
+    c = tmp_path / "cmp"
+    c.mkdir()
+    (c / "compare.json").write_text("old")
+    code, _, err = run(["compare", "--data", "digits", "--model", "logreg", "--algos", "dpsgd", "--seeds", "0",
+                        "--epochs", "1", "--batch-size", "64", "--lr", "0.5", "--clip", "1", "--accountant", "rdp",
+                        "--out", c, "--quiet"], capsys)
+    assert code == 2 and "compare.json" in err and "--overwrite" in err and (c / "compare.json").read_text() == "old"

@@ -215,3 +215,13 @@ def test_holdout():
     assert torch.equal(rest.x_test, d.x_test)
     with pytest.raises(ValueError):
         holdout(d, d.num_train)
+
+
+def test_corrupted_label_byte_is_a_clear_error_not_a_new_class(tmp_path):
+    """One label byte of 200 used to build a 201-class model silently (issue 17)."""
+    write_fake_fashion(tmp_path)
+    labels = np.arange(6, dtype=np.uint8) % 10
+    labels[3] = 200
+    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", labels)
+    with pytest.raises(IdxFormatError, match=r"label 200 at index 3 .*0\.\.9.*reinstall"):
+        load_dataset("fashion-mnist", data_dir=tmp_path)

@@ -142,7 +142,7 @@ def test_export_has_weights_only(tmp_path, splits):
 
 
 def test_non_private_reports_infinite_epsilon(tmp_path, splits):
-    res = train(dataclasses.replace(BASE, algo="sgd", epsilon=None, epochs=1, out=str(tmp_path / "s")),
+    res = train(dataclasses.replace(BASE, algo="sgd", epsilon=None, epochs=1, ef_clip=None, out=str(tmp_path / "s")),
                 splits=splits)
     assert math.isinf(res["epsilon"]) and res["certified"] is False and res["noise_multiplier"] == 0
     on_disk = json.loads((tmp_path / "s" / RESULTS).read_text())
@@ -155,7 +155,7 @@ def test_authors_accounting_is_not_certified(splits):
 
 
 def test_validation_split_and_subset():
-    cfg = dataclasses.replace(BASE, algo="dpsgd", epochs=1, validation=200, subset=500)
+    cfg = dataclasses.replace(BASE, algo="dpsgd", ef_clip=None, epochs=1, validation=200, subset=500)
     res = train(cfg)
     assert res["n"] == 500 and res["dataset"]["num_val"] == 200
     assert 0 <= res["val_accuracy"] <= 1 and "val_accuracy" in res["history"][0]
@@ -223,3 +223,24 @@ def test_plot_curves(tmp_path):
          for i in (1, 2, 3)]
     path = plot_curves({"a": [h, h], "b": [h]}, tmp_path / "c.png", title="t")
     assert path.stat().st_size > 1000
+
+
+def test_a_diverged_run_fails_loudly_and_is_marked(tmp_path):
+    """lr 1e38 saturates the softmax: finite gradients, infinite loss. That used to exit 0 with an
+    accuracy (issue 17); now it raises and results.json says diverged."""
+    from clipbias.errors import TrainingDivergedError
+    cfg = TrainConfig(data="digits", model="logreg", algo="dpsgd", epsilon=3.0, epochs=2, batch_size=64,
+                      lr=1e38, clip=1.0, accountant="rdp", out=str(tmp_path / "div"))
+    with pytest.raises(TrainingDivergedError, match="diverged in epoch 1.*Lower --lr"):
+        train(cfg)
+    res = json.loads((tmp_path / "div" / RESULTS).read_text())
+    assert res["diverged"] is True and len(res["history"]) == 1 and "test_accuracy" not in res
+
+
+def test_ef_clip_is_refused_where_no_feedback_reads_it():
+    """--ef-clip with dpsgd used to be recorded but change nothing (issue 17)."""
+    for algo in ("dpsgd", "normalized", "dice-auto", "sgd"):
+        with pytest.raises(ConfigError, match="--ef-clip applies to the clipped error-feedback"):
+            dataclasses.replace(BASE, algo=algo, epsilon=None if algo == "sgd" else 3.0).validate()
+    for algo in ("dice", "dice-adam", "ef-sgd"):
+        dataclasses.replace(BASE, algo=algo, epsilon=None if algo == "ef-sgd" else 3.0).validate()

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..algorithms import reads_ef_clip
 from ..errors import ConfigError
 from ..privacy import DICE_ACCOUNTING
 from ..privacy.dice import DEFAULT_EF_RATIO, check_basis
@@ -75,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     algos = args.algos or DEFAULT_ALGOS
     seeds = args.seeds if args.seeds is not None else DEFAULT_SEEDS
-    base = config_from_args(args, algo="dpsgd", seed=seeds[0] if seeds else 0)
+    base = config_from_args(args, algo="dpsgd", seed=seeds[0] if seeds else 0, ef_clip=None)
     if args.ef_ratio is not None and args.ef_clip is not None:
         raise ConfigError("give --ef-clip or --ef-ratio, not both")
     ratio = DEFAULT_EF_RATIO if args.ef_ratio is None else args.ef_ratio
@@ -84,15 +85,19 @@ def _run(args: argparse.Namespace) -> int:
     variants = []
     for spec in algos:
         label, over = parse_variant(spec)
-        if load_algorithms()[over["algo"]].accounting == "dice" and args.ef_clip is None:
+        if reads_ef_clip(load_algorithms()[over["algo"]]):
             # C2 = r C1 / B: the sound privacy cost of feedback grows with r (unless --ef-clip is given)
-            over["ef_clip"] = ratio * args.clip / args.batch_size if args.batch_size else None
+            over["ef_clip"] = args.ef_clip if args.ef_clip is not None else ratio * args.clip / args.batch_size
         variants.append((label, over))
     for _, over in variants:
         dataclasses.replace(base, **over).validate()
     out = Path(args.out or os.path.join(
         "runs", f"compare-{base.data}-{base.model}-eps{base.epsilon:g}" if base.epsilon else
         f"compare-{base.data}-{base.model}"))
+    taken = [f for f in ("compare.json", "results.json", "checkpoint.pt") if (out / f).exists()]
+    if taken and not args.overwrite:
+        raise ConfigError(f"--out {out} already holds {', '.join(taken)} (an earlier compare or train run); "
+                          f"choose another --out, or replace it with --overwrite")
     out.mkdir(parents=True, exist_ok=True)
     log = sys.stderr if args.json else sys.stdout
     print(f"compare: {', '.join(algos)} on {base.data} / {base.model}, epsilon={base.epsilon}, "
@@ -160,6 +165,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"DiceSGD feedback clip C2 = R * C1 / B (default R = {DEFAULT_EF_RATIO:g}) unless --ef-clip is given")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="output directory (default runs/compare-<data>-<model>-eps<E>)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier compare (or train run) in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--json", action="store_true", help="print compare.json on stdout")
     p.set_defaults(func=_run)

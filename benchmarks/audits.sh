@@ -30,8 +30,13 @@ for cfg in "0.01 1.0 300" "0.01 0.6 1000" "0.1 2.0 200" "0.004266666666666667 0.
 done
 $A --algo dpsgd --noise-multiplier 0.3 --claim-noise-multiplier 3 --sample-rate 0.01 --steps 1000 --batch-size 10 \
    --trials 20000 > $O/dpsgd-cheat.json
-# 5. every other algorithm with per-example rows, once (batched canary)
-for algo in normalized perturb dice-adam dice-auto dice-perturb; do
+# 5. every other algorithm with per-example rows, once (batched canary): Gaussian ones at DPSGD's
+#    z = 0.6 configuration, the feedback ones at the DiceSGD configuration of 1.
+for algo in normalized perturb; do
+  $A --algo $algo --noise-multiplier 0.6 --sample-rate 0.01 --steps 1000 --batch-size 10 --clip 1 --trials 20000 \
+     > $O/$algo-canary.json
+done
+for algo in dice-adam dice-auto dice-perturb; do
   $A --algo $algo --noise-multiplier 8 --sample-rate 0.01 --steps 1000 --batch-size 10 --clip 1 --ef-clip 0.1 \
      --grad-bound 10000 --trials 20000 > $O/$algo-canary.json
 done

@@ -273,9 +273,11 @@ def report(p: DiceParams, z: float, delta: float, method: str = DEFAULT_DICE_ACC
                          BASIS["authors"].format(r=r, accountant=accountant), False, z)
 
 
+@functools.lru_cache(maxsize=256)
 def calibrate(target_epsilon: float, delta: float, p: DiceParams, method: str = DEFAULT_DICE_ACCOUNTING,
               accountant: str = "pld") -> float:
-    """Smallest z (0.1% tolerance) whose DiceSGD epsilon under ``method`` is <= the target."""
+    """Smallest z (0.1% tolerance) whose DiceSGD epsilon under ``method`` is <= the target (cached
+    in-process: a pure function of its arguments)."""
     check_epsilon(target_epsilon)
     check_delta(delta)
     check_basis(method)

@@ -8,6 +8,7 @@ PLD (default) is the tightest numerically certified accountant; RDP is the class
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -110,11 +111,13 @@ def report(noise_multiplier: float, sample_rate: float, steps: int, delta: float
                          basis=basis, certified=noise_multiplier > 0, noise_multiplier=noise_multiplier)
 
 
+@functools.lru_cache(maxsize=256)
 def calibrate(target_epsilon: float, delta: float, sample_rate: float, steps: int,
               accountant: str = "pld") -> float:
     """Smallest noise multiplier (to 0.1% relative tolerance) whose epsilon is <= the target.
 
-    Never overshoots: the returned z is re-checked and raised until epsilon(z) <= target.
+    Never overshoots: the returned z is re-checked and raised until epsilon(z) <= target. A pure
+    function of its arguments, cached in-process (the seeds of a comparison share one calibration).
     """
     check_epsilon(target_epsilon)
     check_delta(delta)

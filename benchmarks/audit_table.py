@@ -1,0 +1,48 @@
+"""Print the "Audits" table of docs/privacy.md from the JSON files of ``benchmarks/audits/``
+(written by ``benchmarks/audits.sh`` and ``benchmarks/audits_one_run.sh``; each file is one command).
+
+    python benchmarks/audit_table.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+DIR = Path(__file__).resolve().parent / "audits"
+
+
+def main() -> int:
+    print("| file (command in benchmarks/audits*.sh) | algo | method | configuration | epsilon claimed | certified "
+          "| audit: epsilon >= | verdict |")
+    print("|---|---|---|---|---|---|---|---|")
+    for f in sorted(DIR.glob("*.json")):
+        text = f.read_text().strip()
+        if not text:
+            continue
+        d = json.loads(text)
+        st = d["settings"]
+        if d["method"] == "canary":
+            cfg = (f"q = {st['sample_rate']:.4g}, T = {st['steps']}, B = {st['batch_size']:g}, z = "
+                   f"{st['noise_multiplier']:.4g}" + (f" (claim at z = {st['claim_noise_multiplier']:g})"
+                                                      if st.get("claim_noise_multiplier") else "")
+                   + f", {d['trials']} runs per world")
+        else:
+            cfg = (f"{st['data']}/{st['model']}, q = {d['sample_rate']:.3g}, T = {st['steps']}, z = "
+                   f"{st['noise_multiplier']:.4g}" + (f" (claim at z = {st['claim_noise_multiplier']:g})"
+                                                      if st.get("claim_noise_multiplier") else "")
+                   + f", {d['canaries']} canaries, test acc {100 * d['test_accuracy']:.1f} %")
+        claimed = d["epsilon_claimed"]
+        claimed = claimed if isinstance(claimed, str) else f"{claimed:.4g}"
+        verdict = "**refuted**" if d["refuted"] else "holds"
+        basis = st.get("dice_accounting") if st["algo"].startswith("dice") else None
+        algo = st["algo"] + (f" ({basis})" if basis else "")
+        method = "canary" if d["method"] == "canary" else ("one-run, " + d["method"].split("(")[1].split(" ")[0])
+        print(f"| {f.stem} | {algo} | {method} | {cfg} | {claimed} | {str(d['certified']).lower()} | "
+              f"{d['epsilon_lower_bound']:.3g} | {verdict} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -208,7 +208,8 @@ def run_from_args(args) -> dict:
         b = args.batch_size if args.batch_size is not None else args.sample_rate * splits.n
     a = OneRunAudit(algo=args.algo, noise_multiplier=args.noise_multiplier, batch_size=b, steps=args.steps,
                     canaries=args.canaries, canary_type=args.canary_type, data=args.data, model=args.model,
-                    lr=lr, clip=args.clip, ef_clip=args.ef_clip, canary_norm=args.canary_norm, delta=args.delta,
-                    dice_accounting=args.dice_accounting, claim_noise_multiplier=args.claim_noise_multiplier,
-                    confidence=args.confidence, seed=args.seed, subset=args.subset)
+                    lr=lr, clip=args.clip, momentum=args.momentum, ef_clip=args.ef_clip,
+                    canary_norm=args.canary_norm, delta=args.delta, dice_accounting=args.dice_accounting,
+                    claim_noise_multiplier=args.claim_noise_multiplier, confidence=args.confidence,
+                    seed=args.seed, subset=args.subset)
     return one_run_audit(a, progress=not args.quiet, splits=splits)

@@ -85,6 +85,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", default="fashion-mnist", help="one-run mode: data set")
     p.add_argument("--model", default="cnn", help="one-run mode: model")
     p.add_argument("--lr", type=float, default=None, help="one-run mode: learning rate (default 4)")
+    p.add_argument("--momentum", type=float, default=0.9,
+                   help="one-run mode: SGD momentum of the base optimizer (default 0.9; inner-outer needs 0)")
     p.add_argument("--subset", type=int, default=None, metavar="N",
                    help="one-run mode: train on the first N training examples (plus the included canaries)")
     p.add_argument("--confidence", type=float, default=0.95)

@@ -434,6 +434,10 @@ def export_weights(run_dir: str | os.PathLike, file: str | os.PathLike) -> dict:
             "epsilon": last.get("epsilon"), "delta": cfg.get("delta"),
             "accountant": last.get("accountant"), "certified": last.get("certified"),
             "basis": last.get("basis")}
+    if cfg.get("dice_accounting") in privacy.dice.RENAMED and cfg.get("algo") in load_algorithms() and \
+            algorithms.get(cfg["algo"]).accounting == "dice":
+        # a run from before the refutation: its "certified" DiceSGD epsilon is the paper's bound
+        meta.update(certified=False, basis=f"{meta['basis']}; {privacy.dice.REFUTED.format(basis='paper')}")
     out = {"state_dict": weights, "meta": jsonable(meta)}
     file = Path(file)
     if file.parent and not file.parent.exists():

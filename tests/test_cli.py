@@ -209,6 +209,15 @@ def test_export_writes_weights_only(capsys, tmp_path):
     assert code != 0 and "--overwrite" in err
     code, _, err = run(["export", tmp_path / "nowhere", tmp_path / "x.pt"], capsys)
     assert code != 0 and "checkpoint" in err
+    # a checkpoint from before the refutation (dice_accounting "certified", certified: true) exports as
+    # refuted, never as certified
+    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=False)
+    ck["config"]["dice_accounting"] = "certified"
+    ck["history"][-1].update(certified=True, basis="DiceSGD Thm 3.8 (Zhang et al.) ...")
+    torch.save(ck, tmp_path / "r" / "checkpoint.pt")
+    code, _, err = run(["export", tmp_path / "r", tmp_path / "old.pt"], capsys)
+    meta = torch.load(tmp_path / "old.pt", weights_only=True)["meta"]
+    assert code == 0 and meta["certified"] is False and "REFUTED" in meta["basis"]
 
 
 # ----------------------------------------------------------------------------- compare

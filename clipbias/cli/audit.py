@@ -55,14 +55,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "algorithm's own pipeline stages over --trials independent runs per world. "
                     "one-run: Steinke, Nasr & Jagielski (2023), m canaries in one training run.")
     p.add_argument("--algo", required=True, metavar="NAME", help="the algorithm to audit (e.g. dpsgd, dice)")
-    p.add_argument("--mode", choices=("canary", "one-run"), default="canary")
+    p.add_argument("--mode", choices=("canary", "one-run"), default="canary",
+                   help="canary (default): thousands of runs per world through the algorithm's own stages; "
+                        "one-run: canaries inside one real training run")
     p.add_argument("--noise-multiplier", type=float, required=True, metavar="Z",
                    help="the noise multiplier the mechanism runs at")
     p.add_argument("--claim-noise-multiplier", type=float, default=None, metavar="Z2",
                    help="compute the claimed epsilon at Z2 while the mechanism runs at Z (catches an "
                         "implementation that adds less noise than it claims)")
     p.add_argument("--sample-rate", type=float, required=True, metavar="Q", help="Poisson sampling rate q")
-    p.add_argument("--steps", type=int, required=True, metavar="T")
+    p.add_argument("--steps", type=int, required=True, metavar="T", help="number of steps T")
     p.add_argument("--batch-size", type=float, default=None, metavar="B",
                    help="expected batch size B (canary mode: the normaliser of the update)")
     p.add_argument("--clip", type=float, default=1.0, metavar="C1")
@@ -73,7 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gamma", type=float, default=0.01, help="normalisation constant (normalized, dice-auto)")
     p.add_argument("--dice-accounting", choices=DICE_ACCOUNTING, default=DEFAULT_DICE_ACCOUNTING,
                    help="the DiceSGD basis whose claim is tested (default sound)")
-    p.add_argument("--delta", type=float, default=1e-5)
+    p.add_argument("--delta", type=float, default=1e-5, help="delta of the claim and the bound (default 1e-5)")
     p.add_argument("--trials", type=int, default=4000, metavar="N",
                    help="canary mode: independent runs per world (default 4000)")
     p.add_argument("--canary-norm", type=float, default=None, metavar="G",
@@ -89,8 +91,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="one-run mode: SGD momentum of the base optimizer (default 0.9; inner-outer needs 0)")
     p.add_argument("--subset", type=int, default=None, metavar="N",
                    help="one-run mode: train on the first N training examples (plus the included canaries)")
-    p.add_argument("--confidence", type=float, default=0.95)
+    p.add_argument("--confidence", type=float, default=0.95,
+                   help="confidence of the lower bound (default 0.95; Bonferroni over every bound used)")
     p.add_argument("--seed", type=int, default=0, help="seed of the experiment (the audit's own randomness)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON on stdout")
     p.set_defaults(func=_run)

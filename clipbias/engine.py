@@ -10,6 +10,7 @@ accounted like any other.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -88,10 +89,14 @@ class DPEngine:
                  noise_seed: int | None = None, grads: PerSampleGradients | None = None) -> None:
         self.algo = algorithms.get(algorithm)
         self.config = config or AlgoConfig()
-        if not isinstance(n, int) or n < 1:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
             raise ConfigError(f"dataset size n must be a positive integer, got {n!r}")
-        if not (0 < batch_size <= n):
-            raise ConfigError(f"--batch-size must lie in (0, N={n}], got {batch_size!r}")
+        n = int(n)  # numpy integers are fine
+        if not (isinstance(batch_size, numbers.Real) and 1 <= batch_size <= n):
+            raise ConfigError(f"--batch-size (the expected Poisson batch size B) must lie in [1, N={n}], got "
+                              f"{batch_size!r}")
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ConfigError(f"the model ({type(model).__name__}) has no trainable parameters: nothing to train")
         if self.algo.accounting == "dice" and self.config.ef_clip is None:
             # the privacy cost of error feedback grows with r = B C2 / C1: default r = 0.01
             self.config = replace(self.config, ef_clip=privacy.dice.default_ef_clip(self.config.clip, batch_size))
@@ -213,6 +218,10 @@ class DPEngine:
 
     def train_epoch(self, x: Tensor, y: Tensor) -> float:
         """One epoch of Poisson batches over in-memory tensors; returns the mean example loss."""
+        if len(x) != len(y) or len(x) != self.n:
+            raise ConfigError(f"train_epoch got {len(x)} inputs and {len(y)} labels for an engine built with "
+                              f"n={self.n}: the sampler draws from n examples and the accounting assumes n; pass "
+                              f"exactly the n training examples (or build the engine with n={len(x)})")
         total, count = 0.0, 0
         for _ in range(len(self.sampler)):
             if self.steps_taken >= self.total_steps:

@@ -105,6 +105,7 @@ class FuncGradients:
         self._fn = vmap(grad_and_value(loss_one), in_dims=(None, None, 0, 0), randomness="different")
 
     def __call__(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        check_model(self.model)  # a BatchNorm switched to train mode after construction is refused too
         trainable = set(self.layout.names)
         params = {n: p.detach() for n, p in self.model.named_parameters() if n in trainable}
         consts = {n: p.detach() for n, p in self.model.named_parameters() if n not in trainable}

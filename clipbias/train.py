@@ -150,6 +150,9 @@ class TrainConfig:
                 raise ConfigError("give either --epsilon or --noise-multiplier, not both")
         _check_int(self.epochs, "--epochs", 1)
         check_positive(self.batch_size, "--batch-size")
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size is the expected Poisson batch size B and must be >= 1, got "
+                              f"{self.batch_size!r} (B < 1 would mean more steps per epoch than examples)")
         check_positive(self.lr, "--lr")
         check_positive(self.clip, "--clip")
         if self.ef_clip is not None:

@@ -130,6 +130,7 @@ def sound_epsilon(p: DiceParams, z: float, delta: float) -> float:
 def _sound_epsilon(r: float, q: float, steps: int, z: float, delta: float) -> float:
     if q >= 1:  # one Gaussian of shift (2r + 1)/z per step: the exact mu-GDP formula, no PLD grid
         return gaussian.gaussian_exact_epsilon(z / (1 + 2 * r), steps, delta)
+    gaussian.check_pld_noise(z)
     p = DiceParams(q, steps, 1.0, r, 1.0)  # only r, q and T matter
     acc = pld.PLDAccountant(value_discretization_interval=SOUND_DISCRETIZATION)
     try:
@@ -289,7 +290,13 @@ def calibrate(target_epsilon: float, delta: float, p: DiceParams, method: str = 
     if method == "sound":
         # eps_DPSGD(z) <= eps_sound(z) <= eps_conservative(z): the answer lies in [z_DPSGD, z_cons]
         lo = gaussian.calibrate(target_epsilon, delta, p.sample_rate, p.steps, "pld") * (1 - 2e-3)
-        return _bisect(lambda z: sound_epsilon(p, z, delta) <= target_epsilon, lo, z_cons)
+
+        def ok(z: float) -> bool:
+            try:
+                return sound_epsilon(p, z, delta) <= target_epsilon
+            except gaussian.NoiseTooSmallError:
+                return False
+        return _bisect(ok, lo, z_cons)
     if p.sample_rate > 0.2:
         raise PrivacyAccountingError(f"the paper's DiceSGD bound needs q <= 1/5 (Lemma A.11), got "
                                      f"q={p.sample_rate:g}")

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 import dp_accounting
+from absl import logging as absl_logging
 from dp_accounting import dp_event, pld, rdp
 
 import numpy as np
@@ -22,6 +23,10 @@ from scipy.stats import norm
 from ..errors import ConfigError
 from .report import (PrivacyReport, check_accountant, check_delta, check_epsilon, check_rate,
                      check_steps)
+
+# dp-accounting's RDP accountant logs one warning per Renyi order it excludes (the epsilon stays a valid
+# upper bound without them): dozens of lines per call that users read as errors.
+absl_logging.set_verbosity(absl_logging.ERROR)
 
 BASIS = {
     "pld": "Poisson-subsampled Gaussian, T-fold composition, privacy loss distribution "
@@ -70,6 +75,8 @@ def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: floa
         return math.inf
     if sample_rate == 1 and accountant == "pld":
         return gaussian_exact_epsilon(noise_multiplier, steps, delta)
+    if accountant == "pld":
+        check_pld_noise(noise_multiplier)
     acc = make_accountant(accountant)
     try:
         acc.compose(SampledGaussian(noise_multiplier, sample_rate).event(steps))
@@ -79,6 +86,28 @@ def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: floa
             f"the {accountant} accountant cannot represent noise multiplier {noise_multiplier:g} at sample "
             f"rate {sample_rate:g} ({steps} steps): its privacy-loss grid does not fit in memory. Use a larger "
             f"--noise-multiplier (this one gives no meaningful epsilon) or --accountant rdp") from e
+    except ValueError as e:  # dp-accounting: "Maximum allowed size exceeded" for an extreme grid
+        raise ConfigError(f"the {accountant} accountant cannot represent noise multiplier {noise_multiplier:g} at "
+                          f"sample rate {sample_rate:g} ({steps} steps): {e}. Use a larger --noise-multiplier "
+                          f"or --accountant rdp") from e
+
+
+PLD_MIN_NOISE = 0.1
+
+
+def check_pld_noise(noise_multiplier: float) -> None:
+    """Refuse noise multipliers below 0.1 for the PLD accountant: their epsilon is in the tens or more
+    (no meaningful privacy) and the privacy-loss grid grows until it takes minutes or fails."""
+    if noise_multiplier < PLD_MIN_NOISE:
+        raise NoiseTooSmallError(
+            f"noise multiplier {noise_multiplier:g} < {PLD_MIN_NOISE:g}: one inclusion shifts the update by over 10 "
+            f"noise standard deviations, so epsilon is in the tens or more, and the PLD accountant's grid "
+            f"explodes (minutes, or out of memory). "
+            f"Use a larger --noise-multiplier, or --accountant rdp to get a number anyway")
+
+
+class NoiseTooSmallError(ConfigError):
+    """A noise multiplier too small for any meaningful guarantee (and for the PLD accountant)."""
 
 
 def gaussian_exact_epsilon(noise_multiplier: float, steps: int, delta: float) -> float:
@@ -125,7 +154,10 @@ def calibrate(target_epsilon: float, delta: float, sample_rate: float, steps: in
     check_steps(steps)
 
     def eps_of(z: float) -> float:
-        return epsilon(z, sample_rate, steps, delta, accountant)
+        try:
+            return epsilon(z, sample_rate, steps, delta, accountant)
+        except NoiseTooSmallError:  # below the PLD floor: epsilon is huge, certainly above the target
+            return math.inf
 
     lo, hi = 0.0, 1.0
     while eps_of(hi) > target_epsilon:

@@ -1,0 +1,80 @@
+"""Bad input gets a clear error that names the problem and the fix (issue 17, first cases)."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from clipbias.algorithms import AlgoConfig
+from clipbias.engine import DPEngine
+from clipbias.errors import ClipbiasError, ConfigError, UnsupportedModelError
+from clipbias.privacy import gaussian
+from clipbias.train import TrainConfig
+
+
+def lin() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(4, 3)
+
+
+def engine(model=None, **kw):
+    args = dict(n=100, batch_size=10.0, steps=3, noise_multiplier=1.0, config=AlgoConfig(lr=0.1), noise_seed=0)
+    return DPEngine(model if model is not None else lin(), "dpsgd", **(args | kw))
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"batch_size": 0.5}, r"--batch-size .* must lie in \[1, N=100\]"),
+    ({"batch_size": 101.0}, r"--batch-size .* must lie in \[1, N=100\]"),
+    ({"batch_size": "10"}, r"--batch-size"),
+    ({"n": True}, r"dataset size n must be a positive integer"),
+    ({"n": 10.5}, r"dataset size n must be a positive integer"),
+    ({"n": 0}, r"dataset size n must be a positive integer"),
+    ({"noise_multiplier": -1.0}, r"--noise-multiplier"),
+    ({"noise_multiplier": 1.0, "epsilon": 3.0}, r"either epsilon .* or noise_multiplier"),
+])
+def test_engine_refuses_bad_settings(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        engine(**kw)
+
+
+def test_numpy_integer_n_is_accepted():
+    assert engine(n=np.int64(100)).n == 100
+
+
+def test_model_without_trainable_parameters_is_refused():
+    with pytest.raises(ConfigError, match="no trainable parameters"):
+        engine(model=nn.Identity())
+
+
+@pytest.mark.parametrize("rows,labels", [(200, 200), (100, 99), (50, 50)])
+def test_train_epoch_refuses_data_of_another_size(rows, labels):
+    with pytest.raises(ConfigError, match=r"engine built with n=100.*pass exactly the n training examples"):
+        engine().train_epoch(torch.randn(rows, 4), torch.zeros(labels, dtype=torch.long))
+
+
+def test_batchnorm_switched_to_train_mode_after_construction_is_refused():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)).eval()
+    eng = engine(model=model)
+    model.train()
+    with pytest.raises(UnsupportedModelError, match="GroupNorm"):
+        eng.step(torch.randn(5, 4), torch.zeros(5, dtype=torch.long))
+    assert eng.steps_taken == 0
+
+
+@pytest.mark.parametrize("z", [1e-9, 0.01, 0.099])
+def test_tiny_noise_multiplier_is_a_clear_error_not_a_hang(z):
+    with pytest.raises(gaussian.NoiseTooSmallError, match=r"--noise-multiplier, or --accountant rdp"):
+        gaussian.epsilon(z, 0.01, 100, 1e-5, "pld")
+    assert gaussian.epsilon(z, 0.01, 100, 1e-5, "rdp") > 10  # RDP still gives (an enormous) number
+
+
+def test_calibration_steps_over_the_pld_floor():
+    z = gaussian.calibrate(500.0, 1e-5, 0.01, 100, "pld")
+    assert z >= gaussian.PLD_MIN_NOISE and gaussian.epsilon(z, 0.01, 100, 1e-5) <= 500
+
+
+@pytest.mark.parametrize("batch_size", [0.5, 0.0, -3.0])
+def test_train_config_refuses_fractional_batch(batch_size):
+    cfg = TrainConfig(data="digits", model="logreg", algo="dpsgd", epsilon=3.0, batch_size=batch_size)
+    with pytest.raises(ClipbiasError, match="--batch-size"):
+        cfg.validate()

@@ -13,7 +13,8 @@ CLI build it like any other) that can also
 Keyed randomness. Perturbation noise, augmentation parameters, group assignments and public-feature
 draws are pure functions of ``(seed, purpose, step, example index)`` (``mix``): fresh per example
 and step, independent of the data, identical whatever the micro-batching, and exactly reproducible on
-resume without carrying generator state. Without example indices the position in the logical batch
+resume without carrying generator state. ``seed`` is a secret key (``DPEngine`` passes its secret
+streams): a public one would let removing an example re-key every later index predictably. Without example indices the position in the logical batch
 is the key (then only the randomness, never the privacy, depends on the order).
 """
 

@@ -36,7 +36,6 @@ from .report import (PrivacyReport, check_delta, check_epsilon, check_positive, 
 
 DICE_ACCOUNTING = ("sound", "conservative", "paper", "authors")
 DEFAULT_DICE_ACCOUNTING = "sound"
-CERTIFIED_BASES = ("sound", "conservative")  # the bases whose numbers rest on a proof we checked
 RENAMED = {"certified": "paper"}  # old name -> new name (the old default was the refuted bound)
 DEFAULT_EF_RATIO = 0.01  # default feedback ratio r = B C2 / C1 (docs/algorithms/dicesgd.md, "Defaults")
 _ALPHAS = 1.0 + np.geomspace(1e-3, 1e4, 6000)

@@ -6,8 +6,8 @@ feedback buffer e, which lives on the scale of the *average* gradient (v = (1/B)
 multiplier relative to one example's clipped contribution, exactly as in DPSGD-GC, and
 ``r = B C2 / C1`` is the feedback bound in units of one example's contribution.
 
-* ``sound`` (default; our proof, docs/privacy.md "Sound accounting of error feedback"): conditioned
-  on the released history, adding one example moves the mean of the released update by
+* ``sound`` (default; our proof: docs/privacy.md, "`--dice-accounting sound` (default): the
+  proof"): conditioned on the released history, adding one example moves the mean of the released update by
   ``1[example sampled now] a + b`` with ``||a|| <= C1/B`` (a fresh Poisson inclusion) and
   ``||b|| <= 2 C2`` (two clipped buffers, whatever the hidden state). Each step is dominated by the
   mixture ``(1-q) N(2r, z^2) + q N(2r + 1, z^2)`` against ``N(0, z^2)`` (units of C1/B), composed T
@@ -135,11 +135,11 @@ def _sound_epsilon(r: float, q: float, steps: int, z: float, delta: float) -> fl
     try:
         acc.compose(sound_event(p, z))
         return float(acc.get_epsilon(delta))
-    except MemoryError as e:
+    except (MemoryError, ValueError) as e:  # out of memory, or "Maximum allowed size exceeded"
         raise PrivacyAccountingError(
             f"the PLD accountant cannot represent DiceSGD's sound bound at noise multiplier {z:g} (r = {r:g}, "
-            f"q = {q:g}, T = {steps}): its privacy-loss grid does not fit in memory. Use a larger noise "
-            f"multiplier or a smaller feedback ratio r = B*C2/C1") from e
+            f"q = {q:g}, T = {steps}): its privacy-loss grid is too large ({type(e).__name__}: {e}). Use a "
+            f"larger noise multiplier or a smaller feedback ratio r = B*C2/C1") from e
 
 
 # ---------------------------------------------------------------- conservative

@@ -390,7 +390,21 @@ def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1024,
 
 # ----------------------------------------------------------------------------- checkpoints
 
+def check_out_dir(out: Path) -> None:
+    """Refuse, before any work, an ``--out`` that cannot become a run directory."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory; choose a directory path")
+    anc = out
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise ConfigError(f"--out {out} lies under the file {anc}; choose a directory path")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: {anc} is not writable; choose a directory you can write to")
+
+
 def _atomic_private_save(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -466,6 +480,7 @@ def jsonable(obj: Any) -> Any:
 
 def write_json(data: dict, path: str | os.PathLike) -> None:
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(jsonable(data), indent=2) + "\n")
     os.replace(tmp, path)
@@ -519,7 +534,7 @@ def train(config: TrainConfig, *, dataset: Dataset | None = None, splits: Splits
         elif (out / RESULTS).exists() and not cfg.overwrite:
             raise ConfigError(f"--out {out} already holds a finished run's {RESULTS} (no checkpoint to resume); "
                               f"choose another --out, or replace it with --overwrite")
-        out.mkdir(parents=True, exist_ok=True)
+        check_out_dir(out)  # created at the first write, so a refused run leaves no empty directory
     elif cfg.resume:
         raise ConfigError("--resume needs --out DIR (the run directory to continue)")
 

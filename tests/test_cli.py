@@ -276,3 +276,15 @@ def test_finished_runs_are_never_overwritten_silently(capsys, tmp_path):
                         "--epochs", "1", "--batch-size", "64", "--lr", "0.5", "--clip", "1", "--accountant", "rdp",
                         "--out", c, "--quiet"], capsys)
     assert code == 2 and "compare.json" in err and "--overwrite" in err and (c / "compare.json").read_text() == "old"
+
+
+def test_bad_out_is_refused_before_training_and_refusals_leave_no_directory(capsys, tmp_path):
+    """--out that is a file or lies under one is refused at once (not after an epoch); a run refused
+    for another reason leaves no empty --out behind (issue 17)."""
+    f = tmp_path / "file"
+    f.write_text("x")
+    for out, what in ((f, "is a file"), (f / "sub", "lies under the file")):
+        code, _, err = run(TRAIN + ["--out", out], capsys)
+        assert code == 2 and what in err and f.read_text() == "x"
+    code, _, err = run(_replace(TRAIN, "--algo", "batch-clip") + ["--out", tmp_path / "never"], capsys)
+    assert code == 2 and "--public-size" in err and not (tmp_path / "never").exists()

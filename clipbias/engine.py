@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from . import algorithms, privacy
 from .algorithms import AlgoConfig
-from .errors import ConfigError, NonFiniteGradientError, ResumeMismatchError
+from .errors import ClipbiasError, ConfigError, ResumeMismatchError
 from .grads import FuncGradients, LossFn, PerSampleGradients, check_finite, cross_entropy
 from .privacy import PrivacyReport
 from .sampling import PoissonSampler, secret_streams
@@ -140,7 +140,7 @@ class DPEngine:
             make = getattr(self.algo, "gradients", None)
             grads = (make(model, loss_fn, self.config, n=n, batch_size=self.expected_batch_size,
                           seed=self.keyed_seed) if make is not None else FuncGradients(model, loss_fn))
-        self.grads = grads
+        self.grads, self.loss_fn = grads, loss_fn
         self.params = self.grads.layout.params(model)
         self.pipeline = self.algo.pipeline(self.config, self.expected_batch_size, z, noise_stream_seed, device)
         self.optimizer = algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer,
@@ -163,6 +163,13 @@ class DPEngine:
         if self.steps_taken >= self.total_steps and self.algo.private:
             raise ConfigError(f"the privacy budget covers {self.total_steps} steps and all were taken; "
                               f"start a new run with more --epochs to train longer")
+        if len(x) != len(y) or (indices is not None and len(indices) != len(x)):
+            raise ConfigError(f"step got {len(x)} inputs, {len(y)} labels"
+                              + (f" and {len(indices)} indices" if indices is not None else "")
+                              + ": one label (and index) per input is needed")
+        if self.loss_fn is cross_entropy and y.is_floating_point():
+            raise ConfigError(f"labels must be integer class indices (torch.long) for the default cross-entropy "
+                              f"loss, got {y.dtype}; convert them with y.long() or pass your own loss_fn")
         d = self.grads.layout.dim
         dev = self.params[0].device
         ref_sum = torch.zeros(d, device=dev)
@@ -176,7 +183,7 @@ class DPEngine:
                 ref_sum += r
                 proc_sum += p
                 losses.append(loss)
-        except NonFiniteGradientError:  # a later micro-batch failed: rewind the draws made so far
+        except ClipbiasError:  # a later micro-batch failed (NaN, bad shape): rewind the draws made so far
             self._set_rng_state(rng)
             raise
         update = self.pipeline.finish(proc_sum, ref_sum)
@@ -213,7 +220,15 @@ class DPEngine:
             return
         for start in range(0, len(x), self.max_physical_batch):
             sl = slice(start, start + self.max_physical_batch)
-            g, loss = self.grads(x[sl], y[sl])
+            try:
+                g, loss = self.grads(x[sl], y[sl])
+            except torch.OutOfMemoryError:
+                raise
+            except (RuntimeError, IndexError) as e:  # shapes or labels the model/loss cannot take
+                raise ConfigError(
+                    f"computing per-example gradients failed ({type(e).__name__}: {e}). Check that the inputs "
+                    f"have the shape the model expects (one example: {tuple(x.shape[1:])} here) and that the "
+                    f"labels are class indices the model can output") from e
             yield g, loss, (indices[sl] if indices is not None else None)
 
     def train_epoch(self, x: Tensor, y: Tensor) -> float:

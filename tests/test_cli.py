@@ -288,3 +288,33 @@ def test_bad_out_is_refused_before_training_and_refusals_leave_no_directory(caps
         assert code == 2 and what in err and f.read_text() == "x"
     code, _, err = run(_replace(TRAIN, "--algo", "batch-clip") + ["--out", tmp_path / "never"], capsys)
     assert code == 2 and "--public-size" in err and not (tmp_path / "never").exists()
+
+
+def test_interrupt_before_the_first_checkpoint_says_there_is_none(capsys, tmp_path, monkeypatch):
+    import clipbias.cli.train as cli_train
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli_train, "train", stop)
+    code, _, err = run(TRAIN + ["--out", tmp_path / "r"], capsys)
+    assert code == 130 and "no checkpoint was written" in err and "--resume." not in err
+
+
+def test_sigterm_stops_a_run_cleanly_with_exit_143(tmp_path):
+    """SIGTERM used to end a run silently (issue 17): now the same clean stop as Ctrl-C, exit 143."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    out = tmp_path / "r"
+    args = [str(a) for a in _replace(TRAIN, "--epochs", "400") + ["--out", out]]
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from clipbias.cli import main; "
+                             "sys.exit(main(sys.argv[1:]))", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "terminated (SIGTERM)" in err and "--resume" in err
+    assert "Traceback" not in err

@@ -87,3 +87,17 @@ def test_train_config_refuses_fractional_batch(batch_size):
     cfg = TrainConfig(data="digits", model="logreg", algo="dpsgd", epsilon=3.0, batch_size=batch_size)
     with pytest.raises(ClipbiasError, match="--batch-size"):
         cfg.validate()
+
+
+@pytest.mark.parametrize("x,y,match", [
+    (torch.randn(5, 4), torch.zeros(4, dtype=torch.long), r"5 inputs, 4 labels"),
+    (torch.randn(5, 4), torch.zeros(5), r"integer class indices .* y.long\(\)"),
+    (torch.randn(5, 7), torch.zeros(5, dtype=torch.long), r"per-example gradients failed .*\(7,\)"),
+    (torch.randn(5, 4), torch.full((5,), 9, dtype=torch.long), r"per-example gradients failed .*class indices"),
+])
+def test_step_misuse_is_a_clear_error_and_changes_nothing(x, y, match):
+    eng = engine()
+    before = [p.detach().clone() for p in eng.params]
+    with pytest.raises(ConfigError, match=match):
+        eng.step(x, y)
+    assert eng.steps_taken == 0 and all(torch.equal(a, b) for a, b in zip(before, eng.params))

@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import signal
 import sys
+import threading
 
 from ..errors import ClipbiasError
+from ._common import Terminated, exit_code, on_sigterm
 
 # Order in --help; modules not listed come after, alphabetically.
 _ORDER = ["train", "compare", "account", "calibrate", "audit", "toy", "diagnose", "export"]
@@ -33,14 +36,19 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
     try:
         return int(args.func(args) or 0)
     except ClipbiasError as e:
         print(f"clipbias {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        print("terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted", file=sys.stderr)
+        return exit_code(e)
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -32,3 +32,16 @@ def emit(data: dict, as_json: bool, stream=None) -> None:
 def warn(msg: str | None) -> None:
     if msg:
         print(msg, file=sys.stderr)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so it stops as cleanly as on Ctrl-C (exit 143)."""
+
+
+def on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
+
+def exit_code(e: KeyboardInterrupt) -> int:
+    """130 for Ctrl-C (SIGINT), 143 for SIGTERM: the shell's 128 + signal number."""
+    return 143 if isinstance(e, Terminated) else 130

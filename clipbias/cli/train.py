@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
 from ..data import DATASET_NAMES
 from ..errors import ConfigError
@@ -12,7 +13,7 @@ from ..privacy import ACCOUNTANTS, DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING
 from ..privacy.dice import DEFAULT_EF_RATIO
 from ..train import (CHECKPOINT, CURVES, RESULTS, TrainConfig, default_out, load_algorithms, train,
                      tune_allocator)
-from ._common import emit, warn
+from ._common import emit, exit_code, warn
 
 REFUTED = "false  (NOT a guarantee: a DiceSGD bound refuted by a canary attack; reproduction only)"
 
@@ -198,10 +199,15 @@ def _run(args: argparse.Namespace) -> int:
     out_stream = sys.stderr if args.json else sys.stdout
     try:
         res = train(cfg, progress=not args.quiet, on_start=lambda h: print_header(h, out_stream))
-    except KeyboardInterrupt:
-        print(f"interrupted; the last epoch-end checkpoint is in {cfg.out}/{CHECKPOINT}. Continue with "
-              f"the same command plus --resume.", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        what = "terminated (SIGTERM)" if exit_code(e) == 143 else "interrupted"
+        if (Path(cfg.out) / CHECKPOINT).is_file():
+            print(f"{what}; the last epoch-end checkpoint is in {cfg.out}/{CHECKPOINT}. Continue with "
+                  f"the same command plus --resume.", file=sys.stderr)
+        else:
+            print(f"{what} before the first epoch ended: no checkpoint was written in {cfg.out}; start the run "
+                  f"again (nothing to resume).", file=sys.stderr)
+        return exit_code(e)
     if args.json:
         emit(res, True)
         return 0

@@ -391,9 +391,14 @@ def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1024,
 # ----------------------------------------------------------------------------- checkpoints
 
 def check_out_dir(out: Path) -> None:
-    """Refuse, before any work, an ``--out`` that cannot become a run directory."""
+    """Refuse, before any work, an ``--out`` that cannot become a run directory; remove the temporary
+    files of checkpoint writes whose process died (they hold private state)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a directory; choose a directory path")
+    for tmp in out.glob(".*.tmp*") if out.is_dir() else ():
+        pid = tmp.name.rpartition(".tmp")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
     anc = out
     while not anc.exists() and anc != anc.parent:
         anc = anc.parent
@@ -401,6 +406,16 @@ def check_out_dir(out: Path) -> None:
         raise ConfigError(f"--out {out} lies under the file {anc}; choose a directory path")
     if not os.access(anc, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {out}: {anc} is not writable; choose a directory you can write to")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _atomic_private_save(obj: Any, path: Path) -> None:
@@ -429,7 +444,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     try:
         ckpt = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling problem is a bad file
-        raise ConfigError(f"{p} is not a readable clipbias checkpoint: {exc}") from exc
+        raise ConfigError(f"{p} is truncated or corrupted, or not a clipbias checkpoint ({type(exc).__name__}: "
+                          f"{exc}); it cannot be resumed or exported: start the run again with --overwrite") from exc
     if not isinstance(ckpt, dict) or "model" not in ckpt or "engine" not in ckpt:
         raise ConfigError(f"{p} is not a clipbias checkpoint (no model/engine state)")
     return ckpt

@@ -244,3 +244,17 @@ def test_ef_clip_is_refused_where_no_feedback_reads_it():
             dataclasses.replace(BASE, algo=algo, epsilon=None if algo == "sgd" else 3.0).validate()
     for algo in ("dice", "dice-adam", "ef-sgd"):
         dataclasses.replace(BASE, algo=algo, epsilon=None if algo == "ef-sgd" else 3.0).validate()
+
+
+def test_stale_private_temporaries_are_removed_and_truncated_checkpoints_explained(tmp_path):
+    from clipbias.train import check_out_dir, load_checkpoint
+    out = tmp_path / "run"
+    out.mkdir()
+    dead = out / ".checkpoint.pt.tmp999999999"   # no such process
+    live = out / f".checkpoint.pt.tmp{os.getpid()}"
+    dead.write_bytes(b"private"), live.write_bytes(b"in progress")
+    check_out_dir(out)
+    assert not dead.exists() and live.exists()
+    (out / CHECKPOINT).write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(ConfigError, match="truncated or corrupted.*--overwrite"):
+        load_checkpoint(out)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .files import atomic_write
+
 
 def _stack(histories: list[list[dict]], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     series = [[h[key] for h in hist if h.get(key) is not None] for hist in histories]
@@ -59,6 +61,6 @@ def plot_curves(runs: dict[str, list[list[dict]]], path: str | os.PathLike, titl
         fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    atomic_write(path, lambda fh: fig.savefig(fh, dpi=110, format="png"))
     plt.close(fig)
     return path

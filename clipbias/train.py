@@ -40,6 +40,7 @@ from .algorithms import AlgoConfig
 from .data import DATASET_NAMES, Dataset, load_dataset
 from .engine import DPEngine
 from .errors import ClipbiasError, ConfigError, ResumeMismatchError, TrainingDivergedError
+from .files import atomic_write
 from .privacy.report import check_delta, check_epsilon, check_nonnegative, check_positive
 
 __all__ = ["TrainConfig", "Splits", "prepare_splits", "train", "evaluate", "load_checkpoint",
@@ -419,18 +420,7 @@ def _alive(pid: int) -> bool:
 
 
 def _atomic_private_save(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(obj, fh)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        if tmp.exists():
-            tmp.unlink()
-        raise
+    atomic_write(path, lambda fh: torch.save(obj, fh), mode=0o600)
     os.chmod(path, 0o600)
 
 
@@ -473,10 +463,9 @@ def export_weights(run_dir: str | os.PathLike, file: str | os.PathLike) -> dict:
         meta.update(certified=False, basis=f"{meta['basis']}; {privacy.dice.REFUTED.format(basis='paper')}")
     out = {"state_dict": weights, "meta": jsonable(meta)}
     file = Path(file)
-    if file.parent and not file.parent.exists():
-        file.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(out, file)
+    atomic_write(file, lambda fh: torch.save(out, fh))
     return {"file": str(file), "tensors": len(weights), **out["meta"]}
+
 
 
 # ----------------------------------------------------------------------------- JSON helpers
@@ -495,11 +484,8 @@ def jsonable(obj: Any) -> Any:
 
 
 def write_json(data: dict, path: str | os.PathLike) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(jsonable(data), indent=2) + "\n")
-    os.replace(tmp, path)
+    text = (json.dumps(jsonable(data), indent=2) + "\n").encode()
+    atomic_write(Path(path), lambda fh: fh.write(text))
 
 
 # ----------------------------------------------------------------------------- the loop

@@ -258,3 +258,23 @@ def test_stale_private_temporaries_are_removed_and_truncated_checkpoints_explain
     (out / CHECKPOINT).write_bytes(b"PK\x03\x04 truncated")
     with pytest.raises(ConfigError, match="truncated or corrupted.*--overwrite"):
         load_checkpoint(out)
+
+
+def test_exports_and_figures_are_atomic_and_do_not_write_through_hard_links(tmp_path):
+    """A failed write leaves the old file intact and no temporary; a hard link to an exported file is
+    not overwritten by the next export (issue 17)."""
+    from clipbias.files import atomic_write
+    target = tmp_path / "w.pt"
+    target.write_bytes(b"old")
+    os.link(target, tmp_path / "link.pt")
+
+    def boom(fh):
+        fh.write(b"half")
+        raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(target, boom)
+    assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    atomic_write(target, lambda fh: fh.write(b"new"))
+    assert target.read_bytes() == b"new" and (tmp_path / "link.pt").read_bytes() == b"old"
+    atomic_write(tmp_path / "private.pt", lambda fh: fh.write(b"x"), mode=0o600)
+    assert (tmp_path / "private.pt").stat().st_mode & 0o777 == 0o600

@@ -1,10 +1,17 @@
-"""Files that are never half-written: every file clipbias writes goes through ``atomic_write``."""
+"""Files that are never half-written (``atomic_write``) and run directories that one run at a time
+may use (``run_lock``)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+from .errors import ConfigError
+
+LOCK = ".clipbias.lock"
 
 
 def atomic_write(path: Path, write: Callable[[Any], None], mode: int | None = None) -> None:
@@ -24,3 +31,29 @@ def atomic_write(path: Path, write: Callable[[Any], None], mode: int | None = No
         tmp.unlink(missing_ok=True)
         raise
 
+
+
+@contextlib.contextmanager
+def run_lock(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the run directory ``out`` (created if needed) for the duration.
+
+    A second run on the same directory is refused with a ConfigError instead of interleaving its
+    writes with the first. The lock is released when the process ends, however it ends. A directory
+    created here that holds nothing but the lock afterwards (the run was refused before writing) is
+    removed again.
+    """
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    fh = open(out / LOCK, "a+")
+    try:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"--out {out} is in use by another clipbias run (it holds {out / LOCK}); wait for "
+                              f"it to finish or choose another --out") from None
+        yield
+    finally:
+        if created and [p.name for p in out.iterdir()] == [LOCK]:  # refused before writing anything
+            (out / LOCK).unlink()
+            out.rmdir()
+        fh.close()  # the lock file itself stays (unlinking it would let two runs lock two inodes)

@@ -40,7 +40,7 @@ from .algorithms import AlgoConfig
 from .data import DATASET_NAMES, Dataset, load_dataset
 from .engine import DPEngine
 from .errors import ClipbiasError, ConfigError, ResumeMismatchError, TrainingDivergedError
-from .files import atomic_write
+from .files import atomic_write, run_lock
 from .privacy.report import check_delta, check_epsilon, check_nonnegative, check_positive
 
 __all__ = ["TrainConfig", "Splits", "prepare_splits", "train", "evaluate", "load_checkpoint",
@@ -508,17 +508,28 @@ def _resume_check(saved: dict, cfg: TrainConfig) -> None:
                 f"original setting, or start a new run (another --out, or --overwrite).")
 
 
-def train(config: TrainConfig, *, dataset: Dataset | None = None, splits: Splits | None = None,
-          progress: bool = False, on_start: Callable[[dict], None] | None = None,
-          on_epoch_end: Callable[[dict], None] | None = None, checkpoint: bool = True,
-          plot: bool = True) -> dict:
+def train(config: TrainConfig, **kwargs: Any) -> dict:
     """Run one training configuration; returns the results dict (also written to ``out``).
 
-    ``splits`` (from :func:`prepare_splits`) or ``dataset`` avoid reloading the data. ``on_start``
-    gets the header dict (dataset, N, q, B, steps, noise multiplier, privacy basis, ...) before the
-    first step; ``on_epoch_end`` gets each epoch's record after the checkpoint is written (raising
-    from it interrupts the run, which ``resume=True`` continues). ``progress`` shows a tqdm bar.
+    Keyword arguments: ``splits`` (from :func:`prepare_splits`) or ``dataset`` avoid reloading the
+    data. ``on_start`` gets the header dict (dataset, N, q, B, steps, noise multiplier, privacy basis,
+    ...) before the first step; ``on_epoch_end`` gets each epoch's record after the checkpoint is
+    written (raising from it interrupts the run, which ``resume=True`` continues). ``progress`` shows
+    a tqdm bar; ``checkpoint`` and ``plot`` (default True) write ``checkpoint.pt`` and ``curves.png``.
+    ``out`` is locked for the run: a second run on the same directory is refused.
     """
+    config.validate()
+    if not config.out:
+        return _train(config, **kwargs)
+    check_out_dir(Path(config.out))
+    with run_lock(Path(config.out)):
+        return _train(config, **kwargs)
+
+
+def _train(config: TrainConfig, *, dataset: Dataset | None = None, splits: Splits | None = None,
+           progress: bool = False, on_start: Callable[[dict], None] | None = None,
+           on_epoch_end: Callable[[dict], None] | None = None, checkpoint: bool = True,
+           plot: bool = True) -> dict:
     t_start = time.perf_counter()
     cfg = config.validate()
     out = Path(cfg.out) if cfg.out else None
@@ -536,7 +547,6 @@ def train(config: TrainConfig, *, dataset: Dataset | None = None, splits: Splits
         elif (out / RESULTS).exists() and not cfg.overwrite:
             raise ConfigError(f"--out {out} already holds a finished run's {RESULTS} (no checkpoint to resume); "
                               f"choose another --out, or replace it with --overwrite")
-        check_out_dir(out)  # created at the first write, so a refused run leaves no empty directory
     elif cfg.resume:
         raise ConfigError("--resume needs --out DIR (the run directory to continue)")
 

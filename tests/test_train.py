@@ -278,3 +278,16 @@ def test_exports_and_figures_are_atomic_and_do_not_write_through_hard_links(tmp_
     assert target.read_bytes() == b"new" and (tmp_path / "link.pt").read_bytes() == b"old"
     atomic_write(tmp_path / "private.pt", lambda fh: fh.write(b"x"), mode=0o600)
     assert (tmp_path / "private.pt").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_second_run_on_the_same_out_is_refused(tmp_path):
+    """Two runs on one --out used to interleave their files (issue 17): the directory is locked."""
+    from clipbias.files import run_lock
+    out = tmp_path / "busy"
+    cfg = TrainConfig(data="digits", model="logreg", algo="dpsgd", epsilon=3.0, epochs=1, batch_size=64,
+                      lr=0.5, clip=1.0, accountant="rdp", out=str(out))
+    with run_lock(out):
+        with pytest.raises(ConfigError, match="in use by another clipbias run"):
+            train(cfg)
+    res = train(cfg)  # free again
+    assert res["steps"] == res["planned_steps"] and (out / RESULTS).is_file()

@@ -29,3 +29,7 @@ class ResumeMismatchError(ClipbiasError, ValueError):
 
 class TrainingDivergedError(ClipbiasError, FloatingPointError):
     """The training loss (or the model) became infinite or NaN: the result is unusable."""
+
+
+class WriteError(ClipbiasError, OSError):
+    """A file could not be written (disk full, permissions); the previous file, if any, is unchanged."""

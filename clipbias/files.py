@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .errors import ConfigError
+from .errors import ConfigError, WriteError
 
 LOCK = ".clipbias.lock"
 
@@ -19,16 +19,20 @@ def atomic_write(path: Path, write: Callable[[Any], None], mode: int | None = No
     kill leaves the old file (or none), never a half-written one, and a hard link to the old file is
     left alone rather than overwritten. ``mode``: permissions of the new file (e.g. 0o600 for private
     checkpoints; default: 0o666 less the umask, as for any new file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.unlink(missing_ok=True)  # a stale temporary would keep its old permissions
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else mode)  # umask applies
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.unlink(missing_ok=True)  # a stale temporary would keep its old permissions
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else mode)  # umask applies
         with os.fdopen(fd, "wb") as fh:
             write(fh)
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and not isinstance(e, WriteError):
+            raise WriteError(f"cannot write {path}: {e}. Check the free disk space and the write permission "
+                             f"of {path.parent}; the previous file, if any, is unchanged") from e
         raise
 
 

@@ -318,3 +318,13 @@ def test_sigterm_stops_a_run_cleanly_with_exit_143(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143 and "terminated (SIGTERM)" in err and "--resume" in err
     assert "Traceback" not in err
+
+
+def test_export_into_a_file_path_is_a_clear_error(capsys, tmp_path):
+    """An export that cannot be written (here: its directory is a file) exits 2 with a message, no
+    traceback, and leaves nothing behind (issue 17)."""
+    assert run(TRAIN + ["--out", tmp_path / "r"], capsys)[0] == 0
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    code, _, err = run(["export", tmp_path / "r", blocker / "w.pt"], capsys)
+    assert code == 2 and "cannot write" in err and "Traceback" not in err and blocker.read_text() == "x"

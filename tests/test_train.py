@@ -271,7 +271,8 @@ def test_exports_and_figures_are_atomic_and_do_not_write_through_hard_links(tmp_
     def boom(fh):
         fh.write(b"half")
         raise OSError("disk full")
-    with pytest.raises(OSError, match="disk full"):
+    from clipbias.errors import WriteError
+    with pytest.raises(WriteError, match="cannot write .*disk full.*free disk space"):
         atomic_write(target, boom)
     assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     atomic_write(target, lambda fh: fh.write(b"new"))

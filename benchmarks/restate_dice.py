@@ -11,7 +11,6 @@ Sources: ``benchmarks/results*/fmnist_*_eps*.json`` (issue-3 benchmark cells) an
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .. import algorithms, privacy
 from ..errors import ConfigError
-from ..grads import FuncGradients, ParamLayout, cross_entropy
+from ..grads import FuncGradients, cross_entropy
 from ..privacy.report import check_delta, check_positive
 from .stats import one_run_epsilon_lower_bound
 
@@ -113,15 +113,16 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
     inside = torch.rand(m, generator=gen) < 0.5
     torch.manual_seed(a.seed)
     model = _build_model(cfg, tuple(splits.info["input_shape"]), splits.info["num_classes"])
-    algo_cfg, logits = cfg.algo_config(), model
+    algo_cfg, logits = cfg.algo_config(), model  # the model's forward pass, unless BatchClipping
     if public:  # BatchClipping: the BatchNorm variant, public features from the test split (App. E)
         from ..methods import batchclip_logits, batchnorm_variant
         model = batchnorm_variant(model)
         algo_cfg = dataclasses.replace(algo_cfg, extra={**cfg.extra, "public": splits.public_x})
         p_group = algo.settings(algo_cfg)["p"]
 
-        def logits(x: Tensor) -> Tensor:
+        def vote_logits(x: Tensor) -> Tensor:
             return batchclip_logits(model, x, splits.public_x, p_group, seed=a.seed)
+        logits = vote_logits
     x_test, y_test = splits.x_test, splits.y_test
     if a.canary_type == "gradient":
         inner = FuncGradients(model, cross_entropy)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from ..algorithms import reads_ef_clip
 from ..errors import ConfigError
-from ..privacy import DICE_ACCOUNTING
 from ..privacy.dice import DEFAULT_EF_RATIO, check_basis
 from ..train import CURVES, jsonable, load_algorithms, prepare_splits, run_many, write_json
 from ._common import emit

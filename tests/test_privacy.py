@@ -230,6 +230,21 @@ def test_sound_limits_are_independent_closed_forms():
     assert dice.sound_epsilon(full, 20.0, 1e-5) == pytest.approx(dice.conservative_epsilon(full, 20.0, 1e-5))
 
 
+def test_sound_with_a_huge_feedback_shift_is_the_conservative_bound_and_fast():
+    """dice-auto's feedback has r = B: a shift of 2r/z = 256 noise stds per step. The PLD grid would
+    take minutes (it did: a hang); the conservative GDP bound is proven, instant, and must be used."""
+    import time
+    p = DiceParams(128 / 1347, 22, 1.0, 1.0, 128)  # r = 128
+    t0 = time.perf_counter()
+    eps = dice.sound_epsilon(p, 1.0, 1e-5)
+    assert time.perf_counter() - t0 < 1.0
+    assert eps == dice.conservative_epsilon(p, 1.0, 1e-5) > 1e5
+    rep = dice.report(p, 1.0, 1e-5)
+    assert rep.certified and "GDP" in rep.basis and rep.epsilon == eps
+    below = DiceParams(0.01, 100, 1.0, 0.2, 10)  # r = 2, 2r/z = 4/1 < 5: still the PLD mixture
+    assert dice.sound_epsilon(below, 1.0, 1e-5) < dice.conservative_epsilon(below, 1.0, 1e-5)
+
+
 def _hockey_stick_mixture_1d(q, m0, m1, eps, remove):
     """delta(eps) of (1-q) N(m0, 1) + q N(m1, 1) vs N(0, 1) by quadrature (one direction)."""
     from scipy import integrate

@@ -1,0 +1,97 @@
+"""Fixed-seed runs of every algorithm, reduced to exact numbers (the behaviour-identity check).
+
+``numbers(algo)`` trains one small ``--reproducible-noise`` run (digits, 2 epochs, B = 128, the
+noise multiplier fixed so no calibration runs) and returns every number of its results.json that
+does not measure time, plus a SHA-256 of the final model weights and of the private engine state.
+``tests/data/behaviour.json`` holds these numbers as produced before the one-step redesign (issue
+13); ``tests/test_behaviour.py`` asserts that every algorithm still gives them bit for bit.
+
+Regenerate (only when a change is *meant* to change results, and say so in the commit):
+``python -m tests.behaviour > tests/data/behaviour.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+import tempfile
+
+import torch
+
+CASES: dict[str, dict] = {
+    "sgd": {}, "clip-sgd": {}, "ef-sgd": {}, "dpsgd": {}, "normalized": {"lr": 0.2},
+    "dice": {}, "dice-adam": {"lr": 0.01}, "dice-auto": {"lr": 0.2},
+    "perturb": {"extra": {"k": 0.1}}, "self-aug": {"data": "digits-image", "model": "mlp", "extra": {"K": 2, "flip": False}},
+    "dpgd-momentum": {"batch_size": 1347.0, "epochs": 3}, "inner-outer": {"extra": {"K0": 1}},
+    "p-avg": {"extra": {"p": 3}}, "batch-clip": {"data": "fashion-mnist", "subset": 600, "model": "cnn-gn", "epochs": 1, "extra": {"p": 2, "public_size": 40, "draws": 1}},
+    "dice-perturb": {"extra": {"k": 0.1}}, "dice-self-aug": {"data": "digits-image", "model": "mlp", "extra": {"K": 2, "flip": False}},
+}
+TIME_KEYS = {"wall_time_s", "wall_time_per_epoch_s", "epoch_time_s", "eval_time_s"}
+
+
+def _tensors(obj, prefix=""):
+    """(path, tensor) for every tensor in a nested dict/list, in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            yield from _tensors(obj[k], f"{prefix}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{prefix}/{i}")
+
+
+def _tensor_digest(obj) -> str:
+    """SHA-256 over the sorted digests of every tensor: independent of key names and order, so a
+    redesign may rename state keys but not change a single stored number."""
+    parts = sorted(hashlib.sha256(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+                                  + str(t.dtype).encode()).hexdigest() for _, t in _tensors(obj))
+    return hashlib.sha256("".join(parts).encode()).hexdigest()
+
+
+def _exact(v):
+    """JSON numbers as exact strings (float.hex), recursively; drops timings."""
+    if isinstance(v, bool) or v is None or isinstance(v, str):
+        return v
+    if isinstance(v, float):
+        return v.hex() if math.isfinite(v) else repr(v)
+    if isinstance(v, int):
+        return v
+    if isinstance(v, dict):
+        return {k: _exact(x) for k, x in v.items() if k not in TIME_KEYS}
+    if isinstance(v, list):
+        return [_exact(x) for x in v]
+    return repr(v)
+
+
+def numbers(algo: str) -> dict:
+    from clipbias.train import CHECKPOINT, RESULTS, TrainConfig, load_checkpoint, train
+    case = dict(CASES[algo])
+    cfg = TrainConfig(data=case.pop("data", "digits"), model=case.pop("model", "mlp"), algo=algo, epochs=case.pop("epochs", 2),
+                      batch_size=case.pop("batch_size", 128.0), lr=case.pop("lr", 0.5), clip=1.0,
+                      noise_multiplier=1.0 if _private(algo) else None, seed=3, reproducible_noise=True,
+                      max_physical_batch=50, extra=case.pop("extra", {}), **case)
+    with tempfile.TemporaryDirectory() as d:
+        cfg.out = d
+        train(cfg, progress=False, plot=False)
+        with open(f"{d}/{RESULTS}") as f:
+            res = json.load(f)
+        ck = load_checkpoint(d)
+    res.pop("config", None)
+    res.pop("dataset", None)
+    return {"results": _exact(res), "model": _tensor_digest(ck["model"]),
+            "engine": _tensor_digest(ck["engine"])}
+
+
+def _private(algo: str) -> bool:
+    from clipbias.algorithms import get
+    return get(algo).private
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    algos = sys.argv[1:] or list(CASES)
+    json.dump({a: numbers(a) for a in algos}, sys.stdout, indent=1, sort_keys=True)
+    print()

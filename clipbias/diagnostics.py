@@ -48,7 +48,8 @@ import torch
 from torch import Tensor, nn
 
 from .grads import FuncGradients, LossFn, ParamLayout, cross_entropy
-from .transforms import clip_rows
+from .sampling import PROBE_STEP
+from .transforms import StepContext, clip_rows
 
 PRIVACY_WARNING = ("NOT differentially private: these diagnostics read the raw per-example gradients "
                    "of the training data; their outputs leak information about individual examples. "
@@ -95,6 +96,44 @@ def sampling_noise(g: Tensor) -> float:
     """Xiao et al. Definition 2.5: ``E_i ||mean g - g_i||^2`` over the rows of ``g``."""
     g = _check_rows(g)
     return float(((g - g.mean(0)) ** 2).sum(1).mean())
+
+
+def sampling_noise_report(rows: Tensor, clip: float | None = None) -> dict:
+    """``tau2`` (Def. 2.5 with the probe mean as grad F), ``tau``, the mean's norm, ``relative`` =
+    tau^2 / ||mean||^2, the mean row norm, and the fraction of rows longer than ``clip``: for the rows
+    any method clips (``clipped_quantity``)."""
+    rows = _check_rows(rows)
+    tau2 = sampling_noise(rows)
+    mn = float(rows.mean(0).norm())
+    norms = rows.norm(dim=1)
+    out = {"tau2": tau2, "tau": math.sqrt(tau2), "mean_norm": mn,
+           "relative": tau2 / mn**2 if mn > 0 else math.inf, "mean_row_norm": float(norms.mean()),
+           "rows": int(rows.shape[0])}
+    if clip is not None:
+        out["frac_clipped"] = float((norms > clip).double().mean())
+    return out
+
+
+@torch.no_grad()
+def clipped_quantity(engine, x: Tensor, y: Tensor, indices: Tensor | None = None) -> Tensor:
+    """The rows ``engine``'s algorithm would clip (or normalise) for the probe batch ``(x, y)``:
+    per-example gradients, group means, augmented averages, inner momenta, BatchNorm group gradients,
+    perturbed gradients (Xiao et al.: the clipping bias is driven by their sampling noise).
+
+    Pure: no state of the engine changes. The row source's ``probe`` and each stage's ``probe``
+    before the bounding one are applied (an outer clip G_max, the perturbation with probe
+    randomness, the per-example momentum -- the latter needs the *training* indices of the probe
+    examples, since the buffers belong to them).
+    """
+    rows = engine.rows.probe(x, y, engine.max_physical_batch)
+    ctx = StepContext(indices, PROBE_STEP)
+    for st in engine.pipeline.reference:
+        rows = st.probe(rows, ctx)
+    for st in engine.pipeline.per_sample:
+        if st.bound is not None:
+            break
+        rows = st.probe(rows, ctx)
+    return rows
 
 
 def sampling_noise_stats(g: Tensor, clip: float) -> dict:

@@ -17,9 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from . import algorithms, privacy
-from .algorithms import AlgoConfig
+from .config import AlgoConfig
 from .errors import ClipbiasError, ConfigError, ResumeMismatchError
-from .grads import FuncGradients, LossFn, PerSampleGradients, check_finite, cross_entropy
+from .grads import LossFn, PerSampleGradients, RowSource, as_row_source, check_finite, cross_entropy
 from .privacy import PrivacyReport
 from .sampling import PoissonSampler, secret_streams
 from .transforms import StepContext
@@ -65,11 +65,11 @@ class DPEngine:
     then assumes that integer is secret. torch's generators are
     not cryptographically secure (as in Opacus without ``secure_mode``): see docs/privacy.md.
 
-    Gradient backend: ``grads`` if given, else ``algo.gradients(model, loss_fn, config, n=,
-    batch_size=, seed=<the secret key>)`` when the algorithm defines it (``clipbias.methods``), else
-    ``FuncGradients``. Optional backend hooks: ``iter_rows(x, y, indices, step, max_physical_batch)``
-    yields ``(rows, losses, ids)`` for a whole logical batch; ``commit()`` runs after each successful
-    step; ``state_dict``/``load_state_dict`` are part of the engine's checkpoint.
+    Rows: ``grads`` if given (a ``clipbias.grads.RowSource``, or a per-example gradient function
+    ``PerSampleGradients``, which is wrapped in ``PerExampleRows``), else the algorithm's own
+    ``row_source`` (per-example gradients by ``FuncGradients``, or group means, augmentation averages,
+    inner momenta, ...), keyed by the secret key. The source's staged state is committed after each
+    successful step and rolled back after a failed one; its ``state_dict`` is part of the engine's.
 
     Example::
 
@@ -86,7 +86,7 @@ class DPEngine:
                  delta: float = 1e-5, noise_multiplier: float | None = None, accountant: str = "pld",
                  dice_accounting: str = privacy.DEFAULT_DICE_ACCOUNTING, config: AlgoConfig | None = None,
                  loss_fn: LossFn = cross_entropy, max_physical_batch: int = 512,
-                 noise_seed: int | None = None, grads: PerSampleGradients | None = None) -> None:
+                 noise_seed: int | None = None, grads: RowSource | PerSampleGradients | None = None) -> None:
         self.algo = algorithms.get(algorithm)
         self.config = config or AlgoConfig()
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
@@ -136,12 +136,12 @@ class DPEngine:
         self.model = model
         device = next(model.parameters()).device
         sampler_seed, noise_stream_seed, self.keyed_seed = secret_streams(noise_seed)
-        if grads is None:  # an algorithm may compute its rows differently (clipbias.methods)
-            make = getattr(self.algo, "gradients", None)
-            grads = (make(model, loss_fn, self.config, n=n, batch_size=self.expected_batch_size,
-                          seed=self.keyed_seed) if make is not None else FuncGradients(model, loss_fn))
-        self.grads, self.loss_fn = grads, loss_fn
-        self.params = self.grads.layout.params(model)
+        if grads is None:  # an algorithm may compute its rows differently (group means, momenta, ...)
+            grads = self.algo.row_source(model, loss_fn, self.config, n=n, batch_size=self.expected_batch_size,
+                                         seed=self.keyed_seed)
+        self.rows, self.loss_fn = as_row_source(grads), loss_fn
+        self.rows.seed = self.keyed_seed
+        self.params = self.rows.layout.params(model)
         self.pipeline = self.algo.pipeline(self.config, self.expected_batch_size, z, noise_stream_seed, device)
         self.optimizer = algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer,
                                                    self.params, self.config)
@@ -170,66 +170,33 @@ class DPEngine:
         if self.loss_fn is cross_entropy and y.is_floating_point():
             raise ConfigError(f"labels must be integer class indices (torch.long) for the default cross-entropy "
                               f"loss, got {y.dtype}; convert them with y.long() or pass your own loss_fn")
-        d = self.grads.layout.dim
+        d = self.rows.layout.dim
         dev = self.params[0].device
         ref_sum = torch.zeros(d, device=dev)
         proc_sum = torch.zeros(d, device=dev)
         losses = []
-        rng = self._rng_state()
+        torch_rng = torch.get_rng_state()  # dropout draws of the model (randomness="different")
         try:
-            for g, loss, idx in self._rows(x, y, indices):
+            for g, loss, idx in self.rows.iter_rows(x, y, indices, self.steps_taken, self.max_physical_batch):
                 check_finite(g, idx)
                 r, p = self.pipeline.rows(g, StepContext(idx, self.steps_taken))
                 ref_sum += r
                 proc_sum += p
                 losses.append(loss)
-        except ClipbiasError:  # a later micro-batch failed (NaN, bad shape): rewind the draws made so far
-            self._set_rng_state(rng)
+        except ClipbiasError:  # a micro-batch failed (NaN, bad shape): every stage drops what it staged
+            torch.set_rng_state(torch_rng)
+            self.rows.rollback()
+            self.pipeline.rollback()
             raise
         update = self.pipeline.finish(proc_sum, ref_sum)
-        for param, u in zip(self.params, self.grads.layout.unflatten(update)):
+        for param, u in zip(self.params, self.rows.layout.unflatten(update)):
             param.grad = u.to(param.dtype)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.pipeline.commit()
-        if hasattr(self.grads, "commit"):
-            self.grads.commit()
+        self.rows.commit()
         self.steps_taken += 1
         return torch.cat(losses) if losses else torch.zeros(0)
-
-    def _rng_state(self) -> tuple:
-        """States of the generators a micro-batch may advance before a later one fails its check."""
-        gens = [st.generator for st in self.pipeline.per_sample if isinstance(getattr(st, "generator", None),
-                                                                                torch.Generator)]
-        return torch.get_rng_state(), [(g, g.get_state()) for g in gens]
-
-    @staticmethod
-    def _set_rng_state(state: tuple) -> None:
-        torch.set_rng_state(state[0])
-        for g, s in state[1]:
-            g.set_state(s)
-
-    def _rows(self, x: Tensor, y: Tensor, indices: Tensor | None):
-        """``(rows [r, d], losses, example ids or None)`` per physical micro-batch.
-
-        A backend with ``iter_rows`` walks the logical batch itself (it may yield rows that are not
-        one per example, e.g. group means); otherwise rows are per-example gradients.
-        """
-        if hasattr(self.grads, "iter_rows"):
-            yield from self.grads.iter_rows(x, y, indices, self.steps_taken, self.max_physical_batch)
-            return
-        for start in range(0, len(x), self.max_physical_batch):
-            sl = slice(start, start + self.max_physical_batch)
-            try:
-                g, loss = self.grads(x[sl], y[sl])
-            except torch.OutOfMemoryError:
-                raise
-            except (RuntimeError, IndexError) as e:  # shapes or labels the model/loss cannot take
-                raise ConfigError(
-                    f"computing per-example gradients failed ({type(e).__name__}: {e}). Check that the inputs "
-                    f"have the shape the model expects (one example: {tuple(x.shape[1:])} here) and that the "
-                    f"labels are class indices the model can output") from e
-            yield g, loss, (indices[sl] if indices is not None else None)
 
     def train_epoch(self, x: Tensor, y: Tensor) -> float:
         """One epoch of Poisson batches over in-memory tensors; returns the mean example loss."""
@@ -262,7 +229,7 @@ class DPEngine:
         return {"settings": asdict(self.settings), "steps_taken": self.steps_taken,
                 "optimizer": self.optimizer.state_dict(), "pipeline": self.pipeline.state_dict(),
                 "sampler": self.sampler.state_dict(), "keyed_seed": self.keyed_seed,
-                "grads": self.grads.state_dict() if hasattr(self.grads, "state_dict") else {}}
+                "rows": self.rows.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         saved, now = state["settings"], asdict(self.settings)
@@ -275,12 +242,9 @@ class DPEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         self.pipeline.load_state_dict(state["pipeline"])
         self.sampler.load_state_dict(state["sampler"])
-        if "keyed_seed" in state:  # the secret key of the backends' per-example draws continues too
-            self.keyed_seed = state["keyed_seed"]
-            if hasattr(self.grads, "seed"):
-                self.grads.seed = self.keyed_seed
-        if hasattr(self.grads, "load_state_dict"):
-            self.grads.load_state_dict(state.get("grads", {}))
+        if "keyed_seed" in state:  # the secret key of the sources' per-example draws continues too
+            self.keyed_seed = self.rows.seed = state["keyed_seed"]
+        self.rows.load_state_dict(state.get("rows", state.get("grads", {})))  # "grads": before the redesign
 
 
 def _canon(v) -> str:

@@ -1,14 +1,18 @@
 """Per-example gradients behind one interface.
 
-``PerSampleGradients`` is the seam: today ``FuncGradients`` (``torch.func``: ``functional_call`` +
-``vmap(grad)``); a ghost-norm / book-keeping backend and a torch.distributed backend implement the
-same call later. Gradients come back *flattened*, one row per example, in the order of
+``RowSource`` is the seam between the sampler and the pipeline: ``iter_rows`` yields a logical
+batch's rows micro-batch by micro-batch, with staged state (``commit``/``rollback``) and a
+checkpointable ``state_dict``. ``PerExampleRows`` wraps any ``PerSampleGradients`` function; today
+that is ``FuncGradients`` (``torch.func``: ``functional_call`` + ``vmap(grad)``); a ghost-norm /
+book-keeping backend and a torch.distributed backend implement the same protocol later. Gradients come back *flattened*, one row per example, in the order of
 ``ParamLayout``: every later stage (clip, normalise, error feedback) is then plain tensor algebra on
 a ``[b, d]`` matrix with the global L2 norm over all trainable parameters.
 """
 
 from __future__ import annotations
 
+import abc
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -16,7 +20,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from .errors import NonFiniteGradientError, UnsupportedModelError
+from .errors import ConfigError, NonFiniteGradientError, UnsupportedModelError
+from .sampling import PROBE_STEP
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -86,32 +91,117 @@ def cross_entropy(out: Tensor, y: Tensor) -> Tensor:
 
 
 class FuncGradients:
-    """``torch.func`` backend: ``vmap(grad(loss of one example))`` over the batch.
+    """``torch.func`` backend: ``vmap(grad(loss of one example))`` over the batch, at the model's
+    current parameters or at any given ones (inner momentum evaluates past iterates).
 
     Frozen parameters (``requires_grad=False``) and buffers are passed as constants. Randomness
-    inside the model (dropout) is drawn independently per example.
+    inside the model (dropout) is drawn independently per example. ``grouped=True``: each "example"
+    is a group ``x_i`` of shape ``[p, *input]`` run through the model together (BatchNorm sees the
+    group) and the loss is that of the group's first row (BatchClipping); ``check=False`` then lets
+    the cross-example BatchNorm through. Otherwise the model is checked at every call, so a
+    BatchNorm switched to train mode after construction is refused too.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn = cross_entropy) -> None:
-        check_model(model)
-        self.model = model
-        self.loss_fn = loss_fn
+    def __init__(self, model: nn.Module, loss_fn: LossFn = cross_entropy, *, grouped: bool = False,
+                 check: bool = True) -> None:
+        if check:
+            check_model(model)
+        self.model, self.loss_fn, self.grouped, self.check = model, loss_fn, grouped, check
         self.layout = ParamLayout.of(model)
 
         def loss_one(params: dict[str, Tensor], consts: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
-            out = functional_call(self.model, (params, consts), (x.unsqueeze(0),))
-            return self.loss_fn(out, y.unsqueeze(0))
+            out = functional_call(self.model, (params, consts), (x if grouped else x.unsqueeze(0),))
+            return self.loss_fn(out[:1], y.unsqueeze(0))
 
         self._fn = vmap(grad_and_value(loss_one), in_dims=(None, None, 0, 0), randomness="different")
 
-    def __call__(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        check_model(self.model)  # a BatchNorm switched to train mode after construction is refused too
+    def params(self) -> dict[str, Tensor]:
         trainable = set(self.layout.names)
-        params = {n: p.detach() for n, p in self.model.named_parameters() if n in trainable}
-        consts = {n: p.detach() for n, p in self.model.named_parameters() if n not in trainable}
-        consts.update(dict(self.model.named_buffers()))
-        grads, losses = self._fn(params, consts, x, y)
+        return {n: p.detach() for n, p in self.model.named_parameters() if n in trainable}
+
+    def consts(self) -> dict[str, Tensor]:
+        trainable = set(self.layout.names)
+        c = {n: p.detach() for n, p in self.model.named_parameters() if n not in trainable}
+        c.update(dict(self.model.named_buffers()))
+        return c
+
+    def __call__(self, x: Tensor, y: Tensor, params: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        if self.check:
+            check_model(self.model)
+        if len(x) == 0:
+            return torch.zeros(0, self.layout.dim, device=y.device), torch.zeros(0, device=y.device)
+        grads, losses = self._fn(params if params is not None else self.params(), self.consts(), x, y)
         return self.layout.flatten(grads), losses.detach()
+
+
+Rows = tuple[Tensor, Tensor, "Tensor | None"]  # (rows [r, d], per-example losses, example ids or None)
+
+
+class RowSource(abc.ABC):
+    """Where one logical step's rows come from: the seam between sampling and the pipeline.
+
+    ``iter_rows`` walks a logical batch in physical micro-batches and yields ``(rows, losses, ids)``;
+    a row is usually one example's gradient, but may be a group mean (p-averaging), an average over
+    augmentations or an inner momentum. A source that keeps state across steps stages it during
+    ``iter_rows`` and applies it in ``commit()`` (after the whole step succeeded) or drops it in
+    ``rollback()`` (a later micro-batch failed); ``state_dict`` is part of the engine's private
+    checkpoint. ``seed`` keys the source's per-example draws (``clipbias.sampling.mix``); the engine
+    sets it from its secret stream and restores it on resume. ``probe`` computes the rows of a
+    probe batch without changing any state (diagnostics).
+    """
+
+    layout: ParamLayout
+    seed: int = 0
+
+    @abc.abstractmethod
+    def iter_rows(self, x: Tensor, y: Tensor, indices: Tensor | None, step: int,
+                  max_physical_batch: int) -> Iterator[Rows]:
+        """The rows of the logical batch ``(x, y)`` (example ids ``indices``) at ``step``."""
+
+    def probe(self, x: Tensor, y: Tensor, max_physical_batch: int = 512) -> Tensor:
+        """The rows this source would produce for ``(x, y)``, with probe randomness; pure."""
+        parts = [g for g, _, _ in self.iter_rows(x, y, None, PROBE_STEP, max_physical_batch)]
+        self.rollback()
+        return torch.cat(parts) if parts else torch.zeros(0, self.layout.dim)
+
+    def commit(self) -> None:
+        """Apply the state staged by the last ``iter_rows`` (the step succeeded)."""
+
+    def rollback(self) -> None:
+        """Drop the state staged by the last ``iter_rows`` (the step failed)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class PerExampleRows(RowSource):
+    """One row per example: the per-example gradients of ``grads``, micro-batched."""
+
+    def __init__(self, grads: PerSampleGradients) -> None:
+        self.grads, self.layout = grads, grads.layout
+
+    def iter_rows(self, x: Tensor, y: Tensor, indices: Tensor | None, step: int,
+                  max_physical_batch: int) -> Iterator[Rows]:
+        for start in range(0, len(x), max_physical_batch):
+            sl = slice(start, start + max_physical_batch)
+            try:
+                g, loss = self.grads(x[sl], y[sl])
+            except torch.OutOfMemoryError:
+                raise
+            except (RuntimeError, IndexError) as e:  # shapes or labels the model/loss cannot take
+                raise ConfigError(
+                    f"computing per-example gradients failed ({type(e).__name__}: {e}). Check that the inputs "
+                    f"have the shape the model expects (one example: {tuple(x.shape[1:])} here) and that the "
+                    f"labels are class indices the model can output") from e
+            yield g, loss, (indices[sl] if indices is not None else None)
+
+
+def as_row_source(grads: "RowSource | PerSampleGradients") -> RowSource:
+    """A ``RowSource`` as is; a per-example gradient function (``PerSampleGradients``) wrapped."""
+    return grads if isinstance(grads, RowSource) else PerExampleRows(grads)
 
 
 def check_finite(g: Tensor, indices: Tensor | None = None) -> None:

@@ -1,12 +1,22 @@
-"""Poisson sampling: each example joins a batch independently with probability q.
+"""The run's randomness: Poisson sampling, the secret streams, keyed per-example draws.
 
-This is the sampling the subsampled-Gaussian accountants assume. Batch sizes vary (and can be 0);
-updates are normalised by the expected size B = qN, never the realised one.
+Poisson sampling: each example joins a batch independently with probability q. This is the
+sampling the subsampled-Gaussian accountants assume. Batch sizes vary (and can be 0); updates are
+normalised by the expected size B = qN, never the realised one.
+
+Keyed randomness: perturbation noise, augmentation parameters, group assignments and public-feature
+draws are pure functions of ``(seed, purpose, step, example index)`` (``mix``): fresh per example
+and step, independent of the data, identical whatever the micro-batching, and exactly reproducible
+on resume without carrying generator state. ``seed`` is a secret key (the third of
+``secret_streams``): a public one would let removing an example re-key every later index
+predictably. Without example indices the position in the logical batch is the key (then only the
+randomness, never the privacy, depends on the order).
 """
 
 from __future__ import annotations
 
 import secrets
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -85,3 +95,57 @@ def secret_streams(noise_seed: int | None = None) -> tuple[int, int, int]:
         raise ConfigError(f"noise seed must be an integer >= 0 or None, got {noise_seed!r}")
     entropy = secrets.randbits(128) if noise_seed is None else [noise_seed, _DOMAIN]
     return tuple(int(c.generate_state(1, np.uint64)[0]) for c in np.random.SeedSequence(entropy).spawn(3))
+
+
+# ---------------------------------------------------------------- keyed per-example draws
+_MASK64 = (1 << 64) - 1
+
+# purposes of keyed randomness (one stream each)
+PERTURB, AUGMENT, GROUP, PUBLIC, PREDICT = 1, 2, 3, 4, 5
+PROBE_STEP = 1 << 62  # step key of measurement probes: never collides with a training step
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def mix(*parts: int) -> int:
+    """A 63-bit seed from integers (splitmix64 chain): distinct tuples give independent streams."""
+    h = 0x2545F4914F6CDD1D
+    for v in parts:
+        h = _splitmix64(h ^ (int(v) & _MASK64))
+    return h & ((1 << 63) - 1)
+
+
+def keyed_ints(seed: int, purpose: int, step: int, keys: Iterable[int], count: int, high: int) -> Tensor:
+    """``[len(keys), count]`` integers uniform in ``[0, high)``, a pure function of each key."""
+    out = []
+    for k in keys:
+        h = mix(seed, purpose, step, k)
+        row = []
+        for _ in range(count):
+            h = _splitmix64(h)
+            row.append(h % high)
+        out.append(row)
+    return torch.tensor(out, dtype=torch.long).reshape(-1, count)
+
+
+def keyed_normal(seed: int, purpose: int, step: int, keys: Iterable[int], d: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Tensor:
+    """``[len(keys), d]`` standard normal rows, row i from a generator seeded by ``keys[i]``."""
+    rows = []
+    for k in keys:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(mix(seed, purpose, step, k))
+        rows.append(torch.randn(d, generator=gen, device=device, dtype=dtype))
+    return torch.stack(rows) if rows else torch.zeros(0, d, device=device, dtype=dtype)
+
+
+def batch_keys(indices: Tensor | None, start: int, size: int) -> list[int]:
+    """Example indices of ``[start, start + size)`` of the logical batch, or the positions."""
+    if indices is not None:
+        return [int(i) for i in indices[start:start + size]]
+    return list(range(start, start + size))

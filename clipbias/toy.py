@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from . import algorithms
-from .algorithms import AlgoConfig
+from .config import AlgoConfig
 from .engine import DPEngine
 from .errors import ClipbiasError, ConfigError
 
@@ -43,15 +43,6 @@ NOT_APPLICABLE = {
     "dice-self-aug": "self-augmentation averages gradients over random data augmentations of an image; a "
                      "toy problem's examples are points, not images",
 }
-
-
-def load_algorithms() -> dict:
-    """The registry, including the paper methods of ``clipbias.methods`` when that package exists."""
-    import importlib
-    import importlib.util
-    if importlib.util.find_spec("clipbias.methods") is not None:
-        importlib.import_module("clipbias.methods")
-    return algorithms.ALGORITHMS
 
 
 class Iterate(nn.Module):
@@ -312,7 +303,6 @@ def run(problem: str, algo: str, settings: Settings | None = None, instance: Ins
     (or another ``ClipbiasError``) for bad settings, and :class:`TooSlow` when ``time_budget``
     (seconds) is given and the first steps project a longer run.
     """
-    load_algorithms()
     s = settings or settings_for(problem)
     inst = instance or get_problem(problem).build(s)
     a = algorithms.get(algo)
@@ -397,7 +387,7 @@ def run_all(problem: str, settings: Settings | None = None, algos: list[str] | N
     s = settings or settings_for(problem)
     inst = instance or get_problem(problem).build(s)
     results, skipped = {}, {}
-    for name in algos or list(load_algorithms()):
+    for name in algos or list(algorithms.ALGORITHMS):
         try:
             results[name] = run(problem, name, s, inst, time_budget)
         except NotApplicable as e:

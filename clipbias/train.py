@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from . import algorithms, privacy
-from .algorithms import AlgoConfig
+from .config import AlgoConfig
 from .data import DATASET_NAMES, Dataset, load_dataset
 from .engine import DPEngine
 from .errors import ClipbiasError, ConfigError, ResumeMismatchError, TrainingDivergedError
@@ -136,7 +136,6 @@ class TrainConfig:
         from .models import MODEL_NAMES
         if self.model not in MODEL_NAMES:
             raise ConfigError(f"--model must be one of {', '.join(MODEL_NAMES)}, got {self.model!r}")
-        load_algorithms()
         algo = algorithms.get(self.algo)
         if self.epsilon is not None:
             check_epsilon(self.epsilon, "--epsilon")
@@ -158,7 +157,7 @@ class TrainConfig:
         check_positive(self.clip, "--clip")
         if self.ef_clip is not None:
             check_positive(self.ef_clip, "--ef-clip")
-            if not algorithms.reads_ef_clip(algo):  # it would be recorded but change nothing
+            if not algo.reads_ef_clip:  # it would be recorded but change nothing
                 raise ConfigError(f"--ef-clip applies to the clipped error-feedback algorithms (dice, dice-adam, "
                                   f"dice-perturb, dice-self-aug, ef-sgd); --algo {self.algo} has no clipped "
                                   f"feedback buffer: drop --ef-clip")
@@ -184,34 +183,21 @@ class TrainConfig:
         if self.subset is not None:
             _check_int(self.subset, "--subset", 1)
         given = {k: v for k, v in self.extra.items() if v is not None}
-        if given and not hasattr(algo, "schema"):  # core algorithms read no method setting
+        if given and not algo.schema:  # core algorithms read no method setting
             flags = ", ".join(EXTRA_FLAGS.get(k, k) for k in given)
             raise ConfigError(f"{flags} {'does' if len(given) == 1 else 'do'} not apply to --algo {self.algo}; the method flags are for "
-                              f"the algorithms of clipbias.methods (perturb, p-avg, inner-outer, ...)")
+                              f"the paper methods (perturb, p-avg, inner-outer, ...)")
         if "public_size" in given:
             _check_int(given["public_size"], "--public-size", 1)
         if self.public_source not in ("test", "holdout"):
             raise ConfigError(f"--public-source must be test or holdout, got {self.public_source!r}")
         if given:  # the method's own checks (each message names the flag)
-            algo.settings(self.algo_config_without_public() if _needs_public(algo) else self.algo_config())
+            algo.settings(self.algo_config_without_public() if algo.needs_public else self.algo_config())
         return self
 
     def algo_config_without_public(self) -> AlgoConfig:
         """For validation before the public features exist: a placeholder tensor."""
         return dataclasses.replace(self.algo_config(), extra={**self.extra, "public": torch.zeros(1, 1)})
-
-
-def _needs_public(algo) -> bool:
-    return any(st.key == "public" for st in getattr(algo, "schema", ()))
-
-
-def load_algorithms() -> dict:
-    """The algorithm registry, including methods registered by ``clipbias.methods`` when present."""
-    import importlib
-    import importlib.util
-    if importlib.util.find_spec("clipbias.methods") is not None:
-        importlib.import_module("clipbias.methods")
-    return algorithms.ALGORITHMS
 
 
 def _check_int(v: Any, flag: str, minimum: int) -> int:
@@ -313,11 +299,11 @@ def prepare_splits(cfg: TrainConfig, dataset: Dataset | None = None) -> Splits:
                           f"of that size")
     public_x = None
     public_size = cfg.extra.get("public_size")
-    if public_size is None and _needs_public(algorithms.get(cfg.algo)):
+    if public_size is None and algorithms.get(cfg.algo).needs_public:
         raise ConfigError(f"--algo {cfg.algo} needs public features: give --public-size N (taken from "
                           f"the test split, or from the training split with --public-source holdout)")
     if public_size is not None:
-        from .methods import public_split
+        from .algorithms import public_split
         limit = dataset.num_train if cfg.public_source == "holdout" else len(dataset.y_test)
         if public_size >= limit:
             raise ConfigError(f"--public-size must be < the {limit} {cfg.public_source} examples, "
@@ -457,7 +443,7 @@ def export_weights(run_dir: str | os.PathLike, file: str | os.PathLike) -> dict:
             "epsilon": last.get("epsilon"), "delta": cfg.get("delta"),
             "accountant": last.get("accountant"), "certified": last.get("certified"),
             "basis": last.get("basis")}
-    if cfg.get("dice_accounting") in privacy.dice.RENAMED and cfg.get("algo") in load_algorithms() and \
+    if cfg.get("dice_accounting") in privacy.dice.RENAMED and cfg.get("algo") in algorithms.ALGORITHMS and \
             algorithms.get(cfg["algo"]).accounting == "dice":
         # a run from before the refutation: its "certified" DiceSGD epsilon is the paper's bound
         meta.update(certified=False, basis=f"{meta['basis']}; {privacy.dice.REFUTED.format(basis='paper')}")
@@ -573,8 +559,8 @@ def _train(config: TrainConfig, *, dataset: Dataset | None = None, splits: Split
     algo = algorithms.get(cfg.algo)
     algo_cfg = cfg.algo_config()
     predict = None
-    if _needs_public(algo):  # BatchClipping (Xiao et al. Alg. 3): BatchNorm net, public features
-        from .methods import batchclip_predict, batchnorm_variant
+    if algo.needs_public:  # BatchClipping (Xiao et al. Alg. 3): BatchNorm net, public features
+        from .algorithms import batchclip_predict, batchnorm_variant
         if splits.public_x is None:
             raise ConfigError(f"--algo {cfg.algo} needs --public-size (public features)")
         model = batchnorm_variant(model)

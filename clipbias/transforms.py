@@ -3,11 +3,13 @@
 The stages run in one direction:
 
     per-example rows [b, d] --PerSample stages--> rows --sum / B--> aggregate [d]
-        --ErrorFeedback--> v [d] --GaussianNoise--> v + w [d] --> base torch optimizer
+        --ErrorFeedback--> v [d] --GaussianNoise--> v + w [d] --post stage--> base torch optimizer
 
 Stateful stages never mutate their state while a step is computed: they stage the new value and
-``commit()`` applies it once the whole step succeeded (so a NaN gradient or an interrupted micro-
-batch loop leaves everything as it was), in the spirit of optax's ``(update, new_state)``.
+``commit()`` applies it once the whole step succeeded, ``rollback()`` drops it when a later
+micro-batch failed (a NaN gradient, a bad shape), so a failed step leaves everything as it was, in
+the spirit of optax's ``(update, new_state)``. ``PerSample.probe`` is the pure version of a stage
+(diagnostics measure what a stage would produce without staging anything).
 """
 
 from __future__ import annotations
@@ -50,7 +52,10 @@ class Stage:
         pass
 
     def commit(self) -> None:
-        pass
+        """Apply the state staged during the step (the step succeeded)."""
+
+    def rollback(self) -> None:
+        """Drop the state staged during the step (the step failed)."""
 
 
 class PerSample(Stage):
@@ -62,8 +67,12 @@ class PerSample(Stage):
 
     bound: float | None = None
 
-    def __call__(self, g: Tensor, ctx: StepContext) -> Tensor:
-        raise NotImplementedError  # pragma: no cover - abstract
+    def __call__(self, g: Tensor, ctx: StepContext) -> Tensor:  # pragma: no cover - every stage overrides it
+        return g
+
+    def probe(self, g: Tensor, ctx: StepContext) -> Tensor:
+        """What the stage outputs for probe rows, staging nothing (default: a stateless stage's call)."""
+        return self(g, ctx)
 
 
 class Clip(PerSample):
@@ -125,6 +134,9 @@ class ErrorFeedback(Stage):
         if self._pending is not None:
             self.e, self._pending = self._pending, None
 
+    def rollback(self) -> None:
+        self._pending = None
+
     def state_dict(self) -> dict:
         return {"e": None if self.e is None else self.e.detach().clone()}
 
@@ -161,18 +173,25 @@ class Pipeline:
 
     ``reference``: per-example stages applied before the rows are recorded as the gradients
     error feedback tracks (e.g. an outer clip G_max). ``per_sample``: the stages after it (perturb,
-    clip/normalise, ...). ``expected_batch_size``: B = qN, the normaliser (never the realised size).
+    clip/normalise, ...). ``divisor``: what the summed rows are divided by: B = qN, the expected
+    batch size (never the realised one), or the number of groups for p-averaging. ``post``: a stage
+    after the noise (post-processing of the released update, e.g. outer momentum).
     """
 
     per_sample: list[PerSample]
-    expected_batch_size: float
+    divisor: float
     reference: list[PerSample] = field(default_factory=list)
     error_feedback: ErrorFeedback | None = None
     noise: GaussianNoise | None = None
+    post: Stage | None = None
 
-    def stages(self) -> list[Stage]:
-        extra = [s for s in (self.error_feedback, self.noise) if s is not None]
-        return [*self.reference, *self.per_sample, *extra]
+    def named_stages(self) -> list[tuple[str, Stage]]:
+        """Every stage with its ``state_dict`` key, in the order of the data flow."""
+        named = [(f"reference.{i}", s) for i, s in enumerate(self.reference)]
+        named += [(f"per_sample.{i}", s) for i, s in enumerate(self.per_sample)]
+        named += [(k, s) for k, s in (("error_feedback", self.error_feedback), ("noise", self.noise),
+                                      ("post", self.post)) if s is not None]
+        return named
 
     @property
     def sensitivity(self) -> float | None:
@@ -194,18 +213,27 @@ class Pipeline:
 
     def finish(self, processed_sum: Tensor, reference_sum: Tensor) -> Tensor:
         """Sums over the logical batch -> the (noisy) update handed to the base optimizer."""
-        v = processed_sum / self.expected_batch_size
+        v = processed_sum / self.divisor
         if self.error_feedback is not None:
-            v = self.error_feedback(v, reference_sum / self.expected_batch_size)
-        return self.noise(v) if self.noise is not None else v
+            v = self.error_feedback(v, reference_sum / self.divisor)
+        if self.noise is not None:
+            v = self.noise(v)
+        return self.post(v) if self.post is not None else v
 
     def commit(self) -> None:
-        for s in self.stages():
+        for _, s in self.named_stages():
             s.commit()
 
+    def rollback(self) -> None:
+        for _, s in self.named_stages():
+            s.rollback()
+
     def state_dict(self) -> dict:
-        return {str(i): s.state_dict() for i, s in enumerate(self.stages())}
+        return {k: s.state_dict() for k, s in self.named_stages()}
 
     def load_state_dict(self, state: dict) -> None:
-        for i, s in enumerate(self.stages()):
-            s.load_state_dict(state[str(i)])
+        named = self.named_stages()
+        if "0" in state:  # checkpoints before named keys: stages by position, same order
+            state = {k: state[str(i)] for i, (k, _) in enumerate(named)}
+        for k, s in named:
+            s.load_state_dict(state[k])

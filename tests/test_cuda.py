@@ -18,12 +18,13 @@ import torch
 from torch import nn
 
 from clipbias import diagnostics
-from clipbias.algorithms import AlgoConfig
+from clipbias.config import AlgoConfig
 from clipbias.cli import main
 from clipbias.engine import DPEngine
 from clipbias.grads import FuncGradients
-from clipbias.methods import batchnorm_variant, keyed_normal
-from clipbias.methods import perturb as perturb_module
+from clipbias.algorithms import batchnorm_variant
+from clipbias.algorithms import perturb as perturb_module
+from clipbias.sampling import keyed_normal
 from clipbias.models import build_model
 from clipbias.train import TrainConfig, load_checkpoint, prepare_splits, train
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from clipbias.algorithms import AlgoConfig
+from clipbias.config import AlgoConfig
 from clipbias.engine import DPEngine
 from clipbias.errors import ConfigError, NonFiniteGradientError, ResumeMismatchError, UnsupportedModelError
 from clipbias.grads import FuncGradients, ParamLayout
@@ -305,16 +305,22 @@ def test_dice_adam_one_step_against_hand_adam():
 
 
 def test_resume_with_changed_method_setting_is_refused():
-    e1, _, _ = make_engine(small_cnn(), "dpsgd", config=AlgoConfig(lr=0.2, clip=0.5, extra={"k": 0.1}))
-    e2, _, _ = make_engine(small_cnn(), "dpsgd", config=AlgoConfig(lr=0.2, clip=0.5, extra={"k": 0.2}))
+    e1, _, _ = make_engine(small_cnn(), "perturb", config=AlgoConfig(lr=0.2, clip=0.5, extra={"k": 0.1}))
+    e2, _, _ = make_engine(small_cnn(), "perturb", config=AlgoConfig(lr=0.2, clip=0.5, extra={"k": 0.2}))
     with pytest.raises(ResumeMismatchError, match="extra"):
         e2.load_state_dict(e1.state_dict())
 
 
 def test_resume_treats_int_and_float_method_settings_alike():
-    e1, _, _ = make_engine(small_cnn(), "dpsgd", config=AlgoConfig(lr=0.2, clip=0.5, extra={"p": 4}))
-    e2, _, _ = make_engine(small_cnn(), "dpsgd", config=AlgoConfig(lr=0.2, clip=0.5, extra={"p": 4.0}))
+    e1, _, _ = make_engine(small_cnn(), "p-avg", config=AlgoConfig(lr=0.2, clip=0.5, extra={"p": 4}))
+    e2, _, _ = make_engine(small_cnn(), "p-avg", config=AlgoConfig(lr=0.2, clip=0.5, extra={"p": 4.0}))
     e2.load_state_dict(e1.state_dict())
+
+
+def test_a_core_algorithm_refuses_a_method_setting():
+    """A setting an algorithm does not read would be recorded but change nothing: refused."""
+    with pytest.raises(ConfigError, match="--algo dpsgd does not take setting.*'k'"):
+        make_engine(small_cnn(), "dpsgd", config=AlgoConfig(lr=0.2, clip=0.5, extra={"k": 0.1}))
 
 
 def test_batches_and_noise_are_secret_by_default_and_reproducible_on_request():
@@ -357,7 +363,7 @@ def test_feedback_state_loaded_on_cpu_follows_the_update_device():
     """Checkpoints are saved on the CPU; resumed on another device, the error-feedback buffer and the
     outer momentum move to the update's device (the 'meta' device stands in for CUDA here: mixing
     it with CPU tensors raises exactly as CUDA does)."""
-    from clipbias.methods.momentum import OuterMomentum
+    from clipbias.algorithms import OuterMomentum
     from clipbias.transforms import ErrorFeedback
 
     a = torch.zeros(3, device="meta")
@@ -373,7 +379,7 @@ def test_feedback_state_loaded_on_cpu_follows_the_update_device():
 
 def test_sensitivity_is_the_last_stage_bound():
     """An unbounded stage after a Clip voids the Clip's bound: the pipeline has no sensitivity."""
-    from clipbias.methods.perturb import Perturb
+    from clipbias.algorithms import Perturb
     from clipbias.transforms import Clip, Pipeline
 
     assert Pipeline([Perturb(0.1), Clip(2.0)], 1.0).sensitivity == 2.0

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from clipbias.algorithms import AlgoConfig
+from clipbias.config import AlgoConfig
 from clipbias.engine import DPEngine
 from clipbias.errors import ClipbiasError, ConfigError, UnsupportedModelError
 from clipbias.privacy import gaussian

@@ -10,15 +10,15 @@ import torch
 from torch import nn
 
 from clipbias import algorithms
-from clipbias.algorithms import AlgoConfig
+from clipbias.config import AlgoConfig
 from clipbias.data import Dataset
 from clipbias.engine import DPEngine
 from clipbias.errors import ConfigError, NonFiniteGradientError
-from clipbias.methods import (GroupBatchNorm, batchclip_logits, batchclip_predict, batchnorm_variant,
-                              clipped_quantity, compose, keyed_ints, keyed_normal, mix, noise_ratio_vs_dpsgd,
-                              num_groups, public_split, sampling_noise)
-from clipbias.methods._common import AUGMENT, GROUP, PERTURB, PUBLIC
-from clipbias.methods.augment import CropFlip
+from clipbias.algorithms import (CropFlip, GroupBatchNorm, batchclip_logits, batchclip_predict, batchnorm_variant,
+                                 compose, noise_ratio_vs_dpsgd, num_groups, public_split)
+from clipbias.diagnostics import clipped_quantity
+from clipbias.diagnostics import sampling_noise_report as sampling_noise
+from clipbias.sampling import AUGMENT, GROUP, PERTURB, PUBLIC, keyed_ints, keyed_normal, mix
 from clipbias.privacy import gaussian
 from clipbias.sampling import secret_seeds, secret_streams
 
@@ -79,12 +79,11 @@ class NoiseReplica:
 
 def processed_sum(eng, x, y, idx, step=0) -> torch.Tensor:
     """Sum of the rows after the per-example stages, for one batch, changing no state."""
-    total = torch.zeros(eng.grads.layout.dim)
-    for g, _, ids in eng._rows(x, y, idx):
+    total = torch.zeros(eng.rows.layout.dim)
+    for g, _, ids in eng.rows.iter_rows(x, y, idx, step, eng.max_physical_batch):
         total += eng.pipeline.rows(g, StepContext(ids, step))[1]
-    for st in eng.pipeline.per_sample:  # drop anything a stage staged
-        if hasattr(st, "_pending"):
-            st._pending, st._staged = [], None
+    eng.rows.rollback()  # drop anything the source or a stage staged
+    eng.pipeline.rollback()
     return total
 
 
@@ -106,7 +105,7 @@ def test_perturb_update_matches_independent_computation():
     m, ref = tiny_cnn(), tiny_cnn()
     k, lr, c = 0.3, 0.1, 0.5
     eng = engine(m, "perturb", extra={"k": k}, clip=c, lr=lr)
-    d = eng.grads.layout.dim
+    d = eng.rows.layout.dim
     noise = NoiseReplica(0, d)
     for step, idx in enumerate([torch.tensor([0, 3, 5, 7]), torch.tensor([1, 2, 9])]):
         eng.step(x[idx], y[idx], idx)
@@ -143,7 +142,7 @@ def test_dpgd_momentum_matches_brute_force_alg1():
     gm, lr, c = 0.3, 0.2, 0.5
     eng = engine(m, "dpgd-momentum", batch_size=float(N), extra={"gamma_m": gm}, clip=c, lr=lr, steps=2)
     assert eng.sample_rate == 1.0
-    noise = NoiseReplica(0, eng.grads.layout.dim)
+    noise = NoiseReplica(0, eng.rows.layout.dim)
     mom = [loop_grad(ref, x[i:i + 1], y[i]) for i in range(N)]  # line 2: m_0 = grad f(w_0)
     for _ in range(2):
         eng.train_epoch(x, y)
@@ -185,12 +184,17 @@ def test_failed_step_leaves_method_state_unchanged():
         eng.train_epoch(bad, y)
     assert torch.equal(mom.buf, buf) and torch.equal(params_of(eng.model), w) and eng.steps_taken == 1
     eng.train_epoch(x, y)  # the retry starts afresh: what the failed attempt staged is dropped
-    assert sum(len(i) for i, _ in mom._pending) == 0 and bool(mom.seen.all())
+    assert bool(mom.seen.all())
+    twin = engine(tiny_cnn(), "dpgd-momentum", batch_size=float(N), max_physical_batch=5)
+    twin.train_epoch(x, y)
+    twin.train_epoch(x, y)  # the same two steps without the failed attempt in between: the same result
+    assert torch.equal(twin.pipeline.per_sample[0].buf, mom.buf) and torch.equal(params_of(twin.model),
+                                                                                 params_of(eng.model))
     io = engine(tiny_cnn(), "inner-outer", max_physical_batch=2)
     io.step(x[:4], y[:4], torch.arange(4))
     with pytest.raises(NonFiniteGradientError):
         io.step(bad[-4:], y[-4:], torch.arange(N - 4, N))
-    assert len(io.grads.history) == 1 and io.pipeline.post.m is not None
+    assert len(io.rows.history) == 1 and io.pipeline.post.m is not None
 
 
 # ------------------------------------------------------------------ inner-outer (Alg. 2)
@@ -211,11 +215,11 @@ def test_inner_momentum_equals_brute_force_recomputation():
                 torch.nn.utils.vector_to_parameters(w, ref.parameters())
                 tot = tot + g0 ** j * loop_grad(ref, x[i:i + 1], y[i])
             expect.append(tot)
-        got = eng.grads.inner(x[idx], y[idx])[0]
+        got = eng.rows.inner(x[idx], y[idx])[0]
         assert torch.allclose(got, torch.stack(expect), atol=1e-5), step
         eng.step(x[idx], y[idx], idx)
         iterates.append(params_of(m).clone())
-    assert len(eng.grads.history) == k0  # only K0 snapshots are stored
+    assert len(eng.rows.history) == k0  # only K0 snapshots are stored
 
 
 def test_outer_momentum_update_eq14():
@@ -223,7 +227,7 @@ def test_outer_momentum_update_eq14():
     m, ref = tiny_cnn(), tiny_cnn()
     g1, lr, c = 0.9, 0.1, 0.5
     eng = engine(m, "inner-outer", extra={"K0": 1, "gamma0": 0.2, "gamma1": g1}, clip=c, lr=lr)
-    noise = NoiseReplica(0, eng.grads.layout.dim)
+    noise = NoiseReplica(0, eng.rows.layout.dim)
     prev_w, M = None, None
     for step in range(3):
         idx = torch.tensor([step, step + 5])
@@ -256,9 +260,9 @@ def test_p_avg_update_matches_independent_computation():
     p, lr, c = 3, 0.2, 0.5
     eng = engine(m, "p-avg", batch_size=12.0, extra={"p": p}, clip=c, lr=lr, max_physical_batch=5)
     groups = num_groups(p, 12.0)
-    assert groups == 4 and eng.pipeline.expected_batch_size == 4
+    assert groups == 4 and eng.pipeline.divisor == 4
     assert eng.pipeline.noise.std == pytest.approx(Z * 2 * c / groups)
-    noise = NoiseReplica(0, eng.grads.layout.dim)
+    noise = NoiseReplica(0, eng.rows.layout.dim)
     idx = torch.arange(13)
     gid = keyed_ints(KEYED0, GROUP, 0, idx.tolist(), 1, groups).flatten()  # backend seed: the secret keyed stream
     s = 0
@@ -273,7 +277,7 @@ def test_p_avg_update_matches_independent_computation():
 
 def test_p_avg_is_not_a_free_lunch_and_says_so():
     eng = engine(tiny_cnn(), "p-avg", batch_size=12.0, extra={"p": 3})
-    assert "2C" in eng.spec.sensitivity
+    assert "2C" in eng.spec.note and eng.spec.sensitivity == 2 * 0.5  # S = 2C, C = 0.5
     assert noise_ratio_vs_dpsgd(3, 12.0) == pytest.approx(6.0)  # 2p
     dp = engine(tiny_cnn(), "dpsgd", batch_size=12.0)
     # same z, same epsilon (z is relative to 2C), but 2p times the noise on the averaged update
@@ -308,7 +312,7 @@ def test_self_aug_update_matches_independent_computation():
     m, ref = tiny_cnn(), tiny_cnn()
     K, lr, c = 3, 0.2, 0.5
     eng = engine(m, "self-aug", extra={"K": K, "pad": 1}, clip=c, lr=lr, max_physical_batch=4)
-    noise = NoiseReplica(0, eng.grads.layout.dim)
+    noise = NoiseReplica(0, eng.rows.layout.dim)
     idx = torch.tensor([2, 4, 6, 8, 10])
     aug = CropFlip(pad=1, flip=True)
     codes = keyed_ints(KEYED0, AUGMENT, 0, idx.tolist(), K, aug.choices)
@@ -349,7 +353,7 @@ def test_batch_clip_update_matches_independent_computation():
     pub = torch.randn(7, 1, D_IN, D_IN, generator=torch.Generator().manual_seed(9))
     p, lr, c = 3, 0.2, 0.5
     eng = engine(m, "batch-clip", extra={"public": pub, "p": p}, clip=c, lr=lr, max_physical_batch=7)
-    noise = NoiseReplica(0, eng.grads.layout.dim)
+    noise = NoiseReplica(0, eng.rows.layout.dim)
     idx = torch.tensor([1, 3, 5, 20])
     draws = keyed_ints(KEYED0, PUBLIC, 0, idx.tolist(), p - 1, len(pub))
     s = 0
@@ -463,7 +467,7 @@ def test_p_avg_sensitivity_really_is_2c():
     x = torch.randn(N, 4)
     pred = (x @ model.weight.detach().T).squeeze(-1)
     y = pred - 2.0  # residual +2 for every example: large gradients, all clipped
-    gid = eng.grads.assign(list(range(N)), eng.steps_taken)  # the groups of the next step
+    gid = eng.rows.assign(list(range(N)), eng.steps_taken)  # the groups of the next step
     i = 0
     j = next(k for k in range(1, N) if gid[k] == gid[i])  # an index that falls in i's group
     x[j], y[j] = x[i], pred[i] + 6.0  # same input, residual -6: group mean = -(gradient of i)
@@ -545,7 +549,7 @@ def test_dice_perturb_update_matches_independent_computation():
     k, lr, c1, c2 = 0.2, 0.1, 0.5, 0.05
     eng = engine(m, "dice-perturb", extra={"k": k}, clip=c1, lr=lr, cfg={"ef_clip": c2},
                  dice_accounting="conservative")
-    d = eng.grads.layout.dim
+    d = eng.rows.layout.dim
     noise = NoiseReplica(0, d)
     e = torch.zeros(d)
     for step, idx in enumerate([torch.tensor([0, 4, 9]), torch.tensor([2, 3])]):
@@ -594,9 +598,9 @@ def test_bad_settings_are_refused_with_the_flag(algo, extra, match):
 
 def test_cli_spellings_and_integral_floats_are_accepted():
     eng = engine(tiny_cnn(), "inner-outer", extra={"k0": 2.0, "gamma0": 0.1, "gamma1": None})
-    assert eng.grads.k0 == 2 and eng.pipeline.post.gamma1 == 0.9
+    assert eng.rows.k0 == 2 and eng.pipeline.post.gamma1 == 0.9
     eng = engine(tiny_cnn(), "p-avg", extra={"p": 4.0})
-    assert eng.grads.p == 4
+    assert eng.rows.p == 4
 
 
 # ------------------------------------------------------------------ models of the zoo, sampling noise
@@ -642,7 +646,7 @@ def test_sampling_noise_definition_and_probes():
         assert rows.shape[0] == (6 if algo == "p-avg" else N)
         assert torch.equal(before, params_of(eng.model))  # a probe changes nothing
         tau2[algo] = sampling_noise(rows)["tau2"]
-    d = eng.grads.layout.dim
+    d = eng.rows.layout.dim
     assert tau2["p-avg"] < tau2["dpsgd"]  # averaging lowers the sampling noise of the clipped quantity
     assert tau2["perturb"] == pytest.approx(tau2["dpsgd"] + 0.25 * d, rel=0.15)  # + k^2 d: Chen's trade-off
     assert math.isfinite(tau2["self-aug"])
@@ -694,7 +698,7 @@ def test_keyed_draws_come_from_the_secret_stream_and_resume(algo, extra):
     stream on request, and carried by the private checkpoint."""
     a = engine(tiny_cnn(), algo, extra=extra, noise_seed=None)
     b = engine(tiny_cnn(), algo, extra=extra, noise_seed=None)
-    assert a.grads.seed != b.grads.seed
-    assert engine(tiny_cnn(), algo, extra=extra, noise_seed=5).grads.seed == secret_streams(5)[2]
+    assert a.rows.seed != b.rows.seed
+    assert engine(tiny_cnn(), algo, extra=extra, noise_seed=5).rows.seed == secret_streams(5)[2]
     b.load_state_dict(a.state_dict())
-    assert b.grads.seed == a.grads.seed == a.keyed_seed
+    assert b.rows.seed == a.rows.seed == a.keyed_seed

@@ -160,7 +160,7 @@ def test_conservative_and_authors():
 
 def test_dice_auto_outside_the_paper_bound_and_sound_in_normalised_units():
     from clipbias import algorithms
-    from clipbias.algorithms import AlgoConfig
+    from clipbias.config import AlgoConfig
     spec = algorithms.get("dice-auto").spec(AlgoConfig(), 0.01, 20.0, 5)
     with pytest.raises(PrivacyAccountingError, match="non-expansive"):
         account(spec, 100, 1e-5, dice_accounting="paper")

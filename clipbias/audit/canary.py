@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .. import algorithms, privacy
-from ..algorithms import AlgoConfig
+from ..config import AlgoConfig
 from ..errors import ConfigError
 from ..privacy.report import check_delta, check_positive, check_rate, check_steps
 from ..transforms import Pipeline, StepContext
@@ -89,7 +89,7 @@ def check_batched(name: str) -> algorithms.Algorithm:
     algo = algorithms.get(name)
     if not algo.private:
         raise ConfigError(f"--algo {name} is not private (epsilon = inf): there is no claim to audit")
-    if getattr(algo, "backend", None) is not None or getattr(algo, "divisor", None) is not None:
+    if algo.source is not None:  # group means, momenta over past iterates, augmentations
         raise ConfigError(f"--algo {name} computes its rows with its own backend (groups, momentum over "
                           f"past iterates or augmentations), which the batched canary simulation does not "
                           f"drive; audit it with --mode one-run")

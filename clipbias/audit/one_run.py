@@ -115,7 +115,7 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
     model = _build_model(cfg, tuple(splits.info["input_shape"]), splits.info["num_classes"])
     algo_cfg, logits = cfg.algo_config(), model  # the model's forward pass, unless BatchClipping
     if public:  # BatchClipping: the BatchNorm variant, public features from the test split (App. E)
-        from ..methods import batchclip_logits, batchnorm_variant
+        from ..algorithms import batchclip_logits, batchnorm_variant
         model = batchnorm_variant(model)
         algo_cfg = dataclasses.replace(algo_cfg, extra={**cfg.extra, "public": splits.public_x})
         p_group = algo.settings(algo_cfg)["p"]
@@ -147,7 +147,7 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
     engine = DPEngine(model, a.algo, n=len(y_all), batch_size=batch, steps=a.steps,
                       noise_multiplier=a.noise_multiplier, delta=a.delta, dice_accounting=a.dice_accounting,
                       config=algo_cfg, grads=grads)
-    layout = engine.grads.layout
+    layout = engine.rows.layout
     theta0 = torch.cat([p.detach().flatten() for p in layout.params(model)]).clone()
     bar = None
     if progress:

@@ -7,7 +7,6 @@ import argparse
 from .. import audit
 from ..errors import ConfigError
 from ..privacy import DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING
-from ..train import load_algorithms
 from ._common import emit
 
 
@@ -22,7 +21,6 @@ def _canary(args: argparse.Namespace) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
-    load_algorithms()
     if args.mode == "canary":
         if args.batch_size is None:
             raise ConfigError("--batch-size B (the expected batch size, the update's normaliser) is required")

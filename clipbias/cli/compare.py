@@ -15,10 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-from ..algorithms import reads_ef_clip
+from .. import algorithms
 from ..errors import ConfigError
 from ..privacy.dice import DEFAULT_EF_RATIO, check_basis
-from ..train import CURVES, jsonable, load_algorithms, prepare_splits, run_many, write_json
+from ..train import CURVES, jsonable, prepare_splits, run_many, write_json
 from ._common import emit
 from .train import add_training_flags, config_from_args, fmt_eps, set_threads
 
@@ -36,7 +36,7 @@ DICE_FAMILY_PREFIX = "dice"
 
 def parse_variant(spec: str) -> tuple[str, dict]:
     """``NAME`` or ``NAME:ACCOUNTING`` (e.g. ``dice:authors``) -> (label, config overrides)."""
-    algos = load_algorithms()
+    algos = algorithms.ALGORITHMS
     name, _, acc = spec.partition(":")
     if name not in algos:
         raise ConfigError(f"--algos: unknown algorithm {name!r}; choose from {', '.join(sorted(algos))}")
@@ -84,7 +84,7 @@ def _run(args: argparse.Namespace) -> int:
     variants = []
     for spec in algos:
         label, over = parse_variant(spec)
-        if reads_ef_clip(load_algorithms()[over["algo"]]):
+        if algorithms.get(over["algo"]).reads_ef_clip:
             # C2 = r C1 / B: the sound privacy cost of feedback grows with r (unless --ef-clip is given)
             over["ef_clip"] = args.ef_clip if args.ef_clip is not None else ratio * args.clip / args.batch_size
         variants.append((label, over))

@@ -119,12 +119,11 @@ def _subset(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 def _run(args: argparse.Namespace) -> int:
     from ..models import build_model
-    from ..train import load_algorithms, load_checkpoint, prepare_splits
+    from ..train import load_checkpoint, prepare_splits
     from .train import config_from_args
     from ..engine import DPEngine
 
     t0 = time.perf_counter()
-    load_algorithms()
     run_cfg = _merge(args, args._defaults)
     algo = algorithms.get(args.algo)
     if algo.private and args.epsilon is None and args.noise_multiplier is None:

@@ -57,7 +57,6 @@ def _fmt(v) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     problem = toy.get_problem(args.problem)
-    toy.load_algorithms()
     algorithms.get(args.algo)  # a clear error for an unknown name
     extra = {key: getattr(args, dest) for dest, key in _EXTRA_FLAGS.items() if getattr(args, dest) is not None}
     extra.update(_parse_extra(args.extra))

@@ -11,7 +11,8 @@ from ..data import DATASET_NAMES
 from ..errors import ConfigError
 from ..privacy import ACCOUNTANTS, DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING
 from ..privacy.dice import DEFAULT_EF_RATIO
-from ..train import (CHECKPOINT, CURVES, RESULTS, TrainConfig, default_out, load_algorithms, train,
+from .. import algorithms
+from ..train import (CHECKPOINT, CURVES, RESULTS, TrainConfig, default_out, train,
                      tune_allocator)
 from ._common import emit, exit_code, warn
 
@@ -30,7 +31,7 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
     p.add_argument("--model", choices=MODEL_NAMES, default=d["model"], required=req["model"],
                    metavar="NAME", help=f"model: {', '.join(MODEL_NAMES)}")
     if algo:
-        names = sorted(load_algorithms())
+        names = sorted(algorithms.ALGORITHMS)
         p.add_argument("--algo", choices=names, required=True, metavar="NAME",
                        help=f"algorithm: {', '.join(names)}")
     g = p.add_argument_group("privacy")

@@ -26,7 +26,8 @@ __all__ = ["AccountingSpec", "PrivacyReport", "DiceParams", "account", "calibrat
 class AccountingSpec:
     """How an algorithm's releases are accounted.
 
-    kind ``gaussian``: Poisson-subsampled Gaussian with multiplier z relative to ``sensitivity``;
+    kind ``gaussian``: Poisson-subsampled Gaussian with multiplier z relative to ``sensitivity`` (the
+    per-example L2 bound of the summed rows; ``note`` says in words why it holds);
     kind ``dice``: DiceSGD error feedback (``dice`` holds C1, C2, B, G_max; steps filled in by
     ``account``), accounted by one of ``DICE_ACCOUNTING`` (default ``sound``);
     kind ``none``: non-private, epsilon = inf.
@@ -36,10 +37,11 @@ class AccountingSpec:
     kind: str
     sample_rate: float
     noise_multiplier: float = 0.0
-    sensitivity: str = ""
+    note: str = ""
     dice: DiceParams | None = None
     certifiable: bool = True  # False: even the paper's (refuted) DiceSGD proof does not apply
     why_not_certifiable: str = ""
+    sensitivity: float | None = None  # None: non-private, or a spec written by hand (clipbias account)
 
     def dp_event(self, steps: int, dice_accounting: str = DEFAULT_DICE_ACCOUNTING) -> dp_event.DpEvent:
         """The dp-accounting event of T steps.
@@ -75,7 +77,7 @@ def account(spec: AccountingSpec, steps: int, delta: float, accountant: str = "p
         return PrivacyReport(0.0, delta, accountant, "no step taken", True, spec.noise_multiplier)
     if spec.kind == "gaussian":
         return gaussian.report(spec.noise_multiplier, spec.sample_rate, steps, delta, accountant,
-                               spec.sensitivity)
+                               spec.note)
     if spec.kind == "dice":
         _check_dice_method(spec, dice_accounting)
         return dice.report(replace(spec.dice, steps=steps), spec.noise_multiplier, delta,

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..config import Setting, real
 from ..errors import ConfigError
+from ..sampling import PERTURB, PROBE_STEP, keyed_normal, mix
 from ..transforms import PerSample, StepContext
-from ._common import PERTURB, keyed_normal, mix
 
 
 class Perturb(PerSample):
@@ -32,15 +33,31 @@ class Perturb(PerSample):
         self.k, self.seed = float(k), int(seed)
         # a stream of its own: the pipeline's GaussianNoise is seeded with the same seed
         self.generator = torch.Generator().manual_seed(mix(self.seed, PERTURB))
+        self._start: torch.Tensor | None = None  # generator state at the step's first draw
 
     def noise(self, g: Tensor, ctx: StepContext) -> Tensor:
         if ctx.indices is not None:
             return keyed_normal(self.seed, PERTURB, ctx.step, ctx.indices.tolist(), g.shape[1],
                                 g.device, g.dtype)
+        if self._start is None:
+            self._start = self.generator.get_state()
         return torch.randn(g.shape, generator=self.generator, dtype=g.dtype).to(g.device)
 
     def __call__(self, g: Tensor, ctx: StepContext) -> Tensor:
         return g + self.k * self.noise(g, ctx)
+
+    def probe(self, g: Tensor, ctx: StepContext) -> Tensor:
+        """Probe randomness (keyed at ``PROBE_STEP``): the sequential generator is not touched."""
+        keys = ctx.indices.tolist() if ctx.indices is not None else list(range(len(g)))
+        return g + self.k * keyed_normal(self.seed, PERTURB, PROBE_STEP, keys, g.shape[1], g.device, g.dtype)
+
+    def commit(self) -> None:
+        self._start = None
+
+    def rollback(self) -> None:
+        if self._start is not None:  # un-draw what the failed step drew
+            self.generator.set_state(self._start)
+        self._start = None
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "rng": self.generator.get_state()}
@@ -49,3 +66,9 @@ class Perturb(PerSample):
         # the key of the draws is part of the (secret) stream state: a resumed run continues it
         self.seed = int(state.get("seed", self.seed))
         self.generator.set_state(state["rng"])
+        self._start = None
+
+
+K_PERTURB = Setting("k", 0.01, "a number > 0", real(0, float("inf"), lo_open=True), "--perturb-k",
+                    float, "perturb / dice-perturb: scale k of the pre-clipping perturbation k N(0, I)",
+                    aliases=("perturb_k",))

@@ -29,9 +29,11 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from ..grads import LossFn, check_finite
+from ..config import AlgoConfig, Setting, integer
+from ..grads import FuncGradients, LossFn, RowSource, check_finite
+from ..sampling import GROUP, PROBE_STEP, batch_keys, keyed_ints
 from ..transforms import Clip
-from ._common import GROUP, FunctionalGradients, batch_keys, keyed_ints
+from .base import Algorithm, Parts, register
 
 
 def num_groups(p: int, expected_batch_size: float) -> int:
@@ -52,21 +54,17 @@ class GroupClip(Clip):
         self.bound = 2.0 * self.c  # the add/remove sensitivity of the sum over groups
 
 
-class GroupMeanGradients:
+class GroupMeanGradients(RowSource):
     """Rows = means of the per-example gradients of each non-empty random group (one yield per step)."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, p: int, groups: int, seed: int = 0) -> None:
-        self.fg = FunctionalGradients(model, loss_fn)
+        self.fg = FuncGradients(model, loss_fn)
         self.layout = self.fg.layout
         self.p, self.groups, self.seed = int(p), int(groups), int(seed)
 
     def assign(self, keys: list[int], step: int, groups: int | None = None) -> Tensor:
         """Each key's group in ``[0, groups)``: uniform, independent, fresh per step."""
         return keyed_ints(self.seed, GROUP, step, keys, 1, groups or self.groups).flatten()
-
-    def __call__(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        """Per-example gradients (the protocol's plain call; grouping happens in ``iter_rows``)."""
-        return self.fg(x, y)
 
     def iter_rows(self, x: Tensor, y: Tensor, indices: Tensor | None, step: int, max_physical_batch: int,
                   groups: int | None = None) -> Iterator[tuple[Tensor, Tensor, Tensor | None]]:
@@ -88,3 +86,29 @@ class GroupMeanGradients:
             losses.append(loss)
         keep = counts > 0
         yield sums[keep] / counts[keep].unsqueeze(1), torch.cat(losses), None
+
+    def probe(self, x: Tensor, y: Tensor, max_physical_batch: int = 512) -> Tensor:
+        """Group means of the probe batch, in groups of about p within it (probe randomness)."""
+        parts = [g for g, _, _ in self.iter_rows(x, y, None, PROBE_STEP, max_physical_batch,
+                                                 groups=num_groups(self.p, len(x)))]
+        return torch.cat(parts) if parts else torch.zeros(0, self.layout.dim)
+
+
+P_AVG = Setting("p", 4, "an integer >= 2", integer(2), "--p",
+                help="p-avg: examples per group (in expectation); batch-clip: group size (1 private + P-1 public)")
+
+
+def _note(cfg: AlgoConfig, s: dict) -> str:
+    return (f"add/remove L2 sensitivity 2C = {2 * cfg.clip:g}: each sampled example joins one of m = round(B/p) "
+            f"random groups and changes that group's clipped mean (norm <= C before and after) by at most "
+            f"2C; Poisson-subsampled Gaussian at rate q with noise multiplier z relative to 2C. Not a free "
+            f"lunch: the averaged update's noise is 2B/m (= 2p) times DPSGD's at equal z")
+
+
+P_AVG_METHOD = register(Algorithm(
+    "p-avg", "p-averaged clipping: clip the mean gradient of random groups (Xiao et al. Sec. 3.3)", True,
+    "gaussian", lambda cfg, s, b, seed: Parts([GroupClip(cfg.clip)], divisor=float(num_groups(s["p"], b))),
+    schema=(P_AVG,),
+    source=lambda model, loss_fn, cfg, s, *, n, batch_size, seed: GroupMeanGradients(
+        model, loss_fn, s["p"], num_groups(s["p"], batch_size), seed),
+    note=_note))

@@ -22,10 +22,11 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from ..config import OPTIONAL, AlgoConfig, Setting, boolean, integer, real
 from ..errors import ConfigError
-from ..grads import LossFn
+from ..grads import FuncGradients, LossFn, PerExampleRows, RowSource
 from ..transforms import PerSample, Stage, StepContext
-from ._common import FunctionalGradients
+from .base import Algorithm, Parts, clip_or_normalize, register
 
 
 # ---------------------------------------------------------------- memory
@@ -107,7 +108,6 @@ class PerExampleMomentum(PerSample):
         self.buf: Tensor | None = None
         self.seen: Tensor | None = None
         self._pending: list[tuple[Tensor, Tensor]] = []
-        self._staged: Tensor | None = None  # which examples this (attempted) step has staged
 
     def momentum(self, g: Tensor, idx: Tensor) -> Tensor:
         """The new momenta of examples ``idx`` given their gradients ``g`` (pure)."""
@@ -125,12 +125,6 @@ class PerExampleMomentum(PerSample):
         if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self.n):
             raise ConfigError(f"example index out of range [0, {self.n}): dpgd-momentum's buffers are "
                               f"for the N={self.n} training examples the engine was built for")
-        if self._staged is None:
-            self._staged = torch.zeros(self.n, dtype=torch.bool)
-        cpu_idx = idx.cpu()
-        if bool(self._staged[cpu_idx].any()):  # an example seen twice: a failed step is being retried
-            self._pending, self._staged = [], torch.zeros(self.n, dtype=torch.bool)
-        self._staged[cpu_idx] = True
         m = self.momentum(g, idx)
         self._pending.append((idx, m))
         return m
@@ -151,7 +145,18 @@ class PerExampleMomentum(PerSample):
             idx = idx.to(self.buf.device)
             self.buf[idx] = m.to(self.buf)
             self.seen[idx] = True
-        self._pending, self._staged = [], None
+        self._pending = []
+
+    def rollback(self) -> None:
+        self._pending = []
+
+    def probe(self, g: Tensor, ctx: StepContext) -> Tensor:
+        """The momenta the probe examples would get (needs their *training* indices: the buffers
+        belong to them); nothing is staged."""
+        if ctx.indices is None:
+            raise ConfigError("measuring dpgd-momentum's clipped quantity needs the training indices "
+                              "of the probe examples (their momentum buffers)")
+        return self.momentum(g, ctx.indices)
 
     def state_dict(self) -> dict:
         return {"buf": None if self.buf is None else self.buf.clone(),
@@ -159,11 +164,11 @@ class PerExampleMomentum(PerSample):
 
     def load_state_dict(self, state: dict) -> None:
         self.buf, self.seen = state["buf"], state["seen"]
-        self._pending, self._staged = [], None
+        self._pending = []
 
 
 # ---------------------------------------------------------------- Alg. 2
-class InnerMomentumGradients:
+class InnerMomentumGradients(RowSource):
     """Rows ``m_i = sum_{j=0..J} gamma0^j grad f(w_{k-1-j}, x_i)``, J = min(K0, iterates stored).
 
     ``history`` holds the past iterates, newest first (``w_{k-2}, w_{k-3}, ...``), at most K0 of
@@ -173,7 +178,7 @@ class InnerMomentumGradients:
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, k0: int, gamma0: float) -> None:
-        self.fg = FunctionalGradients(model, loss_fn)
+        self.fg = FuncGradients(model, loss_fn)
         self.layout = self.fg.layout
         self.k0, self.gamma0 = int(k0), float(gamma0)
         self.history: list[dict[str, Tensor]] = []
@@ -187,8 +192,11 @@ class InnerMomentumGradients:
             m = m + self.gamma0 ** j * g
         return m, losses
 
-    def __call__(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        return self.inner(x, y)
+    def probe(self, x: Tensor, y: Tensor, max_physical_batch: int = 512) -> Tensor:
+        """Inner momenta of the probe batch at the current and stored iterates; nothing staged."""
+        parts = [self.inner(x[s:s + max_physical_batch], y[s:s + max_physical_batch])[0]
+                 for s in range(0, len(x), max_physical_batch)]
+        return torch.cat(parts) if parts else torch.zeros(0, self.layout.dim)
 
     def iter_rows(self, x: Tensor, y: Tensor, indices: Tensor | None, step: int,
                   max_physical_batch: int) -> Iterator[tuple[Tensor, Tensor, Tensor | None]]:
@@ -202,6 +210,9 @@ class InnerMomentumGradients:
     def commit(self) -> None:
         if self._pending is not None and self.k0 > 0:
             self.history = [self._pending, *self.history][:self.k0]
+        self._pending = None
+
+    def rollback(self) -> None:
         self._pending = None
 
     def state_dict(self) -> dict:
@@ -239,8 +250,78 @@ class OuterMomentum(Stage):
         if self._pending is not None:
             self.m, self._pending = self._pending, None
 
+    def rollback(self) -> None:
+        self._pending = None
+
     def state_dict(self) -> dict:
         return {"m": None if self.m is None else self.m.clone()}
 
     def load_state_dict(self, state: dict) -> None:
         self.m = state["m"]
+
+
+# ---------------------------------------------------------------- registration
+GAMMA_M = Setting("gamma_m", 0.1, "a number in (0, 1]", real(0, 1, lo_open=True), "--gamma-m", float,
+                  "dpgd-momentum: Alg. 1's momentum weight of the new gradient")
+NORMALIZE = Setting("normalize", False, "true or false", boolean, "--normalize-momentum",
+                    help="dpgd-momentum / inner-outer: normalise m/(||m|| + gamma) (the paper's choice) "
+                         "instead of clipping to C")
+MAX_MEM = Setting("max_memory_gb", OPTIONAL, "a number > 0", real(0, float("inf"), lo_open=True),
+                  "--max-memory-gb", float, "dpgd-momentum: memory limit for the per-example buffers "
+                                            "(default: free RAM)")
+K0 = Setting("K0", 2, "an integer >= 0", integer(0), "--k0", help="inner-outer: past iterates in the inner momentum",
+             aliases=("k0",))
+GAMMA0 = Setting("gamma0", 0.08, "a number in [0, 1]", real(0, 1), "--gamma0", float, "inner-outer: inner momentum decay")
+GAMMA1 = Setting("gamma1", 0.9, "a number in (0, 1]", real(0, 1, lo_open=True), "--gamma1", float,
+                 "inner-outer: outer momentum M_k = (1 - gamma1) M_{k-1} + G_k + noise")
+
+
+def _bound(cfg: AlgoConfig, s: dict) -> str:
+    return "1 (normalised)" if s["normalize"] else f"{cfg.clip:g} (clip C)"
+
+
+def _full_batch(cfg: AlgoConfig, s: dict, q: float, batch_size: float) -> None:
+    if q != 1:
+        n = batch_size / q
+        raise ConfigError(f"dpgd-momentum is full-batch DP-GD (Xiao et al. Alg. 1): every step uses all N "
+                          f"examples. Set --batch-size to N = {n:.0f} (sample rate 1), or use --algo "
+                          f"inner-outer for a subsampled momentum method.")
+
+
+def _momentum_source(model: nn.Module, loss_fn: LossFn, cfg: AlgoConfig, s: dict, *, n: int,
+                     batch_size: float, seed: int) -> RowSource:
+    fg = FuncGradients(model, loss_fn)
+    check_momentum_memory(n, fg.layout.dim, next(model.parameters()).device, s["max_memory_gb"])
+    return PerExampleRows(fg)
+
+
+register(Algorithm(
+    "dpgd-momentum", "DP-GD with per-example momentum (Xiao et al. Alg. 1), full batch", True, "gaussian",
+    lambda cfg, s, b, seed: Parts([PerExampleMomentum(round(b), s["gamma_m"]), clip_or_normalize(cfg, s["normalize"])]),
+    schema=(GAMMA_M, NORMALIZE, MAX_MEM), source=_momentum_source, validate=_full_batch,
+    note=lambda cfg, s: (
+        f"per-example L2 sensitivity {_bound(cfg, s)}; full batch (q = 1): each step releases sum_i clip(m_i) "
+        f"+ noise, where m_i mixes only example i's own gradients at released iterates; T-fold composition "
+        f"of the Gaussian mechanism, T = number of full-batch steps")))
+
+
+def _inner_outer_checks(cfg: AlgoConfig, s: dict, q: float, batch_size: float) -> None:
+    if cfg.momentum:
+        raise ConfigError(f"inner-outer applies its own outer momentum M_k = (1 - gamma1) M_(k-1) + G_k + "
+                          f"noise (eq. (14)); set --momentum 0 (got {cfg.momentum}) and choose --gamma1")
+    if (cfg.optimizer or "sgd") != "sgd":
+        raise ConfigError(f"inner-outer updates w_k = w_(k-1) - lr M_k (Alg. 2 line 8): use --optimizer sgd, "
+                          f"got {cfg.optimizer!r}")
+
+
+register(Algorithm(
+    "inner-outer", "DP-SGD with inner and outer momentum (Xiao et al. Alg. 2)", True, "gaussian",
+    lambda cfg, s, b, seed: Parts([clip_or_normalize(cfg, s["normalize"])], post=OuterMomentum(s["gamma1"])),
+    schema=(K0, GAMMA0, GAMMA1, NORMALIZE),
+    source=lambda model, loss_fn, cfg, s, *, n, batch_size, seed: InnerMomentumGradients(
+        model, loss_fn, s["K0"], s["gamma0"]),
+    validate=_inner_outer_checks,
+    note=lambda cfg, s: (
+        f"per-example L2 sensitivity {_bound(cfg, s)}; each sampled example contributes clip(m_i) with m_i = "
+        f"sum_j {s['gamma0']:g}^j grad f(w_(k-1-j), x_i), j <= K0={s['K0']}: its own gradients at released "
+        f"iterates only; the outer momentum is post-processing of the noisy releases")))

@@ -25,9 +25,10 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from ..config import Setting, boolean, integer
 from ..errors import ConfigError
-from ..grads import LossFn
-from ._common import AUGMENT, PROBE_STEP, FunctionalGradients, batch_keys, keyed_ints
+from ..grads import FuncGradients, LossFn, RowSource
+from ..sampling import AUGMENT, batch_keys, keyed_ints
 
 
 class CropFlip:
@@ -76,13 +77,13 @@ class CropFlip:
         return out.permute(0, 3, 1, 2).contiguous()
 
 
-class AugmentedGradients:
+class AugmentedGradients(RowSource):
     """Rows = the average of the gradients of K augmented copies of each example."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, k: int, augment: CropFlip, seed: int = 0) -> None:
         if not (isinstance(k, int) and k >= 1):
             raise ConfigError(f"--augmentations (K copies per example) must be an integer >= 1, got {k!r}")
-        self.fg = FunctionalGradients(model, loss_fn)
+        self.fg = FuncGradients(model, loss_fn)
         self.layout = self.fg.layout
         self.k, self.augment, self.seed = k, augment, int(seed)
 
@@ -95,9 +96,6 @@ class AugmentedGradients:
         g, loss = self.fg(xa, y.repeat_interleave(self.k))
         return g.view(b, self.k, -1).mean(1), loss.view(b, self.k).mean(1)
 
-    def __call__(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        return self.rows(x, y, list(range(len(x))), PROBE_STEP)
-
     def iter_rows(self, x: Tensor, y: Tensor, indices: Tensor | None, step: int,
                   max_physical_batch: int) -> Iterator[tuple[Tensor, Tensor, Tensor | None]]:
         chunk = max(1, max_physical_batch // self.k)  # K copies per example in a physical batch
@@ -106,3 +104,16 @@ class AugmentedGradients:
             keys = batch_keys(indices, start, len(x[sl]))
             g, loss = self.rows(x[sl], y[sl], keys, step)
             yield g, loss, (indices[sl] if indices is not None else None)
+
+
+AUG_K = Setting("K", 4, "an integer >= 1", integer(1), "--augmentations",
+                help="self-aug / dice-self-aug: augmented copies per example", aliases=("augmentations",))
+AUG_PAD = Setting("pad", 2, "an integer >= 0", integer(0), "--aug-pad", help="self-aug: crop padding in pixels")
+AUG_FLIP = Setting("flip", True, "true or false", boolean, "--aug-flip/--no-aug-flip",
+                   help="self-aug: random horizontal flips (off for digits/letters)")
+SETTINGS = (AUG_K, AUG_PAD, AUG_FLIP)
+
+
+def augmented_source(model: nn.Module, loss_fn: LossFn, cfg, s: dict, *, n: int, batch_size: float,
+                     seed: int) -> AugmentedGradients:
+    return AugmentedGradients(model, loss_fn, s["K"], CropFlip(s["pad"], s["flip"]), seed)

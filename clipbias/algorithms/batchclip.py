@@ -30,9 +30,13 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from ..config import OPTIONAL, REQUIRED, AlgoConfig, Setting, integer
 from ..errors import ConfigError
-from ..grads import LossFn
-from ._common import PREDICT, PUBLIC, PROBE_STEP, FunctionalGradients, batch_keys, keyed_ints
+from ..grads import FuncGradients, LossFn, RowSource
+from ..sampling import PREDICT, PUBLIC, batch_keys, keyed_ints
+from ..transforms import Clip
+from .base import Algorithm, Parts, register
+from .p_avg import P_AVG
 
 
 class GroupBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -74,19 +78,19 @@ def check_batchnorm_model(model: nn.Module) -> None:
     bns = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if not bns:
         raise ConfigError("batch-clip (Xiao et al. Alg. 3) needs a BatchNorm network: convert yours with "
-                          "clipbias.methods.batchnorm_variant(model) (GroupNorm -> BatchNorm)")
+                          "clipbias.algorithms.batchnorm_variant(model) (GroupNorm -> BatchNorm)")
     for n, m in bns:
         if m.track_running_stats:
             raise ConfigError(f"BatchNorm layer '{n}' keeps running statistics (updated from batches of "
                               f"private data, and not vmap-safe); build it with track_running_stats=False "
-                              f"or use clipbias.methods.batchnorm_variant(model)")
+                              f"or use clipbias.algorithms.batchnorm_variant(model)")
 
 
 def check_public(public: object, input_shape: tuple[int, ...] | None = None) -> Tensor:
     if not isinstance(public, Tensor) or public.dim() < 2 or len(public) < 1:
         raise ConfigError("batch-clip needs public features: AlgoConfig.extra['public'] must be a tensor "
                           "[n_public, *input_shape] of features (no labels), e.g. from "
-                          "clipbias.methods.public_split(dataset, 100)")
+                          "clipbias.algorithms.public_split(dataset, 100)")
     if input_shape is not None and tuple(public.shape[1:]) != tuple(input_shape):
         raise ConfigError(f"public features have shape {tuple(public.shape[1:])} per example but the "
                           f"private inputs have {tuple(input_shape)}; take them from the same data set")
@@ -129,7 +133,7 @@ def draw_groups(x: Tensor, public: Tensor, p: int, seed: int, purpose: int, step
     return torch.cat([x.unsqueeze(1), pub], dim=1)
 
 
-class BatchClipGradients:
+class BatchClipGradients(RowSource):
     """Rows = gradients of the private example's loss through a BatchNorm network run on its group."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, public: Tensor, p: int, seed: int = 0) -> None:
@@ -138,15 +142,12 @@ class BatchClipGradients:
         if not (isinstance(p, int) and p >= 2):
             raise ConfigError(f"--p (BatchClipping group size: 1 private + p-1 public) must be an integer "
                               f">= 2, got {p!r}")
-        self.fg = FunctionalGradients(model, loss_fn, grouped=True, check=False)
+        self.fg = FuncGradients(model, loss_fn, grouped=True, check=False)
         self.layout = self.fg.layout
         self.p, self.seed = p, int(seed)
 
     def groups(self, x: Tensor, keys: list[int], step: int) -> Tensor:
         return draw_groups(x, self.public, self.p, self.seed, PUBLIC, step, keys)
-
-    def __call__(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        return self.fg(self.groups(x, list(range(len(x))), PROBE_STEP), y)
 
     def iter_rows(self, x: Tensor, y: Tensor, indices: Tensor | None, step: int,
                   max_physical_batch: int) -> Iterator[tuple[Tensor, Tensor, Tensor | None]]:
@@ -190,3 +191,24 @@ def batchclip_predict(model: nn.Module, x: Tensor, public: Tensor, p: int, draws
     counts.scatter_add_(1, votes.cpu(), torch.ones_like(votes.cpu()))
     return counts.argmax(1)  # first maximum: the smallest tied class
 
+
+PUBLIC_FEATURES = Setting("public", REQUIRED, "a tensor [n_public, *input_shape] of public features (no labels)",
+                          lambda v: isinstance(v, Tensor) and v.dim() >= 2 and len(v) >= 1,
+                          "--public-size/--public-source",
+                          help="public features disjoint from the private set, e.g. "
+                               "clipbias.algorithms.public_split(dataset, 100)[0]", aliases=("public_x",), cli=False)
+PUBLIC_SIZE = Setting("public_size", OPTIONAL, "an integer >= 1", integer(1), "--public-size",
+                      help="batch-clip: N public features (no labels), taken from --public-source")
+DRAWS = Setting("draws", 10, "an integer >= 1", integer(1), "--vote-draws",
+                help="batch-clip: public draws per test image in the majority vote at inference")
+
+register(Algorithm(
+    "batch-clip", "BatchClipping: BatchNorm network on groups with public features (Xiao et al. Alg. 3)",
+    True, "gaussian", lambda cfg, s, b, seed: Parts([Clip(cfg.clip)]),
+    schema=(P_AVG, PUBLIC_FEATURES, DRAWS, PUBLIC_SIZE),
+    source=lambda model, loss_fn, cfg, s, *, n, batch_size, seed: BatchClipGradients(
+        model, loss_fn, s["public"], s["p"], seed),
+    note=lambda cfg, s: (
+        f"per-example L2 sensitivity {cfg.clip:g} (clip C); the clipped group gradient of a private example "
+        f"depends on it and on {s['p'] - 1} public features only (no public labels); the accounting covers "
+        f"the private set (N) only")))

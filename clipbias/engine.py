@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import asdict, dataclass, replace
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -204,13 +205,7 @@ class DPEngine:
             raise ConfigError(f"train_epoch got {len(x)} inputs and {len(y)} labels for an engine built with "
                               f"n={self.n}: the sampler draws from n examples and the accounting assumes n; pass "
                               f"exactly the n training examples (or build the engine with n={len(x)})")
-        total, count = 0.0, 0
-        for _ in range(len(self.sampler)):
-            if self.steps_taken >= self.total_steps:
-                break
-            idx = self.sampler.sample()
-            losses = self.step(x[idx], y[idx], idx)
-            total, count = total + float(losses.sum()), count + len(losses)
+        total, count = run_steps(self, x, y, len(self.sampler))
         return total / max(count, 1)
 
     # ------------------------------------------------------------------ privacy
@@ -258,3 +253,29 @@ def _same(a, b) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         return math.isclose(a, b, rel_tol=1e-12) or (math.isnan(a) and math.isnan(b))
     return a == b
+
+
+StepHook = Callable[[DPEngine, Tensor], None]
+
+
+def run_steps(engine: DPEngine, x: Tensor, y: Tensor, steps: int | None = None, *,
+              before: Callable[[DPEngine], None] | None = None, after: StepHook | None = None) -> tuple[float, int]:
+    """The sample-and-step loop: up to ``steps`` Poisson steps (default: all remaining) on the
+    in-memory ``(x, y)``, stopping at ``engine.total_steps``; returns (sum of the example losses,
+    number of examples). ``before(engine)`` runs before each step, ``after(engine, losses)`` after
+    it: progress bars, diagnostics, iterate traces. Used by training, the toy problems and the
+    diagnostics recorder alike. ``x``/``y`` may live on the GPU; the indices stay on the CPU.
+    """
+    total, count = 0.0, 0
+    for _ in range(engine.total_steps - engine.steps_taken if steps is None else steps):
+        if engine.steps_taken >= engine.total_steps:
+            break
+        if before is not None:
+            before(engine)
+        idx = engine.sampler.sample()
+        idx_dev = idx.to(x.device) if x.device.type != "cpu" else idx
+        losses = engine.step(x[idx_dev], y[idx_dev], idx)
+        total, count = total + float(losses.sum()), count + len(losses)
+        if after is not None:
+            after(engine, losses)
+    return total, count

@@ -29,6 +29,7 @@ them. Adding a method is one module (plus its import here) and its test. Method 
 
 from . import core, momentum, p_avg, batchclip, compose as _compose  # noqa: F401  (registration order)
 from .augment import AugmentedGradients, CropFlip
+from ..config import Setting
 from .base import ALGORITHMS, Algorithm, Parts, clip_or_normalize, get, make_optimizer, register
 from .batchclip import (BatchClipGradients, GroupBatchNorm, batchclip_logits, batchclip_predict,
                         batchnorm_variant, check_batchnorm_model, public_split)
@@ -43,5 +44,22 @@ __all__ = [
     "GroupBatchNorm", "GroupClip", "GroupMeanGradients", "InnerMomentumGradients", "OuterMomentum", "Parts",
     "PerExampleMomentum", "Perturb", "available_memory_bytes", "batchclip_logits", "batchclip_predict",
     "batchnorm_variant", "check_batchnorm_model", "check_momentum_memory", "clip_or_normalize", "compose", "get",
-    "make_optimizer", "momentum_memory_bytes", "noise_ratio_vs_dpsgd", "num_groups", "public_split", "register",
+    "all_settings", "make_optimizer", "momentum_memory_bytes", "setting_flag", "noise_ratio_vs_dpsgd", "num_groups", "public_split", "register",
 ]
+
+
+def all_settings() -> dict[str, Setting]:
+    """Every method setting of the registered algorithms, by key (the CLI's method flags)."""
+    out: dict = {}
+    for algo in ALGORITHMS.values():
+        for s in algo.schema:
+            out.setdefault(s.key, s)
+    return out
+
+
+def setting_flag(key: str) -> str:
+    """The CLI flag of an ``AlgoConfig.extra`` key (a key or an alias); the key itself if unknown."""
+    for s in all_settings().values():
+        if key in (s.key, *s.aliases):
+            return s.flag
+    return key

@@ -93,7 +93,8 @@ class CanaryGradients:
 def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dict:
     """Train once with the canaries, score them, and bound epsilon from below."""
     from ..engine import DPEngine
-    from ..train import TrainConfig, _build_model, evaluate, prepare_splits
+    from ..run import TrainConfig, evaluate, prepare_splits
+    from ..run.splits import build_model
 
     algo = algorithms.get(a.algo)
     if not algo.private:
@@ -112,7 +113,7 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
     m = a.canaries
     inside = torch.rand(m, generator=gen) < 0.5
     torch.manual_seed(a.seed)
-    model = _build_model(cfg, tuple(splits.info["input_shape"]), splits.info["num_classes"])
+    model = build_model(cfg, tuple(splits.info["input_shape"]), splits.info["num_classes"])
     algo_cfg, logits = cfg.algo_config(), model  # the model's forward pass, unless BatchClipping
     if public:  # BatchClipping: the BatchNorm variant, public features from the test split (App. E)
         from ..algorithms import batchclip_logits, batchnorm_variant
@@ -195,7 +196,7 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
 
 def run_from_args(args) -> dict:
     """``clipbias audit --mode one-run``: B from --batch-size, else q times the training-set size."""
-    from ..train import TrainConfig, prepare_splits
+    from ..run import TrainConfig, prepare_splits
     lr = args.lr if args.lr is not None else 4.0
     public = any(st.key == "public" for st in getattr(algorithms.get(args.algo), "schema", ()))
     probe = TrainConfig(data=args.data, model=args.model, algo=args.algo, noise_multiplier=args.noise_multiplier,

@@ -1,22 +1,13 @@
-"""Helpers shared by subcommands: JSON/table output and common flags."""
+"""Helpers shared by subcommands: JSON/table output, signals, process tuning."""
 
 from __future__ import annotations
 
 import json
-import math
 import sys
-from typing import Any
 
+from ..run.report import jsonable
 
-def jsonable(obj: Any) -> Any:
-    """inf/nan become strings: JSON has no infinity, and epsilon = inf must never read as a number."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "inf" if obj > 0 else ("-inf" if obj < 0 else "nan")
-    if isinstance(obj, dict):
-        return {k: jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
-    return obj
+__all__ = ["emit", "exit_code", "jsonable", "on_sigterm", "tune_allocator", "warn"]
 
 
 def emit(data: dict, as_json: bool, stream=None) -> None:
@@ -45,3 +36,27 @@ def on_sigterm(signum, frame) -> None:
 def exit_code(e: KeyboardInterrupt) -> int:
     """130 for Ctrl-C (SIGINT), 143 for SIGTERM: the shell's 128 + signal number."""
     return 143 if isinstance(e, Terminated) else 130
+
+
+def tune_allocator() -> bool:
+    """Keep freed memory inside the process (glibc ``mallopt``); returns whether it applied.
+
+    Every step allocates per-example gradient matrices of hundreds of MB (B x d floats). With glibc's
+    defaults each such block is a fresh ``mmap`` whose pages all fault on first touch and go back to
+    the kernel on free: on Fashion-MNIST (scatter-linear, cnn; B = 2048) that kernel time was as
+    large as the computation itself. Raising the mmap and trim thresholds removes it (measured: sys
+    time per step 0.8 s -> 0.002 s). Process-wide, so only the commands call it, not the library.
+    """
+    import ctypes
+    import sys
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+        ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1
+        libc.mallopt(m_trim_threshold, (1 << 31) - 1)
+        libc.mallopt(m_top_pad, 256 << 20)
+        return ok
+    except (OSError, AttributeError):  # not glibc
+        return False

@@ -12,9 +12,8 @@ from ..errors import ConfigError
 from ..privacy import ACCOUNTANTS, DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING
 from ..privacy.dice import DEFAULT_EF_RATIO
 from .. import algorithms
-from ..train import (CHECKPOINT, CURVES, RESULTS, TrainConfig, default_out, train,
-                     tune_allocator)
-from ._common import emit, exit_code, warn
+from ..train import CHECKPOINT, CURVES, RESULTS, TrainConfig, default_out, train
+from ._common import emit, exit_code, tune_allocator, warn
 
 REFUTED = "false  (NOT a guarantee: a DiceSGD bound refuted by a canary attack; reproduction only)"
 

@@ -1,0 +1,98 @@
+"""``build_run``: from a validated ``TrainConfig`` and its data to the moving parts of a run.
+
+One place builds the model (seeded by ``--seed``), its BatchNorm variant and majority-vote
+inference for BatchClipping, and the ``DPEngine`` (which calibrates the noise): ``clipbias train``,
+``compare`` and ``diagnose`` all run exactly this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from .. import algorithms
+from ..config import AlgoConfig
+from ..engine import DPEngine
+from ..errors import ConfigError
+from .config import TrainConfig
+from .splits import Splits, build_model, device
+
+Predict = Callable[[nn.Module, Tensor], Tensor]
+
+
+@dataclass
+class Run:
+    """A run's model, engine and data; ``predict`` replaces the plain forward pass at evaluation."""
+
+    cfg: TrainConfig
+    splits: Splits
+    model: nn.Module
+    engine: DPEngine
+    algo: algorithms.Algorithm
+    device: torch.device
+    predict: Predict | None = None
+
+    def evaluate(self, x: Tensor, y: Tensor) -> tuple[float, float | None]:
+        return evaluate(self.model, x, y, self.cfg.eval_batch_size, self.predict)
+
+
+def build_run(cfg: TrainConfig, splits: Splits) -> Run:
+    """The model, the BatchClipping variant when the algorithm needs public features, the engine."""
+    dev = device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, tuple(splits.info["input_shape"]), splits.info["num_classes"]).to(dev)
+    algo = algorithms.get(cfg.algo)
+    algo_cfg, predict = cfg.algo_config(), None
+    if algo.needs_public:  # BatchClipping (Xiao et al. Alg. 3): BatchNorm net, public features
+        model, algo_cfg, predict = _batchclip(cfg, splits, model, algo, algo_cfg)
+    engine = DPEngine(model, cfg.algo, n=splits.n, batch_size=cfg.batch_size, epochs=cfg.epochs,
+                      epsilon=cfg.epsilon if algo.private else None,
+                      noise_multiplier=cfg.noise_multiplier if algo.private else None,
+                      delta=cfg.delta, accountant=cfg.accountant, dice_accounting=cfg.dice_accounting,
+                      config=algo_cfg, max_physical_batch=cfg.max_physical_batch,
+                      noise_seed=cfg.seed if cfg.reproducible_noise else None)
+    return Run(cfg, splits, model, engine, algo, dev, predict)
+
+
+def _batchclip(cfg: TrainConfig, splits: Splits, model: nn.Module, algo: algorithms.Algorithm,
+               algo_cfg: AlgoConfig) -> tuple[nn.Module, AlgoConfig, Predict]:
+    """The BatchNorm variant of the model, the public features in the config, majority-vote inference."""
+    if splits.public_x is None:
+        raise ConfigError(f"--algo {cfg.algo} needs --public-size (public features)")
+    algo_cfg = dataclasses.replace(algo_cfg, extra={**cfg.extra, "public": splits.public_x})
+    st = algo.settings(algo_cfg)
+
+    def predict(m: nn.Module, x: Tensor) -> Tensor:  # majority vote over public draws (App. E)
+        return algorithms.batchclip_predict(m, x, splits.public_x, st["p"], st["draws"], seed=cfg.seed)
+    return algorithms.batchnorm_variant(model), algo_cfg, predict
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1024,
+             predict: Callable[[nn.Module, Tensor], Tensor] | None = None) -> tuple[float, float | None]:
+    """(accuracy, mean cross-entropy) over ``(x, y)``, in batches, in eval mode, without grad.
+
+    ``predict(model, x) -> labels`` replaces the plain forward pass (BatchClipping's majority vote);
+    the loss is then None.
+    """
+    was_training = model.training
+    model.eval()
+    correct, loss = 0, 0.0
+    try:
+        if predict is not None:
+            for i in range(0, len(y), batch_size):
+                correct += int((predict(model, x[i:i + batch_size]).to(y.device) == y[i:i + batch_size]).sum())
+            return correct / max(len(y), 1), None
+        for i in range(0, len(y), batch_size):
+            out = model(x[i:i + batch_size])
+            yb = y[i:i + batch_size]
+            loss += float(nn.functional.cross_entropy(out, yb, reduction="sum"))
+            correct += int((out.argmax(1) == yb).sum())
+    finally:
+        model.train(was_training)
+    n = max(len(y), 1)
+    return correct / n, loss / n

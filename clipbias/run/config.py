@@ -1,0 +1,170 @@
+"""``TrainConfig``: everything one run depends on, validated before any work (each error names
+its flag). Field names are the CLI flags with ``-`` -> ``_``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import algorithms, privacy
+from ..config import AlgoConfig
+from ..data import DATASET_NAMES
+from ..errors import ConfigError
+from ..privacy.report import check_delta, check_epsilon, check_nonnegative, check_positive
+
+# Settings that may differ on --resume (they do not change the math or the privacy statement).
+RESUME_FREE = {"out", "resume", "overwrite", "max_physical_batch", "eval_batch_size", "data_dir"}
+
+
+@dataclass
+class TrainConfig:
+    """Everything one run depends on. Field names are the CLI flags with ``-`` -> ``_``.
+
+    ``batch_size`` is the *expected* Poisson batch size B (q = B / N). Private algorithms need
+    ``epsilon`` (the engine calibrates the noise multiplier) or ``noise_multiplier``; non-private
+    ones ignore both and report epsilon = inf. ``subset`` trains on the first N training examples
+    (then N is what the accounting uses). ``validation`` carves a validation split out of the
+    training data (fixed split seed ``split_seed``, the same for every training seed, so runs
+    with different seeds are compared on the same split). ``extra`` holds method-specific
+    hyper-parameters (the ``Setting`` keys of the algorithms: ``k``, ``p``, ``K``, ``K0``, ``gamma0``,
+    ``gamma1``, ``public_size``, ...), only those given; the algorithm validates them. ``batch-clip`` takes ``public_size`` public features from the test split (removed from
+    evaluation; ``public_source="test"``) or held out of the training split (``"holdout"``, N shrinks).
+    """
+
+    data: str = "fashion-mnist"
+    model: str = "cnn"
+    algo: str = "dpsgd"
+    epsilon: float | None = None
+    delta: float = 1e-5
+    epochs: int = 1
+    batch_size: float = 256.0
+    lr: float = 0.1
+    clip: float = 1.0
+    ef_clip: float | None = None
+    grad_bound: float | None = None
+    accountant: str = "pld"
+    dice_accounting: str = privacy.DEFAULT_DICE_ACCOUNTING
+    noise_multiplier: float | None = None
+    seed: int = 0
+    reproducible_noise: bool = False
+    device: str = "cpu"
+    optimizer: str | None = None
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    gamma: float = 0.01
+    max_physical_batch: int = 512
+    validation: int = 0
+    subset: int | None = None
+    split_seed: int = 0
+    public_source: str = "test"
+    extra: dict = field(default_factory=dict)
+    out: str | None = None
+    resume: bool = False
+    overwrite: bool = False
+    eval_batch_size: int = 1024
+    data_dir: str | None = None
+
+    @property
+    def private(self) -> bool:
+        return algorithms.get(self.algo).private
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def algo_config(self) -> AlgoConfig:
+        return AlgoConfig(lr=self.lr, clip=self.clip, ef_clip=self.ef_clip, grad_bound=self.grad_bound,
+                          gamma=self.gamma, optimizer=self.optimizer, momentum=self.momentum,
+                          weight_decay=self.weight_decay, extra=dict(self.extra))
+
+    def validate(self) -> "TrainConfig":
+        """Checks that need no data; each error names the flag. Returns self."""
+        if self.data not in DATASET_NAMES:
+            raise ConfigError(f"--data must be one of {', '.join(DATASET_NAMES)}, got {self.data!r}")
+        from ..models import MODEL_NAMES
+        if self.model not in MODEL_NAMES:
+            raise ConfigError(f"--model must be one of {', '.join(MODEL_NAMES)}, got {self.model!r}")
+        algo = algorithms.get(self.algo)
+        if self.epsilon is not None:
+            check_epsilon(self.epsilon, "--epsilon")
+        if self.noise_multiplier is not None:
+            check_positive(self.noise_multiplier, "--noise-multiplier")
+        check_delta(self.delta, "--delta")
+        if algo.private:
+            if self.epsilon is None and self.noise_multiplier is None:
+                raise ConfigError(f"--epsilon is required for the private --algo {self.algo} "
+                                  f"(or give --noise-multiplier)")
+            if self.epsilon is not None and self.noise_multiplier is not None:
+                raise ConfigError("give either --epsilon or --noise-multiplier, not both")
+        check_int(self.epochs, "--epochs", 1)
+        check_positive(self.batch_size, "--batch-size")
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size is the expected Poisson batch size B and must be >= 1, got "
+                              f"{self.batch_size!r} (B < 1 would mean more steps per epoch than examples)")
+        check_positive(self.lr, "--lr")
+        check_positive(self.clip, "--clip")
+        if self.ef_clip is not None:
+            check_positive(self.ef_clip, "--ef-clip")
+            if not algo.reads_ef_clip:  # it would be recorded but change nothing
+                raise ConfigError(f"--ef-clip applies to the clipped error-feedback algorithms (dice, dice-adam, "
+                                  f"dice-perturb, dice-self-aug, ef-sgd); --algo {self.algo} has no clipped "
+                                  f"feedback buffer: drop --ef-clip")
+        if self.grad_bound is not None:
+            check_positive(self.grad_bound, "--grad-bound")
+        check_positive(self.gamma, "--gamma")
+        if not (math.isfinite(self.momentum) and 0 <= self.momentum < 1):
+            raise ConfigError(f"--momentum must lie in [0, 1), got {self.momentum!r}")
+        check_nonnegative(self.weight_decay, "--weight-decay")
+        if self.optimizer is not None and self.optimizer not in ("sgd", "adam", "adamw"):
+            raise ConfigError(f"--optimizer must be one of sgd, adam, adamw, got {self.optimizer!r}")
+        if self.accountant not in privacy.ACCOUNTANTS:
+            raise ConfigError(f"--accountant must be one of {', '.join(privacy.ACCOUNTANTS)}, "
+                              f"got {self.accountant!r}")
+        privacy.dice.check_basis(self.dice_accounting)
+        check_int(self.seed, "--seed", 0)
+        check_int(self.split_seed, "split_seed", 0)
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+        check_int(self.max_physical_batch, "--max-physical-batch", 1)
+        check_int(self.eval_batch_size, "eval_batch_size", 1)
+        check_int(self.validation, "--validation", 0)
+        if self.subset is not None:
+            check_int(self.subset, "--subset", 1)
+        given = {k: v for k, v in self.extra.items() if v is not None}
+        if given and not algo.schema:  # core algorithms read no method setting
+            flags = ", ".join(algorithms.setting_flag(k) for k in given)
+            raise ConfigError(f"{flags} {'does' if len(given) == 1 else 'do'} not apply to --algo {self.algo}; the method flags are for "
+                              f"the paper methods (perturb, p-avg, inner-outer, ...)")
+        if "public_size" in given:
+            check_int(given["public_size"], "--public-size", 1)
+        if self.public_source not in ("test", "holdout"):
+            raise ConfigError(f"--public-source must be test or holdout, got {self.public_source!r}")
+        if given:  # the method's own checks (each message names the flag)
+            algo.settings(self.algo_config_without_public() if algo.needs_public else self.algo_config())
+        return self
+
+    def algo_config_without_public(self) -> AlgoConfig:
+        """For validation before the public features exist: a placeholder tensor."""
+        return dataclasses.replace(self.algo_config(), extra={**self.extra, "public": torch.zeros(1, 1)})
+
+
+def check_int(v: Any, flag: str, minimum: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ConfigError(f"{flag} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def default_out(cfg: TrainConfig) -> str:
+    """``runs/<data>-<model>-<algo>-eps<E>-s<seed>`` (``epsinf`` for non-private algorithms)."""
+    eps = f"{cfg.epsilon:g}" if (cfg.private and cfg.epsilon is not None) else (
+        f"z{cfg.noise_multiplier:g}" if cfg.private else "inf")
+    return os.path.join("runs", f"{cfg.data}-{cfg.model}-{cfg.algo}-eps{eps}-s{cfg.seed}")

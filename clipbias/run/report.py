@@ -1,0 +1,153 @@
+"""What a run reports: the header before the first step, ``results.json`` after the last, the
+privacy note in words, and the summary over seeds. JSON never holds a bare infinity
+(``jsonable``): epsilon = inf must never read as a number.
+
+``results.json`` holds the config, per-epoch history, final accuracy, the privacy statement and
+wall times. Its ``train_loss`` is a raw statistic of the private data (not accounted).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..files import atomic_write
+from .config import TrainConfig
+
+RESULTS, CURVES = "results.json", "curves.png"
+
+
+def jsonable(obj: Any) -> Any:
+    """inf/nan -> strings (JSON has no infinity; epsilon = inf must never read as a number)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "inf" if obj > 0 else ("-inf" if obj < 0 else "nan")
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def write_json(data: dict, path: str | os.PathLike) -> None:
+    text = (json.dumps(jsonable(data), indent=2) + "\n").encode()
+    atomic_write(Path(path), lambda fh: fh.write(text))
+
+
+def privacy_note(cfg: TrainConfig, certified: bool, private: bool, info: dict) -> str | None:
+    """What the guarantee does not cover, in words (``None`` when nothing needs saying)."""
+    notes = []
+    if not private:
+        notes.append("non-private: no DP guarantee")
+    elif not certified:
+        notes.append(f"NOT a guarantee: DiceSGD's '{cfg.dice_accounting}' bound is refuted by a canary attack "
+                     f"(docs/privacy.md); for reproducing the paper only")
+    if private and cfg.reproducible_noise:
+        notes.append(f"reproducible noise: batches and noise are derived from --seed {cfg.seed}, which this "
+                     "file records; the guarantee holds only while the seed is secret (do not publish this "
+                     "file with the model)")
+    if private and info.get("preprocessing_private") is False:
+        notes.append("data standardised with statistics of the private training split (not accounted)")
+    return "; ".join(notes) or None
+
+
+def diverged(rec: dict, params: list[Tensor]) -> bool:
+    """An infinite/NaN training or test loss, or a non-finite weight."""
+    losses = [rec["train_loss"], rec.get("test_loss")]
+    if any(v is not None and not math.isfinite(v) for v in losses):
+        return True
+    return not all(bool(torch.isfinite(p).all()) for p in params)
+
+
+def eps_label(res: dict) -> str:
+    eps = res["epsilon"]
+    return "non-private" if math.isinf(eps) else f"epsilon={eps:.3g}, delta={res['delta']:g}"
+
+
+def header(run, cfg: TrainConfig, resumed_at_epoch: int | None) -> dict:
+    """What ``clipbias train`` prints before the first step: data, model, algorithm, the noise and
+    the privacy statement projected to the end of the run."""
+    from .. import privacy
+    engine, info, private = run.engine, run.splits.info, run.algo.private
+    projected = engine.privacy(engine.total_steps)
+    h = {
+        "dataset": info["name"], "N": engine.n, "q": engine.sample_rate, "B": engine.expected_batch_size,
+        "steps": engine.total_steps, "steps_per_epoch": len(engine.sampler), "epochs": cfg.epochs,
+        "model": cfg.model, "params": sum(p.numel() for p in run.model.parameters() if p.requires_grad),
+        "algo": cfg.algo, "private": private, "noise_multiplier": engine.noise_multiplier,
+        "target_epsilon": cfg.epsilon if private else math.inf, "delta": cfg.delta,
+        "epsilon_at_end": projected.epsilon, "accountant": projected.accountant,
+        "basis": projected.basis, "certified": projected.certified,
+        "warning": privacy.delta_warning(cfg.delta, engine.n) if private else None,
+        "preprocessing_private": info["preprocessing_private"],
+        "reproducible_noise": cfg.reproducible_noise,
+        "resumed_at_epoch": resumed_at_epoch, "device": str(run.device),
+    }
+    if run.algo.accounting == "dice" and engine.spec.dice is not None:
+        h["ef_ratio_r"] = engine.spec.dice.ratio
+        h["ef_clip"] = engine.spec.dice.ef_clip
+    return h
+
+
+def results(run, cfg: TrainConfig, head: dict, history: list[dict], wall: float, resumed: bool) -> dict:
+    """The content of ``results.json``."""
+    engine, algo = run.engine, run.algo
+    final = engine.privacy()
+    epoch_times = [h["epoch_time_s"] for h in history]
+    return {
+        "config": cfg.to_dict(),
+        "dataset": run.splits.info,
+        "model": {"name": cfg.model, "params": head["params"]},
+        "algorithm": {"name": cfg.algo, "description": algo.description, "private": algo.private},
+        "n": engine.n, "sample_rate": engine.sample_rate, "batch_size": engine.expected_batch_size,
+        "steps": engine.steps_taken, "planned_steps": engine.total_steps,
+        "noise_multiplier": engine.noise_multiplier,
+        "target_epsilon": cfg.epsilon if algo.private else math.inf,
+        "epsilon": final.epsilon, "delta": final.delta, "accountant": final.accountant,
+        "basis": final.basis, "certified": final.certified,
+        "privacy_note": privacy_note(cfg, final.certified, algo.private, run.splits.info),
+        **({"ef_ratio_r": head["ef_ratio_r"]} if "ef_ratio_r" in head else {}),
+        "delta_warning": head["warning"],
+        "test_accuracy": history[-1]["test_accuracy"] if history else None,
+        "val_accuracy": history[-1].get("val_accuracy") if history else None,
+        "train_loss": history[-1]["train_loss"] if history else None,
+        "history": history,
+        "wall_time_s": wall,
+        "wall_time_per_epoch_s": sum(epoch_times) / len(epoch_times) if epoch_times else None,
+        "resumed": resumed,
+    }
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    m = sum(xs) / len(xs)
+    s = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return m, s
+
+
+def summarize(runs: dict[str, list[dict]]) -> list[dict]:
+    """One row per label: mean/std test (and val) accuracy over seeds, epsilon, certified, z, time."""
+    rows = []
+    for label, rs in runs.items():
+        acc_m, acc_s = mean_std([r["test_accuracy"] for r in rs])
+        eps = [r["epsilon"] for r in rs]
+        row = {"label": label, "algo": rs[0]["config"]["algo"], "seeds": [r["config"]["seed"] for r in rs],
+               "test_accuracy_mean": acc_m, "test_accuracy_std": acc_s,
+               "test_accuracies": [r["test_accuracy"] for r in rs],
+               "epsilon": max(eps), "epsilon_per_seed": eps, "delta": rs[0]["delta"],
+               "accountant": rs[0]["accountant"], "certified": all(r["certified"] for r in rs),
+               "basis": rs[0]["basis"], "noise_multiplier": rs[0]["noise_multiplier"],
+               "dice_accounting": rs[0]["config"]["dice_accounting"] if rs[0]["basis"].startswith("DiceSGD") else None,
+               "ef_clip": rs[0]["config"]["ef_clip"], "lr": rs[0]["config"]["lr"],
+               "wall_time_per_epoch_s": mean_std([r["wall_time_per_epoch_s"] for r in rs])[0],
+               "wall_time_s": sum(r["wall_time_s"] for r in rs)}
+        if rs[0].get("val_accuracy") is not None:
+            row["val_accuracy_mean"], row["val_accuracy_std"] = mean_std([r["val_accuracy"] for r in rs])
+        rows.append(row)
+    return rows

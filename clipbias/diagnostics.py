@@ -47,6 +47,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from .engine import run_steps
 from .grads import FuncGradients, LossFn, ParamLayout, cross_entropy
 from .sampling import PROBE_STEP
 from .transforms import StepContext, clip_rows
@@ -463,7 +464,9 @@ class Recorder:
     examples of the "full-batch" reference gradient (ordinary autograd; None: the mean of the
     recorded rows); ``x_track, y_track``: examples whose sampling noise is tracked at *every* step
     for the window/correlation instrument, against the mean gradient on ``x_tref, y_tref`` (see
-    :func:`record_training`).
+    :func:`record_training`). ``rows``: the per-example gradient function (default: ``vmap(grad)``
+    of the model); BatchClipping passes its row source's ``probe`` (each example's gradient through
+    the BatchNorm network run on its group), and the reference is then the mean of those rows.
     """
 
     model: nn.Module
@@ -483,25 +486,30 @@ class Recorder:
     bins: int = 40
     seed: int = 0
     records: list = field(default_factory=list)
+    rows: Callable[[Tensor, Tensor], Tensor] | None = None
 
     def __post_init__(self) -> None:
-        self.grads = FuncGradients(self.model, self.loss_fn)
+        self.grads = FuncGradients(self.model, self.loss_fn, check=self.rows is None)
         self.tracker = NoiseTracker(self.windows)
 
     def per_example(self, x: Tensor, y: Tensor, chunk: int = 256) -> Tensor:
-        rows = [self.grads(x[s:s + chunk], y[s:s + chunk])[0] for s in range(0, len(x), chunk)]
+        fn = self.rows or (lambda xs, ys: self.grads(xs, ys)[0])
+        rows = [fn(x[s:s + chunk], y[s:s + chunk]) for s in range(0, len(x), chunk)]
         return torch.cat(rows).double()
 
     def reference(self) -> Tensor | None:
         if self.x_ref is None:
             return None
+        if self.rows is not None:
+            return self.per_example(self.x_ref, self.y_ref).mean(0)
         return full_gradient(self.model, self.grads.layout, self.x_ref, self.y_ref, self.loss_fn)
 
     def track_reference(self) -> Tensor:
         """The true-gradient estimate for the tracked sampling noise (mean over ``x_tref``; the
         tracked examples themselves when no ``x_tref`` is given)."""
-        if self.x_tref is None:
-            return self.per_example(self.x_track, self.y_track).mean(0)
+        if self.x_tref is None or self.rows is not None:
+            x, y = (self.x_track, self.y_track) if self.x_tref is None else (self.x_tref, self.y_tref)
+            return self.per_example(x, y).mean(0)
         return full_gradient(self.model, self.grads.layout, self.x_tref, self.y_tref, self.loss_fn)
 
     def record(self, step: int, **extra) -> dict:
@@ -524,19 +532,24 @@ def record_training(engine, x: Tensor, y: Tensor, recorder: Recorder, steps_at: 
     """
     steps_at = sorted({int(s) for s in steps_at if 0 <= int(s) <= engine.total_steps})
     losses: list[float] = []
-    for t in range(engine.steps_taken, engine.total_steps + 1):
+
+    def record(t: int) -> None:
         if t in steps_at:
             recent = losses[-20:]
             recorder.record(t, train_loss_recent=sum(recent) / len(recent) if recent else None)
-        if t == engine.total_steps:
-            break
+
+    def before(eng) -> None:
+        record(eng.steps_taken)
         if recorder.x_track is not None:
             ref = recorder.track_reference()
             recorder.tracker.observe(recorder.per_example(recorder.x_track, recorder.y_track) - ref)
-        idx = engine.sampler.sample()
-        batch_losses = engine.step(x[idx], y[idx], idx)
+
+    def after(eng, batch_losses: Tensor) -> None:
         if len(batch_losses):
             losses.append(float(batch_losses.mean()))
         if progress is not None:
-            progress(t + 1, engine.total_steps)
+            progress(eng.steps_taken, eng.total_steps)
+
+    run_steps(engine, x, y, before=before, after=after)
+    record(engine.steps_taken)
     return recorder.records

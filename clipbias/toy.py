@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from . import algorithms
 from .config import AlgoConfig
-from .engine import DPEngine
+from .engine import DPEngine, run_steps
 from .errors import ClipbiasError, ConfigError
 
 # Algorithms that cannot run on a toy problem, with the reason (checked only if registered).
@@ -319,35 +319,30 @@ def run(problem: str, algo: str, settings: Settings | None = None, instance: Ins
     torch.manual_seed(s.seed)
     model = Iterate(inst.x0)
     batch = float(n) if s.batch_size is None else float(s.batch_size)
-    try:
-        engine = DPEngine(model, algo, n=n, batch_size=batch, steps=s.steps, delta=s.delta,
-                          noise_multiplier=s.noise_multiplier if a.private else None,
-                          dice_accounting=s.dice_accounting, config=cfg, loss_fn=inst.loss_fn,
-                          max_physical_batch=max(n, 1),
-                          noise_seed=s.seed)  # toy problems are deterministic research runs
-    except NotImplementedError as e:  # an algorithm may refuse a setting it does not support
-        raise NotApplicable(f"{algo}: {e}") from e
+    engine = DPEngine(model, algo, n=n, batch_size=batch, steps=s.steps, delta=s.delta,
+                      noise_multiplier=s.noise_multiplier if a.private else None,
+                      dice_accounting=s.dice_accounting, config=cfg, loss_fn=inst.loss_fn,
+                      max_physical_batch=max(n, 1),
+                      noise_seed=s.seed)  # toy problems are deterministic research runs
     x = inst.data.float()
     y = torch.zeros(n, dtype=torch.long)
     x_opt64 = inst.x_opt.double()
     traj = [model.x.detach().double().clone()]
     tail_from = s.steps - max(1, s.steps // 10)
-    t_probe = None
-    for t in range(s.steps):
-        if t == 1:
-            t_probe = time.perf_counter()
-        idx = engine.sampler.sample()
-        try:
-            engine.step(x[idx], y[idx], idx)
-        except NotImplementedError as e:
-            raise NotApplicable(f"{algo}: {e}") from e
+    clock: list[float] = []
+
+    def trace(engine: DPEngine, losses: Tensor) -> None:
         traj.append(model.x.detach().double().clone())
-        if time_budget is not None and t == 3:
-            per_step = (time.perf_counter() - t_probe) / 3
+        if time_budget is None or engine.steps_taken > 4:
+            return
+        clock.append(time.perf_counter())  # after steps 1..4: three steps' time projects the run
+        if engine.steps_taken == 4:
+            per_step = (clock[-1] - clock[0]) / 3
             if per_step * s.steps > time_budget:
                 raise TooSlow(f"{algo} would take about {per_step * s.steps:.0f} s here ({per_step * 1e3:.1f} "
                               f"ms/step x {s.steps} steps; budget {time_budget:g} s): run it explicitly with "
                               f"--algo or --compare, or with a smaller --batch-size")
+    run_steps(engine, x, y, after=trace)
     xs = torch.stack(traj)  # [steps + 1, d]
     dist = (xs - x_opt64).norm(dim=1).tolist()
     w = smoothing_window(s.steps)

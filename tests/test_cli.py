@@ -328,3 +328,21 @@ def test_export_into_a_file_path_is_a_clear_error(capsys, tmp_path):
     blocker.write_text("x")
     code, _, err = run(["export", tmp_path / "r", blocker / "w.pt"], capsys)
     assert code == 2 and "cannot write" in err and "Traceback" not in err and blocker.read_text() == "x"
+
+
+def test_diagnose_builds_the_run_train_builds(tmp_path, capsys):
+    """Issue 13's drift: ``diagnose --algo batch-clip`` exited 2 ("needs a BatchNorm network") where
+    ``train`` with the same flags works. Both now build through ``run.build_run``; the recorder reads
+    the BatchClipping row source (gradients through the BatchNorm group)."""
+    flags = ["--data", "fashion-mnist", "--model", "cnn-gn", "--algo", "batch-clip", "--public-size", "20",
+             "--subset", "200", "--epochs", "1", "--batch-size", "100", "--lr", "0.5",
+             "--noise-multiplier", "1.0", "--vote-draws", "1", "--p", "2"]
+    code, _, err = run(["diagnose", *flags, "--record-size", "8", "--reference-size", "50", "--track-size", "4",
+                        "--track-reference-size", "20", "--no-figures", "--quiet", "--steps-at", "0,end",
+                        "--out", tmp_path / "d"], capsys)
+    assert code == 0, err
+    res = json.loads((tmp_path / "d" / "diagnostics.json").read_text())
+    assert [r["step"] for r in res["records"]] == [0, 2] and res["config"]["algo"] == "batch-clip"
+    assert res["records"][0]["norms"]["n"] == 8 and res["records"][-1]["norms"]["mean_norm"] > 0
+    code, _, err = run(["train", *flags, "--quiet", "--out", tmp_path / "t"], capsys)
+    assert code == 0, err

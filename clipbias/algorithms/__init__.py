@@ -27,9 +27,15 @@ them. Adding a method is one module (plus its import here) and its test. Method 
 ``DPEngine(model, "inner-outer", ..., config=AlgoConfig(lr=0.1, clip=1, extra={"K0": 2}))``.
 """
 
-from . import core, momentum, p_avg, batchclip, compose as _compose  # noqa: F401  (registration order)
-from .augment import AugmentedGradients, CropFlip
+# importing a method module registers its algorithms; in this order (the order the registry, the toy
+# comparison and the docs list them): the core algorithms, the paper methods, the compositions
+from . import core  # noqa: I001 (order matters)
+from . import momentum
+from . import p_avg
+from . import batchclip
+from . import compose as _compose
 from ..config import Setting
+from .augment import AugmentedGradients, CropFlip
 from .base import ALGORITHMS, Algorithm, Parts, clip_or_normalize, get, make_optimizer, register
 from .batchclip import (BatchClipGradients, GroupBatchNorm, batchclip_logits, batchclip_predict,
                         batchnorm_variant, check_batchnorm_model, public_split)
@@ -38,6 +44,8 @@ from .momentum import (InnerMomentumGradients, OuterMomentum, PerExampleMomentum
                        check_momentum_memory, momentum_memory_bytes)
 from .p_avg import GroupClip, GroupMeanGradients, noise_ratio_vs_dpsgd, num_groups
 from .perturb import Perturb
+
+REGISTRATION_ORDER = (core, momentum, p_avg, batchclip, _compose)
 
 __all__ = [
     "ALGORITHMS", "Algorithm", "AugmentedGradients", "BASES", "BatchClipGradients", "COMPOSABLE", "CropFlip",

@@ -107,10 +107,10 @@ class AugmentedGradients(RowSource):
 
 
 AUG_K = Setting("K", 4, "an integer >= 1", integer(1), "--augmentations",
-                help="self-aug / dice-self-aug: augmented copies per example", aliases=("augmentations",))
-AUG_PAD = Setting("pad", 2, "an integer >= 0", integer(0), "--aug-pad", help="self-aug: crop padding in pixels")
+                help="augmented copies per example", aliases=("augmentations",))
+AUG_PAD = Setting("pad", 2, "an integer >= 0", integer(0), "--aug-pad", help="crop padding in pixels")
 AUG_FLIP = Setting("flip", True, "true or false", boolean, "--aug-flip/--no-aug-flip",
-                   help="self-aug: random horizontal flips (off for digits/letters)")
+                   help="random horizontal flips (off for digits/letters)")
 SETTINGS = (AUG_K, AUG_PAD, AUG_FLIP)
 
 

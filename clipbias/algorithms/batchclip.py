@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from ..config import OPTIONAL, REQUIRED, AlgoConfig, Setting, integer
+from ..config import OPTIONAL, REQUIRED, Setting, integer
 from ..errors import ConfigError
 from ..grads import FuncGradients, LossFn, RowSource
 from ..sampling import PREDICT, PUBLIC, batch_keys, keyed_ints
@@ -198,9 +198,9 @@ PUBLIC_FEATURES = Setting("public", REQUIRED, "a tensor [n_public, *input_shape]
                           help="public features disjoint from the private set, e.g. "
                                "clipbias.algorithms.public_split(dataset, 100)[0]", aliases=("public_x",), cli=False)
 PUBLIC_SIZE = Setting("public_size", OPTIONAL, "an integer >= 1", integer(1), "--public-size",
-                      help="batch-clip: N public features (no labels), taken from --public-source")
+                      help="N public features (no labels), taken from --public-source")
 DRAWS = Setting("draws", 10, "an integer >= 1", integer(1), "--vote-draws",
-                help="batch-clip: public draws per test image in the majority vote at inference")
+                help="public draws per test image in the majority vote at inference")
 
 register(Algorithm(
     "batch-clip", "BatchClipping: BatchNorm network on groups with public features (Xiao et al. Alg. 3)",

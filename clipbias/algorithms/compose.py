@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..config import AlgoConfig
 from ..errors import ConfigError
-from . import augment
+from . import augment, core  # noqa: F401  (core registers the bases)
 from . import base as registry
 from .base import ALGORITHMS, Algorithm, Parts, get
 from .perturb import K_PERTURB, Perturb

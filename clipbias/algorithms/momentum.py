@@ -264,14 +264,14 @@ class OuterMomentum(Stage):
 GAMMA_M = Setting("gamma_m", 0.1, "a number in (0, 1]", real(0, 1, lo_open=True), "--gamma-m", float,
                   "dpgd-momentum: Alg. 1's momentum weight of the new gradient")
 NORMALIZE = Setting("normalize", False, "true or false", boolean, "--normalize-momentum",
-                    help="dpgd-momentum / inner-outer: normalise m/(||m|| + gamma) (the paper's choice) "
+                    help="normalise m/(||m|| + gamma) (the paper's choice) "
                          "instead of clipping to C")
 MAX_MEM = Setting("max_memory_gb", OPTIONAL, "a number > 0", real(0, float("inf"), lo_open=True),
-                  "--max-memory-gb", float, "dpgd-momentum: memory limit for the per-example buffers "
+                  "--max-memory-gb", float, "memory limit for the per-example buffers "
                                             "(default: free RAM)")
-K0 = Setting("K0", 2, "an integer >= 0", integer(0), "--k0", help="inner-outer: past iterates in the inner momentum",
+K0 = Setting("K0", 2, "an integer >= 0", integer(0), "--k0", help="past iterates in the inner momentum",
              aliases=("k0",))
-GAMMA0 = Setting("gamma0", 0.08, "a number in [0, 1]", real(0, 1), "--gamma0", float, "inner-outer: inner momentum decay")
+GAMMA0 = Setting("gamma0", 0.08, "a number in [0, 1]", real(0, 1), "--gamma0", float, "inner momentum decay")
 GAMMA1 = Setting("gamma1", 0.9, "a number in (0, 1]", real(0, 1, lo_open=True), "--gamma1", float,
                  "inner-outer: outer momentum M_k = (1 - gamma1) M_{k-1} + G_k + noise")
 

@@ -95,7 +95,7 @@ class GroupMeanGradients(RowSource):
 
 
 P_AVG = Setting("p", 4, "an integer >= 2", integer(2), "--p",
-                help="p-avg: examples per group (in expectation); batch-clip: group size (1 private + P-1 public)")
+                help="p-avg: examples per group (in expectation); batch-clip: group size (1 private + p - 1 public)")
 
 
 def _note(cfg: AlgoConfig, s: dict) -> str:

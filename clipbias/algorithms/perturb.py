@@ -70,5 +70,5 @@ class Perturb(PerSample):
 
 
 K_PERTURB = Setting("k", 0.01, "a number > 0", real(0, float("inf"), lo_open=True), "--perturb-k",
-                    float, "perturb / dice-perturb: scale k of the pre-clipping perturbation k N(0, I)",
+                    float, "scale k of the pre-clipping perturbation k N(0, I)",
                     aliases=("perturb_k",))

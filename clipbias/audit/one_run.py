@@ -92,73 +92,37 @@ class CanaryGradients:
 
 def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dict:
     """Train once with the canaries, score them, and bound epsilon from below."""
-    from ..engine import DPEngine
+    from ..engine import DPEngine, run_steps
     from ..run import TrainConfig, evaluate, prepare_splits
-    from ..run.splits import build_model
 
     algo = algorithms.get(a.algo)
     if not algo.private:
         raise ConfigError(f"--algo {a.algo} is not private (epsilon = inf): there is no claim to audit")
-    public = any(st.key == "public" for st in getattr(algo, "schema", ()))
-    if a.canary_type == "gradient" and getattr(algo, "backend", None) is not None:
-        raise ConfigError(f"--algo {a.algo} computes its rows with its own backend: gradient canaries cannot "
+    if a.canary_type == "gradient" and algo.source is not None:
+        raise ConfigError(f"--algo {a.algo} computes its rows with its own row source: gradient canaries cannot "
                           f"be inserted; use --canary-type input")
     cfg = TrainConfig(data=a.data, model=a.model, algo=a.algo, noise_multiplier=a.noise_multiplier,
                       batch_size=a.batch_size or 1.0, lr=a.lr, clip=a.clip, ef_clip=a.ef_clip, momentum=a.momentum,
                       delta=a.delta, dice_accounting=a.dice_accounting, subset=a.subset, seed=a.seed,
-                      extra={"public_size": 100} if public else {})
+                      extra={"public_size": 100} if algo.needs_public else {})
     cfg.validate()
     splits = splits or prepare_splits(cfg)
     gen = torch.Generator().manual_seed(a.seed)
-    m = a.canaries
-    inside = torch.rand(m, generator=gen) < 0.5
-    torch.manual_seed(a.seed)
-    model = build_model(cfg, tuple(splits.info["input_shape"]), splits.info["num_classes"])
-    algo_cfg, logits = cfg.algo_config(), model  # the model's forward pass, unless BatchClipping
-    if public:  # BatchClipping: the BatchNorm variant, public features from the test split (App. E)
-        from ..algorithms import batchclip_logits, batchnorm_variant
-        model = batchnorm_variant(model)
-        algo_cfg = dataclasses.replace(algo_cfg, extra={**cfg.extra, "public": splits.public_x})
-        p_group = algo.settings(algo_cfg)["p"]
-
-        def vote_logits(x: Tensor) -> Tensor:
-            return batchclip_logits(model, x, splits.public_x, p_group, seed=a.seed)
-        logits = vote_logits
-    x_test, y_test = splits.x_test, splits.y_test
-    if a.canary_type == "gradient":
-        inner = FuncGradients(model, cross_entropy)
-        coords = torch.randperm(inner.layout.dim, generator=gen)[:m]
-        if len(coords) < m:
-            raise ConfigError(f"--canaries {m} exceeds the model's {inner.layout.dim} parameters")
-        grads = CanaryGradients(inner, coords, a.canary_norm or 10 * a.clip)
-        ids = inside.nonzero().flatten()
-        x_can = torch.zeros(len(ids), *splits.x_train.shape[1:])
-        y_can = -1 - ids
-    else:
-        if m >= len(y_test):
-            raise ConfigError(f"--canaries {m} must be below the {len(y_test)} test examples")
-        perm = torch.randperm(len(y_test), generator=gen)
-        can_x, keep = x_test[perm[:m]], perm[m:]
-        can_y = torch.randint(0, splits.info["num_classes"], (m,), generator=gen)
-        x_test, y_test = x_test[keep], y_test[keep]
-        x_can, y_can, grads = can_x[inside], can_y[inside], None
-    x_all = torch.cat([splits.x_train, x_can])
-    y_all = torch.cat([splits.y_train, y_can])
+    inside = torch.rand(a.canaries, generator=gen) < 0.5
+    model, algo_cfg, logits = _model(a, cfg, splits, algo)
+    c = _canaries(a, splits, model, inside, gen)
+    x_all, y_all = torch.cat([splits.x_train, c["x"]]), torch.cat([splits.y_train, c["y"]])
     batch = float(len(y_all)) if a.batch_size is None else a.batch_size
     engine = DPEngine(model, a.algo, n=len(y_all), batch_size=batch, steps=a.steps,
                       noise_multiplier=a.noise_multiplier, delta=a.delta, dice_accounting=a.dice_accounting,
-                      config=algo_cfg, grads=grads)
+                      config=algo_cfg, grads=c["grads"])
     layout = engine.rows.layout
     theta0 = torch.cat([p.detach().flatten() for p in layout.params(model)]).clone()
     bar = None
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=a.steps, unit="step", mininterval=1.0, leave=False, desc=f"one-run {a.algo}")
-    for _ in range(a.steps):
-        idx = engine.sampler.sample()
-        engine.step(x_all[idx], y_all[idx], idx)
-        if bar is not None:
-            bar.update(1)
+    run_steps(engine, x_all, y_all, after=(lambda e, losses: bar.update(1)) if bar is not None else None)
     if bar is not None:
         bar.close()
     if a.canary_type == "gradient":
@@ -166,13 +130,68 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
         # tensor's updates (real training moves layers by very different amounts; a function of the
         # released model only, so the guesses stay valid)
         moved = theta0 - torch.cat([p.detach().flatten() for p in layout.params(model)])
-        spread = torch.cat([c.std().expand(len(c)) for c in torch.split(moved, layout.numels)])
-        scores = moved[coords] / spread[coords].clamp_min(1e-12)
+        spread = torch.cat([t.std().expand(len(t)) for t in torch.split(moved, layout.numels)])
+        scores = moved[c["coords"]] / spread[c["coords"]].clamp_min(1e-12)
     else:
         with torch.no_grad():
             model.eval()
-            scores = -torch.nn.functional.cross_entropy(logits(can_x), can_y, reduction="none")
-    acc, _ = evaluate(model, x_test, y_test, predict=(lambda m, x: logits(x).argmax(1)) if public else None)
+            scores = -torch.nn.functional.cross_entropy(logits(c["can_x"]), c["can_y"], reduction="none")
+    acc, _ = evaluate(model, c["x_test"], c["y_test"],
+                      predict=(lambda m, x: logits(x).argmax(1)) if algo.needs_public else None)
+    best = _best_guess(scores, inside, a)
+    spec = algo.spec(engine.config, engine.sample_rate, a.claim_noise_multiplier or a.noise_multiplier,
+                     engine.expected_batch_size)
+    rep = privacy.account(spec, a.steps, a.delta, "pld", a.dice_accounting)
+    m = a.canaries
+    return {**best, "epsilon_claimed": rep.epsilon, "certified": rep.certified, "basis": rep.basis,
+            "refuted": best["epsilon_lower_bound"] > rep.epsilon, "confidence": a.confidence,
+            "method": f"one-run ({a.canary_type} canaries; Steinke, Nasr & Jagielski 2023)",
+            "canaries": m, "included": int(inside.sum()), "delta": a.delta, "test_accuracy": acc,
+            "settings": asdict(a), "sample_rate": engine.sample_rate,
+            "score_gap": float(scores[inside].mean() - scores[~inside].mean())
+            if 0 < int(inside.sum()) < m else math.nan, "score_std": float(scores.std())}
+
+
+def _model(a: OneRunAudit, cfg, splits, algo: algorithms.Algorithm):
+    """(model, its AlgoConfig, the logits function): BatchClipping gets the BatchNorm variant and
+    group logits with public features from the test split (App. E)."""
+    from ..run.splits import build_model
+    torch.manual_seed(a.seed)
+    model = build_model(cfg, tuple(splits.info["input_shape"]), splits.info["num_classes"])
+    if not algo.needs_public:
+        return model, cfg.algo_config(), model
+    model = algorithms.batchnorm_variant(model)
+    algo_cfg = dataclasses.replace(cfg.algo_config(), extra={**cfg.extra, "public": splits.public_x})
+    p_group = algo.settings(algo_cfg)["p"]
+    return model, algo_cfg, lambda x: algorithms.batchclip_logits(model, x, splits.public_x, p_group, seed=a.seed)
+
+
+def _canaries(a: OneRunAudit, splits, model, inside: Tensor, gen: torch.Generator) -> dict:
+    """The included canaries (``x``, ``y``, and the gradient backend for gradient canaries), all
+    canaries for scoring, and the test split left for evaluation."""
+    m, x_test, y_test = a.canaries, splits.x_test, splits.y_test
+    if a.canary_type == "gradient":
+        inner = FuncGradients(model, cross_entropy)
+        coords = torch.randperm(inner.layout.dim, generator=gen)[:m]
+        if len(coords) < m:
+            raise ConfigError(f"--canaries {m} exceeds the model's {inner.layout.dim} parameters")
+        ids = inside.nonzero().flatten()
+        return {"x": torch.zeros(len(ids), *splits.x_train.shape[1:]), "y": -1 - ids, "coords": coords,
+                "grads": CanaryGradients(inner, coords, a.canary_norm or 10 * a.clip),
+                "x_test": x_test, "y_test": y_test}
+    if m >= len(y_test):
+        raise ConfigError(f"--canaries {m} must be below the {len(y_test)} test examples")
+    perm = torch.randperm(len(y_test), generator=gen)
+    can_x, keep = x_test[perm[:m]], perm[m:]
+    can_y = torch.randint(0, splits.info["num_classes"], (m,), generator=gen)
+    return {"x": can_x[inside], "y": can_y[inside], "grads": None, "can_x": can_x, "can_y": can_y,
+            "x_test": x_test[keep], "y_test": y_test[keep]}
+
+
+def _best_guess(scores: Tensor, inside: Tensor, a: OneRunAudit) -> dict:
+    """Guess "in" for the top-k scores and "out" for the bottom k, for each k of ``GUESS_FRACTIONS``;
+    the largest lower bound (confidence split over the fractions: Bonferroni)."""
+    m = a.canaries
     order = torch.argsort(scores, descending=True)
     best = {"epsilon_lower_bound": 0.0, "guesses": 0, "correct": 0}
     level = 1 - (1 - a.confidence) / len(GUESS_FRACTIONS)
@@ -182,16 +201,7 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
         eps = one_run_epsilon_lower_bound(m, 2 * k, correct, a.delta, level)
         if eps > best["epsilon_lower_bound"]:
             best = {"epsilon_lower_bound": eps, "guesses": 2 * k, "correct": correct}
-    z_claim = a.claim_noise_multiplier or a.noise_multiplier
-    spec = algo.spec(engine.config, engine.sample_rate, z_claim, engine.expected_batch_size)
-    rep = privacy.account(spec, a.steps, a.delta, "pld", a.dice_accounting)
-    return {**best, "epsilon_claimed": rep.epsilon, "certified": rep.certified, "basis": rep.basis,
-            "refuted": best["epsilon_lower_bound"] > rep.epsilon, "confidence": a.confidence,
-            "method": f"one-run ({a.canary_type} canaries; Steinke, Nasr & Jagielski 2023)",
-            "canaries": m, "included": int(inside.sum()), "delta": a.delta, "test_accuracy": acc,
-            "settings": asdict(a), "sample_rate": engine.sample_rate,
-            "score_gap": float(scores[inside].mean() - scores[~inside].mean())
-            if 0 < int(inside.sum()) < m else math.nan, "score_std": float(scores.std())}
+    return best
 
 
 def run_from_args(args) -> dict:

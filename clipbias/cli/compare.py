@@ -31,7 +31,6 @@ DEFAULTS = {"data": "fashion-mnist", "model": "scatter-linear", "epsilon": 3.0, 
             "epochs": 3, "batch_size": 2048.0, "lr": 4.0, "clip": 0.1, "momentum": 0.9}
 DEFAULT_ALGOS = ["dpsgd", "dice"]
 DEFAULT_SEEDS = [0, 1, 2]
-DICE_FAMILY_PREFIX = "dice"
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:

@@ -19,6 +19,7 @@ import torch
 from .. import algorithms, diagnostics
 from .. import diagnostics_plots as plots
 from ..errors import ConfigError
+from ..run.report import write_json
 from ._common import emit, jsonable
 
 # Defaults of a diagnose run: small enough for < 1 minute on one CPU core.
@@ -94,23 +95,24 @@ def _read_run_config(run: str) -> dict:
     return cfg
 
 
-def _merge(args: argparse.Namespace, defaults: dict) -> dict:
+def _merge(args: argparse.Namespace, defaults: dict) -> None:
     """Explicit flag > the saved run's config (``--run``) > the diagnose defaults."""
     run_cfg = _read_run_config(args.run) if args.run else {}
     extra = run_cfg.get("extra") or {}
+    spellings = {s.dest: (s.key, *s.aliases, s.dest) for s in algorithms.all_settings().values()}
     for dest, default in defaults.items():
         if getattr(args, dest, None) is not None:
             continue
+        saved = [k for k in spellings.get(dest, ()) if k in extra]
         if dest in run_cfg:  # the run's value, even None (e.g. no --subset: the whole training set)
             setattr(args, dest, run_cfg[dest])
-        elif dest in extra:
-            setattr(args, dest, extra[dest])
+        elif saved:  # a method setting of the run, under any spelling it accepts
+            setattr(args, dest, extra[saved[0]])
         else:
             setattr(args, dest, default)
     for dest in ("algo", "seed"):
         if getattr(args, dest) is None:
             setattr(args, dest, run_cfg.get(dest, DIAGNOSE_DEFAULTS[dest]))
-    return run_cfg
 
 
 def _subset(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -118,128 +120,123 @@ def _subset(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..models import build_model
-    from ..train import load_checkpoint, prepare_splits
+    from ..run.build import build_run
+    from ..run.splits import splits_for
     from .train import config_from_args
-    from ..engine import DPEngine
 
     t0 = time.perf_counter()
-    run_cfg = _merge(args, args._defaults)
-    algo = algorithms.get(args.algo)
-    if algo.private and args.epsilon is None and args.noise_multiplier is None:
+    _merge(args, args._defaults)
+    if algorithms.get(args.algo).private and args.epsilon is None and args.noise_multiplier is None:
         args.epsilon = DEFAULT_EPSILON
-    cfg = config_from_args(args)
-    cfg.validate()
-    for flag, v in (("--record-size", args.record_size), ("--reference-size", args.reference_size),
-                    ("--projections", args.projections)):
-        if v < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {v}")
-    if args.track_size < 0 or args.track_reference_size < 0:
-        raise ConfigError("--track-size and --track-reference-size must be >= 0")
-    ps = _ints(args.ps, "--ps")
-    windows = _ints(args.windows, "--windows")
+    # diagnostics are not private: reproducible batches and noise, from --seed
+    cfg = config_from_args(args, reproducible_noise=True).validate()
+    sizes = _check_sizes(args)
     out = Path(args.out or args.run or "runs/diagnose")
     out.mkdir(parents=True, exist_ok=True)
-    log = sys.stderr if args.json else sys.stdout
     print(f"clipbias diagnose: {diagnostics.PRIVACY_WARNING}", file=sys.stderr)
-
-    splits = prepare_splits(cfg)
-    x, y, n = splits.x_train, splits.y_train, splits.n
-    torch.manual_seed(cfg.seed)
-    try:
-        model = build_model(cfg.model, tuple(splits.info["input_shape"]), splits.info["num_classes"])
-    except (ValueError, RuntimeError) as exc:
-        raise ConfigError(f"--model {cfg.model} does not fit --data {cfg.data}: {exc}") from exc
-    model = model.to(x.device)
-    algo_cfg = cfg.algo_config()
-    if splits.public_x is not None:
-        from dataclasses import replace
-        algo_cfg = replace(algo_cfg, extra={**algo_cfg.extra, "public_x": splits.public_x})
-    if cfg.batch_size > n:
-        raise ConfigError(f"--batch-size must lie in (0, N={n}], got {cfg.batch_size:g}")
-    engine = DPEngine(model, cfg.algo, n=n, batch_size=cfg.batch_size, epochs=cfg.epochs,
-                      epsilon=cfg.epsilon if algo.private else None,
-                      noise_multiplier=cfg.noise_multiplier if algo.private else None,
-                      delta=cfg.delta, accountant=cfg.accountant, dice_accounting=cfg.dice_accounting,
-                      config=algo_cfg, max_physical_batch=cfg.max_physical_batch,
-                      noise_seed=cfg.seed)  # diagnostics are not private: reproducible noise
-
-    gen = torch.Generator().manual_seed(cfg.seed + 7919)
-    rec_idx = _subset(n, args.record_size, gen)
-    ref_idx = _subset(n, args.reference_size, gen)
-    tref_idx = _subset(n, args.track_reference_size, gen) if args.track_reference_size else None
-    track_idx = rec_idx[:args.track_size] if args.track_size else None
-    recorder = diagnostics.Recorder(
-        model, cfg.clip, x[rec_idx], y[rec_idx], x[ref_idx], y[ref_idx],
-        None if track_idx is None else x[track_idx], None if track_idx is None else y[track_idx],
-        None if tref_idx is None else x[tref_idx], None if tref_idx is None else y[tref_idx],
-        projections=args.projections, ps=ps, windows=windows, seed=cfg.seed)
-
-    if args.at_checkpoint:
-        if not args.run:
-            raise ConfigError("--at-checkpoint needs --run DIR (the run whose checkpoint to read)")
-        ckpt = load_checkpoint(args.run)
-        model.load_state_dict(ckpt["model"])
-        step = int(ckpt.get("engine", {}).get("steps_taken", 0))
-        recorder.record(step, checkpoint=str(Path(args.run) / "checkpoint.pt"))
-        steps_at = [step]
-        privacy = {"note": "recorded at the saved checkpoint; no training here (see the run's results.json)"}
-    else:
-        steps_at = parse_steps_at(args.steps_at, engine.total_steps)
-        bar = None
-        if not args.quiet:
-            from tqdm import tqdm
-            bar = tqdm(total=engine.total_steps, desc="diagnose", file=sys.stderr, leave=False)
-        diagnostics.record_training(engine, x, y, recorder, steps_at,
-                                    progress=(lambda t, T: bar.update(1)) if bar else None)
-        if bar:
-            bar.close()
-        privacy = engine.privacy().to_dict()
-
+    run = build_run(cfg, splits_for(cfg))  # exactly what `clipbias train` builds
+    recorder, picked = _recorder(cfg, run, args, *sizes)
+    steps_at, privacy = _record(args, run, recorder)
     records = recorder.records
     corr = recorder.tracker.result() if recorder.tracker.steps else None
-    figures = {}
-    if not args.no_figures:
-        title = f"{cfg.data} / {cfg.model} / {cfg.algo}, C = {cfg.clip:g}"
-        figures["norms"] = plots.norms(records, out / FIGURES["norms"], f"Gradient norms: {title}")
-        figures["sampling_noise"] = plots.sampling_noise(records, out / FIGURES["sampling_noise"],
-                                                         f"Sampling noise (Xiao Def. 2.5): {title}")
-        figures["clipping_bias"] = plots.clipping_bias(records, out / FIGURES["clipping_bias"],
-                                                       f"Clipping bias: {title}")
-        figures["cosine_histogram"] = plots.cosine_histograms(
-            records, out / FIGURES["cosine_histogram"], f"cos(g_i, full gradient) (cf. Chen Fig. 3): {title}")
-        figures["projections"] = plots.projections(records, out / FIGURES["projections"])
-        figures["symmetry"] = plots.symmetry(records, out / FIGURES["symmetry"], f"Symmetry score: {title}")
-        if corr and len(corr["windows"]) > 1:
-            figures["noise_correlation"] = plots.noise_correlation(corr, out / FIGURES["noise_correlation"])
-        figures["p_averaging"] = plots.p_averaging(records, out / FIGURES["p_averaging"],
-                                                   f"p-averaged clipping (cf. Xiao Fig. 7): {title}")
-
+    figures = {} if args.no_figures else _figures(records, corr, out, cfg)
     result = {
         "privacy_warning": diagnostics.PRIVACY_WARNING,
         "config": {k: v for k, v in cfg.to_dict().items() if k not in ("out", "resume", "overwrite")},
         "from_run": args.run, "at_checkpoint": bool(args.at_checkpoint),
-        "data": splits.info, "training_privacy": privacy,
-        "diagnostics": {"record_size": len(rec_idx), "reference_size": len(ref_idx),
-                        "reference": ("full training set" if len(ref_idx) == n else
-                                      f"mean gradient of {len(ref_idx)} random training examples"),
-                        "track_size": 0 if track_idx is None else len(track_idx),
-                        "track_reference_size": 0 if tref_idx is None else len(tref_idx),
-                        "projections": args.projections, "ps": ps, "windows": windows,
-                        "steps_at": steps_at, "total_steps": engine.total_steps},
+        "data": run.splits.info, "training_privacy": privacy,
+        "diagnostics": {**picked, "projections": args.projections, "ps": sizes[0], "windows": sizes[1],
+                        "steps_at": steps_at, "total_steps": run.engine.total_steps},
         "records": [diagnostics.strip_arrays(r) for r in records],
         "noise_correlation": corr,
         "figures": figures,
         "wall_time_s": time.perf_counter() - t0,
     }
     path = out / "diagnostics.json"
-    path.write_text(json.dumps(jsonable(result), indent=2) + "\n")
+    write_json(result, path)
     result["file"] = str(path)
     if args.json:
         print(json.dumps(jsonable(result), indent=2))
         return 0
-    _print_summary(result, log)
+    _print_summary(result, sys.stdout)
     return 0
+
+
+def _check_sizes(args: argparse.Namespace) -> tuple[list[int], list[int]]:
+    """The instrument sizes, checked; returns (--ps, --windows)."""
+    for flag, v in (("--record-size", args.record_size), ("--reference-size", args.reference_size),
+                    ("--projections", args.projections)):
+        if v < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {v}")
+    if args.track_size < 0 or args.track_reference_size < 0:
+        raise ConfigError("--track-size and --track-reference-size must be >= 0")
+    return _ints(args.ps, "--ps"), _ints(args.windows, "--windows")
+
+
+def _recorder(cfg, run, args: argparse.Namespace, ps: list[int],
+              windows: list[int]) -> tuple[diagnostics.Recorder, dict]:
+    """The recorder on fixed random samples of the training set, and what was sampled."""
+    x, y, n = run.splits.x_train, run.splits.y_train, run.splits.n
+    gen = torch.Generator().manual_seed(cfg.seed + 7919)
+    rec_idx = _subset(n, args.record_size, gen)
+    ref_idx = _subset(n, args.reference_size, gen)
+    tref_idx = _subset(n, args.track_reference_size, gen) if args.track_reference_size else None
+    track_idx = rec_idx[:args.track_size] if args.track_size else None
+    pick = (lambda t, idx: None if idx is None else t[idx])
+    recorder = diagnostics.Recorder(
+        run.model, cfg.clip, x[rec_idx], y[rec_idx], x[ref_idx], y[ref_idx], pick(x, track_idx),
+        pick(y, track_idx), pick(x, tref_idx), pick(y, tref_idx),
+        projections=args.projections, ps=ps, windows=windows, seed=cfg.seed,
+        rows=(lambda xs, ys: run.engine.rows.probe(xs, ys)) if run.algo.needs_public else None)
+    picked = {"record_size": len(rec_idx), "reference_size": len(ref_idx),
+              "reference": ("full training set" if len(ref_idx) == n else
+                            f"mean gradient of {len(ref_idx)} random training examples"),
+              "track_size": 0 if track_idx is None else len(track_idx),
+              "track_reference_size": 0 if tref_idx is None else len(tref_idx)}
+    return recorder, picked
+
+
+def _record(args: argparse.Namespace, run, recorder: diagnostics.Recorder) -> tuple[list[int], dict]:
+    """Record at the saved checkpoint (``--at-checkpoint``) or along a training run."""
+    from ..train import load_checkpoint
+    engine = run.engine
+    if args.at_checkpoint:
+        if not args.run:
+            raise ConfigError("--at-checkpoint needs --run DIR (the run whose checkpoint to read)")
+        ckpt = load_checkpoint(args.run)
+        run.model.load_state_dict(ckpt["model"])
+        step = int(ckpt.get("engine", {}).get("steps_taken", 0))
+        recorder.record(step, checkpoint=str(Path(args.run) / "checkpoint.pt"))
+        return [step], {"note": "recorded at the saved checkpoint; no training here (see the run's results.json)"}
+    steps_at = parse_steps_at(args.steps_at, engine.total_steps)
+    bar = None
+    if not args.quiet:
+        from tqdm import tqdm
+        bar = tqdm(total=engine.total_steps, desc="diagnose", file=sys.stderr, leave=False)
+    diagnostics.record_training(engine, run.splits.x_train, run.splits.y_train, recorder, steps_at,
+                                progress=(lambda t, T: bar.update(1)) if bar else None)
+    if bar:
+        bar.close()
+    return steps_at, engine.privacy().to_dict()
+
+
+def _figures(records: list[dict], corr: dict | None, out: Path, cfg) -> dict:
+    title = f"{cfg.data} / {cfg.model} / {cfg.algo}, C = {cfg.clip:g}"
+    figures = {
+        "norms": plots.norms(records, out / FIGURES["norms"], f"Gradient norms: {title}"),
+        "sampling_noise": plots.sampling_noise(records, out / FIGURES["sampling_noise"],
+                                               f"Sampling noise (Xiao Def. 2.5): {title}"),
+        "clipping_bias": plots.clipping_bias(records, out / FIGURES["clipping_bias"], f"Clipping bias: {title}"),
+        "cosine_histogram": plots.cosine_histograms(
+            records, out / FIGURES["cosine_histogram"], f"cos(g_i, full gradient) (cf. Chen Fig. 3): {title}"),
+        "projections": plots.projections(records, out / FIGURES["projections"]),
+        "symmetry": plots.symmetry(records, out / FIGURES["symmetry"], f"Symmetry score: {title}"),
+    }
+    if corr and len(corr["windows"]) > 1:
+        figures["noise_correlation"] = plots.noise_correlation(corr, out / FIGURES["noise_correlation"])
+    figures["p_averaging"] = plots.p_averaging(records, out / FIGURES["p_averaging"],
+                                               f"p-averaged clipping (cf. Xiao Fig. 7): {title}")
+    return figures
 
 
 def _print_summary(res: dict, stream) -> None:

@@ -16,10 +16,9 @@ from .. import diagnostics_plots as plots
 from ..errors import ConfigError
 from ..privacy import DICE_ACCOUNTING
 from ._common import emit
+from .train import add_method_flags, method_settings
 
-# method-specific flags, named as in `clipbias train` (dest -> AlgoConfig.extra key)
 DEFAULT_BUDGET_S = 120.0  # per algorithm, default comparison only (explicit --compare runs everything)
-_EXTRA_FLAGS = {"perturb_k": "perturb_k", "p": "p", "k0": "k0", "gamma0": "gamma0", "gamma1": "gamma1"}
 
 
 def _parse_extra(items: list[str] | None) -> dict:
@@ -58,7 +57,7 @@ def _fmt(v) -> str:
 def _run(args: argparse.Namespace) -> int:
     problem = toy.get_problem(args.problem)
     algorithms.get(args.algo)  # a clear error for an unknown name
-    extra = {key: getattr(args, dest) for dest, key in _EXTRA_FLAGS.items() if getattr(args, dest) is not None}
+    extra = method_settings(args)
     extra.update(_parse_extra(args.extra))
     s = toy.settings_for(args.problem, lr=args.lr, steps=args.steps, clip=args.clip, ef_clip=args.ef_clip,
                          gamma=args.gamma, noise_multiplier=args.noise_multiplier, batch_size=args.batch_size,
@@ -69,35 +68,10 @@ def _run(args: argparse.Namespace) -> int:
     inst = problem.build(s)
     main = toy.run(args.problem, args.algo, s, inst)  # raises NotApplicable / ConfigError for this algo
 
-    results, skipped = {args.algo: main}, {}
-    figure = None
+    results, skipped, figure = {args.algo: main}, {}, None
     if not args.no_figure:
-        names = ([a.strip() for a in args.compare.split(",") if a.strip()] if args.compare
-                 else list(problem.compare or algorithms.ALGORITHMS))
-        for name in names:
-            algorithms.get(name)
-        budget = None if args.compare else DEFAULT_BUDGET_S
-        others, skipped = toy.run_all(args.problem, s, [a for a in names if a != args.algo], inst, budget)
+        figure, others, skipped = _comparison(args, problem, s, inst, main)
         results.update(others)
-        curves = {name: results[name].distances for name in names if name in results}
-        if args.algo not in curves:
-            curves = {args.algo: main.distances, **curves}
-        pred = {}
-        for name, r in results.items():
-            if r.predicted_fixed_point is not None:
-                import torch
-                d = float((torch.tensor(r.predicted_fixed_point) - torch.tensor(r.x_opt)).norm())
-                if d > 0:
-                    pred.setdefault(f"{d:.6g}", []).append(name)
-        pred_lines = {"/".join(v): float(k) for k, v in pred.items()}
-        figure = args.figure or str(Path(args.out) / f"toy-{args.problem}.png")
-        title = (f"{problem.title}\nlr {s.lr:g}, C {s.clip:g}, "
-                 f"{'full batch' if s.batch_size is None else f'B = {s.batch_size:g}'}, "
-                 f"noise multiplier {s.noise_multiplier:g} (private algorithms only), seed {s.seed}")
-        private = [n for n in curves if results[n].settings["private"]]
-        figure = plots.toy_distances(curves, figure, title, pred_lines, private,
-                                     {n: results[n].smoothed for n in curves},
-                                     toy.smoothing_window(s.steps))
 
     out = main.to_dict()
     out["figure"] = figure
@@ -144,6 +118,36 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _comparison(args: argparse.Namespace, problem, s, inst, main) -> tuple[str, dict, dict]:
+    """Run the comparison algorithms and draw distance-to-optimum vs iteration: (figure, results, skipped)."""
+    import torch
+    names = ([a.strip() for a in args.compare.split(",") if a.strip()] if args.compare
+             else list(problem.compare or algorithms.ALGORITHMS))
+    for name in names:
+        algorithms.get(name)
+    budget = None if args.compare else DEFAULT_BUDGET_S
+    others, skipped = toy.run_all(args.problem, s, [a for a in names if a != args.algo], inst, budget)
+    results = {args.algo: main, **others}
+    curves = {name: results[name].distances for name in names if name in results}
+    if args.algo not in curves:
+        curves = {args.algo: main.distances, **curves}
+    pred = {}
+    for name, r in results.items():
+        if r.predicted_fixed_point is not None:
+            d = float((torch.tensor(r.predicted_fixed_point) - torch.tensor(r.x_opt)).norm())
+            if d > 0:
+                pred.setdefault(f"{d:.6g}", []).append(name)
+    pred_lines = {"/".join(v): float(k) for k, v in pred.items()}
+    figure = args.figure or str(Path(args.out) / f"toy-{args.problem}.png")
+    title = (f"{problem.title}\nlr {s.lr:g}, C {s.clip:g}, "
+             f"{'full batch' if s.batch_size is None else f'B = {s.batch_size:g}'}, "
+             f"noise multiplier {s.noise_multiplier:g} (private algorithms only), seed {s.seed}")
+    private = [n for n in curves if results[n].settings["private"]]
+    figure = plots.toy_distances(curves, figure, title, pred_lines, private,
+                                 {n: results[n].smoothed for n in curves}, toy.smoothing_window(s.steps))
+    return figure, others, skipped
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     names = ", ".join(toy.PROBLEMS)
     p = sub.add_parser(
@@ -178,11 +182,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--momentum", type=float, default=None)
     p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default=None)
     m = p.add_argument_group("method-specific (as in `clipbias train`)")
-    m.add_argument("--perturb-k", type=float, default=None, metavar="K", help="perturbation scale (perturb)")
-    m.add_argument("--p", type=int, default=None, metavar="P", help="group size of p-avg")
-    m.add_argument("--k0", type=int, default=None, help="inner-outer K0")
-    m.add_argument("--gamma0", type=float, default=None, help="inner-outer gamma0")
-    m.add_argument("--gamma1", type=float, default=None, help="inner-outer gamma1")
+    add_method_flags(m)
     m.add_argument("--extra", action="append", metavar="KEY=VALUE",
                    help="any other AlgoConfig.extra setting (repeatable), e.g. --extra gamma_m=0.2")
     o = p.add_argument_group("output")

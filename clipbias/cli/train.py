@@ -12,6 +12,7 @@ from ..errors import ConfigError
 from ..privacy import ACCOUNTANTS, DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING
 from ..privacy.dice import DEFAULT_EF_RATIO
 from .. import algorithms
+from ..config import boolean
 from ..train import CHECKPOINT, CURVES, RESULTS, TrainConfig, default_out, train
 from ._common import emit, exit_code, tune_allocator, warn
 
@@ -83,40 +84,37 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
                    help="CPU threads for torch (default 1: per-example gradients of these models gain "
                         "nothing from a second thread on CPU, measured; 0 = torch's default)")
     m = p.add_argument_group("method-specific (AlgoConfig.extra, set only when given; see docs/methods.md)")
-    m.add_argument("--perturb-k", type=float, default=None, metavar="K",
-                   help="perturb / dice-perturb: scale k of the pre-clipping perturbation k N(0, I)")
-    m.add_argument("--p", type=int, default=None, metavar="P",
-                   help="p-avg: examples per group; batch-clip: group size (1 private + P-1 public)")
-    m.add_argument("--augmentations", type=int, default=None, metavar="K",
-                   help="self-aug / dice-self-aug: augmented copies per example")
-    m.add_argument("--aug-pad", type=int, default=None, metavar="PX", help="self-aug: crop padding")
-    m.add_argument("--aug-flip", action=argparse.BooleanOptionalAction, default=None,
-                   help="self-aug: random horizontal flips")
-    m.add_argument("--k0", type=int, default=None, metavar="K0", help="inner-outer: past iterates K0")
-    m.add_argument("--gamma0", type=float, default=None, help="inner-outer: inner momentum decay")
-    m.add_argument("--gamma1", type=float, default=None, help="inner-outer: outer momentum weight")
-    m.add_argument("--gamma-m", type=float, default=None, help="dpgd-momentum: weight of the new gradient")
-    m.add_argument("--normalize-momentum", action=argparse.BooleanOptionalAction, default=None,
-                   help="dpgd-momentum: normalise instead of clipping the momentum")
-    m.add_argument("--max-memory-gb", type=float, default=None, help="per-example momentum buffer limit")
-    m.add_argument("--public-size", type=int, default=None, metavar="N",
-                   help="batch-clip: N public features (no labels)")
+    add_method_flags(m)
     m.add_argument("--public-source", choices=("test", "holdout"), default="test",
                    help="batch-clip: public features from the test split (removed from evaluation; "
                         "default) or held out of the training split (N shrinks)")
-    m.add_argument("--vote-draws", type=int, default=None, metavar="R",
-                   help="batch-clip: public draws per test image in the majority vote")
 
 
-# argparse dest -> AlgoConfig.extra key (names clipbias.methods reads)
-_EXTRA = {"perturb_k": "perturb_k", "p": "p", "augmentations": "augmentations", "aug_pad": "pad",
-          "aug_flip": "flip", "k0": "k0", "gamma0": "gamma0", "gamma1": "gamma1", "gamma_m": "gamma_m",
-          "normalize_momentum": "normalize", "max_memory_gb": "max_memory_gb",
-          "public_size": "public_size", "vote_draws": "draws"}
+def add_method_flags(group) -> None:
+    """One flag per method ``Setting`` of the registered algorithms (a new method's settings appear
+    here without a line of CLI code); each defaults to None, i.e. the method's own default."""
+    for s in algorithms.all_settings().values():
+        if not s.cli:
+            continue
+        users = [a.name for a in algorithms.ALGORITHMS.values() if any(x.key == s.key for x in a.schema)]
+        default = "unset" if s.default is None else repr(s.default)
+        text = f"{s.help} (--algo {', '.join(users)}; default {default})"
+        if s.check is boolean:
+            group.add_argument(s.flag.split("/")[0], dest=s.dest, action=argparse.BooleanOptionalAction,
+                               default=None, help=text)
+        else:
+            group.add_argument(s.flag, dest=s.dest, type=float if s.convert is float else int, default=None,
+                               metavar=s.dest.upper(), help=text)
+
+
+def method_settings(args: argparse.Namespace) -> dict:
+    """``AlgoConfig.extra`` from the method flags given (canonical setting keys)."""
+    return {s.key: getattr(args, s.dest) for s in algorithms.all_settings().values()
+            if s.cli and getattr(args, s.dest, None) is not None}
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
-    extra = {k: getattr(args, a) for a, k in _EXTRA.items() if getattr(args, a, None) is not None}
+    extra = method_settings(args)
     kw = dict(data=args.data, model=args.model, algo=getattr(args, "algo", "dpsgd"), epsilon=args.epsilon,
               delta=args.delta, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, clip=args.clip,
               ef_clip=args.ef_clip, grad_bound=args.grad_bound, accountant=args.accountant,

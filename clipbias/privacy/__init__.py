@@ -15,8 +15,8 @@ from dp_accounting import dp_event
 from ..errors import ConfigError
 from . import dice, gaussian
 from .dice import DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING, DiceParams
-from .report import (ACCOUNTANTS, PrivacyReport, check_accountant, check_delta, check_epsilon,
-                     check_rate, check_steps, delta_warning)
+from .report import (ACCOUNTANTS, PrivacyReport, check_accountant, check_delta, check_epsilon, check_steps,
+                     delta_warning)
 
 __all__ = ["AccountingSpec", "PrivacyReport", "DiceParams", "account", "calibrate", "ACCOUNTANTS",
            "DICE_ACCOUNTING", "DEFAULT_DICE_ACCOUNTING", "delta_warning", "dice", "gaussian"]

@@ -1,0 +1,133 @@
+"""The layout of issue 13 as checked properties: no import cycle, nothing below the catalog imports
+it, short functions, and a new method is one module (its settings become CLI flags by themselves)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PKG = pathlib.Path(__file__).resolve().parent.parent / "clipbias"
+
+
+def _module(path: pathlib.Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """clipbias modules imported at module level (function-level imports are deferred, not cycles)."""
+    mod = _module(path)
+    pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("clipbias")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = pkg.split(".")
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            if not base.startswith("clipbias"):
+                continue
+            for a in node.names:  # "from . import core" imports the submodule clipbias.algorithms.core
+                sub = f"{base}.{a.name}"
+                out.add(sub if (PKG.parent / sub.replace(".", "/")).with_suffix(".py").exists()
+                        or (PKG.parent / sub.replace(".", "/") / "__init__.py").exists() else base)
+    return out
+
+
+GRAPH = {_module(p): _imports(p) for p in PKG.rglob("*.py")}
+
+
+def _parents(mod: str) -> list[str]:
+    """Importing a.b.c runs a/__init__ and a/b/__init__ first."""
+    parts = mod.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def test_the_package_has_no_import_cycle():
+    graph = {m: {d for d in deps if d in GRAPH and d != m} for m, deps in GRAPH.items()}
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(d):] + [d]) if d in path
+                                     else f"import cycle through {d}")
+            if d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_nothing_below_the_catalog_imports_it():
+    """The bottom (errors, config, privacy, sampling, grads, transforms) and the algorithm modules
+    themselves never import the catalog ``clipbias.algorithms``."""
+    bottom = [m for m in GRAPH if m.split(".")[1:2] and m.split(".")[1] in
+              ("errors", "config", "privacy", "sampling", "grads", "transforms", "files")]
+    methods = [m for m in GRAPH if m.startswith("clipbias.algorithms.")]
+    assert len(bottom) >= 8 and len(methods) >= 8
+    for m in bottom + methods:
+        assert "clipbias.algorithms" not in GRAPH[m], f"{m} imports the catalog"
+    for m in bottom:
+        assert not any(d.startswith("clipbias.algorithms") for d in GRAPH[m]), f"{m} imports an algorithm"
+
+
+def test_no_function_is_longer_than_80_lines():
+    long = []
+    for p in PKG.rglob("*.py"):
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80:
+                long.append(f"{p.relative_to(PKG)}:{n.name} ({n.end_lineno - n.lineno + 1} lines)")
+    assert not long, long
+
+
+@pytest.fixture
+def half_clip():
+    """A new method declared in one place: an Algorithm with one Setting, registered."""
+    from clipbias import algorithms
+    from clipbias.algorithms.base import Algorithm, Parts
+    from clipbias.config import Setting, real
+    from clipbias.transforms import Clip
+
+    shrink = Setting("shrink", 0.5, "a number in (0, 1]", real(0, 1, lo_open=True), "--shrink", float,
+                     "clip at shrink * C")
+    algo = algorithms.register(Algorithm(
+        "half-clip", "DPSGD clipping at shrink * C (a test method)", True, "gaussian",
+        lambda cfg, s, b, seed: Parts([Clip(s["shrink"] * cfg.clip)]), schema=(shrink,)))
+    yield algo
+    del algorithms.ALGORITHMS["half-clip"]
+
+
+def test_a_new_method_is_one_declaration_and_the_cli_takes_its_setting(half_clip, tmp_path):
+    """Registering the algorithm is all it takes: ``--algo half-clip --shrink 0.25`` parses, reaches the
+    method's settings, and the accounting reads the sensitivity off its bounding stage."""
+    from clipbias.cli import build_parser
+    from clipbias.cli.train import config_from_args
+    from clipbias.train import train
+
+    args = build_parser().parse_args(
+        ["train", "--data", "digits", "--model", "logreg", "--algo", "half-clip", "--shrink", "0.25",
+         "--epochs", "1", "--batch-size", "64", "--lr", "0.5", "--noise-multiplier", "1.0",
+         "--clip", "2.0", "--out", str(tmp_path / "run")])
+    cfg = config_from_args(args, out=str(tmp_path / "run"))
+    assert cfg.extra == {"shrink": 0.25}
+    res = train(cfg, plot=False)
+    assert res["algorithm"]["name"] == "half-clip" and res["steps"] == 21
+    assert "sensitivity 0.5 (Clip)" in res["basis"] and res["certified"] is True
+    from clipbias.engine import DPEngine
+    from clipbias.config import AlgoConfig
+    from torch import nn
+    eng = DPEngine(nn.Linear(3, 2), "half-clip", n=100, batch_size=10, steps=1, noise_multiplier=1.0,
+                   config=AlgoConfig(clip=2.0, extra={"shrink": 0.25}))
+    assert eng.spec.sensitivity == 0.5 and eng.pipeline.noise.std == pytest.approx(1.0 * 0.5 / 10)

@@ -173,15 +173,16 @@ class DPEngine:
                               f"loss, got {y.dtype}; convert them with y.long() or pass your own loss_fn")
         d = self.rows.layout.dim
         dev = self.params[0].device
-        ref_sum = torch.zeros(d, device=dev)
+        ref_sum = torch.zeros(d, device=dev) if self.pipeline.error_feedback is not None else None
         proc_sum = torch.zeros(d, device=dev)
         losses = []
         torch_rng = torch.get_rng_state()  # dropout draws of the model (randomness="different")
         try:
             for g, loss, idx in self.rows.iter_rows(x, y, indices, self.steps_taken, self.max_physical_batch):
-                check_finite(g, idx)
-                r, p = self.pipeline.rows(g, StepContext(idx, self.steps_taken))
-                ref_sum += r
+                norms = check_finite(g, idx)
+                r, p = self.pipeline.rows(g, StepContext(idx, self.steps_taken, norms))
+                if ref_sum is not None:
+                    ref_sum += r
                 proc_sum += p
                 losses.append(loss)
         except ClipbiasError:  # a micro-batch failed (NaN, bad shape): every stage drops what it staged

@@ -204,13 +204,18 @@ def as_row_source(grads: "RowSource | PerSampleGradients") -> RowSource:
     return grads if isinstance(grads, RowSource) else PerExampleRows(grads)
 
 
-def check_finite(g: Tensor, indices: Tensor | None = None) -> None:
-    """Raise ``NonFiniteGradientError`` naming the offending examples; callers do it before any update."""
-    bad = ~torch.isfinite(g).all(dim=1)
+def check_finite(g: Tensor, indices: Tensor | None = None) -> Tensor:
+    """Raise ``NonFiniteGradientError`` naming the offending examples; callers do it before any update.
+    Returns the row norms (the pipeline's clip reuses them)."""
+    # a row holds NaN/Inf iff its norm does (one reduction, no [b, d] boolean matrix): NaN and +-Inf
+    # propagate through the sum of squares; finite rows whose norm overflows float are refused too
+    norms = torch.linalg.vector_norm(g, dim=-1)
+    bad = ~torch.isfinite(norms)
     if bad.any():
         rows = bad.nonzero().flatten()
         ids = (indices[rows] if indices is not None else rows).tolist()[:10]
         raise NonFiniteGradientError(
-            f"non-finite (NaN/Inf) per-example gradient for example(s) {ids}"
+            f"non-finite (NaN/Inf, or a norm beyond the float range) per-example gradient for example(s) {ids}"
             f"{' ...' if int(bad.sum()) > 10 else ''}; nothing was updated. Check the input data for "
             f"NaN/Inf, lower the learning rate, or use a numerically stable loss.")
+    return norms

@@ -384,3 +384,23 @@ def test_sensitivity_is_the_last_stage_bound():
 
     assert Pipeline([Perturb(0.1), Clip(2.0)], 1.0).sensitivity == 2.0
     assert Pipeline([Clip(2.0), Perturb(0.1)], 1.0).sensitivity is None
+
+
+@pytest.mark.parametrize("stage", ["clip", "normalize"])
+def test_fused_scale_and_sum_equals_the_rows_it_replaces(stage):
+    """The pipeline sums ``min(1, C/||g_i||) @ g`` (or ``1/(||g_i|| + gamma) @ g``) in one pass instead of
+    clipping every row then summing: the same update to float rounding, with or without the norms the
+    finiteness check computed, for [b, d] rows and for a leading axis of independent runs."""
+    from clipbias.grads import check_finite
+    from clipbias.transforms import Clip, Normalize, Pipeline, StepContext, clip_rows, normalize_rows
+    g = torch.randn(3, 50, 700, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 2, 50)[:, None]
+    st = Clip(1.5) if stage == "clip" else Normalize(0.01)
+    rows = clip_rows(g, 1.5) if stage == "clip" else normalize_rows(g, 0.01)
+    want = rows.double().sum(-2)
+    pipe = Pipeline([st], 50.0)
+    _, fused = pipe.rows(g, StepContext())
+    torch.testing.assert_close(fused.double(), want, rtol=1e-6, atol=1e-6)
+    _, with_norms = pipe.rows(g[0], StepContext(norms=check_finite(g[0])))
+    torch.testing.assert_close(with_norms.double(), want[0], rtol=1e-6, atol=1e-6)
+    _, empty = pipe.rows(g[0, :0], StepContext())
+    assert empty.shape == (700,) and not empty.any()

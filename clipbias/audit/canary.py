@@ -121,7 +121,7 @@ def simulate(audit: CanaryAudit, with_canary: bool, *, progress: bool = False) -
         else:
             inc = torch.zeros(trials, 1)
         # D = {} has no example at all; D' = {canary} has it in the batch with probability q
-        u = Pipeline.finish(pipe, proc * inc, ref * inc)  # released noisy update (before post-processing)
+        u = Pipeline.finish(pipe, proc * inc, None if ref is None else ref * inc)  # released noisy update (before post-processing)
         pipe.commit()
         total += u
         if bar is not None:

@@ -1,0 +1,150 @@
+"""Step time of private training against non-private training (and Opacus, when importable).
+
+One process, real Fashion-MNIST batches, the arms interleaved repetition by repetition (so a
+neighbour's load hits every arm alike), medians with min-max. Each arm does one optimizer step on a
+batch of B examples:
+
+* ``nonprivate``: ``loss.mean().backward(); opt.step()`` on the same model (the floor);
+* ``dpsgd``, ``dice``, ``normalized``: ``DPEngine.step`` through the public API (per-example
+  gradients, clipping, noise, accounting state; noise multiplier fixed, no calibration);
+* ``opacus-hooks`` (and ``opacus-ghost``): Opacus' ``PrivacyEngine.make_private`` on the same model,
+  when ``import opacus`` works (``pip install opacus`` or ``PYTHONPATH`` to a copy; not a clipbias
+  dependency).
+
+Usage (docs/results.md, "Speed and memory")::
+
+    python benchmarks/speed.py --model cnn --batch-size 256 --threads 2 --reps 15
+    python benchmarks/speed.py --model resnet20-gn --batch-size 64 --threads 2 --reps 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from clipbias.cli._common import tune_allocator
+from clipbias.config import AlgoConfig
+from clipbias.data import load_dataset
+from clipbias.engine import DPEngine
+from clipbias.models import build_model
+
+
+def _nonprivate(model: nn.Module, lr: float):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def step(x, y, idx):
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return step
+
+
+def _engine(model: nn.Module, algo: str, n: int, b: int, lr: float, max_physical_batch: int):
+    eng = DPEngine(model, algo, n=n, batch_size=float(b), steps=10**6, noise_multiplier=1.0,
+                   config=AlgoConfig(lr=lr, clip=1.0), noise_seed=0, max_physical_batch=max_physical_batch,
+                   accountant="rdp")
+
+    def step(x, y, idx):
+        eng.step(x, y, idx)
+    return step
+
+
+def _opacus(model: nn.Module, n: int, b: int, lr: float, mode: str):
+    try:
+        from opacus import GradSampleModule  # noqa: F401
+        from opacus import PrivacyEngine
+    except ImportError:
+        return None
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    data = torch.utils.data.TensorDataset(torch.zeros(n, 1), torch.zeros(n, dtype=torch.long))
+    loader = torch.utils.data.DataLoader(data, batch_size=b)
+    pe = PrivacyEngine()
+    common = dict(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+                  poisson_sampling=False)
+    if mode == "ghost":  # fast gradient clipping: the criterion runs the double backward
+        m, opt, crit, _ = pe.make_private(**common, criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost")
+
+        def step(x, y, idx):
+            opt.zero_grad(set_to_none=True)
+            crit(m(x), y).backward()
+            opt.step()
+        return step
+    m, opt, _ = pe.make_private(**common, grad_sample_mode=mode)
+
+    def step(x, y, idx):
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+    return step
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="cnn")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--arms", default="nonprivate,dpsgd,dice,normalized,opacus-hooks,opacus-ghost")
+    p.add_argument("--no-tune", action="store_true", help="skip the allocator tuning of the CLI")
+    p.add_argument("--out", default=None, help="write the table as JSON here")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    tuned = False if a.no_tune else tune_allocator()
+    ds = load_dataset("fashion-mnist")
+    n, b, lr = ds.num_train, a.batch_size, 0.1
+    steps = {}
+    for arm in a.arms.split(","):
+        torch.manual_seed(0)
+        model = build_model(a.model, ds.input_shape, ds.num_classes)
+        if arm == "nonprivate":
+            steps[arm] = _nonprivate(model, lr)
+        elif arm.startswith("opacus-"):
+            fn = _opacus(model, n, b, lr, arm.split("-", 1)[1])
+            if fn is None:
+                print(f"skipping {arm}: opacus is not importable", file=sys.stderr)
+                continue
+            steps[arm] = fn
+        else:
+            steps[arm] = _engine(model, arm, n, b, lr, max_physical_batch=b)
+    gen = torch.Generator().manual_seed(1)
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for rep in range(a.warmup + a.reps):
+        idx = torch.randperm(n, generator=gen)[:b]
+        x, y = ds.x_train[idx], ds.y_train[idx]
+        for arm, step in steps.items():
+            t0 = time.perf_counter()
+            step(x, y, idx)
+            if rep >= a.warmup:
+                times[arm].append(time.perf_counter() - t0)
+    base = statistics.median(times["nonprivate"]) if "nonprivate" in times else None
+    rows = {}
+    for arm, ts in times.items():
+        med = statistics.median(ts)
+        rows[arm] = {"median_ms": 1e3 * med, "min_ms": 1e3 * min(ts), "max_ms": 1e3 * max(ts),
+                     "vs_nonprivate": med / base if base else None}
+    ref = rows.get("opacus-hooks", {}).get("median_ms")
+    for r in rows.values():
+        r["vs_opacus_hooks"] = r["median_ms"] / ref if ref else None
+    out = {"model": a.model, "batch_size": b, "threads": a.threads, "reps": a.reps, "allocator_tuned": tuned,
+           "torch": torch.__version__, "rows": rows}
+    print(f"{a.model}, B = {b}, {a.threads} threads, {a.reps} reps (medians, min-max), allocator tuned: {tuned}")
+    print(f"{'arm':<14} {'ms/step':>9} {'min-max':>15} {'x non-private':>14} {'x opacus hooks':>15}")
+    for arm, r in rows.items():
+        vs = f"{r['vs_nonprivate']:.2f}" if r["vs_nonprivate"] else "-"
+        vo = f"{r['vs_opacus_hooks']:.2f}" if r["vs_opacus_hooks"] else "-"
+        print(f"{arm:<14} {r['median_ms']:9.1f} {r['min_ms']:7.1f}-{r['max_ms']:<7.1f} {vs:>14} {vo:>15}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()

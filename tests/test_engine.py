@@ -404,3 +404,24 @@ def test_fused_scale_and_sum_equals_the_rows_it_replaces(stage):
     torch.testing.assert_close(with_norms.double(), want[0], rtol=1e-6, atol=1e-6)
     _, empty = pipe.rows(g[0, :0], StepContext())
     assert empty.shape == (700,) and not empty.any()
+
+
+def test_calibration_cache_is_keyed_verified_and_survives_corruption(tmp_path, monkeypatch):
+    """A repeated configuration reads z from disk without calibrating; a tampered value that would
+    overshoot epsilon, or a corrupt file, is recomputed: the cache can cost time, never privacy."""
+    import json
+    from clipbias import privacy
+    from clipbias.privacy import AccountingSpec
+    monkeypatch.setenv("CLIPBIAS_CACHE", str(tmp_path))
+    calls = []
+    real = privacy._calibrate
+    monkeypatch.setattr(privacy, "_calibrate", lambda *a: calls.append(a) or real(*a))
+    spec = AccountingSpec("gaussian", 0.01, sensitivity=1.0)
+    z = privacy.calibrate(spec, 2.0, 1e-5, 300, "rdp")
+    assert privacy.calibrate(spec, 2.0, 1e-5, 300, "rdp") == z and len(calls) == 1
+    assert privacy.calibrate(spec, 2.0, 1e-5, 301, "rdp") > 0 and len(calls) == 2  # another key
+    table = json.loads((tmp_path / "calibrations.json").read_text())
+    json.dump({k: v / 2 for k, v in table.items()}, (tmp_path / "calibrations.json").open("w"))  # tampered
+    assert privacy.calibrate(spec, 2.0, 1e-5, 300, "rdp") == z and len(calls) == 3
+    (tmp_path / "calibrations.json").write_text("{not json")
+    assert privacy.calibrate(spec, 2.0, 1e-5, 300, "rdp") == z and len(calls) == 4

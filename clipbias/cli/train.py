@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -80,9 +81,9 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
     t.add_argument("--subset", type=int, default=None, metavar="N",
                    help="train on the first N training examples (quick runs; accounting uses N)")
     t.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    t.add_argument("--threads", type=int, default=1, metavar="N",
-                   help="CPU threads for torch (default 1: per-example gradients of these models gain "
-                        "nothing from a second thread on CPU, measured; 0 = torch's default)")
+    t.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for torch (default: the cores this process may use; 0 = torch's "
+                        "default)")
     m = p.add_argument_group("method-specific (AlgoConfig.extra, set only when given; see docs/methods.md)")
     add_method_flags(m)
     m.add_argument("--public-source", choices=("test", "holdout"), default="test",
@@ -178,9 +179,10 @@ def print_header(h: dict, stream=None) -> None:
 
 
 def set_threads(n: int | None) -> None:
-    """``--threads`` (0: leave torch's default) and the allocator tuning of ``tune_allocator``."""
+    """``--threads`` (None: the cores this process may use; 0: torch's default) and the allocator
+    tuning of ``tune_allocator``."""
     if n is None:
-        return
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if n < 0:
         raise ConfigError(f"--threads must be >= 0 (0 = torch's default), got {n}")
     import torch

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, replace
 
 from dp_accounting import dp_event
 
-from ..errors import ConfigError
-from . import dice, gaussian
+from ..errors import ClipbiasError, ConfigError
+from . import cache, dice, gaussian
 from .dice import DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING, DiceParams
 from .report import (ACCOUNTANTS, PrivacyReport, check_accountant, check_delta, check_epsilon, check_steps,
                      delta_warning)
@@ -87,10 +87,30 @@ def account(spec: AccountingSpec, steps: int, delta: float, accountant: str = "p
 
 def calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, accountant: str = "pld",
               dice_accounting: str = DEFAULT_DICE_ACCOUNTING) -> float:
-    """Noise multiplier for ``spec`` reaching at most ``epsilon`` after ``steps`` steps."""
+    """Noise multiplier for ``spec`` reaching at most ``epsilon`` after ``steps`` steps (cached on
+    disk by every input, and re-checked against ``epsilon`` when read back: ``privacy.cache``)."""
     check_epsilon(epsilon)
     check_delta(delta)
     check_steps(steps)
+    if spec.kind not in ("gaussian", "dice"):
+        raise ConfigError("a non-private algorithm has no noise to calibrate; pick a private --algo")
+    if spec.kind == "dice":
+        _check_dice_method(spec, dice_accounting)
+    key = {"kind": spec.kind, "q": spec.sample_rate, "dice": None if spec.dice is None else asdict(spec.dice),
+           "epsilon": epsilon, "delta": delta, "steps": steps, "accountant": accountant,
+           "basis": dice_accounting if spec.kind == "dice" else None}
+
+    def verify(z: float) -> bool:
+        try:
+            return account(replace(spec, noise_multiplier=z), steps, delta, accountant,
+                           dice_accounting).epsilon <= epsilon
+        except ClipbiasError:  # e.g. the paper's bound outside its conditions: recompute
+            return False
+    return cache.cached(key, lambda: _calibrate(spec, epsilon, delta, steps, accountant, dice_accounting), verify)
+
+
+def _calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, accountant: str,
+               dice_accounting: str) -> float:
     if spec.kind == "gaussian":
         return gaussian.calibrate(epsilon, delta, spec.sample_rate, steps, accountant)
     if spec.kind == "dice":

@@ -6,7 +6,8 @@ batch of B examples:
 
 * ``nonprivate``: ``loss.mean().backward(); opt.step()`` on the same model (the floor);
 * ``dpsgd``, ``dice``, ``normalized``: ``DPEngine.step`` through the public API (per-example
-  gradients, clipping, noise, accounting state; noise multiplier fixed, no calibration);
+  gradients, clipping, noise, accounting state; noise multiplier fixed, no calibration); the
+  ``-fast`` arms with ``grad_path="fast"`` (per-layer norms and book-keeping sums, no rows);
 * ``opacus-hooks`` (and ``opacus-ghost``): Opacus' ``PrivacyEngine.make_private`` on the same model,
   when ``import opacus`` works (``pip install opacus`` or ``PYTHONPATH`` to a copy; not a clipbias
   dependency).
@@ -47,9 +48,10 @@ def _nonprivate(model: nn.Module, lr: float):
 
 
 def _engine(model: nn.Module, algo: str, n: int, b: int, lr: float, max_physical_batch: int):
-    eng = DPEngine(model, algo, n=n, batch_size=float(b), steps=10**6, noise_multiplier=1.0,
+    fast = algo.endswith("-fast")  # "dpsgd-fast": the book-keeping fast path
+    eng = DPEngine(model, algo.removesuffix("-fast"), n=n, batch_size=float(b), steps=10**6, noise_multiplier=1.0,
                    config=AlgoConfig(lr=lr, clip=1.0), noise_seed=0, max_physical_batch=max_physical_batch,
-                   accountant="rdp")
+                   accountant="rdp", grad_path="fast" if fast else "rows")
 
     def step(x, y, idx):
         eng.step(x, y, idx)
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--arms", default="nonprivate,dpsgd,dice,normalized,opacus-hooks,opacus-ghost")
+    p.add_argument("--arms", default="nonprivate,dpsgd,dpsgd-fast,dice,dice-fast,normalized,opacus-hooks,opacus-ghost")
     p.add_argument("--no-tune", action="store_true", help="skip the allocator tuning of the CLI")
     p.add_argument("--out", default=None, help="write the table as JSON here")
     a = p.parse_args(argv)

@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from . import algorithms, privacy
 from .config import AlgoConfig
 from .errors import ClipbiasError, ConfigError, ResumeMismatchError
-from .grads import LossFn, PerSampleGradients, RowSource, as_row_source, check_finite, cross_entropy
+from .grads import (LossFn, PerSampleGradients, RowSource, as_row_source, check_finite, check_finite_norms,
+                    cross_entropy)
 from .privacy import PrivacyReport
 from .sampling import PoissonSampler, secret_streams
 from .transforms import StepContext
@@ -87,7 +88,8 @@ class DPEngine:
                  delta: float = 1e-5, noise_multiplier: float | None = None, accountant: str = "pld",
                  dice_accounting: str = privacy.DEFAULT_DICE_ACCOUNTING, config: AlgoConfig | None = None,
                  loss_fn: LossFn = cross_entropy, max_physical_batch: int = 512,
-                 noise_seed: int | None = None, grads: RowSource | PerSampleGradients | None = None) -> None:
+                 noise_seed: int | None = None, grads: RowSource | PerSampleGradients | None = None,
+                 grad_path: str = "rows") -> None:
         self.algo = algorithms.get(algorithm)
         self.config = config or AlgoConfig()
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
@@ -137,6 +139,7 @@ class DPEngine:
         self.model = model
         device = next(model.parameters()).device
         sampler_seed, noise_stream_seed, self.keyed_seed = secret_streams(noise_seed)
+        own_rows = grads is None
         if grads is None:  # an algorithm may compute its rows differently (group means, momenta, ...)
             grads = self.algo.row_source(model, loss_fn, self.config, n=n, batch_size=self.expected_batch_size,
                                          seed=self.keyed_seed)
@@ -148,6 +151,7 @@ class DPEngine:
                                                    self.params, self.config)
         self.sampler = PoissonSampler(n, self.sample_rate, sampler_seed, steps_per_epoch)
         self.max_physical_batch = max_physical_batch
+        self.fast, self.grad_path_note = self._fast_path(grad_path, own_rows, model, loss_fn)
         self.steps_taken = 0
         self.settings = PrivacySettings(algorithm, n, self.sample_rate, steps, z, delta, accountant,
                                         dice_accounting, self.config.clip, self.config.ef_clip,
@@ -178,9 +182,7 @@ class DPEngine:
         losses = []
         torch_rng = torch.get_rng_state()  # dropout draws of the model (randomness="different")
         try:
-            for g, loss, idx in self.rows.iter_rows(x, y, indices, self.steps_taken, self.max_physical_batch):
-                norms = check_finite(g, idx)
-                r, p = self.pipeline.rows(g, StepContext(idx, self.steps_taken, norms))
+            for r, p, loss in self._sums(x, y, indices):
                 if ref_sum is not None:
                     ref_sum += r
                 proc_sum += p
@@ -199,6 +201,42 @@ class DPEngine:
         self.rows.commit()
         self.steps_taken += 1
         return torch.cat(losses) if losses else torch.zeros(0)
+
+    def _sums(self, x: Tensor, y: Tensor, indices: Tensor | None):
+        """(reference sum, processed sum, losses) per physical micro-batch, through the rows or the
+        fast path; the finiteness of every example's gradient is checked on its norm either way."""
+        if self.fast is None:
+            for g, loss, idx in self.rows.iter_rows(x, y, indices, self.steps_taken, self.max_physical_batch):
+                norms = check_finite(g, idx)
+                r, p = self.pipeline.rows(g, StepContext(idx, self.steps_taken, norms))
+                yield r, p, loss
+            return
+        scale = self.pipeline.per_sample[0].scale
+        need_ref = self.pipeline.error_feedback is not None
+        for start in range(0, len(x), self.max_physical_batch):
+            sl = slice(start, start + self.max_physical_batch)
+            p, r, loss, norms = self.fast(x[sl], y[sl], scale, need_ref)
+            check_finite_norms(norms, indices[sl] if indices is not None else None)
+            yield r, p, loss
+
+    def _fast_path(self, grad_path: str, own_rows: bool, model: nn.Module, loss_fn: LossFn):
+        """(the book-keeping fast path or None, why not): ``grad_path`` rows | fast | auto."""
+        if grad_path not in ("rows", "fast", "auto"):
+            raise ConfigError(f"--grad-path must be rows, fast or auto, got {grad_path!r}")
+        if grad_path == "rows":
+            return None, "rows (per-example gradients, torch.func)"
+        from .fastclip import BookKeeping, why_unsupported
+        p = self.pipeline
+        why = ("a gradient backend was given" if not own_rows else
+               f"--algo {self.algo.name} computes its own rows" if self.algo.source is not None else
+               "--grad-bound clips the rows first" if p.reference else
+               f"--algo {self.algo.name} transforms rows beyond a norm scaling" if len(p.per_sample) != 1
+               or p.per_sample[0].scale(torch.ones(1)) is None else why_unsupported(model))
+        if why is None:
+            return BookKeeping(model, loss_fn), "fast (per-layer norms and book-keeping sums, no rows)"
+        if grad_path == "fast":
+            raise ConfigError(f"--grad-path fast is not available: {why}; use --grad-path auto or rows")
+        return None, f"rows (the fast path does not apply: {why})"
 
     def train_epoch(self, x: Tensor, y: Tensor) -> float:
         """One epoch of Poisson batches over in-memory tensors; returns the mean example loss."""

@@ -209,7 +209,11 @@ def check_finite(g: Tensor, indices: Tensor | None = None) -> Tensor:
     Returns the row norms (the pipeline's clip reuses them)."""
     # a row holds NaN/Inf iff its norm does (one reduction, no [b, d] boolean matrix): NaN and +-Inf
     # propagate through the sum of squares; finite rows whose norm overflows float are refused too
-    norms = torch.linalg.vector_norm(g, dim=-1)
+    return check_finite_norms(torch.linalg.vector_norm(g, dim=-1), indices)
+
+
+def check_finite_norms(norms: Tensor, indices: Tensor | None = None) -> Tensor:
+    """``check_finite`` given the row norms (the fast path has norms and no rows)."""
     bad = ~torch.isfinite(norms)
     if bad.any():
         rows = bad.nonzero().flatten()

@@ -80,6 +80,11 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
                         "(tune on it, never on the test set)")
     t.add_argument("--subset", type=int, default=None, metavar="N",
                    help="train on the first N training examples (quick runs; accounting uses N)")
+    t.add_argument("--grad-path", choices=("rows", "fast", "auto"), default="rows",
+                   help="rows (default): per-example gradients by torch.func, every algorithm; fast: per-layer "
+                        "norms and book-keeping sums, no [B, d] matrix (norm-scaling algorithms: dpsgd, "
+                        "normalized, the dice family; Linear and Conv2d layers), refused where it does not "
+                        "apply; auto: fast where it applies, else rows")
     t.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     t.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads for torch (default: the cores this process may use; 0 = torch's "
@@ -123,7 +128,8 @@ def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
               seed=getattr(args, "seed", 0), reproducible_noise=getattr(args, "reproducible_noise", False),
               device=args.device, optimizer=args.optimizer,
               momentum=args.momentum, weight_decay=args.weight_decay, gamma=args.gamma,
-              max_physical_batch=args.max_physical_batch, validation=args.validation, subset=args.subset,
+              max_physical_batch=args.max_physical_batch, grad_path=args.grad_path, validation=args.validation,
+              subset=args.subset,
               public_source=args.public_source, extra=extra)
     kw.update(overrides)
     return TrainConfig(**kw)
@@ -133,7 +139,7 @@ def fmt_eps(eps: float) -> str:
     return "inf" if math.isinf(eps) else f"{eps:.4g}"
 
 
-def fmt_certified(certified: bool, private: bool, basis: str = "") -> str:
+def fmt_certified(certified: bool, private: bool) -> str:
     if certified:
         return "true"
     if not private:
@@ -172,6 +178,8 @@ def print_header(h: dict, stream=None) -> None:
         r = h["ef_ratio_r"]
         rows["feedback ratio r"] = (f"{r:.4g} (r = B*C2/C1 with C2 = {h['ef_clip']:.4g}; the sound noise "
                                     f"grows with r: each step pays for a 2r shift, sampled or not)")
+    if h.get("gradients"):
+        rows["gradients"] = h["gradients"]
     if h.get("resumed_at_epoch") is not None:
         rows["resumed"] = f"from the checkpoint after epoch {h['resumed_at_epoch']}"
     emit(rows, False, stream)

@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from ..privacy.report import check_delta, check_epsilon, check_nonnegative, check_positive
 
 # Settings that may differ on --resume (they do not change the math or the privacy statement).
-RESUME_FREE = {"out", "resume", "overwrite", "max_physical_batch", "eval_batch_size", "data_dir"}
+RESUME_FREE = {"out", "resume", "overwrite", "max_physical_batch", "eval_batch_size", "data_dir", "grad_path"}
 
 
 @dataclass
@@ -58,6 +58,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     gamma: float = 0.01
     max_physical_batch: int = 512
+    grad_path: str = "rows"
     validation: int = 0
     subset: int | None = None
     split_seed: int = 0
@@ -135,6 +136,8 @@ class TrainConfig:
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
         check_int(self.max_physical_batch, "--max-physical-batch", 1)
+        if self.grad_path not in ("rows", "fast", "auto"):
+            raise ConfigError(f"--grad-path must be rows, fast or auto, got {self.grad_path!r}")
         check_int(self.eval_batch_size, "eval_batch_size", 1)
         check_int(self.validation, "--validation", 0)
         if self.subset is not None:

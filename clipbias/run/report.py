@@ -89,6 +89,7 @@ def header(run, cfg: TrainConfig, resumed_at_epoch: int | None) -> dict:
         "preprocessing_private": info["preprocessing_private"],
         "reproducible_noise": cfg.reproducible_noise,
         "resumed_at_epoch": resumed_at_epoch, "device": str(run.device),
+        "gradients": engine.grad_path_note,
     }
     if run.algo.accounting == "dice" and engine.spec.dice is not None:
         h["ef_ratio_r"] = engine.spec.dice.ratio

@@ -1,0 +1,122 @@
+"""The fast path for norm-scaling algorithms: per-example norms and the clipped sum without rows.
+
+When the per-example stage only rescales each gradient by a function of its norm (clip, normalise:
+``dpsgd``, ``normalized``, the DiceSGD family, the non-private baselines), the update needs
+``sum_i s_i g_i`` and ``||g_i||``, not the ``[b, d]`` matrix of rows. For a layer with input
+activations ``a_i`` (``[L, k]``: L positions, k features; L = 1 for a plain Linear) and output
+gradients ``b_i`` (``[L, o]``) the per-example weight gradient is ``G_i = b_i^T a_i``, so
+
+* ``||G_i||^2`` is ``||a_i||^2 ||b_i||^2`` when L = 1, and otherwise either ``<a_i a_i^T, b_i b_i^T>``
+  (the ghost norm, ``L^2`` per example) or ``||b_i^T a_i||^2`` directly (``o k`` per example),
+  whichever is smaller (mixed ghost clipping, Bu et al. 2022);
+* ``sum_i s_i G_i = (s * b)^T a`` over all positions: one matrix product (book-keeping, no second
+  backward pass).
+
+One ordinary forward and backward of the summed loss give every ``a_i`` (forward hooks) and ``b_i``
+(``autograd.grad`` w.r.t. the layer outputs; the summed loss's gradient at example i's output is
+example i's, since no module mixes examples: ``check_model``). Supported: ``nn.Linear`` (any input
+rank) and ``nn.Conv2d`` (``groups=1``, zero padding), weights and biases. Any other trainable
+parameter makes ``BookKeeping.supports`` false and the engine keeps the rows path (and says why).
+Dropout draws one mask per batch here instead of per example: the same distribution.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from .grads import LossFn, ParamLayout, check_model, cross_entropy
+
+_SUPPORTED = (nn.Linear, nn.Conv2d)
+
+
+def why_unsupported(model: nn.Module) -> str | None:
+    """None when every trainable parameter belongs to a supported layer, else the reason."""
+    for name, m in model.named_modules():
+        own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        if not isinstance(m, _SUPPORTED):
+            return f"module '{name}' ({type(m).__name__}) has trainable parameters and no fast-path rule"
+        if isinstance(m, nn.Conv2d) and (m.groups != 1 or m.padding_mode != "zeros" or isinstance(m.padding, str)):
+            return f"module '{name}' (Conv2d) uses groups, a non-zero padding mode or string padding"
+    return None
+
+
+class BookKeeping:
+    """``(clipped sum, reference sum, losses, norms)`` of a batch for a norm-scaling stage."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn = cross_entropy) -> None:
+        check_model(model)
+        reason = why_unsupported(model)
+        if reason is not None:
+            raise ValueError(reason)
+        self.model, self.loss_fn, self.layout = model, loss_fn, ParamLayout.of(model)
+        self.layers = [m for m in model.modules() if isinstance(m, _SUPPORTED)
+                       and any(p.requires_grad for p in m.parameters(recurse=False))]
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.slots = {self.names[id(p)]: i for i, p in enumerate(self.layout.params(model))}
+
+    def __call__(self, x: Tensor, y: Tensor, scale: Callable[[Tensor], Tensor],
+                 reference: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        check_model(self.model)
+        acts: dict[nn.Module, Tensor] = {}
+        outs: dict[nn.Module, Tensor] = {}
+
+        def hook(m: nn.Module, inp: tuple, out: Tensor) -> None:
+            acts[m], outs[m] = inp[0].detach(), out
+
+        handles = [m.register_forward_hook(hook) for m in self.layers]
+        try:
+            with torch.enable_grad():
+                out = self.model(x)
+                losses = (F.cross_entropy(out, y, reduction="none") if self.loss_fn is cross_entropy else
+                          torch.vmap(lambda o, t: self.loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(out, y))
+                grads = torch.autograd.grad(losses.sum(), [outs[m] for m in self.layers])
+        finally:
+            for h in handles:
+                h.remove()
+        per_layer = [self._layer(m, acts[m], g) for m, g in zip(self.layers, grads)]
+        norms = torch.sqrt(sum(sq for _, _, sq in per_layer))
+        s = scale(norms)
+        proc = self._sums(per_layer, s)
+        ref = self._sums(per_layer, torch.ones_like(s)) if reference else None
+        return proc, ref, losses.detach(), norms
+
+    def _layer(self, m: nn.Module, a: Tensor, g: Tensor) -> tuple[nn.Module, tuple, Tensor]:
+        """(module, (activations [b, k, L], output grads [b, o, L], per-example weight gradients
+        [b, o, k] or None), per-example squared norm [b])."""
+        b = g.shape[0]
+        if isinstance(m, nn.Conv2d):
+            a = F.unfold(a, m.kernel_size, m.dilation, m.padding, m.stride)  # [b, k, L]
+            g = g.flatten(2)                                                  # [b, o, L]
+        else:
+            a = a.reshape(b, -1, a.shape[-1]).transpose(1, 2)
+            g = g.reshape(b, -1, g.shape[-1]).transpose(1, 2)
+        k, L, o = a.shape[1], a.shape[2], g.shape[1]
+        per_example = None
+        if L == 1:
+            sq = a.square().sum((1, 2)) * g.square().sum((1, 2))
+        elif L * L <= o * k:  # ghost norm: <a_i^T a_i, g_i^T g_i> over positions
+            sq = (torch.bmm(a.transpose(1, 2), a) * torch.bmm(g.transpose(1, 2), g)).sum((1, 2))
+        else:  # the per-example weight gradient of this layer is the smaller object: keep it for the sum
+            per_example = torch.bmm(g, a.transpose(1, 2))
+            sq = per_example.square().sum((1, 2))
+        if m.bias is not None and m.bias.requires_grad:
+            sq = sq + g.sum(2).square().sum(1)
+        return m, (a, g, per_example), sq
+
+    def _sums(self, per_layer: list, s: Tensor) -> Tensor:
+        """``sum_i s_i g_i`` flattened in ``ParamLayout`` order."""
+        parts: list[Tensor | None] = [None] * len(self.slots)
+        for m, (a, g, per_example), _ in per_layer:
+            if m.weight.requires_grad:
+                w = (torch.einsum("b,bok->ok", s, per_example) if per_example is not None
+                     else torch.einsum("bol,bkl->ok", g * s.view(-1, 1, 1), a))
+                parts[self.slots[self.names[id(m.weight)]]] = w.reshape(-1)
+            if m.bias is not None and m.bias.requires_grad:
+                parts[self.slots[self.names[id(m.bias)]]] = torch.einsum("b,bo->o", s, g.sum(2))
+        return torch.cat(parts)

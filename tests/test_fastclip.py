@@ -1,0 +1,99 @@
+"""The fast path (per-layer norms, book-keeping sums) against the rows path it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from clipbias.config import AlgoConfig
+from clipbias.engine import DPEngine
+from clipbias.errors import ConfigError, NonFiniteGradientError
+
+
+class Net(nn.Module):
+    """Conv2d with stride/padding/dilation (ghost and direct norms), a bias-free conv, a Linear on a
+    sequence ([b, L, k] input) and a plain Linear: every branch of the fast path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 4, 3, stride=2, padding=1)          # L = 16 positions, o k = 36: direct
+        self.c2 = nn.Conv2d(4, 16, 2, dilation=2, bias=False)      # L = 4, o k = 256: ghost
+        self.seq = nn.Linear(4, 5)                                  # L = 3, o k = 20: ghost
+        self.out = nn.Linear(15, 3)                                 # L = 1
+
+    def forward(self, x):
+        h = torch.tanh(self.c2(torch.tanh(self.c1(x))))           # [b, 16, 2, 2]
+        h = h.flatten(2)[:, :3, :]                                  # [b, 3, 4]: a sequence of 3
+        return self.out(torch.tanh(self.seq(h)).flatten(1))
+
+
+class Wide(nn.Module):
+    """A conv whose per-example gradient is smaller than L^2: the direct branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(1, 2, 2)                                 # L = 49, o k = 8
+        self.out = nn.Linear(2 * 49, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.c(x)).flatten(1))
+
+
+def _data(n=40):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 1, 8, 8, generator=g) * 3, torch.randint(0, 3, (n,), generator=g)
+
+
+def _run(model_cls, algo, path, steps=3, **cfg):
+    torch.manual_seed(1)
+    m = model_cls()
+    x, y = _data()
+    eng = DPEngine(m, algo, n=40, batch_size=10.0, steps=steps, noise_multiplier=1.0 if algo in (
+        "dpsgd", "dice", "normalized", "dice-auto") else None, accountant="rdp", grad_path=path,
+        config=AlgoConfig(lr=0.2, clip=0.5, **cfg), noise_seed=3, max_physical_batch=7)
+    for _ in range(steps):
+        idx = eng.sampler.sample()
+        eng.step(x[idx], y[idx], idx)
+    return torch.cat([p.detach().flatten() for p in m.parameters()]), eng
+
+
+@pytest.mark.parametrize("model_cls", [Net, Wide])
+@pytest.mark.parametrize("algo,cfg", [("dpsgd", {}), ("normalized", {}), ("dice", {"ef_clip": 0.01}),
+                                      ("clip-sgd", {}), ("ef-sgd", {"ef_clip": 0.05})])
+def test_fast_path_update_equals_the_rows_path(model_cls, algo, cfg):
+    rows, e_rows = _run(model_cls, algo, "rows", **cfg)
+    fast, e_fast = _run(model_cls, algo, "fast", **cfg)
+    assert e_fast.fast is not None and e_rows.fast is None
+    torch.testing.assert_close(fast, rows, rtol=1e-5, atol=1e-6)
+    if e_rows.pipeline.error_feedback is not None:  # the hidden feedback buffer too
+        torch.testing.assert_close(e_fast.pipeline.error_feedback.e, e_rows.pipeline.error_feedback.e,
+                                   rtol=1e-5, atol=1e-7)
+
+
+def test_fast_path_refusals_and_auto_fallback():
+    m = nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    with pytest.raises(ConfigError, match="LayerNorm.*no fast-path rule"):
+        DPEngine(m, "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="fast")
+    eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="auto")
+    assert eng.fast is None and "LayerNorm" in eng.grad_path_note
+    with pytest.raises(ConfigError, match="computes its own rows"):
+        DPEngine(Wide(), "p-avg", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="fast")
+    with pytest.raises(ConfigError, match="grad-bound"):
+        DPEngine(Wide(), "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="fast",
+                 config=AlgoConfig(grad_bound=5.0))
+    with pytest.raises(ConfigError, match="rows, fast or auto"):
+        DPEngine(Wide(), "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="ghost")
+
+
+def test_fast_path_refuses_a_nan_gradient_before_any_change():
+    torch.manual_seed(0)
+    m = Wide()
+    eng = DPEngine(m, "dice", n=40, batch_size=10, steps=2, noise_multiplier=1.0, grad_path="fast",
+                   max_physical_batch=3)
+    x, y = _data()
+    before = [p.detach().clone() for p in m.parameters()]
+    x[5, 0, 0, 0] = float("nan")
+    with pytest.raises(NonFiniteGradientError, match=r"\[5\]"):
+        eng.step(x[:8], y[:8], torch.arange(8))
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters())) and eng.steps_taken == 0

@@ -192,6 +192,12 @@ class PerExampleRows(RowSource):
             except torch.OutOfMemoryError:
                 raise
             except (RuntimeError, IndexError) as e:  # shapes or labels the model/loss cannot take
+                if "allocate memory" in str(e) or "out of memory" in str(e):
+                    raise ConfigError(
+                        f"out of memory computing {len(x[sl])} per-example gradients of {self.layout.dim} "
+                        f"parameters ({len(x[sl]) * self.layout.dim * 4 / 2**30:.1f} GB as float32): lower "
+                        f"--max-physical-batch (the math does not change), or use --grad-path fast (no "
+                        f"per-example gradient matrix) where it applies") from e
                 raise ConfigError(
                     f"computing per-example gradients failed ({type(e).__name__}: {e}). Check that the inputs "
                     f"have the shape the model expects (one example: {tuple(x.shape[1:])} here) and that the "

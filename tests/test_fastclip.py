@@ -97,3 +97,16 @@ def test_fast_path_refuses_a_nan_gradient_before_any_change():
     with pytest.raises(NonFiniteGradientError, match=r"\[5\]"):
         eng.step(x[:8], y[:8], torch.arange(8))
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters())) and eng.steps_taken == 0
+
+
+def test_out_of_memory_in_the_rows_path_says_what_to_do(monkeypatch):
+    """A CPU allocation failure is not a shape error: the message names memory and the two fixes."""
+    from clipbias.grads import FuncGradients
+
+    def fail(self, x, y, params=None):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+    monkeypatch.setattr(FuncGradients, "__call__", fail)
+    eng = DPEngine(Wide(), "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0)
+    x, y = _data()
+    with pytest.raises(ConfigError, match="out of memory.*--max-physical-batch.*--grad-path fast"):
+        eng.step(x[:4], y[:4], torch.arange(4))

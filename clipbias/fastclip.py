@@ -15,7 +15,9 @@ gradients ``b_i`` (``[L, o]``) the per-example weight gradient is ``G_i = b_i^T 
 One ordinary forward and backward of the summed loss give every ``a_i`` (forward hooks) and ``b_i``
 (``autograd.grad`` w.r.t. the layer outputs; the summed loss's gradient at example i's output is
 example i's, since no module mixes examples: ``check_model``). Supported: ``nn.Linear`` (any input
-rank) and ``nn.Conv2d`` (``groups=1``, zero padding), weights and biases. Any other trainable
+rank), ``nn.Conv2d`` (``groups=1``, zero padding), weights and biases, and the affine parameters of
+``nn.GroupNorm`` and ``nn.LayerNorm`` (per-example gradients computed directly from the normalised
+input: one value per channel or feature). Any other trainable
 parameter makes ``BookKeeping.supports`` false and the engine keeps the rows path (and says why).
 Dropout draws one mask per batch here instead of per example: the same distribution.
 """
@@ -30,7 +32,8 @@ from torch.nn import functional as F
 
 from .grads import LossFn, ParamLayout, check_model, cross_entropy
 
-_SUPPORTED = (nn.Linear, nn.Conv2d)
+_SUPPORTED = (nn.Linear, nn.Conv2d, nn.GroupNorm, nn.LayerNorm)
+_NORMS = (nn.GroupNorm, nn.LayerNorm)
 
 
 def why_unsupported(model: nn.Module) -> str | None:
@@ -89,6 +92,8 @@ class BookKeeping:
     def _layer(self, m: nn.Module, a: Tensor, g: Tensor) -> tuple[nn.Module, tuple, Tensor]:
         """(module, (activations [b, k, L], output grads [b, o, L], per-example weight gradients
         [b, o, k] or None), per-example squared norm [b])."""
+        if isinstance(m, _NORMS):
+            return self._affine(m, a, g)
         b = g.shape[0]
         if isinstance(m, nn.Conv2d):
             a = F.unfold(a, m.kernel_size, m.dilation, m.padding, m.stride)  # [b, k, L]
@@ -109,10 +114,35 @@ class BookKeeping:
             sq = sq + g.sum(2).square().sum(1)
         return m, (a, g, per_example), sq
 
+    @staticmethod
+    def _affine(m: nn.Module, a: Tensor, g: Tensor) -> tuple[nn.Module, tuple, Tensor]:
+        """GroupNorm/LayerNorm: the per-example gradients of the affine weight and bias are small
+        (one value per channel or normalised feature): computed directly from the normalised input."""
+        b = a.shape[0]
+        if isinstance(m, nn.GroupNorm):
+            xhat = F.group_norm(a, m.num_groups, eps=m.eps)
+            dims = tuple(range(2, a.dim()))  # positions: per-channel sums
+        else:
+            xhat = F.layer_norm(a, m.normalized_shape, eps=m.eps)
+            dims = tuple(range(1, a.dim() - len(m.normalized_shape)))  # leading positions
+        gw = (xhat * g).sum(dims) if dims else xhat * g
+        gb = g.sum(dims) if dims else g
+        sq = gw.reshape(b, -1).square().sum(1) * bool(m.weight is not None and m.weight.requires_grad)
+        if m.bias is not None and m.bias.requires_grad:
+            sq = sq + gb.reshape(b, -1).square().sum(1)
+        return m, ("affine", gw, gb), sq
+
     def _sums(self, per_layer: list, s: Tensor) -> Tensor:
         """``sum_i s_i g_i`` flattened in ``ParamLayout`` order."""
         parts: list[Tensor | None] = [None] * len(self.slots)
         for m, (a, g, per_example), _ in per_layer:
+            if isinstance(a, str):  # GroupNorm/LayerNorm: per-example affine gradients
+                if m.weight is not None and m.weight.requires_grad:
+                    parts[self.slots[self.names[id(m.weight)]]] = torch.einsum("b,bf->f", s, g.reshape(len(s), -1))
+                if m.bias is not None and m.bias.requires_grad:
+                    parts[self.slots[self.names[id(m.bias)]]] = torch.einsum(
+                        "b,bf->f", s, per_example.reshape(len(s), -1))
+                continue
             if m.weight.requires_grad:
                 w = (torch.einsum("b,bok->ok", s, per_example) if per_example is not None
                      else torch.einsum("bol,bkl->ok", g * s.view(-1, 1, 1), a))

@@ -40,6 +40,21 @@ class Wide(nn.Module):
         return self.out(torch.tanh(self.c(x)).flatten(1))
 
 
+class Normed(nn.Module):
+    """GroupNorm after a conv and LayerNorm on a sequence: the affine rules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(1, 4, 3, stride=2)
+        self.gn = nn.GroupNorm(2, 4)
+        self.ln = nn.LayerNorm(3)
+        self.out = nn.Linear(36, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.gn(self.c(x)))                          # [b, 4, 3, 3]
+        return self.out(self.ln(h.flatten(1, 2)).flatten(1))        # LayerNorm over [b, 12, 3]
+
+
 def _data(n=40):
     g = torch.Generator().manual_seed(0)
     return torch.randn(n, 1, 8, 8, generator=g) * 3, torch.randint(0, 3, (n,), generator=g)
@@ -58,25 +73,42 @@ def _run(model_cls, algo, path, steps=3, **cfg):
     return torch.cat([p.detach().flatten() for p in m.parameters()]), eng
 
 
-@pytest.mark.parametrize("model_cls", [Net, Wide])
+@pytest.fixture
+def float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+@pytest.mark.parametrize("model_cls", [Net, Wide, Normed])
 @pytest.mark.parametrize("algo,cfg", [("dpsgd", {}), ("normalized", {}), ("dice", {"ef_clip": 0.01}),
                                       ("clip-sgd", {}), ("ef-sgd", {"ef_clip": 0.05})])
-def test_fast_path_update_equals_the_rows_path(model_cls, algo, cfg):
+def test_fast_path_update_equals_the_rows_path(model_cls, algo, cfg, float64):
+    """In float64 the two paths agree to 1e-10 (float32 rounding alone reaches ~4e-5 after three
+    non-private ef-sgd steps on the GroupNorm model, which is why the comparison is made here)."""
     rows, e_rows = _run(model_cls, algo, "rows", **cfg)
     fast, e_fast = _run(model_cls, algo, "fast", **cfg)
-    assert e_fast.fast is not None and e_rows.fast is None
-    torch.testing.assert_close(fast, rows, rtol=1e-5, atol=1e-6)
+    assert e_fast.fast is not None and e_rows.fast is None and rows.dtype == torch.float64
+    torch.testing.assert_close(fast, rows, rtol=1e-10, atol=1e-12)
     if e_rows.pipeline.error_feedback is not None:  # the hidden feedback buffer too
         torch.testing.assert_close(e_fast.pipeline.error_feedback.e, e_rows.pipeline.error_feedback.e,
-                                   rtol=1e-5, atol=1e-7)
+                                   rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("algo", ["dpsgd", "dice"])
+def test_fast_path_in_float32_is_within_1e5_after_one_step(algo):
+    rows, _ = _run(Net, algo, "rows", steps=1)
+    fast, _ = _run(Net, algo, "fast", steps=1)
+    torch.testing.assert_close(fast, rows, rtol=1e-5, atol=1e-6)
 
 
 def test_fast_path_refusals_and_auto_fallback():
-    m = nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.LayerNorm(8), nn.Linear(8, 3))
-    with pytest.raises(ConfigError, match="LayerNorm.*no fast-path rule"):
+    m = nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.PReLU(), nn.Linear(8, 3))
+    with pytest.raises(ConfigError, match="PReLU.*no fast-path rule"):
         DPEngine(m, "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="fast")
     eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="auto")
-    assert eng.fast is None and "LayerNorm" in eng.grad_path_note
+    assert eng.fast is None and "PReLU" in eng.grad_path_note
     with pytest.raises(ConfigError, match="computes its own rows"):
         DPEngine(Wide(), "p-avg", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="fast")
     with pytest.raises(ConfigError, match="grad-bound"):

@@ -83,7 +83,7 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
     t.add_argument("--grad-path", choices=("rows", "fast", "auto"), default="rows",
                    help="rows (default): per-example gradients by torch.func, every algorithm; fast: per-layer "
                         "norms and book-keeping sums, no [B, d] matrix (norm-scaling algorithms: dpsgd, "
-                        "normalized, the dice family; Linear and Conv2d layers), refused where it does not "
+                        "normalized, the dice family; Linear, Conv2d, GroupNorm, LayerNorm), refused where it does not "
                         "apply; auto: fast where it applies, else rows")
     t.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     t.add_argument("--threads", type=int, default=None, metavar="N",

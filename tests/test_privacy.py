@@ -321,3 +321,16 @@ def test_sound_dp_event_accounts_like_the_report():
     acc = pld.PLDAccountant(value_discretization_interval=dice.SOUND_DISCRETIZATION)
     acc.compose(spec.dp_event(300))
     assert acc.get_epsilon(1e-5) == pytest.approx(account(spec, 300, 1e-5).epsilon, rel=1e-9)
+
+
+def test_the_one_bisection_finds_the_threshold_and_never_returns_a_failing_z():
+    """``gaussian.smallest_noise`` (every calibrator's bisection): within 0.1% above a known threshold,
+    and when ``ok(hi)`` is false at first (a discretised bound above its bracket) it moves up first."""
+    thr = 1.2345
+    z = gaussian.smallest_noise(lambda z: z >= thr, 0.0, 4.0)
+    assert thr <= z <= thr * (1 + 1e-3)
+    z = gaussian.smallest_noise(lambda z: z >= thr, 0.5, 1.2)  # hi fails: the bracket moves up
+    assert thr <= z <= thr * (1 + 1e-3)
+    calls = []
+    assert gaussian.smallest_noise(lambda z: calls.append(z) or z >= 2.0, 1.0, 3.0, rel_tol=1e-6) >= 2.0
+    assert all(v > 1.0 for v in calls)  # never evaluates below the bracket

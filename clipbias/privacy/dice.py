@@ -305,7 +305,7 @@ def calibrate(target_epsilon: float, delta: float, p: DiceParams, method: str = 
                 return sound_epsilon(p, z, delta) <= target_epsilon
             except gaussian.NoiseTooSmallError:
                 return False
-        return _bisect(ok, lo, z_cons)
+        return gaussian.smallest_noise(ok, lo, z_cons)
     if p.sample_rate > 0.2:
         raise PrivacyAccountingError(f"the paper's DiceSGD bound needs q <= 1/5 (Lemma A.11), got "
                                      f"q={p.sample_rate:g}")
@@ -322,15 +322,4 @@ def calibrate(target_epsilon: float, delta: float, p: DiceParams, method: str = 
         if hi > 1e8:
             raise PrivacyAccountingError(f"the paper's DiceSGD bound cannot reach epsilon={target_epsilon:g} "
                                          f"with these settings (noise multiplier would exceed 1e8)")
-    return _bisect(ok, hi / 2 if hi > 8 else 0.0, hi)
-
-
-def _bisect(ok, lo: float, hi: float) -> float:
-    """Smallest z in (lo, hi] with ok(z), to 0.1% relative tolerance; ok(hi) must hold. Returns the
-    upper end of the bracket, so the answer always satisfies ok (never overshoots epsilon)."""
-    while not ok(hi):  # discretisation can put a bound a hair above its analytic bracket
-        lo, hi = hi, hi * 1.01
-    while hi - lo > 1e-3 * hi:
-        mid = 0.5 * (lo + hi)
-        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
-    return hi
+    return gaussian.smallest_noise(ok, hi / 2 if hi > 8 else 0.0, hi)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import dp_accounting
 from absl import logging as absl_logging
@@ -165,10 +166,18 @@ def calibrate(target_epsilon: float, delta: float, sample_rate: float, steps: in
         if hi > 1e6:
             raise ConfigError(f"--epsilon {target_epsilon:g} is unreachable with q={sample_rate:g}, "
                               f"T={steps}, delta={delta:g} (noise multiplier would exceed 1e6)")
-    while hi - lo > 1e-3 * hi:
+    return smallest_noise(lambda z: eps_of(z) <= target_epsilon, lo, hi)
+
+
+def smallest_noise(ok: Callable[[float], bool], lo: float, hi: float, rel_tol: float = 1e-3) -> float:
+    """The smallest z in (lo, hi] with ``ok(z)`` (a monotone predicate: more noise is never worse),
+    to ``rel_tol`` relative tolerance. Returns the upper end of the bracket, so the answer always
+    satisfies ``ok``: a calibration never overshoots its epsilon. When ``ok(hi)`` fails (a
+    discretised bound can sit a hair above its analytic bracket) the bracket first moves up 1% at a
+    time. The one bisection of every calibrator (Gaussian and DiceSGD)."""
+    while not ok(hi):
+        lo, hi = hi, hi * 1.01
+    while hi - lo > rel_tol * hi:
         mid = 0.5 * (lo + hi)
-        if eps_of(mid) <= target_epsilon:
-            hi = mid
-        else:
-            lo = mid
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
     return hi

@@ -60,7 +60,6 @@ def _engine(model: nn.Module, algo: str, n: int, b: int, lr: float, max_physical
 
 def _opacus(model: nn.Module, n: int, b: int, lr: float, mode: str):
     try:
-        from opacus import GradSampleModule  # noqa: F401
         from opacus import PrivacyEngine
     except ImportError:
         return None

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clipbias.errors import ConfigError, PrivacyAccountingError
-from clipbias.privacy import AccountingSpec, DiceParams, account, calibrate, dice, gaussian
+from clipbias.privacy import AccountingSpec, DiceParams, account, dice, gaussian
 
 
 @pytest.mark.parametrize("q,z,T,acc,expected,tol", [

@@ -39,7 +39,7 @@ def check_epsilon(epsilon: float, flag: str = "--epsilon") -> float:
     return float(epsilon)
 
 
-def check_delta(delta: float, flag: str = "--delta", n: int | None = None) -> float:
+def check_delta(delta: float, flag: str = "--delta") -> float:
     if not (isinstance(delta, (int, float)) and 0 < delta < 1):
         raise ConfigError(f"{flag} must lie in (0, 1), got {delta!r}; 1e-5 is usual for ~60k examples")
     return float(delta)

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from .errors import ConfigError
 from .grads import LossFn, ParamLayout, check_model, cross_entropy
 
 _SUPPORTED = (nn.Linear, nn.Conv2d, nn.GroupNorm, nn.LayerNorm)
@@ -38,6 +39,13 @@ _NORMS = (nn.GroupNorm, nn.LayerNorm)
 
 def why_unsupported(model: nn.Module) -> str | None:
     """None when every trainable parameter belongs to a supported layer, else the reason."""
+    owners: dict[int, str] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        for p in m.parameters(recurse=False):
+            if p.requires_grad and owners.setdefault(id(p), name) != name:
+                # a tied parameter's per-example gradient is the sum of both uses: per-layer norms
+                # would understate it (and with it the sensitivity)
+                return f"parameter shared by modules '{owners[id(p)]}' and '{name}' (tied weights)"
     for name, m in model.named_modules():
         own = [p for p in m.parameters(recurse=False) if p.requires_grad]
         if not own:
@@ -70,6 +78,10 @@ class BookKeeping:
         outs: dict[nn.Module, Tensor] = {}
 
         def hook(m: nn.Module, inp: tuple, out: Tensor) -> None:
+            if m in acts:  # a layer used twice: its per-example gradient sums both uses
+                raise ConfigError(f"--grad-path fast: a {type(m).__name__} layer runs twice in one forward "
+                                  f"pass (shared weights); per-layer norms would understate the per-example "
+                                  f"gradient. Use --grad-path rows")
             acts[m], outs[m] = inp[0].detach(), out
 
         handles = [m.register_forward_hook(hook) for m in self.layers]

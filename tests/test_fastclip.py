@@ -142,3 +142,29 @@ def test_out_of_memory_in_the_rows_path_says_what_to_do(monkeypatch):
     x, y = _data()
     with pytest.raises(ConfigError, match="out of memory.*--max-physical-batch.*--grad-path fast"):
         eng.step(x[:4], y[:4], torch.arange(4))
+
+
+def test_fast_path_refuses_shared_weights_that_would_understate_the_norm():
+    """A weight used twice has a per-example gradient equal to the sum of both uses: per-layer norms
+    would understate it, and with it the sensitivity. Tied parameters are refused when the engine is
+    built, a layer called twice at the first step, before any change."""
+    lin = nn.Linear(8, 8)
+    tied = nn.Sequential(nn.Flatten(), nn.Linear(64, 8), lin, nn.Tanh(), lin, nn.Linear(8, 3))
+    with pytest.raises(ConfigError, match="tied weights"):
+        DPEngine(tied, "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="fast")
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.mid, self.out = nn.Linear(64, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.out(self.mid(torch.tanh(self.mid(self.inp(x.flatten(1))))))
+
+    m = Twice()
+    eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="fast")
+    x, y = _data()
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(ConfigError, match="runs twice"):
+        eng.step(x[:4], y[:4], torch.arange(4))
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters())) and eng.steps_taken == 0

@@ -85,21 +85,41 @@ class BookKeeping:
             acts[m], outs[m] = inp[0].detach(), out
 
         handles = [m.register_forward_hook(hook) for m in self.layers]
+        params = self.layout.params(self.model)
         try:
             with torch.enable_grad():
                 out = self.model(x)
                 losses = (F.cross_entropy(out, y, reduction="none") if self.loss_fn is cross_entropy else
                           torch.vmap(lambda o, t: self.loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(out, y))
-                grads = torch.autograd.grad(losses.sum(), [outs[m] for m in self.layers])
+                missing = [m for m in self.layers if m not in outs]
+                if missing:
+                    raise ConfigError(f"--grad-path fast: the {type(missing[0]).__name__} layer holding trainable "
+                                      f"parameters did not run in the forward pass; use --grad-path rows")
+                found = torch.autograd.grad(losses.sum(), [outs[m] for m in self.layers] + params,
+                                            allow_unused=True)
         finally:
             for h in handles:
                 h.remove()
+        grads, total = found[:len(self.layers)], found[len(self.layers):]
         per_layer = [self._layer(m, acts[m], g) for m, g in zip(self.layers, grads)]
         norms = torch.sqrt(sum(sq for _, _, sq in per_layer))
-        s = scale(norms)
-        proc = self._sums(per_layer, s)
-        ref = self._sums(per_layer, torch.ones_like(s)) if reference else None
+        full = self._sums(per_layer, torch.ones_like(norms))
+        self._check_complete(full, total, params)
+        proc = self._sums(per_layer, scale(norms))
+        ref = full if reference else None
         return proc, ref, losses.detach(), norms
+
+    @staticmethod
+    def _check_complete(full: Tensor, total: tuple, params: list) -> None:
+        """The soundness check of every step: the book-keeping sum of the per-example gradients must
+        equal autograd's batch gradient. A parameter also used outside its layer's forward (read
+        directly by the model, e.g. ``F.linear(x, self.lin.weight)``) would make the per-layer norms
+        understate the per-example gradients, and with them the sensitivity: refused."""
+        batch = torch.cat([(t if t is not None else torch.zeros_like(p)).reshape(-1) for t, p in zip(total, params)])
+        if float((full - batch).norm()) > 1e-3 * float(batch.norm()) + 1e-6:
+            raise ConfigError("--grad-path fast: the per-layer gradients do not add up to the model's gradient "
+                              "(a parameter is used outside its layer's forward, e.g. read directly by the "
+                              "model); per-layer norms would understate the per-example norms. Use --grad-path rows")
 
     def _layer(self, m: nn.Module, a: Tensor, g: Tensor) -> tuple[nn.Module, tuple, Tensor]:
         """(module, (activations [b, k, L], output grads [b, o, L], per-example weight gradients

@@ -168,3 +168,24 @@ def test_fast_path_refuses_shared_weights_that_would_understate_the_norm():
     with pytest.raises(ConfigError, match="runs twice"):
         eng.step(x[:4], y[:4], torch.arange(4))
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters())) and eng.steps_taken == 0
+
+
+def test_fast_path_refuses_a_parameter_used_outside_its_layer():
+    """``F.linear(h, self.mid.weight)`` besides ``self.mid(...)``: the hooks see one use only. The
+    per-step check (book-keeping sum == autograd's batch gradient) refuses it before any change."""
+    class Reads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.mid, self.out = nn.Linear(64, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = torch.tanh(self.inp(x.flatten(1)))
+            return self.out(self.mid(h) + nn.functional.linear(h, self.mid.weight))
+
+    m = Reads()
+    eng = DPEngine(m, "dice", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="fast")
+    x, y = _data()
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(ConfigError, match="do not add up"):
+        eng.step(x[:4], y[:4], torch.arange(4))
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters())) and eng.steps_taken == 0

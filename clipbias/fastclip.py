@@ -20,6 +20,12 @@ rank), ``nn.Conv2d`` (``groups=1``, zero padding), weights and biases, and the a
 input: one value per channel or feature). Any other trainable
 parameter makes ``BookKeeping.supports`` false and the engine keeps the rows path (and says why).
 Dropout draws one mask per batch here instead of per example: the same distribution.
+
+Soundness guards (per-layer norms must never understate a per-example norm, or the sensitivity is
+wrong): tied parameters are refused when the engine is built; a layer that runs twice in one forward
+pass, or a trainable layer that does not run, is refused at the step; and every step checks that the
+book-keeping sum of the per-example gradients equals autograd's batch gradient (a parameter read
+outside its layer's forward breaks that equality), refusing before any state changes.
 """
 
 from __future__ import annotations

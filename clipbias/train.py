@@ -36,7 +36,8 @@ from .errors import ConfigError, TrainingDivergedError
 from .files import run_lock
 from .run.build import Run, build_run, evaluate
 from .run.checkpoint import (CHECKPOINT, CHECKPOINT_FORMAT, PRIVATE_NOTE, check_out_dir, export_weights,
-                             load_checkpoint, open_run_dir, save_private, to_cpu)
+                             finish_overwrite, load_checkpoint, open_run_dir, save_private, set_aside,
+                             to_cpu)
 from .run.config import TrainConfig, check_int, default_out
 from .run.report import (CURVES, RESULTS, diverged, eps_label, header, jsonable, mean_std, privacy_note,
                          results, summarize, write_json)
@@ -75,6 +76,8 @@ def _train(config: TrainConfig, *, dataset: Dataset | None = None, splits: Split
     ckpt = open_run_dir(out, cfg)
     run = build_run(cfg, splits_for(cfg, splits, dataset))
     history, start_epoch, prior_time = _restore(run, ckpt)
+    if out is not None and ckpt is None:  # --overwrite: the old run is set aside only now, once the new one is built
+        set_aside(out)
     head = header(run, cfg, start_epoch if ckpt is not None else None)
     if on_start is not None:
         on_start(head)
@@ -97,6 +100,7 @@ def _train(config: TrainConfig, *, dataset: Dataset | None = None, splits: Split
         if plot:
             from .plots import plot_curves
             plot_curves({cfg.algo: [history]}, out / CURVES, title=f"{cfg.data} / {cfg.model} / {eps_label(res)}")
+        finish_overwrite(out)
     return res
 
 

@@ -116,6 +116,32 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path, splits):
         train(dataclasses.replace(cfg, out=str(tmp_path / "empty"), resume=True), splits=splits)
 
 
+def test_an_interrupted_overwrite_never_mixes_old_and_new_files(tmp_path, splits):
+    """--overwrite sets the old run aside (``.previous``) once the new run is built: interrupted after
+    one epoch, the directory holds only the new run's checkpoint (no stale results.json or curves.png
+    describing the old run) and the old run is whole in ``.previous``; a finished overwrite removes it."""
+    out = tmp_path / "o"
+    cfg = dataclasses.replace(BASE, epochs=2, out=str(out), reproducible_noise=True)
+    old = train(cfg, splits=splits)
+
+    def stop(rec):
+        raise Stop
+
+    with pytest.raises(Stop):
+        train(dataclasses.replace(cfg, overwrite=True, lr=0.25), splits=splits, on_epoch_end=stop)
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [CHECKPOINT]
+    assert load_checkpoint(out)["config"]["lr"] == 0.25 and load_checkpoint(out)["epoch"] == 1
+    prev = out / ".previous"
+    assert json.loads((prev / RESULTS).read_text())["test_accuracy"] == old["test_accuracy"]
+    assert (prev / CURVES).is_file() and stat.S_IMODE(os.stat(prev / CHECKPOINT).st_mode) == 0o600
+    train(dataclasses.replace(cfg, resume=True, lr=0.25), splits=splits)  # finish the new run
+    train(dataclasses.replace(cfg, overwrite=True), splits=splits)
+    assert not prev.exists() and (out / RESULTS).is_file()
+    with pytest.raises(ConfigError, match="--model"):  # a refused overwrite moves nothing
+        train(dataclasses.replace(cfg, overwrite=True, model="nope"), splits=splits)
+    assert (out / RESULTS).is_file() and not prev.exists()
+
+
 def test_export_has_weights_only(tmp_path, splits):
     out = tmp_path / "e"
     train(dataclasses.replace(BASE, epochs=1, out=str(out)), splits=splits)

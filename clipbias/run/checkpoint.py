@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from .. import algorithms, privacy
 from ..errors import ConfigError, ResumeMismatchError
 from ..files import atomic_write
 from .config import RESUME_FREE, TrainConfig
-from .report import RESULTS, jsonable
+from .report import CURVES, RESULTS, jsonable
 
 CHECKPOINT = "checkpoint.pt"
 PRIVATE_NOTE = "contains the DiceSGD error-feedback buffer and RNG states; never release"
@@ -48,6 +49,27 @@ def open_run_dir(out: Path | None, cfg: TrainConfig) -> dict | None:
         raise ConfigError(f"--out {out} already holds a finished run's {RESULTS} (no checkpoint to resume); "
                           f"choose another --out, or replace it with --overwrite")
     return None
+
+
+PREVIOUS = ".previous"  # an overwritten run's files, until the new run has finished
+
+
+def set_aside(out: Path) -> None:
+    """``--overwrite``: move the old run's files into ``out/.previous`` before the new run writes
+    anything, so an interrupted overwrite never leaves old and new files mixed (the old run stays
+    whole in ``.previous``); ``finish_overwrite`` removes it when the new run is complete."""
+    old = [out / f for f in (CHECKPOINT, RESULTS, CURVES) if (out / f).exists()]
+    if not old:
+        return
+    prev = out / PREVIOUS
+    shutil.rmtree(prev, ignore_errors=True)
+    prev.mkdir(mode=0o700)
+    for f in old:
+        os.replace(f, prev / f.name)
+
+
+def finish_overwrite(out: Path) -> None:
+    shutil.rmtree(out / PREVIOUS, ignore_errors=True)
 
 
 def check_out_dir(out: Path) -> None:

@@ -346,3 +346,18 @@ def test_diagnose_builds_the_run_train_builds(tmp_path, capsys):
     assert res["records"][0]["norms"]["n"] == 8 and res["records"][-1]["norms"]["mean_norm"] > 0
     code, _, err = run(["train", *flags, "--quiet", "--out", tmp_path / "t"], capsys)
     assert code == 0, err
+
+
+def test_train_grad_path_fast_end_to_end(tmp_path, capsys):
+    """``--grad-path fast`` through the CLI: the header says which path runs, the run trains and is
+    accounted like the rows path; where it does not apply it is refused with the reason."""
+    base = ["train", "--data", "digits", "--model", "mlp", "--epochs", "1", "--batch-size", "64", "--lr", "0.5",
+            "--epsilon", "3", "--accountant", "rdp", "--quiet"]
+    code, out, err = run(base + ["--algo", "dpsgd", "--grad-path", "fast", "--out", tmp_path / "f"], capsys)
+    assert code == 0, err
+    assert "fast (per-layer norms" in out
+    res = json.loads((tmp_path / "f" / "results.json").read_text())
+    assert res["config"]["grad_path"] == "fast" and res["certified"] is True and 0 < res["epsilon"] <= 3
+    assert res["test_accuracy"] > 0.5
+    code, _, err = run(base + ["--algo", "p-avg", "--grad-path", "fast", "--out", tmp_path / "p"], capsys)
+    assert code == 2 and "computes its own rows" in err

@@ -233,7 +233,8 @@ class DPEngine:
                f"--algo {self.algo.name} transforms rows beyond a norm scaling" if len(p.per_sample) != 1
                or p.per_sample[0].scale(torch.ones(1)) is None else why_unsupported(model))
         if why is None:
-            return BookKeeping(model, loss_fn), "fast (per-layer norms and book-keeping sums, no rows)"
+            return BookKeeping(model, loss_fn), ("fast (per-layer norms and book-keeping sums, no rows; per-example "
+                                                 "sensitivity rests on run-time checks of the model, docs/results.md)")
         if grad_path == "fast":
             raise ConfigError(f"--grad-path fast is not available: {why}; use --grad-path auto or rows")
         return None, f"rows (the fast path does not apply: {why})"

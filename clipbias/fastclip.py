@@ -30,6 +30,7 @@ outside its layer's forward breaks that equality), refusing before any state cha
 
 from __future__ import annotations
 
+import secrets
 from typing import Callable
 
 import torch
@@ -76,6 +77,7 @@ class BookKeeping:
                        and any(p.requires_grad for p in m.parameters(recurse=False))]
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.slots = {self.names[id(p)]: i for i, p in enumerate(self.layout.params(model))}
+        self._check_gen = torch.Generator().manual_seed(secrets.randbits(63))
 
     def __call__(self, x: Tensor, y: Tensor, scale: Callable[[Tensor], Tensor],
                  reference: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
@@ -101,31 +103,60 @@ class BookKeeping:
                 if missing:
                     raise ConfigError(f"--grad-path fast: the {type(missing[0]).__name__} layer holding trainable "
                                       f"parameters did not run in the forward pass; use --grad-path rows")
-                found = torch.autograd.grad(losses.sum(), [outs[m] for m in self.layers] + params,
-                                            allow_unused=True)
+                b = len(x)
+                bad = [m for m in self.layers if acts[m].shape[:1] != (b,) or outs[m].shape[:1] != (b,)]
+                if bad:  # tokens folded into the batch, a sequence-first layout, a batch-shared input
+                    raise ConfigError(f"--grad-path fast: a {type(bad[0]).__name__} layer sees a first dimension of "
+                                      f"{acts[bad[0]].shape[0]}, not the batch of {b}: its rows are not one per "
+                                      f"example, so per-layer norms would not be per-example norms. Use --grad-path rows")
+                # secret random weights: the check below compares sum_i w_i g_i, which gradients that
+                # cancel over the batch, or rows that are not examples, cannot satisfy by construction
+                w = 0.5 + torch.rand(b, generator=self._check_gen, dtype=losses.dtype).to(losses.device)
+                found = torch.autograd.grad((losses * w).sum(), [outs[m] for m in self.layers] + params,
+                                            allow_unused=True, retain_graph=True)
+                # one secret random example's gradient by plain autograd: the attribution check below
+                probe = int(torch.randint(b, (1,), generator=self._check_gen))
+                alone = torch.autograd.grad(losses[probe], params, allow_unused=True)
         finally:
             for h in handles:
                 h.remove()
-        grads, total = found[:len(self.layers)], found[len(self.layers):]
+        grads = [g / w.view(-1, *([1] * (g.dim() - 1))) for g in found[:len(self.layers)]]
+        total = found[len(self.layers):]
         per_layer = [self._layer(m, acts[m], g) for m, g in zip(self.layers, grads)]
         norms = torch.sqrt(sum(sq for _, _, sq in per_layer))
-        full = self._sums(per_layer, torch.ones_like(norms))
-        self._check_complete(full, total, params)
+        self._check_complete(self._sums(per_layer, w), total, params)
+        self._check_example(self._sums(per_layer, torch.nn.functional.one_hot(torch.tensor(probe), b).to(w)),
+                            alone, params, probe)
         proc = self._sums(per_layer, scale(norms))
-        ref = full if reference else None
+        ref = self._sums(per_layer, torch.ones_like(norms)) if reference else None
         return proc, ref, losses.detach(), norms
 
     @staticmethod
-    def _check_complete(full: Tensor, total: tuple, params: list) -> None:
-        """The soundness check of every step: the book-keeping sum of the per-example gradients must
-        equal autograd's batch gradient. A parameter also used outside its layer's forward (read
-        directly by the model, e.g. ``F.linear(x, self.lin.weight)``) would make the per-layer norms
-        understate the per-example gradients, and with them the sensitivity: refused."""
+    def _check_complete(weighted: Tensor, total: tuple, params: list) -> None:
+        """The soundness check of every step: the book-keeping sum ``sum_i w_i g_i`` of the per-example
+        gradients, for secret random weights w, must equal autograd's gradient of ``sum_i w_i loss_i``
+        (to 1e-5 relative). A parameter also used outside its layer's forward (read directly by the
+        model), rows that are not examples, or per-example gradients that cancel over the batch break
+        it: per-layer norms would understate the per-example norms, and with them the sensitivity.
+        Residual (docs/results.md): an outside use whose contribution is below the tolerance."""
         batch = torch.cat([(t if t is not None else torch.zeros_like(p)).reshape(-1) for t, p in zip(total, params)])
-        if float((full - batch).norm()) > 1e-3 * float(batch.norm()) + 1e-6:
+        if float((weighted - batch).norm()) > 1e-5 * float(batch.norm()) + 1e-7:
             raise ConfigError("--grad-path fast: the per-layer gradients do not add up to the model's gradient "
                               "(a parameter is used outside its layer's forward, e.g. read directly by the "
                               "model); per-layer norms would understate the per-example norms. Use --grad-path rows")
+
+    @staticmethod
+    def _check_example(fast: Tensor, alone: tuple, params: list, i: int) -> None:
+        """Every step, one secret random example's gradient as the fast path attributes it must equal
+        its gradient by plain autograd (to 1e-4 relative): a layer whose rows are not one per example
+        in batch order (e.g. a sequence-first layout with as many positions as examples) mixes
+        examples, which the summed checks cannot see. A mixing confined to a few examples is caught
+        with probability (examples affected) / B per step."""
+        true = torch.cat([(t if t is not None else torch.zeros_like(p)).reshape(-1) for t, p in zip(alone, params)])
+        if float((fast - true).norm()) > 1e-4 * float(true.norm()) + 1e-7:
+            raise ConfigError(f"--grad-path fast: example {i}'s gradient as the per-layer rules attribute it differs "
+                              f"from its true gradient: the model's layers do not see one row per example in batch "
+                              f"order (e.g. a sequence-first layout). Use --grad-path rows")
 
     def _layer(self, m: nn.Module, a: Tensor, g: Tensor) -> tuple[nn.Module, tuple, Tensor]:
         """(module, (activations [b, k, L], output grads [b, o, L], per-example weight gradients

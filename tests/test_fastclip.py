@@ -189,3 +189,57 @@ def test_fast_path_refuses_a_parameter_used_outside_its_layer():
     with pytest.raises(ConfigError, match="do not add up"):
         eng.step(x[:4], y[:4], torch.arange(4))
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters())) and eng.steps_taken == 0
+
+
+class _Folded(nn.Module):
+    """Tokens folded into the batch dimension: the Linear sees b * L rows (red-team case 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+
+    def forward(self, x):
+        b = x.shape[0]
+        return self.lin(x.reshape(b * 4, 5)).reshape(b, 4, 3).mean(1)
+
+
+class _SeqFirst(nn.Module):
+    """Batch not in dim 0 at the layer, with as many positions as examples (red-team case 2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 3, bias=False)
+
+    def forward(self, x):
+        return self.lin(x.transpose(0, 1)).mean(0)
+
+
+class _Cancelling(nn.Module):
+    """A weight also read outside its layer, with gradients that cancel over the batch (case 5)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(20, 3)
+
+    def forward(self, x):
+        x = x.reshape(len(x), -1)
+        w = self.lin.weight
+        return self.lin(x) + 10 * x[:, :1] * (w - w.detach()).sum() * torch.tensor([1.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("model,x,match", [
+    (_Folded, torch.randn(4, 4, 5), "first dimension of 16"),
+    (_SeqFirst, torch.randn(4, 4, 5) * 20, "one row per example"),
+    (_Cancelling, torch.cat([torch.ones(1, 20), -torch.ones(1, 20)]), "add up|one row per example"),
+])
+def test_red_team_cases_are_refused_before_any_change(model, x, match):
+    """Found by a red-team session: per-layer norms that are not per-example norms (rows that are not
+    examples, a sequence-first layout, an outside read whose batch sum cancels). The dimension check,
+    the secret random-weighted sum check and the one-example attribution check refuse them."""
+    torch.manual_seed(0)
+    m = model()
+    eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="fast")
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(ConfigError, match=match):
+        eng.step(x, torch.randint(0, 3, (len(x),)), torch.arange(len(x)))
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters())) and eng.steps_taken == 0

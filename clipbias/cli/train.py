@@ -84,7 +84,8 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
                    help="rows (default): per-example gradients by torch.func, every algorithm; fast: per-layer "
                         "norms and book-keeping sums, no [B, d] matrix (norm-scaling algorithms: dpsgd, "
                         "normalized, the dice family; Linear, Conv2d, GroupNorm, LayerNorm), refused where it does not "
-                        "apply; auto: fast where it applies, else rows")
+                        "apply; auto: fast where it applies, else rows. The fast path's per-example sensitivity rests on run-time "
+                        "checks of the model's structure (docs/results.md), not on a proof")
     t.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     t.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads for torch (default: the cores this process may use; 0 = torch's "

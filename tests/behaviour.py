@@ -8,6 +8,11 @@ does not measure time, plus a SHA-256 of the final model weights and of the priv
 
 Regenerate (only when a change is *meant* to change results, and say so in the commit):
 ``python -m tests.behaviour > tests/data/behaviour.json``.
+
+Float results depend on the machine's kernels (SIMD width, BLAS build): the golden file records the
+machine it was made on (``fingerprint``). On that machine the check is bit for bit; elsewhere it
+compares the same numbers within tolerances that float rounding cannot exceed but a changed formula
+does (``tests/test_behaviour.py``), and the exact-valued state (RNG states, counters) still bit for bit.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import platform
 import sys
 import tempfile
 
@@ -51,6 +57,30 @@ def _tensor_digest(obj) -> str:
     return hashlib.sha256("".join(parts).encode()).hexdigest()
 
 
+def _summary(obj, floats: bool) -> list[float] | str:
+    """Floating tensors: [sum, sum of squares, sum of |x|] in float64 (compared with a tolerance);
+    the others (RNG states, counters, indices): an exact digest."""
+    ts = [t.detach().cpu() for _, t in _tensors(obj) if t.is_floating_point() == floats]
+    if not floats:
+        return _tensor_digest(ts)
+    flat = torch.cat([t.double().reshape(-1) for t in ts]) if ts else torch.zeros(1, dtype=torch.float64)
+    return [float(flat.sum()), float(flat.square().sum()), float(flat.abs().sum())]
+
+
+def fingerprint() -> dict:
+    """What the float results depend on besides the code."""
+    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
+            "machine": platform.machine(), "cpu_model": _cpu_model()}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
 def _exact(v):
     """JSON numbers as exact strings (float.hex), recursively; drops timings."""
     if isinstance(v, bool) or v is None or isinstance(v, str):
@@ -82,7 +112,8 @@ def numbers(algo: str) -> dict:
     res.pop("config", None)
     res.pop("dataset", None)
     return {"results": _exact(res), "model": _tensor_digest(ck["model"]),
-            "engine": _tensor_digest(ck["engine"])}
+            "engine": _tensor_digest(ck["engine"]), "model_summary": _summary(ck["model"], True),
+            "engine_floats": _summary(ck["engine"], True), "engine_exact": _summary(ck["engine"], False)}
 
 
 def _private(algo: str) -> bool:
@@ -93,5 +124,6 @@ def _private(algo: str) -> bool:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     algos = sys.argv[1:] or list(CASES)
-    json.dump({a: numbers(a) for a in algos}, sys.stdout, indent=1, sort_keys=True)
+    json.dump({"fingerprint": fingerprint(), "cases": {a: numbers(a) for a in algos}}, sys.stdout, indent=1,
+              sort_keys=True)
     print()

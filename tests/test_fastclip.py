@@ -55,6 +55,26 @@ class Normed(nn.Module):
         return self.out(self.ln(h.flatten(1, 2)).flatten(1))        # LayerNorm over [b, 12, 3]
 
 
+class Tokens(nn.Module):
+    """Token and position embeddings (repeated tokens, a padding index), Conv1d with the direct and
+    the ghost branch, LayerNorm over a sequence: the sequence-model rules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 4, padding_idx=0)
+        self.pos = nn.Embedding(8, 4)
+        self.c1 = nn.Conv1d(4, 5, 3, padding=1)                    # L = 8, o k = 60: direct
+        self.c2 = nn.Conv1d(5, 6, 2, stride=2, bias=False)          # L = 4, o k = 60: ghost
+        self.ln = nn.LayerNorm(6)
+        self.out = nn.Linear(24, 3)
+
+    def forward(self, x):
+        idx = (x.flatten(1)[:, :8].abs() * 2).long().clamp(max=6)  # [b, 8]: repeats and zeros (padding)
+        h = self.emb(idx) + self.pos(torch.arange(8, device=x.device).expand(len(x), 8))
+        h = self.c2(torch.tanh(self.c1(h.transpose(1, 2))))          # [b, 6, 4]
+        return self.out(self.ln(torch.tanh(h).transpose(1, 2)).flatten(1))
+
+
 def _data(n=40):
     g = torch.Generator().manual_seed(0)
     return torch.randn(n, 1, 8, 8, generator=g) * 3, torch.randint(0, 3, (n,), generator=g)
@@ -81,7 +101,7 @@ def float64():
     torch.set_default_dtype(old)
 
 
-@pytest.mark.parametrize("model_cls", [Net, Wide, Normed])
+@pytest.mark.parametrize("model_cls", [Net, Wide, Normed, Tokens])
 @pytest.mark.parametrize("algo,cfg", [("dpsgd", {}), ("normalized", {}), ("dice", {"ef_clip": 0.01}),
                                       ("clip-sgd", {}), ("ef-sgd", {"ef_clip": 0.05})])
 def test_fast_path_update_equals_the_rows_path(model_cls, algo, cfg, float64):
@@ -243,3 +263,44 @@ def test_red_team_cases_are_refused_before_any_change(model, x, match):
     with pytest.raises(ConfigError, match=match):
         eng.step(x, torch.randint(0, 3, (len(x),)), torch.arange(len(x)))
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters())) and eng.steps_taken == 0
+
+
+def test_embedding_rule_counts_a_repeated_token_once_per_example():
+    """Example i's embedding gradient row for a token it holds twice is the sum of both output
+    gradients: its squared norm is ||g1 + g2||^2, not ||g1||^2 + ||g2||^2 (the sum would understate
+    it when they align); the padding row gets none."""
+    from clipbias.fastclip import _Embed
+    m = nn.Embedding(5, 2, padding_idx=0)
+    idx = torch.tensor([[3, 3, 1], [0, 2, 4]])
+    g = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [0.0, 2.0]], [[9.0, 9.0], [0.0, 1.0], [3.0, 0.0]]])
+    r = _Embed(m, idx, g)
+    torch.testing.assert_close(r.sq, torch.tensor([4.0 + 4.0, 1.0 + 9.0]))
+    (w,) = r.sums(torch.tensor([[1.0, 10.0]]))
+    want = torch.zeros(5, 2)
+    want[3], want[1], want[2], want[4] = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 2.0]), \
+        torch.tensor([0.0, 10.0]), torch.tensor([30.0, 0.0])
+    torch.testing.assert_close(w.view(5, 2), want)
+
+
+@pytest.mark.parametrize("layer,why", [(nn.Embedding(5, 2, max_norm=1.0), "max_norm"),
+                                       (nn.Embedding(5, 2, scale_grad_by_freq=True), "scale_grad_by_freq"),
+                                       (nn.Conv1d(2, 2, 1, groups=2), "groups")])
+def test_fast_path_names_layers_it_cannot_handle(layer, why):
+    from clipbias.fastclip import why_unsupported
+    assert why in why_unsupported(nn.Sequential(layer))
+
+
+def test_dropout_model_passes_the_attribution_check_through_the_batch_graph(monkeypatch):
+    """Under dropout the example run alone draws another mask, so the cheap attribution check
+    differs and the check falls back to the example's gradient through the batch graph, which
+    must agree: no false refusal, and the fallback is really taken."""
+    import clipbias.fastclip as fc
+    calls = []
+    real = fc._close
+    monkeypatch.setattr(fc, "_close", lambda a, b: calls.append(real(a, b)) or calls[-1])
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Dropout(0.5), nn.Linear(32, 3))
+    eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=2, noise_multiplier=1.0, grad_path="fast")
+    x, y = _data()
+    eng.step(x[:8], y[:8], torch.arange(8))
+    assert eng.steps_taken == 1 and calls == [False, True]

@@ -8,7 +8,7 @@ batch of B examples:
 * ``dpsgd``, ``dice``, ``normalized``: ``DPEngine.step`` through the public API (per-example
   gradients, clipping, noise, accounting state; noise multiplier fixed, no calibration); the
   ``-fast`` arms with ``grad_path="fast"`` (per-layer norms and book-keeping sums, no rows);
-* ``opacus-hooks`` (and ``opacus-ghost``): Opacus' ``PrivacyEngine.make_private`` on the same model,
+* ``opacus-hooks`` (and ``opacus-ghost``, ``opacus-ew``: expanded weights): Opacus' ``PrivacyEngine.make_private`` on the same model,
   when ``import opacus`` works (``pip install opacus`` or ``PYTHONPATH`` to a copy; not a clipbias
   dependency).
 
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--arms", default="nonprivate,dpsgd,dpsgd-fast,dice,dice-fast,normalized,opacus-hooks,opacus-ghost")
+    p.add_argument("--arms", default="nonprivate,dpsgd,dpsgd-fast,dice,dice-fast,normalized,opacus-hooks,opacus-ghost,opacus-ew")
     p.add_argument("--no-tune", action="store_true", help="skip the allocator tuning of the CLI")
     p.add_argument("--out", default=None, help="write the table as JSON here")
     a = p.parse_args(argv)

@@ -20,8 +20,9 @@ from torch import Tensor, nn
 from . import algorithms, privacy
 from .config import AlgoConfig
 from .errors import ClipbiasError, ConfigError, ResumeMismatchError
-from .grads import (LossFn, PerSampleGradients, RowSource, as_row_source, check_finite, check_finite_norms,
-                    cross_entropy)
+from .fastclip import BookKeeping, why_unsupported
+from .grads import (FuncGradients, LossFn, ParamSums, PerExampleRows, PerSampleGradients, RowSource,
+                    as_row_source, check_finite, check_finite_norms, cross_entropy)
 from .privacy import PrivacyReport
 from .sampling import PoissonSampler, secret_streams
 from .transforms import StepContext
@@ -89,7 +90,7 @@ class DPEngine:
                  dice_accounting: str = privacy.DEFAULT_DICE_ACCOUNTING, config: AlgoConfig | None = None,
                  loss_fn: LossFn = cross_entropy, max_physical_batch: int = 512,
                  noise_seed: int | None = None, grads: RowSource | PerSampleGradients | None = None,
-                 grad_path: str = "rows") -> None:
+                 grad_path: str = "auto") -> None:
         self.algo = algorithms.get(algorithm)
         self.config = config or AlgoConfig()
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
@@ -151,7 +152,8 @@ class DPEngine:
                                                    self.params, self.config)
         self.sampler = PoissonSampler(n, self.sample_rate, sampler_seed, steps_per_epoch)
         self.max_physical_batch = max_physical_batch
-        self.fast, self.grad_path_note = self._fast_path(grad_path, own_rows, model, loss_fn)
+        self._aggregate, self.grad_path_note = self._fast_path(grad_path, own_rows, model, loss_fn)
+        self.fast = self._aggregate if isinstance(self._aggregate, BookKeeping) else None
         self.steps_taken = 0
         self.settings = PrivacySettings(algorithm, n, self.sample_rate, steps, z, delta, accountant,
                                         dice_accounting, self.config.clip, self.config.ef_clip,
@@ -203,9 +205,9 @@ class DPEngine:
         return torch.cat(losses) if losses else torch.zeros(0)
 
     def _sums(self, x: Tensor, y: Tensor, indices: Tensor | None):
-        """(reference sum, processed sum, losses) per physical micro-batch, through the rows or the
-        fast path; the finiteness of every example's gradient is checked on its norm either way."""
-        if self.fast is None:
+        """(reference sum, processed sum, losses) per physical micro-batch, through the rows or a
+        norm-scaling aggregate (``_fast_path``); the finiteness of every example's gradient is checked on its norm either way."""
+        if self._aggregate is None:
             for g, loss, idx in self.rows.iter_rows(x, y, indices, self.steps_taken, self.max_physical_batch):
                 norms = check_finite(g, idx)
                 r, p = self.pipeline.rows(g, StepContext(idx, self.steps_taken, norms))
@@ -215,29 +217,40 @@ class DPEngine:
         need_ref = self.pipeline.error_feedback is not None
         for start in range(0, len(x), self.max_physical_batch):
             sl = slice(start, start + self.max_physical_batch)
-            p, r, loss, norms = self.fast(x[sl], y[sl], scale, need_ref)
+            p, r, loss, norms = self._aggregate(x[sl], y[sl], scale, need_ref)
             check_finite_norms(norms, indices[sl] if indices is not None else None)
             yield r, p, loss
 
     def _fast_path(self, grad_path: str, own_rows: bool, model: nn.Module, loss_fn: LossFn):
-        """(the book-keeping fast path or None, why not): ``grad_path`` rows | fast | auto."""
+        """(the aggregate of a norm-scaling step or None, what the header says): the book-keeping fast
+        path (``fastclip.BookKeeping``: no rows), the rows summed per parameter (``grads.ParamSums``),
+        or None (rows through the pipeline: stages that need rows). ``grad_path`` rows | fast | auto:
+        auto takes the fast path where it applies and one micro-batch of rows would exceed
+        ``AUTO_ROWS_BYTES`` (on CPU the rows path is faster for small models: docs/results.md)."""
         if grad_path not in ("rows", "fast", "auto"):
             raise ConfigError(f"--grad-path must be rows, fast or auto, got {grad_path!r}")
-        if grad_path == "rows":
-            return None, "rows (per-example gradients, torch.func)"
-        from .fastclip import BookKeeping, why_unsupported
         p = self.pipeline
         why = ("a gradient backend was given" if not own_rows else
                f"--algo {self.algo.name} computes its own rows" if self.algo.source is not None else
                "--grad-bound clips the rows first" if p.reference else
                f"--algo {self.algo.name} transforms rows beyond a norm scaling" if len(p.per_sample) != 1
-               or p.per_sample[0].scale(torch.ones(1)) is None else why_unsupported(model))
+               or p.per_sample[0].scale(torch.ones(1)) is None else None)
         if why is None:
-            return BookKeeping(model, loss_fn), ("fast (per-layer norms and book-keeping sums, no rows; per-example "
-                                                 "sensitivity rests on run-time checks of the model, docs/results.md)")
+            why = why_unsupported(model)
+            rows_bytes = min(self.max_physical_batch, math.ceil(1.2 * self.expected_batch_size)) * \
+                self.rows.layout.dim * 4
+            if grad_path == "fast" or (grad_path == "auto" and why is None and rows_bytes > AUTO_ROWS_BYTES):
+                if why is None:
+                    return BookKeeping(model, loss_fn), (
+                        "fast (per-layer norms and book-keeping sums, no rows; per-example sensitivity rests "
+                        "on run-time checks of the model, docs/results.md)")
+            elif isinstance(self.rows, PerExampleRows) and isinstance(self.rows.grads, FuncGradients):
+                return ParamSums(self.rows.grads), "rows (per-example gradients, torch.func, summed per parameter" + (
+                    f"; the fast path does not apply: {why})" if grad_path == "auto" and why else ")")
         if grad_path == "fast":
             raise ConfigError(f"--grad-path fast is not available: {why}; use --grad-path auto or rows")
-        return None, f"rows (the fast path does not apply: {why})"
+        return None, "rows (per-example gradients, torch.func)" + (f"; the fast path does not apply: {why}"
+                                                                    if grad_path == "auto" and why else "")
 
     def train_epoch(self, x: Tensor, y: Tensor) -> float:
         """One epoch of Poisson batches over in-memory tensors; returns the mean example loss."""
@@ -294,6 +307,9 @@ def _same(a, b) -> bool:
         return math.isclose(a, b, rel_tol=1e-12) or (math.isnan(a) and math.isnan(b))
     return a == b
 
+
+AUTO_ROWS_BYTES = 2 * 2**30
+"""``grad_path="auto"`` takes the fast path when one micro-batch of float32 rows would exceed this."""
 
 StepHook = Callable[[DPEngine, Tensor], None]
 

@@ -157,7 +157,7 @@ def test_out_of_memory_in_the_rows_path_says_what_to_do(monkeypatch):
 
     def fail(self, x, y, params=None):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
-    monkeypatch.setattr(FuncGradients, "__call__", fail)
+    monkeypatch.setattr(FuncGradients, "per_param", fail)  # both the rows and the per-parameter sums call it
     eng = DPEngine(Wide(), "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0)
     x, y = _data()
     with pytest.raises(ConfigError, match="out of memory.*--max-physical-batch.*--grad-path fast"):
@@ -304,3 +304,23 @@ def test_dropout_model_passes_the_attribution_check_through_the_batch_graph(monk
     x, y = _data()
     eng.step(x[:8], y[:8], torch.arange(8))
     assert eng.steps_taken == 1 and calls == [False, True]
+
+
+@pytest.mark.parametrize("model_cls", [Net, Tokens])
+@pytest.mark.parametrize("algo,cfg", [("dpsgd", {}), ("dice", {"ef_clip": 0.01}), ("normalized", {})])
+def test_rows_summed_per_parameter_equal_the_pipeline_on_rows(model_cls, algo, cfg, float64):
+    """``grads.ParamSums`` (the default rows path of norm-scaling algorithms) against the rows
+    concatenated and run through the pipeline (taken when a gradient backend is given)."""
+    from clipbias.grads import FuncGradients, ParamSums
+    sums, e_sums = _run(model_cls, algo, "rows", **cfg)
+    torch.manual_seed(1)
+    m = model_cls()
+    x, y = _data()
+    eng = DPEngine(m, algo, n=40, batch_size=10.0, steps=3, noise_multiplier=None if algo == "clip-sgd" else 1.0,
+                   accountant="rdp", grads=FuncGradients(m), config=AlgoConfig(lr=0.2, clip=0.5, **cfg),
+                   noise_seed=3, max_physical_batch=7)
+    for _ in range(3):
+        idx = eng.sampler.sample()
+        eng.step(x[idx], y[idx], idx)
+    assert isinstance(e_sums._aggregate, ParamSums) and eng._aggregate is None
+    torch.testing.assert_close(sums, torch.cat([p.detach().flatten() for p in m.parameters()]), rtol=1e-10, atol=1e-12)

@@ -80,12 +80,14 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
                         "(tune on it, never on the test set)")
     t.add_argument("--subset", type=int, default=None, metavar="N",
                    help="train on the first N training examples (quick runs; accounting uses N)")
-    t.add_argument("--grad-path", choices=("rows", "fast", "auto"), default="rows",
-                   help="rows (default): per-example gradients by torch.func, every algorithm; fast: per-layer "
-                        "norms and book-keeping sums, no [B, d] matrix (norm-scaling algorithms: dpsgd, "
-                        "normalized, the dice family; Linear, Conv2d, GroupNorm, LayerNorm), refused where it does not "
-                        "apply; auto: fast where it applies, else rows. The fast path's per-example sensitivity rests on run-time "
-                        "checks of the model's structure (docs/results.md), not on a proof")
+    t.add_argument("--grad-path", choices=("rows", "fast", "auto"), default="auto",
+                   help="rows: per-example gradients by torch.func, every algorithm; fast: per-layer norms and "
+                        "book-keeping sums, no [B, d] matrix (norm-scaling algorithms: dpsgd, normalized, the dice "
+                        "family; Linear, Conv1d/2d, Embedding, GroupNorm, LayerNorm), refused where it does not "
+                        "apply; auto (default): fast where it applies and one micro-batch of rows would exceed "
+                        "2 GiB, else rows (faster on CPU for small models). The fast path's per-example "
+                        "sensitivity rests on run-time checks of the model's structure (docs/results.md), not on "
+                        "a proof; the header says which path ran")
     t.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     t.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads for torch (default: the cores this process may use; 0 = torch's "

@@ -58,7 +58,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     gamma: float = 0.01
     max_physical_batch: int = 512
-    grad_path: str = "rows"
+    grad_path: str = "auto"
     validation: int = 0
     subset: int | None = None
     split_seed: int = 0

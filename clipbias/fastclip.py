@@ -25,14 +25,15 @@ say why, and the engine keeps the rows path. Dropout draws one mask per batch he
 example: the same distribution.
 
 Soundness guards (per-layer norms must never understate a per-example norm, or the sensitivity is
-wrong): tied parameters are refused when the engine is built; a layer that runs twice in one forward
-pass, or a trainable layer that does not run, is refused at the step; and every step checks that the
-book-keeping sum of the per-example gradients, weighted by secret random weights, equals autograd's
-batch gradient (a parameter read outside its layer's forward breaks that equality), and one secret
-random example's attributed gradient equals its own gradient (the model run on that example alone,
-as the rows path computes it; when that differs, e.g. under dropout, its gradient through the batch
-graph), refusing before any state changes.
-"""
+wrong): tied parameters, parameters other than a layer's own ``weight``/``bias`` and subclasses that
+override a supported layer's ``forward`` are refused when the engine is built; at every step, before
+any state changes, a layer that runs twice in one forward pass, a trainable layer that does not run,
+or a layer whose first dimension is not the batch is refused; every trainable parameter must enter the
+autograd graph exactly once, inside its own layer's forward (an exact, structural check: a parameter
+read outside its layer is refused); and one secret random example's attributed gradient must equal
+its own gradient (the model run on that example alone, as the rows path computes it; when that
+differs, e.g. under dropout, its gradient through the batch graph): a layer whose rows are not one
+per example in batch order is refused."""
 
 from __future__ import annotations
 
@@ -65,6 +66,12 @@ def why_unsupported(model: nn.Module) -> str | None:
             continue
         if not isinstance(m, _SUPPORTED):
             return f"module '{name}' ({type(m).__name__}) has trainable parameters and no fast-path rule"
+        base = next(c for c in _SUPPORTED if isinstance(m, c))
+        if type(m).forward is not base.forward:  # the rules assume the layer's standard function
+            return f"module '{name}' ({type(m).__name__}) overrides {base.__name__}.forward"
+        own = {n for n, p in m.named_parameters(recurse=False) if p.requires_grad}
+        if not own <= {"weight", "bias"}:  # e.g. weight_norm's weight_g / weight_v
+            return f"module '{name}' ({type(m).__name__}) has parameters {sorted(own)} besides weight and bias"
         if isinstance(m, _CONV) and (m.groups != 1 or m.padding_mode != "zeros" or isinstance(m.padding, str)):
             return f"module '{name}' ({type(m).__name__}) uses groups, a non-zero padding mode or string padding"
         if isinstance(m, nn.Embedding) and (m.max_norm is not None or m.scale_grad_by_freq or m.sparse):
@@ -181,10 +188,6 @@ def _rule(m: nn.Module, a: Tensor, g: Tensor):
     return (_Affine if isinstance(m, _NORMS) else _Embed if isinstance(m, nn.Embedding) else _Matrix)(m, a, g)
 
 
-def _flat(grads: tuple, params: list) -> Tensor:
-    return torch.cat([(t if t is not None else torch.zeros_like(p)).reshape(-1) for t, p in zip(grads, params)])
-
-
 class BookKeeping:
     """``(clipped sum, reference sum, losses, norms)`` of a batch for a norm-scaling stage."""
 
@@ -204,48 +207,67 @@ class BookKeeping:
                  reference: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         check_model(self.model)
         params = self.layout.params(self.model)
-        losses, acts, grads, total, w = self._backward(x, y, params)
+        losses, acts, grads = self._backward(x, y)
         rules = [_rule(m, acts[m], g) for m, g in zip(self.layers, grads)]
         norms = torch.sqrt(sum(r.sq for r in rules))
-        S = torch.stack([w, scale(norms)] + ([torch.ones_like(norms)] if reference else []))
-        sums = self._assemble([r.sums(S) for r in rules], dim=1)
-        self._check_complete(sums[0], _flat(total, params))
+        if not bool(torch.isfinite(norms).all()):  # the caller refuses the step, naming the examples
+            return torch.zeros(0), None, losses.detach(), norms
         self._check_example(rules, x, y, losses, params)
-        return sums[1], (sums[2] if reference else None), losses.detach(), norms
+        S = torch.stack([scale(norms)] + ([torch.ones_like(norms)] if reference else []))
+        pieces = [r.sums(S) for r in rules]
+        proc = self._assemble([[t[0] for t in lp] for lp in pieces])
+        ref = self._assemble([[t[1] for t in lp] for lp in pieces]) if reference else None
+        return proc, ref, losses.detach(), norms
 
     def _losses(self, out: Tensor, y: Tensor) -> Tensor:
         return (F.cross_entropy(out, y, reduction="none") if self.loss_fn is cross_entropy else
                 torch.vmap(lambda o, t: self.loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(out, y))
 
-    def _backward(self, x: Tensor, y: Tensor, params: list) -> tuple:
-        """One forward and one backward of ``sum_i w_i loss_i`` (w: secret random weights): the
-        per-example losses (graph kept), every layer's input and output gradient divided by w,
-        autograd's parameter gradients, and w."""
+    def _backward(self, x: Tensor, y: Tensor) -> tuple:
+        """One forward and one backward of the summed loss, to the layer outputs only (no parameter
+        gradients): the per-example losses (graph kept for the checks), every layer's input and
+        output gradient. Refuses, before anything changes, a model the rules would misread."""
         acts: dict[nn.Module, Tensor] = {}
         outs: dict[nn.Module, Tensor] = {}
+        ins: dict[nn.Module, object] = {}
 
         def hook(m: nn.Module, inp: tuple, out: Tensor) -> None:
             if m in acts:  # a layer used twice: its per-example gradient sums both uses
                 raise ConfigError(f"--grad-path fast: a {type(m).__name__} layer runs twice in one forward "
                                   f"pass (shared weights); per-layer norms would understate the per-example "
                                   f"gradient. Use --grad-path rows")
-            acts[m], outs[m] = inp[0].detach(), out
+            acts[m], outs[m], ins[m] = inp[0].detach(), out, inp[0].grad_fn
 
         handles = [m.register_forward_hook(hook) for m in self.layers]
         try:
             with torch.enable_grad():
                 losses = self._losses(self.model(x), y)
                 self._check_layers(acts, outs, len(x))
-                # secret random weights: the sum check cannot be met by gradients that cancel over
-                # the batch or by rows that are not examples
-                w = 0.5 + torch.rand(len(x), generator=self._check_gen, dtype=losses.dtype).to(losses.device)
-                found = torch.autograd.grad((losses * w).sum(), [outs[m] for m in self.layers] + params,
-                                            allow_unused=True, retain_graph=True)
+                self._check_graph(losses, outs, ins)
+                grads = torch.autograd.grad(losses.sum(), [outs[m] for m in self.layers], retain_graph=True)
         finally:
             for h in handles:
                 h.remove()
-        grads = [g / w.view(-1, *([1] * (g.dim() - 1))) for g in found[:len(self.layers)]]
-        return losses, acts, grads, found[len(self.layers):], w
+        return losses, acts, list(grads)
+
+    def _check_graph(self, losses: Tensor, outs: dict, ins: dict) -> None:
+        """The soundness check of every step, exact and structural: every trainable parameter enters
+        the autograd graph of the losses exactly once, inside its own layer's forward (reachable from
+        the layer's output without passing its input). Then the parameter's gradient is the
+        layer-local ``g^T a`` the rules attribute, and per-layer norms are the per-example norms. A
+        parameter read anywhere else (directly by the model, a second layer, a reparametrisation
+        before the layer) would make them understate the sensitivity: refused. O(graph nodes)."""
+        uses = _leaf_uses([losses.grad_fn], stop=set())
+        for m, slots in zip(self.layers, self.slots):
+            local = _leaf_uses([outs[m].grad_fn], stop={ins[m]} if ins[m] is not None else set())
+            for p in _trainable(m):
+                if uses.get(id(p), 0) != 1 or local.get(id(p), 0) != 1:
+                    name = self.layout.names[slots[_trainable(m).index(p)]]
+                    raise ConfigError(
+                        f"--grad-path fast: parameter '{name}' enters the forward pass {uses.get(id(p), 0)} "
+                        f"time(s), {local.get(id(p), 0)} of them inside its {type(m).__name__} layer: a use "
+                        f"outside its layer's forward (e.g. read directly by the model) would make per-layer "
+                        f"norms understate the per-example norms. Use --grad-path rows")
 
     def _check_layers(self, acts: dict, outs: dict, b: int) -> None:
         missing = [m for m in self.layers if m not in outs]
@@ -258,26 +280,16 @@ class BookKeeping:
                               f"{acts[bad[0]].shape[0]}, not the batch of {b}: its rows are not one per "
                               f"example, so per-layer norms would not be per-example norms. Use --grad-path rows")
 
-    def _assemble(self, per_layer: list[list[Tensor]], dim: int = 0) -> Tensor:
-        """Per-layer, per-parameter pieces concatenated in ``ParamLayout`` order."""
+    def _assemble(self, per_layer: list[list[Tensor]]) -> Tensor:
+        """Per-layer, per-parameter flat pieces concatenated in ``ParamLayout`` order."""
+        return torch.cat(self._ordered(per_layer))
+
+    def _ordered(self, per_layer: list[list[Tensor]]) -> list[Tensor]:
         parts: list[Tensor | None] = [None] * len(self.layout.names)
         for slots, pieces in zip(self.slots, per_layer):
             for s, t in zip(slots, pieces):
                 parts[s] = t
-        return torch.cat(parts, dim=dim)
-
-    @staticmethod
-    def _check_complete(weighted: Tensor, batch: Tensor) -> None:
-        """The soundness check of every step: the book-keeping sum ``sum_i w_i g_i`` of the per-example
-        gradients, for secret random weights w, must equal autograd's gradient of ``sum_i w_i loss_i``
-        (to 1e-5 relative). A parameter also used outside its layer's forward (read directly by the
-        model), rows that are not examples, or per-example gradients that cancel over the batch break
-        it: per-layer norms would understate the per-example norms, and with them the sensitivity.
-        Residual (docs/results.md): an outside use whose contribution is below the tolerance."""
-        if float((weighted - batch).norm()) > 1e-5 * float(batch.norm()) + 1e-7:
-            raise ConfigError("--grad-path fast: the per-layer gradients do not add up to the model's gradient "
-                              "(a parameter is used outside its layer's forward, e.g. read directly by the "
-                              "model); per-layer norms would understate the per-example norms. Use --grad-path rows")
+        return parts
 
     def _check_example(self, rules: list, x: Tensor, y: Tensor, losses: Tensor, params: list) -> None:
         """Every step, one secret random example's gradient as the per-layer rules attribute it must
@@ -288,19 +300,45 @@ class BookKeeping:
         summed check cannot see; a mixing confined to a few examples is caught with probability
         (examples affected) / b per step."""
         i = int(torch.randint(len(x), (1,), generator=self._check_gen))
-        fast = self._assemble([r.one(i) for r in rules])
+        fast = self._ordered([r.one(i) for r in rules])
         with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), torch.enable_grad():
-            alone = _flat(torch.autograd.grad(self._losses(self.model(x[i:i + 1]), y[i:i + 1]).sum(), params,
-                                              allow_unused=True), params)
-        if _close(fast, alone):
+            alone = torch.autograd.grad(self._losses(self.model(x[i:i + 1]), y[i:i + 1]).sum(), params,
+                                        allow_unused=True)
+        if _close(fast, alone, params, 1e-4):
             return
         with torch.enable_grad():
-            through = _flat(torch.autograd.grad(losses[i], params, allow_unused=True), params)
-        if not _close(fast, through):
+            through = torch.autograd.grad(losses[i], params, allow_unused=True)
+        if not _close(fast, through, params, 1e-4):
             raise ConfigError(f"--grad-path fast: example {i}'s gradient as the per-layer rules attribute it differs "
                               f"from its true gradient: the model's layers do not see one row per example in batch "
                               f"order (e.g. a sequence-first layout). Use --grad-path rows")
 
 
-def _close(a: Tensor, b: Tensor) -> bool:
-    return float((a - b).norm()) <= 1e-4 * float(b.norm()) + 1e-7
+def _leaf_uses(roots: list, stop: set) -> dict[int, int]:
+    """``{id(parameter): number of graph edges into it}`` below ``roots``, not passing ``stop``."""
+    uses: dict[int, int] = {}
+    seen, stack = set(), [r for r in roots if r is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen or node in stop:
+            continue
+        seen.add(node)
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            if hasattr(nxt, "variable"):  # AccumulateGrad: a leaf tensor (a parameter)
+                uses[id(nxt.variable)] = uses.get(id(nxt.variable), 0) + 1
+            else:
+                stack.append(nxt)
+    return uses
+
+
+def _close(got: list[Tensor], want: tuple, params: list, rtol: float) -> bool:
+    """``||got - want|| <= rtol ||want|| + 1e-7`` over all parameters (``want``'s None: no gradient),
+    parameter by parameter: no concatenated copy."""
+    diff = ref = 0.0
+    for g, t, p in zip(got, want, params):
+        t = t.reshape(-1) if t is not None else torch.zeros(p.numel(), dtype=g.dtype, device=g.device)
+        diff += float(torch.linalg.vector_norm(g - t)) ** 2
+        ref += float(torch.linalg.vector_norm(t)) ** 2
+    return diff ** 0.5 <= rtol * ref ** 0.5 + 1e-7

@@ -206,7 +206,7 @@ def test_fast_path_refuses_a_parameter_used_outside_its_layer():
     eng = DPEngine(m, "dice", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="fast")
     x, y = _data()
     before = [p.detach().clone() for p in m.parameters()]
-    with pytest.raises(ConfigError, match="do not add up"):
+    with pytest.raises(ConfigError, match="mid.weight. enters the forward pass 2 time"):
         eng.step(x[:4], y[:4], torch.arange(4))
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters())) and eng.steps_taken == 0
 
@@ -250,7 +250,7 @@ class _Cancelling(nn.Module):
 @pytest.mark.parametrize("model,x,match", [
     (_Folded, torch.randn(4, 4, 5), "first dimension of 16"),
     (_SeqFirst, torch.randn(4, 4, 5) * 20, "one row per example"),
-    (_Cancelling, torch.cat([torch.ones(1, 20), -torch.ones(1, 20)]), "add up|one row per example"),
+    (_Cancelling, torch.cat([torch.ones(1, 20), -torch.ones(1, 20)]), "lin.weight. enters the forward pass 2"),
 ])
 def test_red_team_cases_are_refused_before_any_change(model, x, match):
     """Found by a red-team session: per-layer norms that are not per-example norms (rows that are not
@@ -282,7 +282,15 @@ def test_embedding_rule_counts_a_repeated_token_once_per_example():
     torch.testing.assert_close(w.view(5, 2), want)
 
 
+class _Doubled(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) + nn.functional.linear(x, self.weight)
+
+
 @pytest.mark.parametrize("layer,why", [(nn.Embedding(5, 2, max_norm=1.0), "max_norm"),
+                                       (_Doubled(2, 2), "overrides Linear.forward"),
+                                       (torch.nn.utils.weight_norm(nn.Linear(2, 2)), "besides weight and bias"),
+                                       (torch.nn.utils.parametrizations.orthogonal(nn.Linear(2, 2)), "no fast-path rule"),
                                        (nn.Embedding(5, 2, scale_grad_by_freq=True), "scale_grad_by_freq"),
                                        (nn.Conv1d(2, 2, 1, groups=2), "groups")])
 def test_fast_path_names_layers_it_cannot_handle(layer, why):
@@ -297,13 +305,13 @@ def test_dropout_model_passes_the_attribution_check_through_the_batch_graph(monk
     import clipbias.fastclip as fc
     calls = []
     real = fc._close
-    monkeypatch.setattr(fc, "_close", lambda a, b: calls.append(real(a, b)) or calls[-1])
+    monkeypatch.setattr(fc, "_close", lambda *a: calls.append(real(*a)) or calls[-1])
     torch.manual_seed(0)
     m = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Dropout(0.5), nn.Linear(32, 3))
     eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=2, noise_multiplier=1.0, grad_path="fast")
     x, y = _data()
     eng.step(x[:8], y[:8], torch.arange(8))
-    assert eng.steps_taken == 1 and calls == [False, True]
+    assert eng.steps_taken == 1 and calls == [False, True]  # alone (another mask), through the batch
 
 
 @pytest.mark.parametrize("model_cls", [Net, Tokens])
@@ -324,3 +332,29 @@ def test_rows_summed_per_parameter_equal_the_pipeline_on_rows(model_cls, algo, c
         eng.step(x[idx], y[idx], idx)
     assert isinstance(e_sums._aggregate, ParamSums) and eng._aggregate is None
     torch.testing.assert_close(sums, torch.cat([p.detach().flatten() for p in m.parameters()]), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("algo,cfg", [("dpsgd", {}), ("dice", {"ef_clip": 0.01})])
+def test_gpt_language_model_fast_path_equals_the_rows_path(algo, cfg, float64):
+    """The GPT-2-style LM (embeddings, fused q/k/v, causal attention, LayerNorm, an untied head) with
+    the per-sequence token loss and padding: the fast path's update equals the rows path's."""
+    from clipbias.models.gpt import GPT, lm_loss
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 11, (30, 7), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:].clone()
+    y[::3, -2:] = -100  # padded ends: no loss there
+
+    def run(path):
+        torch.manual_seed(1)
+        m = GPT(vocab=11, context=6, width=8, layers=2, heads=2)
+        eng = DPEngine(m, algo, n=30, batch_size=8.0, steps=2, noise_multiplier=1.0, accountant="rdp",
+                       loss_fn=lm_loss, grad_path=path, config=AlgoConfig(lr=0.5, clip=0.1, **cfg), noise_seed=3)
+        for _ in range(2):
+            idx = eng.sampler.sample()
+            eng.step(x[idx], y[idx], idx)
+        return torch.cat([p.detach().flatten() for p in m.parameters()]), eng
+
+    rows, e_rows = run("rows")
+    fast, e_fast = run("fast")
+    assert e_fast.fast is not None and e_rows.fast is None
+    torch.testing.assert_close(fast, rows, rtol=1e-10, atol=1e-12)

@@ -334,3 +334,20 @@ def test_the_one_bisection_finds_the_threshold_and_never_returns_a_failing_z():
     calls = []
     assert gaussian.smallest_noise(lambda z: calls.append(z) or z >= 2.0, 1.0, 3.0, rel_tol=1e-6) >= 2.0
     assert all(v > 1.0 for v in calls)  # never evaluates below the bracket
+
+
+@pytest.mark.parametrize("z,q,steps", [(1.0, 256 / 60000, 234), (0.8, 0.01, 1000)])
+def test_cached_one_step_pld_gives_the_accountants_epsilon(z, q, steps):
+    """Epsilon from the per-process one-step PLD composed T times equals dp-accounting's
+    PLDAccountant built from scratch for the same event (Gaussian and DiceSGD's sound mixture)."""
+    from dp_accounting import dp_event as E
+    from dp_accounting.pld import pld_privacy_accountant as P
+
+    from clipbias.privacy import dice, gaussian
+    a = P.PLDAccountant()
+    a.compose(E.PoissonSampledDpEvent(q, E.GaussianDpEvent(z)), steps)
+    assert gaussian.epsilon(z, q, steps, 1e-5, "pld") == pytest.approx(a.get_epsilon(1e-5), rel=1e-9)
+    p = dice.DiceParams(q, steps, 1.0, 0.01, 1.0)
+    b = P.PLDAccountant(value_discretization_interval=dice.SOUND_DISCRETIZATION)
+    b.compose(dice.sound_event(p, z))
+    assert dice.sound_epsilon(p, z, 1e-5) == pytest.approx(b.get_epsilon(1e-5), rel=1e-9)

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from dp_accounting import dp_event, pld
+from dp_accounting import dp_event
 
 from ..errors import ConfigError, PrivacyAccountingError
 from . import gaussian
@@ -136,11 +136,11 @@ def _sound_epsilon(r: float, q: float, steps: int, z: float, delta: float) -> fl
         # in this regime no bound is anywhere near a useful epsilon.
         return gaussian.gaussian_exact_epsilon(z / (1 + 2 * r), steps, delta)
     gaussian.check_pld_noise(z)
-    p = DiceParams(q, steps, 1.0, r, 1.0)  # only r, q and T matter
-    acc = pld.PLDAccountant(value_discretization_interval=SOUND_DISCRETIZATION)
-    try:
-        acc.compose(sound_event(p, z))
-        return float(acc.get_epsilon(delta))
+    step = sound_step_event(DiceParams(q, steps, 1.0, r, 1.0), z)  # only r, q and T matter
+    try:  # the event's PLD, as dp-accounting's PLDAccountant builds it, kept per process
+        one = gaussian.one_step_pld("mixture", z, tuple(step.sensitivities), tuple(step.sampling_probs),
+                                    SOUND_DISCRETIZATION)
+        return float(one.self_compose(steps).get_epsilon_for_delta(delta))
     except (MemoryError, ValueError) as e:  # out of memory, or "Maximum allowed size exceeded"
         raise PrivacyAccountingError(
             f"the PLD accountant cannot represent DiceSGD's sound bound at noise multiplier {z:g} (r = {r:g}, "

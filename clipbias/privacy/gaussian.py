@@ -78,8 +78,11 @@ def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: floa
         return gaussian_exact_epsilon(noise_multiplier, steps, delta)
     if accountant == "pld":
         check_pld_noise(noise_multiplier)
-    acc = make_accountant(accountant)
     try:
+        if accountant == "pld":
+            one = one_step_pld("gaussian", float(noise_multiplier), (1.0,), (float(sample_rate),), PLD_DISCRETIZATION)
+            return float(one.self_compose(steps).get_epsilon_for_delta(delta))
+        acc = make_accountant(accountant)
         acc.compose(SampledGaussian(noise_multiplier, sample_rate).event(steps))
         return float(acc.get_epsilon(delta))
     except MemoryError as e:  # the PLD grid of an extreme (z, q) pair does not fit in memory
@@ -94,6 +97,24 @@ def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: floa
 
 
 PLD_MIN_NOISE = 0.1
+PLD_DISCRETIZATION = 1e-4  # dp-accounting's PLDAccountant default
+
+
+@functools.lru_cache(maxsize=4)
+def one_step_pld(kind: str, z: float, shifts: tuple, probs: tuple, discretization: float):
+    """The privacy loss distribution of one step, kept per process: building it is most of an
+    accountant call (0.57 s of 0.65 s for q = 256/60000, z = 1), composing it T times is not, so
+    per-epoch progress reports and repeated queries at the same noise cost ~0.1 s each. ``kind``
+    gaussian: the Poisson-subsampled Gaussian (``probs = (q,)``); mixture: dp-accounting's mixture of
+    Gaussians (both adjacency directions), as ``PLDAccountant`` builds them; its T-fold
+    ``self_compose`` equals the accountant's epsilon to ~1e-13 relative (test)."""
+    PLD = pld.privacy_loss_distribution
+    if kind == "gaussian":
+        return PLD.from_gaussian_mechanism(standard_deviation=z, value_discretization_interval=discretization,
+                                           sampling_prob=probs[0])
+    return PLD.from_mixture_gaussian_mechanism(standard_deviation=z, sensitivities=list(shifts),
+                                               sampling_probs=list(probs),
+                                               value_discretization_interval=discretization)
 
 
 def check_pld_noise(noise_multiplier: float) -> None:

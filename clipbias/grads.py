@@ -160,8 +160,10 @@ class ParamSums:
         flat = [g.reshape(len(x), -1) for g in grads]
         norms = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat]), dim=0)
         s = scale(norms).to(flat[0].dtype)
-        proc = torch.cat([s @ f for f in flat])
-        return proc, (torch.cat([f.sum(0) for f in flat]) if reference else None), losses, norms
+        if not reference:
+            return torch.cat([s @ f for f in flat]), None, losses, norms
+        both = [torch.stack([s, torch.ones_like(s)]) @ f for f in flat]  # one pass over the rows for both sums
+        return torch.cat([t[0] for t in both]), torch.cat([t[1] for t in both]), losses, norms
 
 
 Rows = tuple[Tensor, Tensor, "Tensor | None"]  # (rows [r, d], per-example losses, example ids or None)

@@ -361,3 +361,14 @@ def test_train_grad_path_fast_end_to_end(tmp_path, capsys):
     assert res["test_accuracy"] > 0.5
     code, _, err = run(base + ["--algo", "p-avg", "--grad-path", "fast", "--out", tmp_path / "p"], capsys)
     assert code == 2 and "computes its own rows" in err
+
+
+def test_every_flag_of_every_command_has_help():
+    """--help documents every flag (issue 16: --epochs, --lr and --momentum had none)."""
+    import argparse
+
+    from clipbias.cli import build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"{name} {'/'.join(a.option_strings)}" for name, p in sub.choices.items() for a in p._actions
+               if a.option_strings and not isinstance(a, argparse._HelpAction) and not (a.help or "").strip()]
+    assert not missing, missing

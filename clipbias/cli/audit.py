@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, required=True, metavar="T", help="number of steps T")
     p.add_argument("--batch-size", type=float, default=None, metavar="B",
                    help="expected batch size B (canary mode: the normaliser of the update)")
-    p.add_argument("--clip", type=float, default=1.0, metavar="C1")
+    p.add_argument("--clip", type=float, default=1.0, metavar="C1", help="per-example clipping norm C1 (default 1)")
     p.add_argument("--ef-clip", type=float, default=None, metavar="C2",
                    help="DiceSGD feedback clip (default 0.01 C1 / B, as in training)")
     p.add_argument("--grad-bound", type=float, default=None, metavar="G",

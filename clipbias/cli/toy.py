@@ -179,8 +179,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--delta", type=float, default=None, help="delta of the reported epsilon (default 1e-5)")
     p.add_argument("--dice-accounting", choices=DICE_ACCOUNTING, default=None,
                    help="DiceSGD basis (default sound; paper and authors are refuted, reproduction only)")
-    p.add_argument("--momentum", type=float, default=None)
-    p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default=None)
+    p.add_argument("--momentum", type=float, default=None,
+                   help="heavy-ball momentum of the base SGD optimizer (default: the problem's, usually 0)")
+    p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default=None,
+                   help="base optimizer (default: the algorithm's own)")
     m = p.add_argument_group("method-specific (as in `clipbias train`)")
     add_method_flags(m)
     m.add_argument("--extra", action="append", metavar="KEY=VALUE",

@@ -55,10 +55,13 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
                         "tests, benchmarks); the guarantee then holds only while the seed stays secret. "
                         "Default: seeded from the OS's CSPRNG, kept only in the private checkpoint")
     t = p.add_argument_group("training")
-    t.add_argument("--epochs", type=int, default=d["epochs"], required=req["epochs"], metavar="K")
+    t.add_argument("--epochs", type=int, default=d["epochs"], required=req["epochs"], metavar="K",
+                   help="passes over the data: K * round(N/B) Poisson steps, all accounted"
+                        + (f" (default {d['epochs']})" if d["epochs"] is not None else ""))
     t.add_argument("--batch-size", type=float, default=d["batch_size"], required=req["batch_size"],
                    metavar="B", help="expected Poisson batch size B (sampling rate q = B/N)")
-    t.add_argument("--lr", type=float, default=d["lr"], required=req["lr"], metavar="LR")
+    t.add_argument("--lr", type=float, default=d["lr"], required=req["lr"], metavar="LR",
+                   help="learning rate of the base optimizer" + (f" (default {d['lr']:g})" if d["lr"] is not None else ""))
     t.add_argument("--clip", type=float, default=d["clip"], metavar="C1",
                    help="per-example clipping norm C1 (default 1)")
     t.add_argument("--ef-clip", type=float, default=None, metavar="C2",
@@ -69,8 +72,11 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
                    help="outer clip of every per-example gradient (DiceSGD: G' = GMAX - C1)")
     t.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default=None,
                    help="base optimizer (default: the algorithm's own)")
-    t.add_argument("--momentum", type=float, default=0.0)
-    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--momentum", type=float, default=0.0, metavar="M",
+                   help="heavy-ball momentum of the base SGD optimizer, applied to the noisy update "
+                        "(post-processing: no privacy cost; default 0)")
+    t.add_argument("--weight-decay", type=float, default=0.0, metavar="WD",
+                   help="weight decay of the base optimizer (default 0)")
     t.add_argument("--gamma", type=float, default=0.01,
                    help="normalisation stability constant (normalized, dice-auto)")
     t.add_argument("--max-physical-batch", type=int, default=512, metavar="M",
@@ -88,7 +94,9 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
                         "2 GiB, else rows (faster on CPU for small models). The fast path's per-example "
                         "sensitivity rests on run-time checks of the model's structure (docs/results.md), not on "
                         "a proof; the header says which path ran")
-    t.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    t.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model, data and per-example gradients live (default cpu; cuda refused with a "
+                        "clear error when no GPU is visible)")
     t.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads for torch (default: the cores this process may use; 0 = torch's "
                         "default)")
@@ -247,7 +255,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "--epsilon for all --epochs; results.json, curves.png and a PRIVATE checkpoint go to "
                     "--out (default runs/<data>-<model>-<algo>-eps<E>-s<seed>).")
     add_training_flags(p)
-    p.add_argument("--seed", type=int, default=0, help="seed of the model init, sampling and noise")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the model initialisation (public); with --reproducible-noise also of the Poisson "
+                        "batches, the noise and the methods' keyed draws, which otherwise come from the OS CSPRNG "
+                        "(default 0)")
     p.add_argument("--out", default=None, metavar="DIR", help="run directory")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")

@@ -28,7 +28,14 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
          "batch_size": None, "lr": None, "clip": 1.0, **(defaults or {})}
     req = {k: d[k] is None for k in d}
     p.add_argument("--data", choices=DATASET_NAMES, default=d["data"], required=req["data"],
-                   help="data set (Fashion-MNIST from the Debian package, or a scikit-learn set)")
+                   help="data set: Fashion-MNIST from the Debian package, a scikit-learn set, cifar10 (from "
+                        "--data-dir) or npz (your own arrays, --data-path)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="where the data live: cifar10 reads DIR/cifar-10-batches-py/ (the python version, "
+                        "extracted; nothing is downloaded); fashion-mnist overrides the Debian package's folder")
+    p.add_argument("--data-path", default=None, metavar="FILE",
+                   help="--data npz: a .npz file with arrays x_train, y_train, x_test, y_test (integer labels "
+                        "0..K-1; optional num_classes), used as given")
     p.add_argument("--model", choices=MODEL_NAMES, default=d["model"], required=req["model"],
                    metavar="NAME", help=f"model: {', '.join(MODEL_NAMES)}")
     if algo:
@@ -140,7 +147,7 @@ def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
               device=args.device, optimizer=args.optimizer,
               momentum=args.momentum, weight_decay=args.weight_decay, gamma=args.gamma,
               max_physical_batch=args.max_physical_batch, grad_path=args.grad_path, validation=args.validation,
-              subset=args.subset,
+              subset=args.subset, data_dir=args.data_dir, data_path=args.data_path,
               public_source=args.public_source, extra=extra)
     kw.update(overrides)
     return TrainConfig(**kw)

@@ -17,18 +17,19 @@ from torch import nn
 from clipbias.models.gru import GRUClassifier
 from clipbias.models.resnet import ResNet20, WSConv2d
 from clipbias.models.scatter import ScatterCNN, ScatterFeatures, ScatterLinear
-from clipbias.models.simple import MLP, LogReg, TramerBonehCNN
+from clipbias.models.simple import MLP, LogReg, TramerBonehCIFAR, TramerBonehCNN
 
 __all__ = [
     "MODEL_NAMES", "build_model", "num_params", "GRUClassifier", "LogReg", "MLP", "ResNet20",
-    "ScatterCNN", "ScatterFeatures", "ScatterLinear", "TramerBonehCNN", "WSConv2d",
+    "ScatterCNN", "ScatterFeatures", "ScatterLinear", "TramerBonehCIFAR", "TramerBonehCNN", "WSConv2d",
 ]
 
 _BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "logreg": LogReg,
     "mlp": MLP,
-    "cnn": TramerBonehCNN,
-    "cnn-gn": lambda s, c, groupnorm=4, **kw: TramerBonehCNN(s, c, groupnorm=groupnorm, **kw),
+    "cnn": lambda s, c, **kw: (TramerBonehCIFAR if tuple(s) == (3, 32, 32) else TramerBonehCNN)(s, c, **kw),
+    "cnn-gn": lambda s, c, groupnorm=4, **kw: (TramerBonehCIFAR if tuple(s) == (3, 32, 32) else TramerBonehCNN)(
+        s, c, groupnorm=groupnorm, **kw),
     "scatter-linear": ScatterLinear,
     "scatter-cnn": ScatterCNN,
     "resnet20-gn": lambda s, c, **kw: ResNet20(s, c, enhanced=False, **kw),

@@ -83,3 +83,31 @@ class TramerBonehCNN(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.classifier(self.features(x))
+
+
+class TramerBonehCIFAR(nn.Module):
+    """End-to-end CIFAR-10 CNN of Tramer & Boneh 2021 (from Papernot et al. 2021, "Tempered Sigmoid
+    Activations"): two 3x3 convs (32, 32) -> MaxPool(2) -> two (64, 64) -> MaxPool(2) -> two (128, 128)
+    -> MaxPool(2) -> Linear(128) -> Linear(num_classes), tanh activations, padding 1: 550,570
+    parameters for 3x32x32 input and 10 classes. ``groupnorm=G`` adds GroupNorm(G) after each conv.
+    ``build_model("cnn", (3, 32, 32), ...)`` builds this one."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, groupnorm: int | None = None) -> None:
+        super().__init__()
+        if tuple(input_shape) != (3, 32, 32):
+            raise ValueError(f"the CIFAR-10 cnn needs (3, 32, 32) input, got input_shape={tuple(input_shape)}")
+        self.input_shape = (3, 32, 32)
+        layers: list[nn.Module] = []
+        c = 3
+        for width in (32, 64, 128):
+            for _ in range(2):
+                layers += [nn.Conv2d(c, width, 3, padding=1)] + ([nn.GroupNorm(groupnorm, width)] if groupnorm else [])
+                layers.append(nn.Tanh())
+                c = width
+            layers.append(nn.MaxPool2d(2))
+        self.features = nn.Sequential(*layers, nn.Flatten())
+        self.classifier = nn.Sequential(nn.Linear(128 * 4 * 4, 128), nn.Tanh(), nn.Linear(128, num_classes))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.features(x))
+

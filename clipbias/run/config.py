@@ -69,6 +69,7 @@ class TrainConfig:
     overwrite: bool = False
     eval_batch_size: int = 1024
     data_dir: str | None = None
+    data_path: str | None = None
 
     @property
     def private(self) -> bool:

@@ -62,7 +62,7 @@ def prepare_splits(cfg: TrainConfig, dataset: Dataset | None = None) -> Splits:
     if dataset is None:
         try:
             dataset = load_dataset(cfg.data, data_dir=cfg.data_dir, validation=cfg.validation,
-                                   seed=cfg.split_seed)
+                                   seed=cfg.split_seed, data_path=cfg.data_path)
         except ClipbiasError:
             raise
         except ValueError as exc:  # e.g. a validation split larger than the training set

@@ -42,6 +42,11 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
         names = sorted(algorithms.ALGORITHMS)
         p.add_argument("--algo", choices=names, required=True, metavar="NAME",
                        help=f"algorithm: {', '.join(names)}")
+    _add_privacy_flags(p, d)
+    _add_training_group(p, d, req)
+
+
+def _add_privacy_flags(p: argparse.ArgumentParser, d: dict) -> None:
     g = p.add_argument_group("privacy")
     g.add_argument("--epsilon", type=float, default=d["epsilon"], metavar="E",
                    help="target epsilon; the noise multiplier is calibrated to reach at most E after "
@@ -61,6 +66,9 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
                    help="derive the Poisson batches and the Gaussian noise from --seed (reproducible runs, "
                         "tests, benchmarks); the guarantee then holds only while the seed stays secret. "
                         "Default: seeded from the OS's CSPRNG, kept only in the private checkpoint")
+
+
+def _add_training_group(p: argparse.ArgumentParser, d: dict, req: dict) -> None:
     t = p.add_argument_group("training")
     t.add_argument("--epochs", type=int, default=d["epochs"], required=req["epochs"], metavar="K",
                    help="passes over the data: K * round(N/B) Poisson steps, all accounted"

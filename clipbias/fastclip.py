@@ -24,16 +24,20 @@ input: one value per channel or feature). Any other trainable parameter makes ``
 say why, and the engine keeps the rows path. Dropout draws one mask per batch here instead of per
 example: the same distribution.
 
-Soundness guards (per-layer norms must never understate a per-example norm, or the sensitivity is
-wrong): tied parameters, parameters other than a layer's own ``weight``/``bias`` and subclasses that
-override a supported layer's ``forward`` are refused when the engine is built; at every step, before
-any state changes, a layer that runs twice in one forward pass, a trainable layer that does not run,
-or a layer whose first dimension is not the batch is refused; every trainable parameter must enter the
-autograd graph exactly once, inside its own layer's forward (an exact, structural check: a parameter
-read outside its layer is refused); and one secret random example's attributed gradient must equal
-its own gradient (the model run on that example alone, as the rows path computes it; when that
-differs, e.g. under dropout, its gradient through the batch graph): a layer whose rows are not one
-per example in batch order is refused."""
+Soundness guards (per-layer norms must be per-example norms, and each example's clipped vector
+must depend on that example alone, or the sensitivity is wrong): tied parameters, parameters other
+than a layer's own ``weight``/``bias`` and a layer ``forward`` overridden (by a subclass or on the
+instance) are refused when the engine is built; at every step, before any state changes: a user
+forward hook on a supported layer, a layer that runs twice or not at all, a layer whose first
+dimension is not the batch, a layer output modified in place after the layer ran, and a forward that
+updates a buffer (restored) are refused; every trainable parameter must enter the autograd graph
+exactly once, inside its own layer's forward (exact, structural); and secret random examples'
+attributed gradients must equal their own: ``PROBES`` examples each run alone (``vmap(grad)``, as
+the rows path computes them) when the forward is deterministic, or, when it draws random numbers
+(dropout), one example recomputed in a batch of copies of itself under the same draws. A model
+whose rows see other examples' data (batch statistics, mixup, cross-example attention) fails these;
+a mixing confined to a few examples is caught with probability (examples probed) x (examples
+affected) / b per step. Two red-team sessions' cases are in ``tests/test_fastclip.py``."""
 
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from .errors import ConfigError
-from .grads import LossFn, ParamLayout, check_model, cross_entropy
+from .grads import FuncGradients, LossFn, ParamLayout, check_model, cross_entropy
 
 _SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.GroupNorm, nn.LayerNorm)
 _NORMS = (nn.GroupNorm, nn.LayerNorm)
@@ -67,7 +71,7 @@ def why_unsupported(model: nn.Module) -> str | None:
         if not isinstance(m, _SUPPORTED):
             return f"module '{name}' ({type(m).__name__}) has trainable parameters and no fast-path rule"
         base = next(c for c in _SUPPORTED if isinstance(m, c))
-        if type(m).forward is not base.forward:  # the rules assume the layer's standard function
+        if type(m).forward is not base.forward or "forward" in m.__dict__:  # the rules assume the standard function
             return f"module '{name}' ({type(m).__name__}) overrides {base.__name__}.forward"
         own = {n for n, p in m.named_parameters(recurse=False) if p.requires_grad}
         if not own <= {"weight", "bias"}:  # e.g. weight_norm's weight_g / weight_v
@@ -202,22 +206,26 @@ class BookKeeping:
         slot = {n: i for i, n in enumerate(self.layout.names)}
         self.slots = [[slot[names[id(p)]] for p in _trainable(m)] for m in self.layers]
         self._check_gen = torch.Generator().manual_seed(secrets.randbits(63))
+        self._alone = FuncGradients(model, loss_fn, check=False)  # the probes' own gradients
 
     def __call__(self, x: Tensor, y: Tensor, scale: Callable[[Tensor], Tensor],
                  reference: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         check_model(self.model)
         params = self.layout.params(self.model)
+        rng, buffers = _rng_state(x.device), [(b, b._version, b.detach().clone()) for b in self.model.buffers()]
         losses, acts, grads = self._backward(x, y)
+        stochastic = not _same_rng(rng, _rng_state(x.device))  # dropout (or any other draw) in the forward
+        _check_buffers(self.model, buffers)
         rules = [_rule(m, acts[m], g) for m, g in zip(self.layers, grads)]
         norms = torch.sqrt(sum(r.sq for r in rules))
         if not bool(torch.isfinite(norms).all()):  # the caller refuses the step, naming the examples
             return torch.zeros(0), None, losses.detach(), norms
-        self._check_example(rules, x, y, losses, params)
+        self._check_examples(rules, x, y, params, rng if stochastic else None)
         S = torch.stack([scale(norms)] + ([torch.ones_like(norms)] if reference else []))
         pieces = [r.sums(S) for r in rules]
         proc = self._assemble([[t[0] for t in lp] for lp in pieces])
         ref = self._assemble([[t[1] for t in lp] for lp in pieces]) if reference else None
-        return proc, ref, losses.detach(), norms
+        return proc, ref, losses, norms
 
     def _losses(self, out: Tensor, y: Tensor) -> Tensor:
         return (F.cross_entropy(out, y, reduction="none") if self.loss_fn is cross_entropy else
@@ -225,30 +233,37 @@ class BookKeeping:
 
     def _backward(self, x: Tensor, y: Tensor) -> tuple:
         """One forward and one backward of the summed loss, to the layer outputs only (no parameter
-        gradients): the per-example losses (graph kept for the checks), every layer's input and
-        output gradient. Refuses, before anything changes, a model the rules would misread."""
+        gradients): the per-example losses (detached), every layer's input and output gradient.
+        Refuses, before anything changes, a model the rules would misread."""
         acts: dict[nn.Module, Tensor] = {}
         outs: dict[nn.Module, Tensor] = {}
         ins: dict[nn.Module, object] = {}
+        versions: dict[nn.Module, int] = {}
+        _check_hooks(self.layers)
 
         def hook(m: nn.Module, inp: tuple, out: Tensor) -> None:
             if m in acts:  # a layer used twice: its per-example gradient sums both uses
                 raise ConfigError(f"--grad-path fast: a {type(m).__name__} layer runs twice in one forward "
                                   f"pass (shared weights); per-layer norms would understate the per-example "
                                   f"gradient. Use --grad-path rows")
-            acts[m], outs[m], ins[m] = inp[0].detach(), out, inp[0].grad_fn
+            acts[m], outs[m], ins[m], versions[m] = inp[0].detach(), out, inp[0].grad_fn, out._version
 
         handles = [m.register_forward_hook(hook) for m in self.layers]
         try:
             with torch.enable_grad():
                 losses = self._losses(self.model(x), y)
                 self._check_layers(acts, outs, len(x))
+                changed = [m for m in self.layers if outs[m]._version != versions[m]]
+                if changed:  # the backward would differentiate through the later in-place op
+                    raise ConfigError(f"--grad-path fast: the output of a {type(changed[0]).__name__} layer is "
+                                      f"modified in place after the layer ran (e.g. ReLU(inplace=True) or h *= c); "
+                                      f"use the out-of-place operation, or --grad-path rows")
                 self._check_graph(losses, outs, ins)
-                grads = torch.autograd.grad(losses.sum(), [outs[m] for m in self.layers], retain_graph=True)
+                grads = torch.autograd.grad(losses.sum(), [outs[m] for m in self.layers])
         finally:
             for h in handles:
                 h.remove()
-        return losses, acts, list(grads)
+        return losses.detach(), acts, list(grads)
 
     def _check_graph(self, losses: Tensor, outs: dict, ins: dict) -> None:
         """The soundness check of every step, exact and structural: every trainable parameter enters
@@ -291,27 +306,94 @@ class BookKeeping:
                 parts[s] = t
         return parts
 
-    def _check_example(self, rules: list, x: Tensor, y: Tensor, losses: Tensor, params: list) -> None:
-        """Every step, one secret random example's gradient as the per-layer rules attribute it must
-        equal its own gradient (to 1e-4 relative): first the model run on that example alone (what
-        the rows path computes; costs 1/b of a step), and only if that differs (dropout draws other
-        masks) its gradient through the batch graph (a second backward). A layer whose rows are not
-        one per example in batch order (e.g. a sequence-first layout) mixes examples, which the
-        summed check cannot see; a mixing confined to a few examples is caught with probability
-        (examples affected) / b per step."""
-        i = int(torch.randint(len(x), (1,), generator=self._check_gen))
-        fast = self._ordered([r.one(i) for r in rules])
-        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), torch.enable_grad():
-            alone = torch.autograd.grad(self._losses(self.model(x[i:i + 1]), y[i:i + 1]).sum(), params,
-                                        allow_unused=True)
-        if _close(fast, alone, params, 1e-4):
-            return
-        with torch.enable_grad():
-            through = torch.autograd.grad(losses[i], params, allow_unused=True)
-        if not _close(fast, through, params, 1e-4):
-            raise ConfigError(f"--grad-path fast: example {i}'s gradient as the per-layer rules attribute it differs "
-                              f"from its true gradient: the model's layers do not see one row per example in batch "
-                              f"order (e.g. a sequence-first layout). Use --grad-path rows")
+    def _check_examples(self, rules: list, x: Tensor, y: Tensor, params: list, rng: tuple | None) -> None:
+        """Every step, secret random examples' gradients as the per-layer rules attribute them must
+        equal their own gradients (to 1e-4 relative). A deterministic forward: ``PROBES`` examples,
+        each run through the model alone (``vmap(grad)``, what the rows path computes). A
+        forward that draws random numbers (dropout; ``rng`` is the state before it): one example,
+        and its attribution is recomputed in a counterfactual batch where every other row is a copy
+        of it, with the same random draws (a second forward and backward): a model whose rows see
+        other examples' data (batch statistics, mixup, cross-example attention, a sequence-first
+        layout) changes it. A mixing confined to a few examples is caught with probability
+        (examples probed) x (examples affected) / b per step (docs/results.md)."""
+        probes = torch.randperm(len(x), generator=self._check_gen)[:1 if rng is not None else PROBES].tolist()
+        if rng is None:
+            own = self._own(x, y, probes, params)
+        for j, i in enumerate(probes):
+            fast = self._ordered([r.one(i) for r in rules])
+            mine = [g[j] for g in own] if rng is None else self._counterfactual(x, y, i, rng)
+            if not _close(fast, mine, params, 1e-4):
+                raise ConfigError(
+                    f"--grad-path fast: example {i}'s gradient as the per-layer rules attribute it differs from its "
+                    f"own gradient (the example {'alone' if rng is None else 'among copies of itself'}): the model "
+                    f"lets examples see each other (batch statistics, mixup, cross-example attention, a "
+                    f"sequence-first layout), so per-layer norms are not per-example norms. Use --grad-path rows")
+
+    def _own(self, x: Tensor, y: Tensor, probes: list[int], params: list) -> list[Tensor]:
+        """The probes' gradients, each example alone: ``vmap(grad)`` at once as the rows path computes
+        them, or one by one where vmap cannot run the model (e.g. a custom autograd.Function)."""
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+            try:
+                return self._alone.per_param(x[probes], y[probes])[0]
+            except RuntimeError:
+                pass
+            with torch.enable_grad():
+                each = [torch.autograd.grad(self._losses(self.model(x[i:i + 1]), y[i:i + 1]).sum(), params,
+                                            allow_unused=True) for i in probes]
+        return [torch.stack([g if g is not None else torch.zeros_like(p) for g in col])
+                for col, p in zip(zip(*each), params)]
+
+    def _counterfactual(self, x: Tensor, y: Tensor, i: int, rng: tuple) -> list[Tensor]:
+        """Example i's attributed gradient in the batch whose every row is example i, under the
+        random draws of the real step (restored from ``rng``); the RNG continues as before."""
+        xi, yi = x[i:i + 1].expand_as(x).contiguous(), y[i:i + 1].expand_as(y).contiguous()
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+            _set_rng(rng, x.device)
+            _, acts, grads = self._backward(xi, yi)
+        return self._ordered([_rule(m, acts[m], g).one(i) for m, g in zip(self.layers, grads)])
+
+
+PROBES = 4
+"""Examples probed per step (deterministic forward)."""
+
+
+def _rng_state(device: torch.device) -> tuple:
+    return (torch.get_rng_state(),) + ((torch.cuda.get_rng_state(device),) if device.type == "cuda" else ())
+
+
+def _same_rng(a: tuple, b: tuple) -> bool:
+    return all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def _set_rng(state: tuple, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def _check_hooks(layers: list) -> None:
+    """Forward hooks of the user on a supported layer (or global ones) can change its output after
+    the layer ran, which the rules would take for the layer's: refused. Pre-hooks are fine (the
+    layer sees what they return)."""
+    hooked = [m for m in layers if m._forward_hooks] or (layers if nn.modules.module._global_forward_hooks else [])
+    if hooked:
+        raise ConfigError(f"--grad-path fast: a forward hook is registered on a {type(hooked[0]).__name__} layer "
+                          f"(or globally): it may change the layer's output after the layer ran. Remove it, or "
+                          f"use --grad-path rows")
+
+
+def _check_buffers(model: nn.Module, before: list) -> None:
+    """A forward that updates a buffer (a running statistic) computes a statistic of the private
+    batch that would be released without noise: restored and refused."""
+    changed = [b for b, v, _ in before if b._version != v]
+    if changed:
+        with torch.no_grad():
+            for b, _, copy in before:
+                b.copy_(copy)
+        names = [n for n, b in model.named_buffers() if any(b is c for c in changed)]
+        raise ConfigError(f"--grad-path fast: the forward pass updates buffer(s) {names} from the batch: a statistic "
+                          f"of the private data would be released without noise (the DP guarantee does not cover "
+                          f"it). Make it a constant, or remove it")
 
 
 def _leaf_uses(roots: list, stop: set) -> dict[int, int]:

@@ -31,11 +31,12 @@ _CROSS_EXAMPLE = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
 def check_model(model: nn.Module) -> None:
     """Refuse models that mix examples: per-example sensitivity would not hold.
 
-    BatchNorm in train mode normalises with batch statistics, so one example's gradient depends on
-    every other example. A module can also declare ``mixes_examples = True``.
+    BatchNorm in train mode (or without running statistics, in any mode) normalises with batch
+    statistics, so one example's gradient depends on every other example. A module can also declare ``mixes_examples = True``.
     """
     for name, m in model.named_modules():
-        if (isinstance(m, _CROSS_EXAMPLE) and m.training) or getattr(m, "mixes_examples", False):
+        if (isinstance(m, _CROSS_EXAMPLE) and (m.training or not m.track_running_stats)) or \
+                getattr(m, "mixes_examples", False):
             raise UnsupportedModelError(
                 f"module '{name or type(model).__name__}' ({type(m).__name__}) mixes examples within a "
                 f"batch, so per-example gradients and the DP guarantee are undefined. Replace it with "

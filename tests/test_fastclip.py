@@ -8,7 +8,7 @@ from torch import nn
 
 from clipbias.config import AlgoConfig
 from clipbias.engine import DPEngine
-from clipbias.errors import ConfigError, NonFiniteGradientError
+from clipbias.errors import ClipbiasError, ConfigError, NonFiniteGradientError
 
 
 class Net(nn.Module):
@@ -249,7 +249,7 @@ class _Cancelling(nn.Module):
 
 @pytest.mark.parametrize("model,x,match", [
     (_Folded, torch.randn(4, 4, 5), "first dimension of 16"),
-    (_SeqFirst, torch.randn(4, 4, 5) * 20, "one row per example"),
+    (_SeqFirst, torch.randn(4, 4, 5) * 20, "lets examples see each other"),
     (_Cancelling, torch.cat([torch.ones(1, 20), -torch.ones(1, 20)]), "lin.weight. enters the forward pass 2"),
 ])
 def test_red_team_cases_are_refused_before_any_change(model, x, match):
@@ -298,20 +298,24 @@ def test_fast_path_names_layers_it_cannot_handle(layer, why):
     assert why in why_unsupported(nn.Sequential(layer))
 
 
-def test_dropout_model_passes_the_attribution_check_through_the_batch_graph(monkeypatch):
-    """Under dropout the example run alone draws another mask, so the cheap attribution check
-    differs and the check falls back to the example's gradient through the batch graph, which
-    must agree: no false refusal, and the fallback is really taken."""
+def test_dropout_model_is_checked_by_the_counterfactual_batch(monkeypatch):
+    """Under dropout the example run alone draws another mask, so the example is checked in a
+    counterfactual batch of copies of itself under the same draws: no false refusal, and that path
+    is really taken; the training RNG continues as if no check had run."""
     import clipbias.fastclip as fc
     calls = []
-    real = fc._close
-    monkeypatch.setattr(fc, "_close", lambda *a: calls.append(real(*a)) or calls[-1])
+    real = fc.BookKeeping._counterfactual
+    monkeypatch.setattr(fc.BookKeeping, "_counterfactual", lambda *a: calls.append(1) or real(*a))
     torch.manual_seed(0)
     m = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Dropout(0.5), nn.Linear(32, 3))
     eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=2, noise_multiplier=1.0, grad_path="fast")
     x, y = _data()
+    torch.manual_seed(5)
     eng.step(x[:8], y[:8], torch.arange(8))
-    assert eng.steps_taken == 1 and calls == [False, True]  # alone (another mask), through the batch
+    after = torch.rand(1)
+    torch.manual_seed(5)
+    m(x[:8])  # the one forward of the step draws the same masks
+    assert eng.steps_taken == 1 and calls == [1] and torch.equal(after, torch.rand(1))
 
 
 @pytest.mark.parametrize("model_cls", [Net, Tokens])
@@ -358,3 +362,72 @@ def test_gpt_language_model_fast_path_equals_the_rows_path(algo, cfg, float64):
     fast, e_fast = run("fast")
     assert e_fast.fast is not None and e_rows.fast is None
     torch.testing.assert_close(fast, rows, rtol=1e-10, atol=1e-12)
+
+
+
+class _Mixup(nn.Module):
+    """Forward-only mixing (red-team finding 1): no gradient crosses examples, but every example's
+    layer inputs hold another example's data, so removing one moves two clipped vectors."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.lin, self.drop = nn.Linear(64, 3), nn.Dropout(dropout)
+
+    def forward(self, x):
+        x = x.flatten(1)
+        return self.lin(self.drop(0.5 * x + 0.5 * x.flip(0)))
+
+
+class _RunningMean(nn.Module):
+    """A buffer updated from the batch (finding 3): a noiseless statistic of the private data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 3)
+        self.register_buffer("mu", torch.zeros(64))
+
+    def forward(self, x):
+        x = x.flatten(1)
+        with torch.no_grad():
+            self.mu.mul_(0.9).add_(0.1 * x.mean(0))
+        return self.lin(x - self.mu)
+
+
+def _patched_forward():
+    m = nn.Sequential(nn.Flatten(), nn.Linear(64, 3))
+    m[1].forward = lambda x: nn.functional.linear(x, m[1].weight * 2, m[1].bias)
+    return m
+
+
+def _hooked():
+    m = nn.Sequential(nn.Flatten(), nn.Linear(64, 3))
+    m[1].register_forward_hook(lambda mod, inp, out: out * 2)
+    return m
+
+
+def _inplace():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.ReLU(inplace=True), nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("make,match", [
+    (_Mixup, "example alone.*lets examples see each other"),
+    (lambda: _Mixup(dropout=0.3), "copies of itself.*lets examples see each other"),
+    (_RunningMean, r"updates buffer\(s\) \['mu'\]"),
+    (lambda: nn.Sequential(nn.Flatten(), nn.BatchNorm1d(64, affine=False, track_running_stats=False).eval(),
+                           nn.Linear(64, 3)), "mixes examples"),
+    (_patched_forward, "overrides Linear.forward"),
+    (_hooked, "forward hook"),
+    (_inplace, "modified in place"),
+])
+def test_red_team_round_two_is_refused_before_any_change(make, match):
+    """A second red-team session (forward-only mixing, with and without dropout; a running buffer;
+    BatchNorm without running statistics in eval mode; an instance-level forward; a user forward
+    hook; an in-place op on a layer output): refused with the reason, weights and buffers unchanged."""
+    torch.manual_seed(0)
+    m = make()
+    x, y = _data()
+    before = [t.detach().clone() for t in list(m.parameters()) + list(m.buffers())]
+    with pytest.raises((ConfigError, ClipbiasError), match=match):
+        eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="fast")
+        eng.step(x[:8], y[:8], torch.arange(8))
+    assert all(torch.equal(a, b) for a, b in zip(before, list(m.parameters()) + list(m.buffers())))

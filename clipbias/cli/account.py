@@ -9,6 +9,7 @@ from ..privacy import (ACCOUNTANTS, DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING, Ac
                        account, calibrate, delta_warning)
 from ..privacy.dice import DEFAULT_EF_RATIO, default_ef_clip
 from ..privacy.report import check_delta, check_positive, check_rate, check_steps
+from ..privacy.report import floor_note
 from ._common import emit, warn
 
 
@@ -83,6 +84,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     rep = account(replace(spec, noise_multiplier=z), args.steps, args.delta, args.accountant,
                   args.dice_accounting)
     emit({"noise_multiplier": z, **rep.to_dict()}, args.json)
+    warn(floor_note(eps, rep.epsilon, z, args.accountant))
     return 0
 
 

@@ -178,6 +178,7 @@ def print_header(h: dict, stream=None) -> None:
     private = h["private"]
     if h.get("warning"):
         warn(h["warning"])
+    warn(h.get("noise_floor"))
     rows = {
         "dataset": f"{h['dataset']} (N={h['N']}, preprocessing "
                    f"{'data-independent' if h['preprocessing_private'] else 'NON-private (train-split statistics)'})",

@@ -86,6 +86,8 @@ def header(run, cfg: TrainConfig, resumed_at_epoch: int | None) -> dict:
         "epsilon_at_end": projected.epsilon, "accountant": projected.accountant,
         "basis": projected.basis, "certified": projected.certified,
         "warning": privacy.delta_warning(cfg.delta, engine.n) if private else None,
+        "noise_floor": privacy.report.floor_note(cfg.epsilon, projected.epsilon, engine.noise_multiplier,
+                                                 cfg.accountant) if private and cfg.noise_multiplier is None else None,
         "preprocessing_private": info["preprocessing_private"],
         "reproducible_noise": cfg.reproducible_noise,
         "resumed_at_epoch": resumed_at_epoch, "device": str(run.device),

@@ -372,3 +372,23 @@ def test_every_flag_of_every_command_has_help():
     missing = [f"{name} {'/'.join(a.option_strings)}" for name, p in sub.choices.items() for a in p._actions
                if a.option_strings and not isinstance(a, argparse._HelpAction) and not (a.help or "").strip()]
     assert not missing, missing
+
+
+def test_cache_command_shows_and_clears_only_its_own_files(tmp_path, monkeypatch, capsys):
+    """`clipbias cache` reports both caches' files and size; --clear deletes exactly those files."""
+    data, cal = tmp_path / "data", tmp_path / "cal"
+    (data / "scatter").mkdir(parents=True)
+    cal.mkdir()
+    monkeypatch.setenv("CLIPBIAS_CACHE_DIR", str(data))
+    monkeypatch.setenv("CLIPBIAS_CACHE", str(cal))
+    mine = [data / "fashion-mnist-abc.pt", data / "scatter" / "train-J2.pt", cal / "calibrations.json"]
+    for f in mine:
+        f.write_bytes(b"x" * 1000)
+    other = data / "notes.txt"
+    other.write_text("keep me")
+    assert main(["cache", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["files"] == 3 and got["bytes"] == 3000
+    assert main(["cache", "--clear", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cleared"] == 3
+    assert not any(f.exists() for f in mine) and other.read_text() == "keep me"

@@ -71,7 +71,11 @@ class ScatterFeatures:
         n, c = x.shape[:2]
         scat = self._module(x.device)
         out = torch.empty(n, *self.output_shape(c), dtype=torch.float32, device=x.device)
-        for i in range(0, n, self.chunk_size):
+        from tqdm.auto import tqdm
+        starts = range(0, n, self.chunk_size)
+        # minutes on a CPU for Fashion-MNIST: a bar on a terminal (disable=None: none when piped)
+        for i in tqdm(starts, desc=f"scattering features of {n} images (once, then cached)", unit="chunk",
+                      leave=False, disable=None if len(starts) > 4 else True):
             chunk = x[i:i + self.chunk_size].float().contiguous()
             out[i:i + chunk.shape[0]] = scat(chunk).reshape(chunk.shape[0], *out.shape[1:])
         return out

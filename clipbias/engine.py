@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from . import algorithms, privacy
+from . import algorithms, distributed, privacy
 from .config import AlgoConfig
 from .errors import ClipbiasError, ConfigError, ResumeMismatchError
 from .grads import (LossFn, PerSampleGradients, RowSource, as_row_source, check_finite, check_finite_norms,
@@ -138,7 +138,8 @@ class DPEngine:
 
         self.model = model
         device = next(model.parameters()).device
-        sampler_seed, noise_stream_seed, self.keyed_seed = secret_streams(noise_seed)
+        # in a process group every rank runs rank 0's secret streams: one global sample, one noise draw
+        sampler_seed, noise_stream_seed, self.keyed_seed = distributed.broadcast_ints(secret_streams(noise_seed))
         own_rows = grads is None
         if grads is None:  # an algorithm may compute its rows differently (group means, momenta, ...)
             grads = self.algo.row_source(model, loss_fn, self.config, n=n, batch_size=self.expected_batch_size,
@@ -152,7 +153,8 @@ class DPEngine:
         self.sampler = PoissonSampler(n, self.sample_rate, sampler_seed, steps_per_epoch)
         self.max_physical_batch = max_physical_batch
         self.fast, self.grad_path_note = self._fast_path(grad_path, own_rows, model, loss_fn)
-        self.steps_taken = 0
+        self.world_size = _check_distributed(self.algo.name, self.rows, self.pipeline)
+        self.steps_taken, self.last_loss = 0, (0.0, 0)
         self.settings = PrivacySettings(algorithm, n, self.sample_rate, steps, z, delta, accountant,
                                         dice_accounting, self.config.clip, self.config.ef_clip,
                                         self.config.grad_bound, self.config.gamma, epsilon,
@@ -162,9 +164,51 @@ class DPEngine:
     def step(self, x: Tensor, y: Tensor, indices: Tensor | None = None) -> Tensor:
         """One logical step on the Poisson batch ``(x, y)``; returns the per-example losses.
 
+        In a process group of N ranks, ``(x, y, indices)`` is this rank's share of the global batch
+        (``distributed.local_share`` of the sampled indices; ``run_steps`` does it): the partial sums
+        are all-reduced once and every rank applies the same update. ``last_loss`` is the global
+        (loss sum, example count) of the step.
+
         Raises before changing anything (model, optimizer, error feedback, accountant) if a
-        per-example gradient is not finite.
+        per-example gradient is not finite, on every rank when one rank's is not.
         """
+        self._check_step(x, y, indices)
+        d = self.rows.layout.dim
+        dev = self.params[0].device
+        ref_sum = torch.zeros(d, device=dev) if self.pipeline.error_feedback is not None else None
+        proc_sum = torch.zeros(d, device=dev)
+        losses, failure = [], None
+        torch_rng = torch.get_rng_state()  # dropout draws of the model (randomness="different")
+        try:
+            for r, p, loss in self._sums(x, y, indices):
+                if ref_sum is not None:
+                    ref_sum += r
+                proc_sum += p
+                losses.append(loss)
+        except ClipbiasError as err:  # a micro-batch failed (NaN, bad shape)
+            failure = err
+        mine = torch.cat(losses) if losses else torch.zeros(0, device=dev)
+        self.last_loss = (float(mine.sum()), len(mine))
+        if self.world_size > 1:  # the one all-reduce of the step: global sums, and did any rank fail
+            proc_sum, ref_sum, loss_sum, count, failure = distributed.reduce_step(proc_sum, ref_sum, mine, failure)
+            self.last_loss = (loss_sum, count)
+        if failure is not None:  # every stage drops what it staged, on every rank
+            torch.set_rng_state(torch_rng)
+            self.rows.rollback()
+            self.pipeline.rollback()
+            raise failure
+        update = self.pipeline.finish(proc_sum, ref_sum)
+        for param, u in zip(self.params, self.rows.layout.unflatten(update)):
+            param.grad = u.to(param.dtype)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pipeline.commit()
+        self.rows.commit()
+        self.steps_taken += 1
+        return mine if losses else torch.zeros(0)
+
+    def _check_step(self, x: Tensor, y: Tensor, indices: Tensor | None) -> None:
+        """Refuse a step that cannot be taken: budget spent, mismatched lengths, float labels."""
         if self.steps_taken >= self.total_steps and self.algo.private:
             raise ConfigError(f"the privacy budget covers {self.total_steps} steps and all were taken; "
                               f"start a new run with more --epochs to train longer")
@@ -175,32 +219,10 @@ class DPEngine:
         if self.loss_fn is cross_entropy and y.is_floating_point():
             raise ConfigError(f"labels must be integer class indices (torch.long) for the default cross-entropy "
                               f"loss, got {y.dtype}; convert them with y.long() or pass your own loss_fn")
-        d = self.rows.layout.dim
-        dev = self.params[0].device
-        ref_sum = torch.zeros(d, device=dev) if self.pipeline.error_feedback is not None else None
-        proc_sum = torch.zeros(d, device=dev)
-        losses = []
-        torch_rng = torch.get_rng_state()  # dropout draws of the model (randomness="different")
-        try:
-            for r, p, loss in self._sums(x, y, indices):
-                if ref_sum is not None:
-                    ref_sum += r
-                proc_sum += p
-                losses.append(loss)
-        except ClipbiasError:  # a micro-batch failed (NaN, bad shape): every stage drops what it staged
-            torch.set_rng_state(torch_rng)
-            self.rows.rollback()
-            self.pipeline.rollback()
-            raise
-        update = self.pipeline.finish(proc_sum, ref_sum)
-        for param, u in zip(self.params, self.rows.layout.unflatten(update)):
-            param.grad = u.to(param.dtype)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.pipeline.commit()
-        self.rows.commit()
-        self.steps_taken += 1
-        return torch.cat(losses) if losses else torch.zeros(0)
+        if self.world_size > 1 and indices is None:
+            raise ConfigError(f"in a process group of {self.world_size} ranks, step needs the example indices of "
+                              f"this rank's share (distributed.local_share(engine.sampler.sample())): the keyed "
+                              f"per-example draws and the shares are defined by them")
 
     def _sums(self, x: Tensor, y: Tensor, indices: Tensor | None):
         """(reference sum, processed sum, losses) per physical micro-batch, through the rows or the
@@ -295,6 +317,21 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def _check_distributed(name: str, rows: RowSource, pipeline) -> int:
+    """The world size of the process group (1 without one), after refusing what cannot be split:
+    a row source or stage whose rows are not a sum over examples that each rank can compute alone
+    declares why in ``distributed_refusal`` (p-avg's group means, dpgd-momentum's per-example buffer)."""
+    world = distributed.context()[1]
+    if world == 1:
+        return 1
+    why = getattr(rows, "distributed_refusal", None) or next(
+        (s.distributed_refusal for _, s in pipeline.named_stages() if getattr(s, "distributed_refusal", None)), None)
+    if why:
+        raise ConfigError(f"--algo {name} cannot run on {world} processes: {why}. Run it with one process "
+                          f"(plain `clipbias train`), or choose a per-example method (dpsgd, dice, inner-outer, ...)")
+    return world
+
+
 StepHook = Callable[[DPEngine, Tensor], None]
 
 
@@ -304,7 +341,9 @@ def run_steps(engine: DPEngine, x: Tensor, y: Tensor, steps: int | None = None, 
     in-memory ``(x, y)``, stopping at ``engine.total_steps``; returns (sum of the example losses,
     number of examples). ``before(engine)`` runs before each step, ``after(engine, losses)`` after
     it: progress bars, diagnostics, iterate traces. Used by training, the toy problems and the
-    diagnostics recorder alike. ``x``/``y`` may live on the GPU; the indices stay on the CPU.
+    diagnostics recorder alike. ``x``/``y`` may live on the GPU; the indices stay on the CPU. In a
+    process group every rank holds the whole ``(x, y)``, draws the same global sample and steps on its
+    share (``distributed.local_share``); ``after`` gets this rank's losses, the sums are global.
     """
     total, count = 0.0, 0
     for _ in range(engine.total_steps - engine.steps_taken if steps is None else steps):
@@ -312,10 +351,10 @@ def run_steps(engine: DPEngine, x: Tensor, y: Tensor, steps: int | None = None, 
             break
         if before is not None:
             before(engine)
-        idx = engine.sampler.sample()
+        idx = distributed.local_share(engine.sampler.sample())  # all of it with one process
         idx_dev = idx.to(x.device) if x.device.type != "cpu" else idx
         losses = engine.step(x[idx_dev], y[idx_dev], idx)
-        total, count = total + float(losses.sum()), count + len(losses)
+        total, count = total + engine.last_loss[0], count + engine.last_loss[1]  # global sums
         if after is not None:
             after(engine, losses)
     return total, count

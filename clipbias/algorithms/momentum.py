@@ -99,6 +99,8 @@ class PerExampleMomentum(PerSample):
     """
 
     bound = None
+    distributed_refusal = ("its N x d per-example momentum buffer would have to be sharded over the ranks and "
+                           "gathered into each checkpoint, which is not implemented")
 
     def __init__(self, n: int, gamma_m: float) -> None:
         if not 0 < gamma_m <= 1:

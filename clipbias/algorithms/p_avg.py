@@ -57,6 +57,9 @@ class GroupClip(Clip):
 class GroupMeanGradients(RowSource):
     """Rows = means of the per-example gradients of each non-empty random group (one yield per step)."""
 
+    distributed_refusal = ("a group mean needs every member's gradient, and the members of a group lie on "
+                           "different ranks; the clipped group means are not a sum of per-rank parts")
+
     def __init__(self, model: nn.Module, loss_fn: LossFn, p: int, groups: int, seed: int = 0) -> None:
         self.fg = FuncGradients(model, loss_fn)
         self.layout = self.fg.layout

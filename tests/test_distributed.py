@@ -1,0 +1,158 @@
+"""Issue 15: torch.distributed (gloo, 2 CPU processes) gives the single-process run: the same
+weights (to 1e-5 relative) and the same epsilon with the same seed and --reproducible-noise, one
+failing rank stops every rank with the same error and nothing updated, refusals are clear."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from clipbias.errors import ConfigError, NonFiniteGradientError, ResumeMismatchError
+from clipbias.train import TrainConfig, load_checkpoint, train
+
+ROOT = Path(__file__).resolve().parent.parent
+# digits: 1347 examples, B = 64 -> 21 steps; a fixed noise multiplier (no calibration)
+BASE = TrainConfig(data="digits", model="mlp", algo="dpsgd", noise_multiplier=1.0, delta=1e-5, epochs=1,
+                   batch_size=64, lr=0.5, clip=1.0, seed=3, reproducible_noise=True)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn, args) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn, *args, world: int = 2) -> None:
+    mp.spawn(_worker, args=(world, _port(), fn, args), nprocs=world, join=True)
+
+
+def _train_rank(rank: int, cfg: TrainConfig, result: str) -> None:
+    res = train(cfg)
+    torch.save({"epsilon": res["epsilon"], "world_size": res["world_size"], "steps": res["steps"]},
+               f"{result}.{rank}")
+
+
+def _weights(out: Path) -> dict:
+    return load_checkpoint(out)["model"]
+
+
+def _compare(tmp_path: Path, **overrides) -> None:
+    one = dataclasses.replace(BASE, out=str(tmp_path / "one"), **overrides)
+    two = dataclasses.replace(one, out=str(tmp_path / "two"))
+    torch.set_num_threads(1)
+    res1 = train(one)
+    _spawn(_train_rank, two, str(tmp_path / "res"))
+    ranks = [torch.load(tmp_path / f"res.{r}") for r in range(2)]
+    assert res1["world_size"] == 1 and all(r["world_size"] == 2 for r in ranks)
+    assert all(r["epsilon"] == res1["epsilon"] and r["steps"] == res1["steps"] for r in ranks)  # identical
+    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    for k in w1:
+        rel = float((w1[k] - w2[k]).norm() / w1[k].norm())
+        assert rel < 1e-5, f"{k}: relative difference {rel:.2e}"
+    moved = sum(float((w1[k] - _initial(one)[k]).norm()) for k in w1)
+    assert moved > 0.1  # the comparison is of trained weights, not of two untouched inits
+    assert load_checkpoint(tmp_path / "two")["world_size"] == 2
+
+
+def _initial(cfg: TrainConfig) -> dict:
+    from clipbias.run.build import build_run
+    from clipbias.run.splits import splits_for
+    return {k: v.clone() for k, v in build_run(dataclasses.replace(cfg, out=None), splits_for(cfg, None, None))
+            .model.state_dict().items()}
+
+
+@pytest.mark.parametrize("algo, extra", [("dpsgd", {}), ("dice", {}), ("inner-outer", {"K0": 2})])
+def test_two_processes_give_the_single_process_run(tmp_path, algo, extra):
+    _compare(tmp_path, algo=algo, extra=extra)
+
+
+# ---------------------------------------------------------------- a failing rank
+def _nan_rank(rank: int, result: str) -> None:
+    from clipbias.distributed import local_share
+    from clipbias.engine import DPEngine
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    n = 40
+    x, y = torch.randn(n, 4), torch.arange(n) % 3
+    x[1] = float("nan")  # example 1 is owned by rank 1 (1 % 2)
+    eng = DPEngine(model, "dice", n=n, batch_size=n, steps=3, noise_multiplier=1.0, noise_seed=5)
+    before = [p.detach().clone() for p in model.parameters()]
+    ef_before = eng.pipeline.error_feedback.e
+    idx = local_share(torch.arange(n))
+    msg = None
+    try:
+        eng.step(x[idx], y[idx], idx)
+    except NonFiniteGradientError as e:
+        msg = str(e)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    state = (eng.steps_taken, eng.pipeline.error_feedback.e is ef_before, unchanged)
+    x[1] = 0.0  # the ranks are still in step: the next (good) step updates every rank alike
+    eng.step(x[idx], y[idx], idx)
+    torch.save({"msg": msg, "state": state, "w": [p.detach() for p in model.parameters()]}, f"{result}.{rank}")
+
+
+def test_a_failing_rank_stops_every_rank_with_the_same_error(tmp_path):
+    _spawn(_nan_rank, str(tmp_path / "nan"))
+    r0, r1 = (torch.load(tmp_path / f"nan.{r}") for r in range(2))
+    assert r0["msg"] is not None and r0["msg"] == r1["msg"]  # rank 0's data was fine: it stops too
+    assert "example(s) [1]" in r0["msg"] and "rank 1 of 2" in r0["msg"] and "nothing was updated" in r0["msg"]
+    assert r0["state"] == r1["state"] == (0, True, True)
+    assert all(torch.equal(a, b) for a, b in zip(r0["w"], r1["w"]))
+
+
+# ---------------------------------------------------------------- refusals
+def _refuse_rank(rank: int, result: str) -> None:
+    out = {}
+    for algo, extra in (("p-avg", {}), ("dpgd-momentum", {})):
+        cfg = dataclasses.replace(BASE, algo=algo, extra=extra, batch_size=1347 if algo == "dpgd-momentum" else 64)
+        try:
+            train(cfg)
+        except ConfigError as e:
+            out[algo] = str(e)
+    torch.save(out, f"{result}.{rank}")
+
+
+def test_methods_that_cannot_be_split_are_refused_by_name(tmp_path):
+    _spawn(_refuse_rank, str(tmp_path / "refuse"))
+    msgs = torch.load(tmp_path / "refuse.0")
+    assert "p-avg cannot run on 2 processes" in msgs["p-avg"] and "group" in msgs["p-avg"]
+    assert "dpgd-momentum cannot run on 2 processes" in msgs["dpgd-momentum"]
+
+
+# ---------------------------------------------------------------- the command line under torchrun
+def test_torchrun_module_entry_point_and_resume_at_another_world_size(tmp_path):
+    out = tmp_path / "run"
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "clipbias",
+           "train", "--data", "digits", "--model", "logreg", "--algo", "dice", "--noise-multiplier", "1",
+           "--epochs", "1", "--batch-size", "64", "--lr", "0.5", "--seed", "1", "--reproducible-noise",
+           "--quiet", "--threads", "1", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("test accuracy") == 1  # rank 0 alone reports
+    import json
+    res = json.loads((out / "results.json").read_text())
+    assert res["world_size"] == 2 and res["steps"] == 21
+    cfg = dataclasses.replace(BASE, algo="dice", model="logreg", noise_multiplier=1.0, seed=1, out=str(out),
+                              resume=True)
+    with pytest.raises(ResumeMismatchError, match="written by a run on 2 process"):
+        train(cfg)

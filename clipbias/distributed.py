@@ -92,8 +92,8 @@ def reduce_step(proc: Tensor, ref: Tensor | None, losses: Tensor,
     rank's error is shared, so every rank raises the same error and rolls back."""
     import torch.distributed as dist
     d = proc.numel()
-    tail = torch.stack([losses.sum().to(proc), torch.tensor(float(len(losses))),
-                        torch.tensor(1.0 if failure is not None else 0.0)]).to(proc)
+    tail = torch.cat([losses.sum().reshape(1).to(proc),  # on the sums' device: nccl reduces CUDA tensors
+                      proc.new_tensor([float(len(losses)), 1.0 if failure is not None else 0.0])])
     buf = torch.cat([proc, ref if ref is not None else proc.new_zeros(0), tail])
     dist.all_reduce(buf, op=dist.ReduceOp.SUM)
     proc, ref = buf[:d], (buf[d:2 * d] if ref is not None else None)

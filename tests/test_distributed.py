@@ -45,32 +45,15 @@ def _spawn(fn, *args, world: int = 2) -> None:
     mp.spawn(_worker, args=(world, _port(), fn, args), nprocs=world, join=True)
 
 
-def _train_rank(rank: int, cfg: TrainConfig, result: str) -> None:
-    res = train(cfg)
-    torch.save({"epsilon": res["epsilon"], "world_size": res["world_size"], "steps": res["steps"]},
+# inner-outer: past iterates and outer momentum; dpsgd --grad-path fast: the book-keeping sums per rank
+METHODS = [{"algo": "dpsgd"}, {"algo": "dice"}, {"algo": "inner-outer", "extra": {"K0": 2}},
+           {"algo": "dpsgd", "grad_path": "fast"}]
+
+
+def _train_ranks(rank: int, cfgs: list[TrainConfig], result: str) -> None:
+    out = [train(cfg) for cfg in cfgs]
+    torch.save([{"epsilon": r["epsilon"], "world_size": r["world_size"], "steps": r["steps"]} for r in out],
                f"{result}.{rank}")
-
-
-def _weights(out: Path) -> dict:
-    return load_checkpoint(out)["model"]
-
-
-def _compare(tmp_path: Path, **overrides) -> None:
-    one = dataclasses.replace(BASE, out=str(tmp_path / "one"), **overrides)
-    two = dataclasses.replace(one, out=str(tmp_path / "two"))
-    torch.set_num_threads(1)
-    res1 = train(one)
-    _spawn(_train_rank, two, str(tmp_path / "res"))
-    ranks = [torch.load(tmp_path / f"res.{r}") for r in range(2)]
-    assert res1["world_size"] == 1 and all(r["world_size"] == 2 for r in ranks)
-    assert all(r["epsilon"] == res1["epsilon"] and r["steps"] == res1["steps"] for r in ranks)  # identical
-    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
-    for k in w1:
-        rel = float((w1[k] - w2[k]).norm() / w1[k].norm())
-        assert rel < 1e-5, f"{k}: relative difference {rel:.2e}"
-    moved = sum(float((w1[k] - _initial(one)[k]).norm()) for k in w1)
-    assert moved > 0.1  # the comparison is of trained weights, not of two untouched inits
-    assert load_checkpoint(tmp_path / "two")["world_size"] == 2
 
 
 def _initial(cfg: TrainConfig) -> dict:
@@ -80,9 +63,25 @@ def _initial(cfg: TrainConfig) -> dict:
             .model.state_dict().items()}
 
 
-@pytest.mark.parametrize("algo, extra", [("dpsgd", {}), ("dice", {}), ("inner-outer", {"K0": 2})])
-def test_two_processes_give_the_single_process_run(tmp_path, algo, extra):
-    _compare(tmp_path, algo=algo, extra=extra)
+def test_two_processes_give_the_single_process_run(tmp_path):
+    """dpsgd, dice (error feedback), inner-outer (stored iterates, outer momentum) and dpsgd on the
+    fast path: the 2-process weights equal the 1-process ones to 1e-5 relative; epsilon is identical."""
+    torch.set_num_threads(1)
+    ones = [dataclasses.replace(BASE, **m, out=str(tmp_path / f"{i}-1")) for i, m in enumerate(METHODS)]
+    twos = [dataclasses.replace(c, out=str(tmp_path / f"{i}-2")) for i, c in enumerate(ones)]
+    single = [train(c) for c in ones]
+    _spawn(_train_ranks, twos, str(tmp_path / "res"))
+    ranks = [torch.load(tmp_path / f"res.{r}") for r in range(2)]
+    for i, (one, two, res1) in enumerate(zip(ones, twos, single)):
+        assert res1["world_size"] == 1 and all(r[i]["world_size"] == 2 for r in ranks)
+        assert all(r[i]["epsilon"] == res1["epsilon"] and r[i]["steps"] == res1["steps"] == 21 for r in ranks)
+        w1, w2 = load_checkpoint(one.out)["model"], load_checkpoint(two.out)["model"]
+        for k in w1:
+            rel = float((w1[k] - w2[k]).norm() / w1[k].norm())
+            assert rel < 1e-5, f"{one.algo} {k}: relative difference {rel:.2e}"
+        init = _initial(one)
+        assert sum(float((w1[k] - init[k]).norm()) for k in w1) > 0.1  # trained weights, not two inits
+        assert load_checkpoint(two.out)["world_size"] == 2
 
 
 # ---------------------------------------------------------------- a failing rank
@@ -107,35 +106,31 @@ def _nan_rank(rank: int, result: str) -> None:
     state = (eng.steps_taken, eng.pipeline.error_feedback.e is ef_before, unchanged)
     x[1] = 0.0  # the ranks are still in step: the next (good) step updates every rank alike
     eng.step(x[idx], y[idx], idx)
-    torch.save({"msg": msg, "state": state, "w": [p.detach() for p in model.parameters()]}, f"{result}.{rank}")
+    torch.save({"msg": msg, "state": state, "w": [p.detach() for p in model.parameters()],
+                "refused": _refusals()}, f"{result}.{rank}")
 
 
-def test_a_failing_rank_stops_every_rank_with_the_same_error(tmp_path):
+def test_a_failing_rank_stops_every_rank_and_unsplittable_methods_are_refused(tmp_path):
     _spawn(_nan_rank, str(tmp_path / "nan"))
     r0, r1 = (torch.load(tmp_path / f"nan.{r}") for r in range(2))
     assert r0["msg"] is not None and r0["msg"] == r1["msg"]  # rank 0's data was fine: it stops too
     assert "example(s) [1]" in r0["msg"] and "rank 1 of 2" in r0["msg"] and "nothing was updated" in r0["msg"]
     assert r0["state"] == r1["state"] == (0, True, True)
     assert all(torch.equal(a, b) for a, b in zip(r0["w"], r1["w"]))
+    msgs = r0["refused"]
+    assert "p-avg cannot run on 2 processes" in msgs["p-avg"] and "group" in msgs["p-avg"]
+    assert "dpgd-momentum cannot run on 2 processes" in msgs["dpgd-momentum"]
 
 
-# ---------------------------------------------------------------- refusals
-def _refuse_rank(rank: int, result: str) -> None:
+def _refusals() -> dict:
     out = {}
-    for algo, extra in (("p-avg", {}), ("dpgd-momentum", {})):
-        cfg = dataclasses.replace(BASE, algo=algo, extra=extra, batch_size=1347 if algo == "dpgd-momentum" else 64)
+    for algo in ("p-avg", "dpgd-momentum"):
+        cfg = dataclasses.replace(BASE, algo=algo, batch_size=1347 if algo == "dpgd-momentum" else 64)
         try:
             train(cfg)
         except ConfigError as e:
             out[algo] = str(e)
-    torch.save(out, f"{result}.{rank}")
-
-
-def test_methods_that_cannot_be_split_are_refused_by_name(tmp_path):
-    _spawn(_refuse_rank, str(tmp_path / "refuse"))
-    msgs = torch.load(tmp_path / "refuse.0")
-    assert "p-avg cannot run on 2 processes" in msgs["p-avg"] and "group" in msgs["p-avg"]
-    assert "dpgd-momentum cannot run on 2 processes" in msgs["dpgd-momentum"]
+    return out
 
 
 # ---------------------------------------------------------------- the command line under torchrun

@@ -76,13 +76,35 @@ def broadcast_ints(values: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(int(v) for v in box[0])
 
 
-def local_share(indices: Tensor) -> Tensor:
-    """This rank's share of a global batch: the indices i with ``i % world == rank`` (all of them for
-    one process). Every example has one owner across all steps, whatever the batch."""
+def local_share(indices: Tensor, owners: Tensor | None = None) -> Tensor:
+    """This rank's share of a global batch: the indices whose owner is this rank (all of them for
+    one process). ``owners`` defaults to ``index % world``: every example has one owner across all
+    steps, whatever the batch (``RowSource.owners`` may group examples otherwise: p-avg)."""
     rank, world = context()
     if world == 1:
         return indices
-    return indices[indices % world == rank]
+    return indices[(indices % world if owners is None else owners) == rank]
+
+
+def merge_owned(buf: Tensor | None, seen: Tensor | None, n: int) -> tuple[Tensor | None, Tensor | None]:
+    """Per-example state ``buf [n, d]`` (with its ``seen [n]`` flags) of which each rank holds the
+    rows of the examples it owns (``i % world == rank``): the whole state, on every rank (a collective:
+    every rank calls it; a checkpoint holds all rows). Rows a rank does not own are ignored."""
+    rank, world = context()
+    if world == 1:
+        return buf, seen
+    import torch.distributed as dist
+    shapes = gather_objects(None if buf is None else (tuple(buf.shape), str(buf.device)))
+    first = next((s for s in shapes if s is not None), None)
+    if first is None:
+        return None, None
+    dev = buf.device if buf is not None else torch.device(first[1] if "cuda" not in first[1] else "cuda")
+    own = (torch.arange(n, device=dev) % world == rank)
+    whole = torch.zeros(first[0], device=dev) if buf is None else buf * own.unsqueeze(1).to(buf)
+    flags = torch.zeros(n, device=dev) if seen is None else (seen.to(dev) & own).to(whole)
+    dist.all_reduce(whole, op=dist.ReduceOp.SUM)
+    dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+    return whole, flags > 0
 
 
 def reduce_step(proc: Tensor, ref: Tensor | None, losses: Tensor,

@@ -165,7 +165,7 @@ class DPEngine:
         """One logical step on the Poisson batch ``(x, y)``; returns the per-example losses.
 
         In a process group of N ranks, ``(x, y, indices)`` is this rank's share of the global batch
-        (``distributed.local_share`` of the sampled indices; ``run_steps`` does it): the partial sums
+        (``engine.local_share`` of the sampled indices; ``run_steps`` does it): the partial sums
         are all-reduced once and every rank applies the same update. ``last_loss`` is the global
         (loss sum, example count) of the step.
 
@@ -207,6 +207,13 @@ class DPEngine:
         self.steps_taken += 1
         return mine if losses else torch.zeros(0)
 
+    def local_share(self, indices: Tensor) -> Tensor:
+        """This rank's share of the global sample ``indices`` (all of it with one process): the
+        examples the row source assigns to this rank at the coming step (``RowSource.owners``)."""
+        if self.world_size == 1:
+            return indices
+        return distributed.local_share(indices, self.rows.owners(indices, self.steps_taken, self.world_size))
+
     def _check_step(self, x: Tensor, y: Tensor, indices: Tensor | None) -> None:
         """Refuse a step that cannot be taken: budget spent, mismatched lengths, float labels."""
         if self.steps_taken >= self.total_steps and self.algo.private:
@@ -221,7 +228,7 @@ class DPEngine:
                               f"loss, got {y.dtype}; convert them with y.long() or pass your own loss_fn")
         if self.world_size > 1 and indices is None:
             raise ConfigError(f"in a process group of {self.world_size} ranks, step needs the example indices of "
-                              f"this rank's share (distributed.local_share(engine.sampler.sample())): the keyed "
+                              f"this rank's share (engine.local_share(engine.sampler.sample())): the keyed "
                               f"per-example draws and the shares are defined by them")
 
     def _sums(self, x: Tensor, y: Tensor, indices: Tensor | None):
@@ -320,7 +327,7 @@ def _same(a, b) -> bool:
 def _check_distributed(name: str, rows: RowSource, pipeline) -> int:
     """The world size of the process group (1 without one), after refusing what cannot be split:
     a row source or stage whose rows are not a sum over examples that each rank can compute alone
-    declares why in ``distributed_refusal`` (p-avg's group means, dpgd-momentum's per-example buffer)."""
+    declares why in ``distributed_refusal`` (none of the built-in methods does; a user's source may)."""
     world = distributed.context()[1]
     if world == 1:
         return 1
@@ -328,7 +335,7 @@ def _check_distributed(name: str, rows: RowSource, pipeline) -> int:
         (s.distributed_refusal for _, s in pipeline.named_stages() if getattr(s, "distributed_refusal", None)), None)
     if why:
         raise ConfigError(f"--algo {name} cannot run on {world} processes: {why}. Run it with one process "
-                          f"(plain `clipbias train`), or choose a per-example method (dpsgd, dice, inner-outer, ...)")
+                          f"(plain `clipbias train`)")
     return world
 
 
@@ -343,7 +350,7 @@ def run_steps(engine: DPEngine, x: Tensor, y: Tensor, steps: int | None = None, 
     it: progress bars, diagnostics, iterate traces. Used by training, the toy problems and the
     diagnostics recorder alike. ``x``/``y`` may live on the GPU; the indices stay on the CPU. In a
     process group every rank holds the whole ``(x, y)``, draws the same global sample and steps on its
-    share (``distributed.local_share``); ``after`` gets this rank's losses, the sums are global.
+    share (``engine.local_share``); ``after`` gets this rank's losses, the sums are global.
     """
     total, count = 0.0, 0
     for _ in range(engine.total_steps - engine.steps_taken if steps is None else steps):
@@ -351,7 +358,7 @@ def run_steps(engine: DPEngine, x: Tensor, y: Tensor, steps: int | None = None, 
             break
         if before is not None:
             before(engine)
-        idx = distributed.local_share(engine.sampler.sample())  # all of it with one process
+        idx = engine.local_share(engine.sampler.sample())  # all of it with one process
         idx_dev = idx.to(x.device) if x.device.type != "cpu" else idx
         losses = engine.step(x[idx_dev], y[idx_dev], idx)
         total, count = total + engine.last_loss[0], count + engine.last_loss[1]  # global sums

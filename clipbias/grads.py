@@ -162,6 +162,12 @@ class RowSource(abc.ABC):
                   max_physical_batch: int) -> Iterator[Rows]:
         """The rows of the logical batch ``(x, y)`` (example ids ``indices``) at ``step``."""
 
+    def owners(self, indices: Tensor, step: int, world: int) -> Tensor:
+        """The rank that processes each sampled example at ``step`` in a process group of ``world``
+        ranks (``clipbias.distributed``): ``index % world`` by default, so an example's per-example
+        state stays on one rank. A source whose rows combine several examples owns them together."""
+        return indices % world
+
     def probe(self, x: Tensor, y: Tensor, max_physical_batch: int = 512) -> Tensor:
         """The rows this source would produce for ``(x, y)``, with probe randomness; pure."""
         parts = [g for g, _, _ in self.iter_rows(x, y, None, PROBE_STEP, max_physical_batch)]

@@ -177,12 +177,13 @@ def _save(run: Run, out: Path, epoch: int, history: list[dict], wall: float) -> 
     RNG states, which drive dropout, are gathered)."""
     dev, info = run.device, run.splits.info
     rngs = distributed.gather_objects(torch.get_rng_state())
+    engine_state = to_cpu(run.engine.state_dict())  # a collective for per-example state (dpgd-momentum)
     if distributed.context()[0] != 0:
         return
     save_private({
         "PRIVATE": PRIVATE_NOTE, "format": CHECKPOINT_FORMAT, "epoch": epoch + 1,
         "model": {k: v.detach().cpu() for k, v in run.model.state_dict().items()},
-        "engine": to_cpu(run.engine.state_dict()), "torch_rng": torch.get_rng_state(),
+        "engine": engine_state, "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None,
         "history": history, "config": run.cfg.to_dict(), "input_shape": list(info["input_shape"]),
         "num_classes": info["num_classes"], "wall_time_s": wall,

@@ -45,8 +45,11 @@ def _spawn(fn, *args, world: int = 2) -> None:
     mp.spawn(_worker, args=(world, _port(), fn, args), nprocs=world, join=True)
 
 
-# inner-outer: past iterates and outer momentum; dpsgd --grad-path fast: the book-keeping sums per rank
+# inner-outer: past iterates and outer momentum; dpgd-momentum: one momentum buffer per example (full
+# batch, 3 steps), sharded by owner and gathered into the checkpoint; p-avg: groups processed whole by
+# one rank; dpsgd --grad-path fast: the book-keeping sums per rank
 METHODS = [{"algo": "dpsgd"}, {"algo": "dice"}, {"algo": "inner-outer", "extra": {"K0": 2}},
+           {"algo": "dpgd-momentum", "batch_size": 1347, "epochs": 3}, {"algo": "p-avg"},
            {"algo": "dpsgd", "grad_path": "fast"}]
 
 
@@ -64,8 +67,9 @@ def _initial(cfg: TrainConfig) -> dict:
 
 
 def test_two_processes_give_the_single_process_run(tmp_path):
-    """dpsgd, dice (error feedback), inner-outer (stored iterates, outer momentum) and dpsgd on the
-    fast path: the 2-process weights equal the 1-process ones to 1e-5 relative; epsilon is identical."""
+    """dpsgd, dice (error feedback), inner-outer (stored iterates, outer momentum), dpgd-momentum
+    (per-example state), p-avg (group rows) and dpsgd on the fast path: the 2-process weights equal
+    the 1-process ones to 1e-5 relative, epsilon is identical, and so is the private per-example state."""
     torch.set_num_threads(1)
     ones = [dataclasses.replace(BASE, **m, out=str(tmp_path / f"{i}-1")) for i, m in enumerate(METHODS)]
     twos = [dataclasses.replace(c, out=str(tmp_path / f"{i}-2")) for i, c in enumerate(ones)]
@@ -74,7 +78,7 @@ def test_two_processes_give_the_single_process_run(tmp_path):
     ranks = [torch.load(tmp_path / f"res.{r}") for r in range(2)]
     for i, (one, two, res1) in enumerate(zip(ones, twos, single)):
         assert res1["world_size"] == 1 and all(r[i]["world_size"] == 2 for r in ranks)
-        assert all(r[i]["epsilon"] == res1["epsilon"] and r[i]["steps"] == res1["steps"] == 21 for r in ranks)
+        assert all(r[i]["epsilon"] == res1["epsilon"] and r[i]["steps"] == res1["steps"] > 1 for r in ranks)
         w1, w2 = load_checkpoint(one.out)["model"], load_checkpoint(two.out)["model"]
         for k in w1:
             rel = float((w1[k] - w2[k]).norm() / w1[k].norm())
@@ -82,11 +86,13 @@ def test_two_processes_give_the_single_process_run(tmp_path):
         init = _initial(one)
         assert sum(float((w1[k] - init[k]).norm()) for k in w1) > 0.1  # trained weights, not two inits
         assert load_checkpoint(two.out)["world_size"] == 2
+    buf1, buf2 = (load_checkpoint(c.out)["engine"]["pipeline"]["per_sample.0"] for c in (ones[3], twos[3]))
+    assert bool(buf2["seen"].all()) and torch.equal(buf1["seen"], buf2["seen"])  # every example's buffer
+    assert float((buf1["buf"] - buf2["buf"]).norm() / buf1["buf"].norm()) < 1e-5  # gathered from 2 ranks
 
 
 # ---------------------------------------------------------------- a failing rank
 def _nan_rank(rank: int, result: str) -> None:
-    from clipbias.distributed import local_share
     from clipbias.engine import DPEngine
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
@@ -96,7 +102,7 @@ def _nan_rank(rank: int, result: str) -> None:
     eng = DPEngine(model, "dice", n=n, batch_size=n, steps=3, noise_multiplier=1.0, noise_seed=5)
     before = [p.detach().clone() for p in model.parameters()]
     ef_before = eng.pipeline.error_feedback.e
-    idx = local_share(torch.arange(n))
+    idx = eng.local_share(torch.arange(n))
     msg = None
     try:
         eng.step(x[idx], y[idx], idx)
@@ -110,27 +116,31 @@ def _nan_rank(rank: int, result: str) -> None:
                 "refused": _refusals()}, f"{result}.{rank}")
 
 
-def test_a_failing_rank_stops_every_rank_and_unsplittable_methods_are_refused(tmp_path):
+def test_a_failing_rank_stops_every_rank_and_unsplittable_sources_are_refused(tmp_path):
     _spawn(_nan_rank, str(tmp_path / "nan"))
     r0, r1 = (torch.load(tmp_path / f"nan.{r}") for r in range(2))
     assert r0["msg"] is not None and r0["msg"] == r1["msg"]  # rank 0's data was fine: it stops too
     assert "example(s) [1]" in r0["msg"] and "rank 1 of 2" in r0["msg"] and "nothing was updated" in r0["msg"]
     assert r0["state"] == r1["state"] == (0, True, True)
     assert all(torch.equal(a, b) for a, b in zip(r0["w"], r1["w"]))
-    msgs = r0["refused"]
-    assert "p-avg cannot run on 2 processes" in msgs["p-avg"] and "group" in msgs["p-avg"]
-    assert "dpgd-momentum cannot run on 2 processes" in msgs["dpgd-momentum"]
+    assert "dpsgd cannot run on 2 processes: this source needs the whole batch" in r0["refused"]
 
 
-def _refusals() -> dict:
-    out = {}
-    for algo in ("p-avg", "dpgd-momentum"):
-        cfg = dataclasses.replace(BASE, algo=algo, batch_size=1347 if algo == "dpgd-momentum" else 64)
-        try:
-            train(cfg)
-        except ConfigError as e:
-            out[algo] = str(e)
-    return out
+def _refusals() -> str | None:
+    """A row source that declares it cannot be split is refused by name before any work."""
+    from clipbias.engine import DPEngine
+    from clipbias.grads import FuncGradients, PerExampleRows
+
+    class WholeBatch(PerExampleRows):
+        distributed_refusal = "this source needs the whole batch"
+
+    model = torch.nn.Linear(4, 3)
+    try:
+        DPEngine(model, "dpsgd", n=10, batch_size=5, steps=1, noise_multiplier=1.0,
+                 grads=WholeBatch(FuncGradients(model)))
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 # ---------------------------------------------------------------- the command line under torchrun

@@ -57,9 +57,6 @@ class GroupClip(Clip):
 class GroupMeanGradients(RowSource):
     """Rows = means of the per-example gradients of each non-empty random group (one yield per step)."""
 
-    distributed_refusal = ("a group mean needs every member's gradient, and the members of a group lie on "
-                           "different ranks; the clipped group means are not a sum of per-rank parts")
-
     def __init__(self, model: nn.Module, loss_fn: LossFn, p: int, groups: int, seed: int = 0) -> None:
         self.fg = FuncGradients(model, loss_fn)
         self.layout = self.fg.layout
@@ -68,6 +65,11 @@ class GroupMeanGradients(RowSource):
     def assign(self, keys: list[int], step: int, groups: int | None = None) -> Tensor:
         """Each key's group in ``[0, groups)``: uniform, independent, fresh per step."""
         return keyed_ints(self.seed, GROUP, step, keys, 1, groups or self.groups).flatten()
+
+    def owners(self, indices: Tensor, step: int, world: int) -> Tensor:
+        """A group is processed whole by one rank (``group % world``): the clipped group means of the
+        ranks then add up to the one-process sum (clipping a mean is not additive over its members)."""
+        return self.assign([int(i) for i in indices], step) % world
 
     def iter_rows(self, x: Tensor, y: Tensor, indices: Tensor | None, step: int, max_physical_batch: int,
                   groups: int | None = None) -> Iterator[tuple[Tensor, Tensor, Tensor | None]]:

@@ -113,7 +113,19 @@ def _nan_rank(rank: int, result: str) -> None:
     x[1] = 0.0  # the ranks are still in step: the next (good) step updates every rank alike
     eng.step(x[idx], y[idx], idx)
     torch.save({"msg": msg, "state": state, "w": [p.detach() for p in model.parameters()],
-                "refused": _refusals()}, f"{result}.{rank}")
+                "refused": _refusals(), "secret": _secret_streams_run()}, f"{result}.{rank}")
+
+
+def _secret_streams_run() -> list:
+    """Weights after 3 steps with OS-CSPRNG streams (no noise seed): each rank drew its own seeds, and
+    only rank 0's, broadcast, keep the ranks on one sample and one noise."""
+    from clipbias.engine import DPEngine, run_steps
+    torch.manual_seed(1)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(60, 4), torch.arange(60) % 3
+    eng = DPEngine(model, "dice", n=60, batch_size=20, steps=3, noise_multiplier=1.0)
+    run_steps(eng, x, y)
+    return [p.detach().clone() for p in model.parameters()]
 
 
 def test_a_failing_rank_stops_every_rank_and_unsplittable_sources_are_refused(tmp_path):
@@ -123,6 +135,7 @@ def test_a_failing_rank_stops_every_rank_and_unsplittable_sources_are_refused(tm
     assert "example(s) [1]" in r0["msg"] and "rank 1 of 2" in r0["msg"] and "nothing was updated" in r0["msg"]
     assert r0["state"] == r1["state"] == (0, True, True)
     assert all(torch.equal(a, b) for a, b in zip(r0["w"], r1["w"]))
+    assert all(torch.equal(a, b) for a, b in zip(r0["secret"], r1["secret"]))  # secret seeds: one run
     assert "dpsgd cannot run on 2 processes: this source needs the whole batch" in r0["refused"]
 
 

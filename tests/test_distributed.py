@@ -114,6 +114,24 @@ def _nan_rank(rank: int, result: str) -> None:
     eng.step(x[idx], y[idx], idx)
     torch.save({"msg": msg, "state": state, "w": [p.detach() for p in model.parameters()],
                 "refused": _refusals(), "secret": _secret_streams_run()}, f"{result}.{rank}")
+    _interrupted_and_resumed(Path(result).parent / "resumed")
+
+
+class _Stop(Exception):
+    pass
+
+
+def _interrupted_and_resumed(out: Path) -> None:
+    """dpgd-momentum (per-example buffers) on 2 ranks, stopped after epoch 1 of 3, resumed."""
+    cfg = dataclasses.replace(RESUMED, out=str(out))
+
+    def stop(rec: dict) -> None:
+        if rec["epoch"] == 1:
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        train(cfg, on_epoch_end=stop)
+    train(dataclasses.replace(cfg, resume=True))
 
 
 def _secret_streams_run() -> list:
@@ -128,8 +146,20 @@ def _secret_streams_run() -> list:
     return [p.detach().clone() for p in model.parameters()]
 
 
+RESUMED = dataclasses.replace(BASE, algo="dpgd-momentum", batch_size=1347, epochs=3)
+
+
 def test_a_failing_rank_stops_every_rank_and_unsplittable_sources_are_refused(tmp_path):
+    """Also: a 2-rank run checkpointed by rank 0 (the per-example buffers gathered), stopped and
+    resumed at 2 ranks, ends where one uninterrupted process ends."""
     _spawn(_nan_rank, str(tmp_path / "nan"))
+    straight = dataclasses.replace(RESUMED, out=str(tmp_path / "straight"))
+    train(straight)
+    w1, w2 = load_checkpoint(straight.out)["model"], load_checkpoint(tmp_path / "resumed")["model"]
+    assert all(float((w1[k] - w2[k]).norm() / w1[k].norm()) < 1e-5 for k in w1)
+    assert load_checkpoint(tmp_path / "resumed")["epoch"] == 3
+    b1, b2 = (load_checkpoint(d)["engine"]["pipeline"]["per_sample.0"]["buf"] for d in (straight.out, tmp_path / "resumed"))
+    assert float((b1 - b2).norm() / b1.norm()) < 1e-5  # each example's buffer once, after a resume too
     r0, r1 = (torch.load(tmp_path / f"nan.{r}") for r in range(2))
     assert r0["msg"] is not None and r0["msg"] == r1["msg"]  # rank 0's data was fine: it stops too
     assert "example(s) [1]" in r0["msg"] and "rank 1 of 2" in r0["msg"] and "nothing was updated" in r0["msg"]

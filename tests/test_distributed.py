@@ -200,6 +200,9 @@ def test_torchrun_module_entry_point_and_resume_at_another_world_size(tmp_path):
     import json
     res = json.loads((out / "results.json").read_text())
     assert res["world_size"] == 2 and res["steps"] == 21
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert again.returncode != 0  # rank 0 found a finished run in --out: every rank stops (none waits)
+    assert again.stderr.count("clipbias train: error: --out") == 2 and "already holds" in again.stderr
     cfg = dataclasses.replace(BASE, algo="dice", model="logreg", noise_multiplier=1.0, seed=1, out=str(out),
                               resume=True)
     with pytest.raises(ResumeMismatchError, match="written by a run on 2 process"):

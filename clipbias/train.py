@@ -66,7 +66,7 @@ def train(config: TrainConfig, **kwargs: Any) -> dict:
     """
     config.validate()
     if not config.out:
-        return _train(config, None, **kwargs)
+        return _train(config, open_run_dir(None, config), **kwargs)  # refuses --resume without --out
     with contextlib.ExitStack() as held:
         ckpt = distributed.from_rank0(lambda: _open(config, held))
         return _train(config, ckpt, **kwargs)

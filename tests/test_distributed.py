@@ -66,6 +66,7 @@ def _initial(cfg: TrainConfig) -> dict:
             .model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_single_process_run(tmp_path):
     """dpsgd, dice (error feedback), inner-outer (stored iterates, outer momentum), dpgd-momentum
     (per-example state), p-avg (group rows) and dpsgd on the fast path: the 2-process weights equal

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from . import algorithms, privacy
+from . import algorithms, distributed, privacy
 from .config import AlgoConfig
 from .errors import ClipbiasError, ConfigError, ResumeMismatchError
 from .fastclip import BookKeeping, why_unsupported
@@ -139,7 +139,8 @@ class DPEngine:
 
         self.model = model
         device = next(model.parameters()).device
-        sampler_seed, noise_stream_seed, self.keyed_seed = secret_streams(noise_seed)
+        # in a process group every rank runs rank 0's secret streams: one global sample, one noise draw
+        sampler_seed, noise_stream_seed, self.keyed_seed = distributed.broadcast_ints(secret_streams(noise_seed))
         own_rows = grads is None
         if grads is None:  # an algorithm may compute its rows differently (group means, momenta, ...)
             grads = self.algo.row_source(model, loss_fn, self.config, n=n, batch_size=self.expected_batch_size,
@@ -154,7 +155,8 @@ class DPEngine:
         self.max_physical_batch = max_physical_batch
         self._aggregate, self.grad_path_note = self._fast_path(grad_path, own_rows, model, loss_fn)
         self.fast = self._aggregate if isinstance(self._aggregate, BookKeeping) else None
-        self.steps_taken = 0
+        self.world_size = _check_distributed(self.algo.name, self.rows, self.pipeline)
+        self.steps_taken, self.last_loss = 0, (0.0, 0)
         self.settings = PrivacySettings(algorithm, n, self.sample_rate, steps, z, delta, accountant,
                                         dice_accounting, self.config.clip, self.config.ef_clip,
                                         self.config.grad_bound, self.config.gamma, epsilon,
@@ -164,9 +166,58 @@ class DPEngine:
     def step(self, x: Tensor, y: Tensor, indices: Tensor | None = None) -> Tensor:
         """One logical step on the Poisson batch ``(x, y)``; returns the per-example losses.
 
+        In a process group of N ranks, ``(x, y, indices)`` is this rank's share of the global batch
+        (``engine.local_share`` of the sampled indices; ``run_steps`` does it): the partial sums
+        are all-reduced once and every rank applies the same update. ``last_loss`` is the global
+        (loss sum, example count) of the step.
+
         Raises before changing anything (model, optimizer, error feedback, accountant) if a
-        per-example gradient is not finite.
+        per-example gradient is not finite, on every rank when one rank's is not.
         """
+        self._check_step(x, y, indices)
+        d = self.rows.layout.dim
+        dev = self.params[0].device
+        ref_sum = torch.zeros(d, device=dev) if self.pipeline.error_feedback is not None else None
+        proc_sum = torch.zeros(d, device=dev)
+        losses, failure = [], None
+        torch_rng = torch.get_rng_state()  # dropout draws of the model (randomness="different")
+        try:
+            for r, p, loss in self._sums(x, y, indices):
+                if ref_sum is not None:
+                    ref_sum += r
+                proc_sum += p
+                losses.append(loss)
+        except ClipbiasError as err:  # a micro-batch failed (NaN, bad shape)
+            failure = err
+        mine = torch.cat(losses) if losses else torch.zeros(0, device=dev)
+        self.last_loss = (float(mine.sum()), len(mine))
+        if self.world_size > 1:  # the one all-reduce of the step: global sums, and did any rank fail
+            proc_sum, ref_sum, loss_sum, count, failure = distributed.reduce_step(proc_sum, ref_sum, mine, failure)
+            self.last_loss = (loss_sum, count)
+        if failure is not None:  # every stage drops what it staged, on every rank
+            torch.set_rng_state(torch_rng)
+            self.rows.rollback()
+            self.pipeline.rollback()
+            raise failure
+        update = self.pipeline.finish(proc_sum, ref_sum)
+        for param, u in zip(self.params, self.rows.layout.unflatten(update)):
+            param.grad = u.to(param.dtype)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pipeline.commit()
+        self.rows.commit()
+        self.steps_taken += 1
+        return mine if losses else torch.zeros(0)
+
+    def local_share(self, indices: Tensor) -> Tensor:
+        """This rank's share of the global sample ``indices`` (all of it with one process): the
+        examples the row source assigns to this rank at the coming step (``RowSource.owners``)."""
+        if self.world_size == 1:
+            return indices
+        return distributed.local_share(indices, self.rows.owners(indices, self.steps_taken, self.world_size))
+
+    def _check_step(self, x: Tensor, y: Tensor, indices: Tensor | None) -> None:
+        """Refuse a step that cannot be taken: budget spent, mismatched lengths, float labels."""
         if self.steps_taken >= self.total_steps and self.algo.private:
             raise ConfigError(f"the privacy budget covers {self.total_steps} steps and all were taken; "
                               f"start a new run with more --epochs to train longer")
@@ -177,32 +228,10 @@ class DPEngine:
         if self.loss_fn is cross_entropy and y.is_floating_point():
             raise ConfigError(f"labels must be integer class indices (torch.long) for the default cross-entropy "
                               f"loss, got {y.dtype}; convert them with y.long() or pass your own loss_fn")
-        d = self.rows.layout.dim
-        dev = self.params[0].device
-        ref_sum = torch.zeros(d, device=dev) if self.pipeline.error_feedback is not None else None
-        proc_sum = torch.zeros(d, device=dev)
-        losses = []
-        torch_rng = torch.get_rng_state()  # dropout draws of the model (randomness="different")
-        try:
-            for r, p, loss in self._sums(x, y, indices):
-                if ref_sum is not None:
-                    ref_sum += r
-                proc_sum += p
-                losses.append(loss)
-        except ClipbiasError:  # a micro-batch failed (NaN, bad shape): every stage drops what it staged
-            torch.set_rng_state(torch_rng)
-            self.rows.rollback()
-            self.pipeline.rollback()
-            raise
-        update = self.pipeline.finish(proc_sum, ref_sum)
-        for param, u in zip(self.params, self.rows.layout.unflatten(update)):
-            param.grad = u.to(param.dtype)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.pipeline.commit()
-        self.rows.commit()
-        self.steps_taken += 1
-        return torch.cat(losses) if losses else torch.zeros(0)
+        if self.world_size > 1 and indices is None:
+            raise ConfigError(f"in a process group of {self.world_size} ranks, step needs the example indices of "
+                              f"this rank's share (engine.local_share(engine.sampler.sample())): the keyed "
+                              f"per-example draws and the shares are defined by them")
 
     def _sums(self, x: Tensor, y: Tensor, indices: Tensor | None):
         """(reference sum, processed sum, losses) per physical micro-batch, through the rows or a
@@ -311,6 +340,22 @@ def _same(a, b) -> bool:
 AUTO_ROWS_BYTES = 2 * 2**30
 """``grad_path="auto"`` takes the fast path when one micro-batch of float32 rows would exceed this."""
 
+
+def _check_distributed(name: str, rows: RowSource, pipeline) -> int:
+    """The world size of the process group (1 without one), after refusing what cannot be split:
+    a row source or stage whose rows are not a sum over examples that each rank can compute alone
+    declares why in ``distributed_refusal`` (none of the built-in methods does; a user's source may)."""
+    world = distributed.context()[1]
+    if world == 1:
+        return 1
+    why = getattr(rows, "distributed_refusal", None) or next(
+        (s.distributed_refusal for _, s in pipeline.named_stages() if getattr(s, "distributed_refusal", None)), None)
+    if why:
+        raise ConfigError(f"--algo {name} cannot run on {world} processes: {why}. Run it with one process "
+                          f"(plain `clipbias train`)")
+    return world
+
+
 StepHook = Callable[[DPEngine, Tensor], None]
 
 
@@ -320,7 +365,9 @@ def run_steps(engine: DPEngine, x: Tensor, y: Tensor, steps: int | None = None, 
     in-memory ``(x, y)``, stopping at ``engine.total_steps``; returns (sum of the example losses,
     number of examples). ``before(engine)`` runs before each step, ``after(engine, losses)`` after
     it: progress bars, diagnostics, iterate traces. Used by training, the toy problems and the
-    diagnostics recorder alike. ``x``/``y`` may live on the GPU; the indices stay on the CPU.
+    diagnostics recorder alike. ``x``/``y`` may live on the GPU; the indices stay on the CPU. In a
+    process group every rank holds the whole ``(x, y)``, draws the same global sample and steps on its
+    share (``engine.local_share``); ``after`` gets this rank's losses, the sums are global.
     """
     total, count = 0.0, 0
     for _ in range(engine.total_steps - engine.steps_taken if steps is None else steps):
@@ -328,10 +375,10 @@ def run_steps(engine: DPEngine, x: Tensor, y: Tensor, steps: int | None = None, 
             break
         if before is not None:
             before(engine)
-        idx = engine.sampler.sample()
+        idx = engine.local_share(engine.sampler.sample())  # all of it with one process
         idx_dev = idx.to(x.device) if x.device.type != "cpu" else idx
         losses = engine.step(x[idx_dev], y[idx_dev], idx)
-        total, count = total + float(losses.sum()), count + len(losses)
+        total, count = total + engine.last_loss[0], count + engine.last_loss[1]  # global sums
         if after is not None:
             after(engine, losses)
     return total, count

@@ -4,7 +4,8 @@
 batch's rows micro-batch by micro-batch, with staged state (``commit``/``rollback``) and a
 checkpointable ``state_dict``. ``PerExampleRows`` wraps any ``PerSampleGradients`` function; today
 that is ``FuncGradients`` (``torch.func``: ``functional_call`` + ``vmap(grad)``); a ghost-norm /
-book-keeping backend and a torch.distributed backend implement the same protocol later. Gradients come back *flattened*, one row per example, in the order of
+book-keeping fast path (``clipbias.fastclip``) computes the same sums without rows; under
+torch.distributed each rank runs its source on its share of the batch (``clipbias.distributed``). Gradients come back *flattened*, one row per example, in the order of
 ``ParamLayout``: every later stage (clip, normalise, error feedback) is then plain tensor algebra on
 a ``[b, d]`` matrix with the global L2 norm over all trainable parameters.
 """
@@ -185,11 +186,20 @@ class RowSource(abc.ABC):
 
     layout: ParamLayout
     seed: int = 0
+    # why this source cannot be split over the ranks of a process group (None: its rows are per
+    # example, so each rank computes the rows of its share and the sums add up; clipbias.distributed)
+    distributed_refusal: str | None = None
 
     @abc.abstractmethod
     def iter_rows(self, x: Tensor, y: Tensor, indices: Tensor | None, step: int,
                   max_physical_batch: int) -> Iterator[Rows]:
         """The rows of the logical batch ``(x, y)`` (example ids ``indices``) at ``step``."""
+
+    def owners(self, indices: Tensor, step: int, world: int) -> Tensor:
+        """The rank that processes each sampled example at ``step`` in a process group of ``world``
+        ranks (``clipbias.distributed``): ``index % world`` by default, so an example's per-example
+        state stays on one rank. A source whose rows combine several examples owns them together."""
+        return indices % world
 
     def probe(self, x: Tensor, y: Tensor, max_physical_batch: int = 512) -> Tensor:
         """The rows this source would produce for ``(x, y)``, with probe randomness; pure."""

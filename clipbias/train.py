@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -30,9 +31,10 @@ from typing import Any, Callable
 
 import torch
 
+from . import distributed
 from .data import Dataset
 from .engine import run_steps
-from .errors import ConfigError, TrainingDivergedError
+from .errors import ConfigError, ResumeMismatchError, TrainingDivergedError
 from .files import run_lock
 from .run.build import Run, build_run, evaluate
 from .run.checkpoint import (CHECKPOINT, CHECKPOINT_FORMAT, PRIVATE_NOTE, check_out_dir, export_weights,
@@ -57,31 +59,43 @@ def train(config: TrainConfig, **kwargs: Any) -> dict:
     written (raising from it interrupts the run, which ``resume=True`` continues). ``progress`` shows
     a tqdm bar; ``checkpoint`` and ``plot`` (default True) write ``checkpoint.pt`` and ``curves.png``.
     ``out`` is locked for the run: a second run on the same directory is refused.
+
+    Inside an initialised torch.distributed process group every rank calls ``train`` with the same
+    config: each steps on its share of every global Poisson batch (``clipbias.distributed``), and
+    rank 0 alone touches ``out`` (lock, checkpoint, results) and broadcasts what the others need.
     """
     config.validate()
     if not config.out:
-        return _train(config, **kwargs)
-    check_out_dir(Path(config.out))
-    with run_lock(Path(config.out)):
-        return _train(config, **kwargs)
+        return _train(config, open_run_dir(None, config), **kwargs)  # refuses --resume without --out
+    with contextlib.ExitStack() as held:
+        ckpt = distributed.from_rank0(lambda: _open(config, held))
+        return _train(config, ckpt, **kwargs)
 
 
-def _train(config: TrainConfig, *, dataset: Dataset | None = None, splits: Splits | None = None,
+def _open(config: TrainConfig, held: contextlib.ExitStack) -> dict | None:
+    """Check and lock the run directory (held until ``held`` closes); the checkpoint to resume, or None."""
+    out = Path(config.out)
+    check_out_dir(out)
+    held.enter_context(run_lock(out))
+    return open_run_dir(out, config)
+
+
+def _train(config: TrainConfig, ckpt: dict | None, *, dataset: Dataset | None = None, splits: Splits | None = None,
            progress: bool = False, on_start: Callable[[dict], None] | None = None,
            on_epoch_end: Callable[[dict], None] | None = None, checkpoint: bool = True,
            plot: bool = True) -> dict:
     t_start = time.perf_counter()
     cfg = config.validate()
     out = Path(cfg.out) if cfg.out else None
-    ckpt = open_run_dir(out, cfg)
     run = build_run(cfg, splits_for(cfg, splits, dataset))
     history, start_epoch, prior_time = _restore(run, ckpt)
-    if out is not None and ckpt is None:  # --overwrite: the old run is set aside only now, once the new one is built
+    lead = distributed.context()[0] == 0  # rank 0 writes the files; every rank trains
+    if out is not None and ckpt is None and lead:  # --overwrite: the old run is set aside only now, once built
         set_aside(out)
     head = header(run, cfg, start_epoch if ckpt is not None else None)
-    if on_start is not None:
+    if on_start is not None and lead:
         on_start(head)
-    bar = _Progress(run, cfg, history) if progress else None
+    bar = _Progress(run, cfg, history) if progress and lead else None
     try:
         for epoch in range(start_epoch, cfg.epochs):
             rec = _epoch(run, epoch, bar)
@@ -95,7 +109,7 @@ def _train(config: TrainConfig, *, dataset: Dataset | None = None, splits: Split
         if bar is not None:
             bar.close()
     res = results(run, cfg, head, history, prior_time + time.perf_counter() - t_start, ckpt is not None)
-    if out is not None:
+    if out is not None and lead:
         write_json(res, out / RESULTS)
         if plot:
             from .plots import plot_curves
@@ -108,9 +122,16 @@ def _restore(run: Run, ckpt: dict | None) -> tuple[list[dict], int, float]:
     """Continue from a checkpoint: (history, the epoch to start at, the wall time already spent)."""
     if ckpt is None:
         return [], 0, 0.0
+    rank, world = distributed.context()
+    if ckpt.get("world_size", 1) != world:
+        raise ResumeMismatchError(
+            f"cannot resume: the checkpoint was written by a run on {ckpt.get('world_size', 1)} process(es), this "
+            f"one has {world}. Resume at the same world size (torchrun --nproc-per-node / --nnodes as before, or "
+            f"plain `clipbias train` for 1): each process's share of the batches and its random state continue "
+            f"exactly only there; changing it is refused rather than approximated")
     run.engine.load_state_dict(ckpt["engine"])  # ResumeMismatchError if privacy settings changed
     run.model.load_state_dict(ckpt["model"])
-    torch.set_rng_state(ckpt["torch_rng"])
+    torch.set_rng_state(ckpt["torch_rng_ranks"][rank] if "torch_rng_ranks" in ckpt else ckpt["torch_rng"])
     if run.device.type == "cuda" and ckpt.get("cuda_rng") is not None:
         torch.cuda.set_rng_state(ckpt["cuda_rng"], run.device)
     return list(ckpt["history"]), int(ckpt["epoch"]), float(ckpt.get("wall_time_s", 0.0))
@@ -141,7 +162,7 @@ def _refuse_diverged(run: Run, rec: dict, history: list[dict], out: Path | None)
     if not diverged(rec, run.engine.params):
         return
     cfg, rep = run.cfg, run.engine.privacy()
-    if out is not None:
+    if out is not None and distributed.context()[0] == 0:
         write_json({"config": cfg.to_dict(), "diverged": True, "history": history, "epsilon": rep.epsilon,
                     "delta": rep.delta, "basis": rep.basis, "certified": rep.certified,
                     "steps": run.engine.steps_taken}, out / RESULTS)
@@ -152,14 +173,21 @@ def _refuse_diverged(run: Run, rec: dict, history: list[dict], out: Path | None)
 
 
 def _save(run: Run, out: Path, epoch: int, history: list[dict], wall: float) -> None:
+    """The PRIVATE checkpoint, written atomically by rank 0; every rank calls it (the per-rank torch
+    RNG states, which drive dropout, are gathered)."""
     dev, info = run.device, run.splits.info
+    rngs = distributed.gather_objects(torch.get_rng_state())
+    engine_state = to_cpu(run.engine.state_dict())  # a collective for per-example state (dpgd-momentum)
+    if distributed.context()[0] != 0:
+        return
     save_private({
         "PRIVATE": PRIVATE_NOTE, "format": CHECKPOINT_FORMAT, "epoch": epoch + 1,
         "model": {k: v.detach().cpu() for k, v in run.model.state_dict().items()},
-        "engine": to_cpu(run.engine.state_dict()), "torch_rng": torch.get_rng_state(),
+        "engine": engine_state, "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None,
         "history": history, "config": run.cfg.to_dict(), "input_shape": list(info["input_shape"]),
         "num_classes": info["num_classes"], "wall_time_s": wall,
+        "world_size": len(rngs), "torch_rng_ranks": rngs,
     }, out / CHECKPOINT)
 
 

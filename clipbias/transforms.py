@@ -51,7 +51,10 @@ def normalize_rows(g: Tensor, gamma: float) -> Tensor:
 
 
 class Stage:
-    """Base of every stage: stateless by default."""
+    """Base of every stage: stateless by default. ``distributed_refusal`` says why a stage cannot
+    run split over the ranks of a process group (None: it can; ``clipbias.distributed``)."""
+
+    distributed_refusal: str | None = None
 
     def state_dict(self) -> dict:
         return {}

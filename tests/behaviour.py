@@ -111,6 +111,7 @@ def numbers(algo: str) -> dict:
         ck = load_checkpoint(d)
     res.pop("config", None)
     res.pop("dataset", None)
+    res.pop("world_size", None)  # recorded since issue 15 (1 here); not a number of the run's math
     return {"results": _exact(res), "model": _tensor_digest(ck["model"]),
             "engine": _tensor_digest(ck["engine"]), "model_summary": _summary(ck["model"], True),
             "engine_floats": _summary(ck["engine"], True), "engine_exact": _summary(ck["engine"], False)}

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from .. import distributed
 from ..config import OPTIONAL, AlgoConfig, Setting, boolean, integer, real
 from ..errors import ConfigError
 from ..grads import FuncGradients, LossFn, PerExampleRows, RowSource
@@ -159,8 +160,10 @@ class PerExampleMomentum(PerSample):
         return self.momentum(g, ctx.indices)
 
     def state_dict(self) -> dict:
-        return {"buf": None if self.buf is None else self.buf.clone(),
-                "seen": None if self.seen is None else self.seen.clone()}
+        """The buffers of every example. In a process group each rank updates the rows of the examples
+        it owns (index % world) and this gathers them: a collective, every rank calls it."""
+        buf, seen = distributed.merge_owned(self.buf, self.seen, self.n)
+        return {"buf": None if buf is None else buf.clone(), "seen": None if seen is None else seen.clone()}
 
     def load_state_dict(self, state: dict) -> None:
         self.buf, self.seen = state["buf"], state["seen"]

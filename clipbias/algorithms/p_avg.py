@@ -66,6 +66,11 @@ class GroupMeanGradients(RowSource):
         """Each key's group in ``[0, groups)``: uniform, independent, fresh per step."""
         return keyed_ints(self.seed, GROUP, step, keys, 1, groups or self.groups).flatten()
 
+    def owners(self, indices: Tensor, step: int, world: int) -> Tensor:
+        """A group is processed whole by one rank (``group % world``): the clipped group means of the
+        ranks then add up to the one-process sum (clipping a mean is not additive over its members)."""
+        return self.assign([int(i) for i in indices], step) % world
+
     def iter_rows(self, x: Tensor, y: Tensor, indices: Tensor | None, step: int, max_physical_batch: int,
                   groups: int | None = None) -> Iterator[tuple[Tensor, Tensor, Tensor | None]]:
         if len(x) == 0:

@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 
+from .. import distributed
 from ..errors import ClipbiasError
 from ._common import Terminated, exit_code, on_sigterm
 
@@ -36,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    if args.command != "train" and distributed.env_world_size() > 1:
+        print(f"clipbias {args.command}: error: only `clipbias train` runs on several processes (torchrun "
+              f"started {distributed.env_world_size()}); run `clipbias {args.command}` as one process", file=sys.stderr)
+        return 2
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
     try:

@@ -12,7 +12,7 @@ from ..data import DATASET_NAMES
 from ..errors import ConfigError
 from ..privacy import ACCOUNTANTS, DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING
 from ..privacy.dice import DEFAULT_EF_RATIO
-from .. import algorithms
+from .. import algorithms, distributed
 from ..config import boolean
 from ..train import CHECKPOINT, CURVES, RESULTS, TrainConfig, default_out, train
 from ._common import emit, exit_code, tune_allocator, warn
@@ -207,6 +207,9 @@ def print_header(h: dict, stream=None) -> None:
                                     f"grows with r: each step pays for a 2r shift, sampled or not)")
     if h.get("gradients"):
         rows["gradients"] = h["gradients"]
+    if h.get("world_size", 1) > 1:
+        rows["processes"] = (f"{h['world_size']} (torch.distributed: one global Poisson sample per step, each "
+                             f"process its share, one all-reduce, the noise added once; same accounting)")
     if h.get("resumed_at_epoch") is not None:
         rows["resumed"] = f"from the checkpoint after epoch {h['resumed_at_epoch']}"
     emit(rows, False, stream)
@@ -214,10 +217,11 @@ def print_header(h: dict, stream=None) -> None:
 
 
 def set_threads(n: int | None) -> None:
-    """``--threads`` (None: the cores this process may use; 0: torch's default) and the allocator
-    tuning of ``tune_allocator``."""
+    """``--threads`` (None: the cores this process may use, divided among the processes torchrun
+    started on this machine; 0: torch's default) and the allocator tuning of ``tune_allocator``."""
     if n is None:
         n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        n = max(1, n // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
     if n < 0:
         raise ConfigError(f"--threads must be >= 0 (0 = torch's default), got {n}")
     import torch
@@ -227,10 +231,22 @@ def set_threads(n: int | None) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """``clipbias train``; under torchrun (``WORLD_SIZE`` > 1) inside a process group it sets up
+    itself (gloo on the CPU, nccl on CUDA), where rank 0 alone prints and writes."""
     set_threads(args.threads)
     cfg = config_from_args(args, resume=args.resume, overwrite=args.overwrite)
     cfg.validate()
     cfg.out = args.out or default_out(cfg)
+    own_group = distributed.init_from_env(cfg.device)
+    try:
+        return _train_and_report(args, cfg)
+    finally:
+        if own_group:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def _train_and_report(args: argparse.Namespace, cfg: TrainConfig) -> int:
     out_stream = sys.stderr if args.json else sys.stdout
     try:
         res = train(cfg, progress=not args.quiet, on_start=lambda h: print_header(h, out_stream))
@@ -243,6 +259,8 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{what} before the first epoch ended: no checkpoint was written in {cfg.out}; start the run "
                   f"again (nothing to resume).", file=sys.stderr)
         return exit_code(e)
+    if distributed.context()[0] != 0:  # rank 0 reports
+        return 0
     if args.json:
         emit(res, True)
         return 0

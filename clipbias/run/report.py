@@ -91,7 +91,7 @@ def header(run, cfg: TrainConfig, resumed_at_epoch: int | None) -> dict:
         "preprocessing_private": info["preprocessing_private"],
         "reproducible_noise": cfg.reproducible_noise,
         "resumed_at_epoch": resumed_at_epoch, "device": str(run.device),
-        "gradients": engine.grad_path_note,
+        "gradients": engine.grad_path_note, "world_size": engine.world_size,
     }
     if run.algo.accounting == "dice" and engine.spec.dice is not None:
         h["ef_ratio_r"] = engine.spec.dice.ratio
@@ -124,7 +124,7 @@ def results(run, cfg: TrainConfig, head: dict, history: list[dict], wall: float,
         "history": history,
         "wall_time_s": wall,
         "wall_time_per_epoch_s": sum(epoch_times) / len(epoch_times) if epoch_times else None,
-        "resumed": resumed,
+        "resumed": resumed, "world_size": engine.world_size,
     }
 
 

@@ -1,0 +1,171 @@
+"""torch.distributed: one logical DP step over N processes, with the guarantee of one process.
+
+The seam (docs/architecture.md, "Distributed training"):
+
+* every rank runs the SAME Poisson sampler (the secret seeds are broadcast from rank 0 when the
+  engine is built), so every rank draws the identical global index set each step;
+* each rank processes its share of it, the examples with ``index % world == rank`` (``local_share``):
+  an example always lands on the same rank, so per-example state keyed by the index would stay on
+  one rank;
+* each rank computes its partial processed sum, reference sum (error feedback) and loss sum through
+  its row source or the fast path, and ONE ``all_reduce(SUM)`` of the concatenated
+  ``[processed, reference, loss sum, count, failure flag]`` (``reduce_step``) gives every rank the
+  global sums of the single-process step;
+* every rank then runs the identical ``Pipeline.finish``: the noise generators are seeded
+  identically, so the same Gaussian vector is added once to the global sum (never N draws), and
+  the error-feedback buffer, outer momentum, optimizer state and weights stay identical without any
+  broadcast.
+
+The accounting sees one Poisson-subsampled Gaussian release per step, exactly as with one process.
+Outside an initialised process group (or with one process) every function here is the identity.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, TypeVar
+
+import torch
+from torch import Tensor
+
+from . import errors
+from .errors import ClipbiasError, ConfigError
+
+T = TypeVar("T")
+
+
+def context() -> tuple[int, int]:
+    """(rank, world size) of the initialised default process group, (0, 1) without one."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def env_world_size() -> int:
+    """The world size torchrun announces in ``WORLD_SIZE`` (1 when not launched by torchrun)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
+
+
+def init_from_env(device: str) -> bool:
+    """Initialise the default process group from torchrun's environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``/``PORT``): gloo on the CPU, nccl on CUDA (one GPU per process, ``LOCAL_RANK``).
+    Returns True when it initialised one (the caller destroys it), False for a single process."""
+    import torch.distributed as dist
+    if env_world_size() <= 1 or dist.is_initialized():
+        return False
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: CUDA is not available on this machine; use --device cpu (gloo)")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+    return True
+
+
+def broadcast_ints(values: tuple[int, ...]) -> tuple[int, ...]:
+    """Rank 0's integers on every rank (the secret stream seeds: identical sampler and noise everywhere)."""
+    rank, world = context()
+    if world == 1:
+        return values
+    import torch.distributed as dist
+    box = [list(values) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return tuple(int(v) for v in box[0])
+
+
+def local_share(indices: Tensor, owners: Tensor | None = None) -> Tensor:
+    """This rank's share of a global batch: the indices whose owner is this rank (all of them for
+    one process). ``owners`` defaults to ``index % world``: every example has one owner across all
+    steps, whatever the batch (``RowSource.owners`` may group examples otherwise: p-avg)."""
+    rank, world = context()
+    if world == 1:
+        return indices
+    return indices[(indices % world if owners is None else owners) == rank]
+
+
+def merge_owned(buf: Tensor | None, seen: Tensor | None, n: int) -> tuple[Tensor | None, Tensor | None]:
+    """Per-example state ``buf [n, d]`` (with its ``seen [n]`` flags) of which each rank holds the
+    rows of the examples it owns (``i % world == rank``): the whole state, on every rank (a collective:
+    every rank calls it; a checkpoint holds all rows). Rows a rank does not own are ignored."""
+    rank, world = context()
+    if world == 1:
+        return buf, seen
+    import torch.distributed as dist
+    shapes = gather_objects(None if buf is None else (tuple(buf.shape), str(buf.device)))
+    first = next((s for s in shapes if s is not None), None)
+    if first is None:
+        return None, None
+    dev = buf.device if buf is not None else torch.device(first[1] if "cuda" not in first[1] else "cuda")
+    own = (torch.arange(n, device=dev) % world == rank)
+    whole = torch.zeros(first[0], device=dev) if buf is None else buf * own.unsqueeze(1).to(buf)
+    flags = torch.zeros(n, device=dev) if seen is None else (seen.to(dev) & own).to(whole)
+    dist.all_reduce(whole, op=dist.ReduceOp.SUM)
+    dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+    return whole, flags > 0
+
+
+def reduce_step(proc: Tensor, ref: Tensor | None, losses: Tensor,
+                failure: ClipbiasError | None) -> tuple[Tensor, Tensor | None, float, int, ClipbiasError | None]:
+    """ONE all-reduce of ``[processed sum, reference sum, loss sum, count, failed]``: every rank gets
+    the global sums and learns whether any rank failed; then (only on failure) the first failing
+    rank's error is shared, so every rank raises the same error and rolls back."""
+    import torch.distributed as dist
+    d = proc.numel()
+    tail = torch.cat([losses.sum().reshape(1).to(proc),  # on the sums' device: nccl reduces CUDA tensors
+                      proc.new_tensor([float(len(losses)), 1.0 if failure is not None else 0.0])])
+    buf = torch.cat([proc, ref if ref is not None else proc.new_zeros(0), tail])
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    proc, ref = buf[:d], (buf[d:2 * d] if ref is not None else None)
+    loss_sum, count, failed = float(buf[-3]), int(round(float(buf[-2]))), float(buf[-1]) > 0
+    if failed:
+        failure = _shared_failure(failure)
+    return proc, ref, loss_sum, count, failure
+
+
+def _shared_failure(local: ClipbiasError | None) -> ClipbiasError:
+    """The error of the lowest failing rank, rebuilt identically on every rank."""
+    import torch.distributed as dist
+    rank, world = context()
+    mine = None if local is None else (type(local).__name__, str(local))
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    r, (name, msg) = next((r, e) for r, e in enumerate(every) if e is not None)
+    cls = getattr(errors, name, ClipbiasError)
+    return cls(f"{msg} [rank {r} of {world}; every rank stopped this step and nothing was updated]")
+
+
+def from_rank0(fn: Callable[[], T]) -> T:
+    """``fn()`` run by rank 0 only (file-system work: the run directory, its lock, the checkpoint),
+    its result broadcast to every rank; an error on rank 0 is raised on every rank (no rank waits
+    forever for a rank that gave up). With one process: just ``fn()``."""
+    rank, world = context()
+    if world == 1:
+        return fn()
+    import torch.distributed as dist
+    box: list = [None]
+    if rank == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as e:  # noqa: BLE001 - every rank must learn that rank 0 failed
+            dist.broadcast_object_list([("error", type(e).__name__, str(e))], src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    if box[0][0] == "error":
+        cls = getattr(errors, box[0][1], None)
+        raise (cls or ClipbiasError)(box[0][2] if cls else f"rank 0 failed: {box[0][1]}: {box[0][2]}")
+    return box[0][1]
+
+
+def gather_objects(obj: object) -> list:
+    """Every rank's ``obj`` on every rank (``[obj]`` for one process): the per-rank torch RNG states
+    the checkpoint keeps."""
+    rank, world = context()
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+    every: list = [None] * world
+    dist.all_gather_object(every, obj)
+    return every

@@ -1,0 +1,210 @@
+"""Issue 15: torch.distributed (gloo, 2 CPU processes) gives the single-process run: the same
+weights (to 1e-5 relative) and the same epsilon with the same seed and --reproducible-noise, one
+failing rank stops every rank with the same error and nothing updated, refusals are clear."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from clipbias.errors import ConfigError, NonFiniteGradientError, ResumeMismatchError
+from clipbias.train import TrainConfig, load_checkpoint, train
+
+ROOT = Path(__file__).resolve().parent.parent
+# digits: 1347 examples, B = 64 -> 21 steps; a fixed noise multiplier (no calibration)
+BASE = TrainConfig(data="digits", model="mlp", algo="dpsgd", noise_multiplier=1.0, delta=1e-5, epochs=1,
+                   batch_size=64, lr=0.5, clip=1.0, seed=3, reproducible_noise=True)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn, args) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn, *args, world: int = 2) -> None:
+    mp.spawn(_worker, args=(world, _port(), fn, args), nprocs=world, join=True)
+
+
+# inner-outer: past iterates and outer momentum; dpgd-momentum: one momentum buffer per example (full
+# batch, 3 steps), sharded by owner and gathered into the checkpoint; p-avg: groups processed whole by
+# one rank; dpsgd --grad-path fast: the book-keeping sums per rank
+METHODS = [{"algo": "dpsgd"}, {"algo": "dice"}, {"algo": "inner-outer", "extra": {"K0": 2}},
+           {"algo": "dpgd-momentum", "batch_size": 1347, "epochs": 3}, {"algo": "p-avg"},
+           {"algo": "dpsgd", "grad_path": "fast"}]
+
+
+def _train_ranks(rank: int, cfgs: list[TrainConfig], result: str) -> None:
+    out = [train(cfg) for cfg in cfgs]
+    torch.save([{"epsilon": r["epsilon"], "world_size": r["world_size"], "steps": r["steps"]} for r in out],
+               f"{result}.{rank}")
+
+
+def _initial(cfg: TrainConfig) -> dict:
+    from clipbias.run.build import build_run
+    from clipbias.run.splits import splits_for
+    return {k: v.clone() for k, v in build_run(dataclasses.replace(cfg, out=None), splits_for(cfg, None, None))
+            .model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_single_process_run(tmp_path):
+    """dpsgd, dice (error feedback), inner-outer (stored iterates, outer momentum), dpgd-momentum
+    (per-example state), p-avg (group rows) and dpsgd on the fast path: the 2-process weights equal
+    the 1-process ones to 1e-5 relative, epsilon is identical, and so is the private per-example state."""
+    torch.set_num_threads(1)
+    ones = [dataclasses.replace(BASE, **m, out=str(tmp_path / f"{i}-1")) for i, m in enumerate(METHODS)]
+    twos = [dataclasses.replace(c, out=str(tmp_path / f"{i}-2")) for i, c in enumerate(ones)]
+    single = [train(c) for c in ones]
+    _spawn(_train_ranks, twos, str(tmp_path / "res"))
+    ranks = [torch.load(tmp_path / f"res.{r}") for r in range(2)]
+    for i, (one, two, res1) in enumerate(zip(ones, twos, single)):
+        assert res1["world_size"] == 1 and all(r[i]["world_size"] == 2 for r in ranks)
+        assert all(r[i]["epsilon"] == res1["epsilon"] and r[i]["steps"] == res1["steps"] > 1 for r in ranks)
+        w1, w2 = load_checkpoint(one.out)["model"], load_checkpoint(two.out)["model"]
+        for k in w1:
+            rel = float((w1[k] - w2[k]).norm() / w1[k].norm())
+            assert rel < 1e-5, f"{one.algo} {k}: relative difference {rel:.2e}"
+        init = _initial(one)
+        assert sum(float((w1[k] - init[k]).norm()) for k in w1) > 0.1  # trained weights, not two inits
+        assert load_checkpoint(two.out)["world_size"] == 2
+    buf1, buf2 = (load_checkpoint(c.out)["engine"]["pipeline"]["per_sample.0"] for c in (ones[3], twos[3]))
+    assert bool(buf2["seen"].all()) and torch.equal(buf1["seen"], buf2["seen"])  # every example's buffer
+    assert float((buf1["buf"] - buf2["buf"]).norm() / buf1["buf"].norm()) < 1e-5  # gathered from 2 ranks
+
+
+# ---------------------------------------------------------------- a failing rank
+def _nan_rank(rank: int, result: str) -> None:
+    from clipbias.engine import DPEngine
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    n = 40
+    x, y = torch.randn(n, 4), torch.arange(n) % 3
+    x[1] = float("nan")  # example 1 is owned by rank 1 (1 % 2)
+    eng = DPEngine(model, "dice", n=n, batch_size=n, steps=3, noise_multiplier=1.0, noise_seed=5)
+    before = [p.detach().clone() for p in model.parameters()]
+    ef_before = eng.pipeline.error_feedback.e
+    idx = eng.local_share(torch.arange(n))
+    msg = None
+    try:
+        eng.step(x[idx], y[idx], idx)
+    except NonFiniteGradientError as e:
+        msg = str(e)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    state = (eng.steps_taken, eng.pipeline.error_feedback.e is ef_before, unchanged)
+    x[1] = 0.0  # the ranks are still in step: the next (good) step updates every rank alike
+    eng.step(x[idx], y[idx], idx)
+    torch.save({"msg": msg, "state": state, "w": [p.detach() for p in model.parameters()],
+                "refused": _refusals(), "secret": _secret_streams_run()}, f"{result}.{rank}")
+    _interrupted_and_resumed(Path(result).parent / "resumed")
+
+
+class _Stop(Exception):
+    pass
+
+
+def _interrupted_and_resumed(out: Path) -> None:
+    """dpgd-momentum (per-example buffers) on 2 ranks, stopped after epoch 1 of 3, resumed."""
+    cfg = dataclasses.replace(RESUMED, out=str(out))
+
+    def stop(rec: dict) -> None:
+        if rec["epoch"] == 1:
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        train(cfg, on_epoch_end=stop)
+    train(dataclasses.replace(cfg, resume=True))
+
+
+def _secret_streams_run() -> list:
+    """Weights after 3 steps with OS-CSPRNG streams (no noise seed): each rank drew its own seeds, and
+    only rank 0's, broadcast, keep the ranks on one sample and one noise."""
+    from clipbias.engine import DPEngine, run_steps
+    torch.manual_seed(1)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(60, 4), torch.arange(60) % 3
+    eng = DPEngine(model, "dice", n=60, batch_size=20, steps=3, noise_multiplier=1.0)
+    run_steps(eng, x, y)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+RESUMED = dataclasses.replace(BASE, algo="dpgd-momentum", batch_size=1347, epochs=3)
+
+
+def test_a_failing_rank_stops_every_rank_and_unsplittable_sources_are_refused(tmp_path):
+    """Also: a 2-rank run checkpointed by rank 0 (the per-example buffers gathered), stopped and
+    resumed at 2 ranks, ends where one uninterrupted process ends."""
+    _spawn(_nan_rank, str(tmp_path / "nan"))
+    straight = dataclasses.replace(RESUMED, out=str(tmp_path / "straight"))
+    train(straight)
+    w1, w2 = load_checkpoint(straight.out)["model"], load_checkpoint(tmp_path / "resumed")["model"]
+    assert all(float((w1[k] - w2[k]).norm() / w1[k].norm()) < 1e-5 for k in w1)
+    assert load_checkpoint(tmp_path / "resumed")["epoch"] == 3
+    b1, b2 = (load_checkpoint(d)["engine"]["pipeline"]["per_sample.0"]["buf"] for d in (straight.out, tmp_path / "resumed"))
+    assert float((b1 - b2).norm() / b1.norm()) < 1e-5  # each example's buffer once, after a resume too
+    r0, r1 = (torch.load(tmp_path / f"nan.{r}") for r in range(2))
+    assert r0["msg"] is not None and r0["msg"] == r1["msg"]  # rank 0's data was fine: it stops too
+    assert "example(s) [1]" in r0["msg"] and "rank 1 of 2" in r0["msg"] and "nothing was updated" in r0["msg"]
+    assert r0["state"] == r1["state"] == (0, True, True)
+    assert all(torch.equal(a, b) for a, b in zip(r0["w"], r1["w"]))
+    assert all(torch.equal(a, b) for a, b in zip(r0["secret"], r1["secret"]))  # secret seeds: one run
+    assert "dpsgd cannot run on 2 processes: this source needs the whole batch" in r0["refused"]
+
+
+def _refusals() -> str | None:
+    """A row source that declares it cannot be split is refused by name before any work."""
+    from clipbias.engine import DPEngine
+    from clipbias.grads import FuncGradients, PerExampleRows
+
+    class WholeBatch(PerExampleRows):
+        distributed_refusal = "this source needs the whole batch"
+
+    model = torch.nn.Linear(4, 3)
+    try:
+        DPEngine(model, "dpsgd", n=10, batch_size=5, steps=1, noise_multiplier=1.0,
+                 grads=WholeBatch(FuncGradients(model)))
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+# ---------------------------------------------------------------- the command line under torchrun
+def test_torchrun_module_entry_point_and_resume_at_another_world_size(tmp_path):
+    out = tmp_path / "run"
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "clipbias",
+           "train", "--data", "digits", "--model", "logreg", "--algo", "dice", "--noise-multiplier", "1",
+           "--epochs", "1", "--batch-size", "64", "--lr", "0.5", "--seed", "1", "--reproducible-noise",
+           "--quiet", "--threads", "1", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("test accuracy") == 1  # rank 0 alone reports
+    import json
+    res = json.loads((out / "results.json").read_text())
+    assert res["world_size"] == 2 and res["steps"] == 21
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert again.returncode != 0  # rank 0 found a finished run in --out: every rank stops (none waits)
+    assert again.stderr.count("clipbias train: error: --out") == 2 and "already holds" in again.stderr
+    cfg = dataclasses.replace(BASE, algo="dice", model="logreg", noise_multiplier=1.0, seed=1, out=str(out),
+                              resume=True)
+    with pytest.raises(ResumeMismatchError, match="written by a run on 2 process"):
+        train(cfg)

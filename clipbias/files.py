@@ -24,8 +24,14 @@ def atomic_write(path: Path, write: Callable[[Any], None], mode: int | None = No
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.unlink(missing_ok=True)  # a stale temporary would keep its old permissions
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else mode)  # umask applies
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
+        with os.fdopen(fd, "wb") as raw:
+            stream = _Stream(raw)
+            try:
+                write(stream)
+            except Exception as e:  # torch.save reports a failed write (ENOSPC, Ctrl-C) as "unexpected pos"
+                if stream.error is not None and stream.error is not e:
+                    raise stream.error from None
+                raise
         os.replace(tmp, path)
     except BaseException as e:
         with contextlib.suppress(OSError):
@@ -35,6 +41,25 @@ def atomic_write(path: Path, write: Callable[[Any], None], mode: int | None = No
                              f"of {path.parent}; the previous file, if any, is unchanged") from e
         raise
 
+
+class _Stream:
+    """The file object ``atomic_write`` hands to the writer: it remembers the first exception a write
+    raised, because torch.save turns any exception of the stream (a full disk's OSError, the
+    KeyboardInterrupt of a Ctrl-C) into a RuntimeError ("unexpected pos"). ``atomic_write`` raises the
+    original, so a full disk is a WriteError and a Ctrl-C an interrupt (exit 130), not a traceback."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.error = raw, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.raw.write(data)
+        except BaseException as e:
+            self.error = self.error or e
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
 
 
 @contextlib.contextmanager

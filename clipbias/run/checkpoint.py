@@ -54,11 +54,12 @@ def open_run_dir(out: Path | None, cfg: TrainConfig) -> dict | None:
 PREVIOUS = ".previous"  # an overwritten run's files, until the new run has finished
 
 
-def set_aside(out: Path) -> None:
-    """``--overwrite``: move the old run's files into ``out/.previous`` before the new run writes
-    anything, so an interrupted overwrite never leaves old and new files mixed (the old run stays
-    whole in ``.previous``); ``finish_overwrite`` removes it when the new run is complete."""
-    old = [out / f for f in (CHECKPOINT, RESULTS, CURVES) if (out / f).exists()]
+def set_aside(out: Path, names: tuple[str, ...] = (CHECKPOINT, RESULTS, CURVES)) -> None:
+    """``--overwrite``: move the old run's files (``names``, files or directories) into
+    ``out/.previous`` before the new run writes anything, so an interrupted overwrite never leaves old
+    and new files mixed (the old run stays whole in ``.previous``); ``finish_overwrite`` removes it
+    when the new run is complete."""
+    old = [out / f for f in names if (out / f).exists()]
     if not old:
         return
     prev = out / PREVIOUS

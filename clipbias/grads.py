@@ -198,10 +198,12 @@ class PerExampleRows(RowSource):
                         f"parameters ({len(x[sl]) * self.layout.dim * 4 / 2**30:.1f} GB as float32): lower "
                         f"--max-physical-batch (the math does not change), or use --grad-path fast (no "
                         f"per-example gradient matrix) where it applies") from e
+                labels = (f"{int(y.min())}..{int(y.max())}" if len(y) and not y.is_floating_point() and y.dim() == 1
+                          else f"shape {tuple(y.shape)}, {y.dtype}")
                 raise ConfigError(
                     f"computing per-example gradients failed ({type(e).__name__}: {e}). Check that the inputs "
-                    f"have the shape the model expects (one example: {tuple(x.shape[1:])} here) and that the "
-                    f"labels are class indices the model can output") from e
+                    f"have the shape and dtype the model expects (one example given: shape {tuple(x.shape[1:])}, "
+                    f"{x.dtype}) and that the labels are class indices the model can output (given: {labels})") from e
             yield g, loss, (indices[sl] if indices is not None else None)
 
 

@@ -117,8 +117,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     try:
         ckpt = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling problem is a bad file
+        detail = str(exc).strip().split(". ")[0][:160]  # torch appends a paragraph of advice
         raise ConfigError(f"{p} is truncated or corrupted, or not a clipbias checkpoint ({type(exc).__name__}: "
-                          f"{exc}); it cannot be resumed or exported: start the run again with --overwrite") from exc
+                          f"{detail}); it cannot be resumed or exported: start the run again with --overwrite") from exc
     if not isinstance(ckpt, dict) or "model" not in ckpt or "engine" not in ckpt:
         raise ConfigError(f"{p} is not a clipbias checkpoint (no model/engine state)")
     return ckpt

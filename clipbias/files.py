@@ -67,22 +67,41 @@ def run_lock(out: Path) -> Iterator[None]:
     """Hold an exclusive lock on the run directory ``out`` (created if needed) for the duration.
 
     A second run on the same directory is refused with a ConfigError instead of interleaving its
-    writes with the first. The lock is released when the process ends, however it ends. A directory
-    created here that holds nothing but the lock afterwards (the run was refused before writing) is
-    removed again.
+    writes with the first. The lock is released when the process ends, however it ends. A run that
+    wrote nothing (refused) leaves the directory as it found it: a lock file it created is removed
+    (still locked, so a waiting run re-checks the inode and takes the new file), and so is a
+    directory it created.
     """
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    fh = open(out / LOCK, "a+")
+    had_lock = (out / LOCK).exists()
+    before = sorted(p.name for p in out.iterdir())
+    fh = _acquire(out / LOCK)
     try:
+        yield
+    finally:
+        after = sorted(p.name for p in out.iterdir())
+        if not had_lock and [n for n in after if n != LOCK] == [n for n in before if n != LOCK]:
+            (out / LOCK).unlink(missing_ok=True)  # refused before writing anything
+            if created:
+                out.rmdir()
+        fh.close()
+
+
+def _acquire(path: Path) -> Any:
+    """Open and flock ``path`` (non-blocking); retried if the file was unlinked meanwhile by a run
+    that finished without writing, so two runs never hold locks on two different inodes."""
+    while True:
+        fh = open(path, "a+")
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ConfigError(f"--out {out} is in use by another clipbias run (it holds {out / LOCK}); wait for "
-                              f"it to finish or choose another --out") from None
-        yield
-    finally:
-        if created and [p.name for p in out.iterdir()] == [LOCK]:  # refused before writing anything
-            (out / LOCK).unlink()
-            out.rmdir()
-        fh.close()  # the lock file itself stays (unlinking it would let two runs lock two inodes)
+            fh.close()
+            raise ConfigError(f"--out {path.parent} is in use by another clipbias run (it holds {path}); wait "
+                              f"for it to finish or choose another --out") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino:
+                return fh
+        except FileNotFoundError:
+            pass
+        fh.close()

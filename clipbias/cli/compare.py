@@ -20,6 +20,7 @@ from ..errors import ConfigError
 from ..privacy.dice import DEFAULT_EF_RATIO, check_basis
 from ..files import run_lock
 from ..run.checkpoint import check_out_dir, finish_overwrite, set_aside
+from ..run.config import check_int
 from ..train import CURVES, jsonable, prepare_splits, run_many, safe_name, write_json
 from ._common import emit
 from .train import add_training_flags, config_from_args, fmt_eps, set_threads
@@ -102,6 +103,8 @@ def _run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     algos = args.algos or DEFAULT_ALGOS
     seeds = args.seeds if args.seeds is not None else DEFAULT_SEEDS
+    for s in seeds:
+        check_int(s, "--seeds", 0)
     base = config_from_args(args, algo="dpsgd", seed=seeds[0] if seeds else 0, ef_clip=None)
     variants, ratio = _variants(args, algos)
     for _, over in variants:

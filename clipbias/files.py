@@ -36,6 +36,9 @@ def atomic_write(path: Path, write: Callable[[Any], None], mode: int | None = No
     except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+        if isinstance(e, (FileExistsError, NotADirectoryError)):  # mkdir or open met a file on the way
+            raise WriteError(f"cannot write {path}: {e}. A file is in the way of the directory {path.parent}: "
+                             f"choose another path") from e
         if isinstance(e, OSError) and not isinstance(e, WriteError):
             raise WriteError(f"cannot write {path}: {e}. Check the free disk space and the write permission "
                              f"of {path.parent}; the previous file, if any, is unchanged") from e

@@ -350,7 +350,7 @@ CASES = [
       "train with --out DIR first"),
     C("export-truncated-checkpoint", ["export", "{tmp}/trunc", "{tmp}/w.pt"], 2, "truncated or corrupted"),
     C("export-under-a-file", ["export", "{tmp}/run", "{tmp}/blocker/w.pt"], 2, "cannot write {tmp}/blocker/w.pt",
-      "write permission"),
+      "A file is in the way", "choose another path"),
     C("export-overwrite-disk-full", ["export", "{tmp}/run", "{tmp}/model.pt", "--overwrite"], 2,
       "cannot write {tmp}/model.pt", "No space left on device", "the previous file, if any, is unchanged",
       setup=fail_write("model.pt", ENOSPC)),
@@ -372,6 +372,13 @@ CASES = [
     C("compare-ef-ratio-and-ef-clip", cmp("--ef-ratio", "0.1", "--ef-clip", "0.1"), 2,
       "give --ef-clip or --ef-ratio, not both"),
     C("compare-negative-seed", cmp("--seeds", "-1"), 2, "--seeds must be an integer >= 0, got -1"),
+    # diagnose and toy: a file in the way is refused before the (long) recording or runs
+    C("diagnose-out-is-a-file", ["diagnose", *FLAGS[:-1], "--out", "{tmp}/blocker"], 2,
+      "--out {tmp}/blocker is a file", "choose a directory path"),
+    C("diagnose-out-under-a-file", ["diagnose", *FLAGS[:-1], "--out", "{tmp}/blocker/d"], 2,
+      "lies under the file {tmp}/blocker"),
+    C("toy-figure-under-a-file", ["toy", "--problem", "chen-ex2", "--algo", "dpsgd", "--steps", "10", "--out",
+                                  "{tmp}/blocker"], 2, "--out {tmp}/blocker is a file"),
     # accounting
     C("account-noise-1e-9-pld", [*ACCOUNT, "--noise-multiplier", "1e-9"], 2, "1e-09 < 0.1", "--accountant rdp"),
     C("account-sample-rate-above-one", [*ACCOUNT, "--noise-multiplier", "1", "--sample-rate", "1.5"], 2,

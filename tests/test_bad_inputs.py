@@ -279,6 +279,8 @@ CASES = [
       "--lr changed (checkpoint 0.5, now 0.25)", "original setting"),
     C("resume-truncated-checkpoint", t(out="{tmp}/trunc", extra=("--resume",)), 2,
       "{tmp}/trunc/checkpoint.pt is truncated or corrupted", "--overwrite"),
+    C("train-into-a-compare", t(out="{tmp}/cmp"), 2, "{tmp}/cmp holds a compare (compare.json, curves.png)",
+      "--overwrite"),
     C("overwrite-refused-moves-nothing", t("--subset", "0", out="{tmp}/run", extra=("--overwrite",)), 2,
       "--subset must be an integer >= 1, got 0"),
     # settings
@@ -481,3 +483,23 @@ def test_the_table_is_large_and_every_case_names_something():
 def test_numpy_integer_n_is_accepted():
     """``n=np.int64(200)`` used to be refused with a misleading message (issue 17)."""
     assert engine(n=np.int64(200)).n == 200
+
+
+def test_an_interrupted_compare_overwrite_keeps_the_old_compare_whole(prepared, tmp_path, monkeypatch):
+    """compare --overwrite sets the old compare aside (``.previous``) before its first run: interrupted,
+    the old files are whole there and no new compare.json sits beside new per-run results; finished,
+    the old ones are gone (issue 17: compare used to replace compare.json, results and curves.png)."""
+    import clipbias.cli.compare as cli_compare
+    out = tmp_path / "cmp"
+    shutil.copytree(prepared / "cmp", out)
+    old = tree(out)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli_compare, "run_many", interrupted)
+    code, err = cli([*COMPARE, "--out", out, "--overwrite"])
+    assert code == 130 and "interrupted" in err
+    assert tree(out / ".previous") == old and not (out / "compare.json").exists()
+    monkeypatch.undo()
+    assert cli([*COMPARE, "--out", out, "--overwrite"])[0] == 0
+    assert not (out / ".previous").exists() and json.loads((out / "compare.json").read_text())["rows"]

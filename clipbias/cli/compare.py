@@ -19,8 +19,9 @@ from .. import algorithms
 from ..errors import ConfigError
 from ..privacy.dice import DEFAULT_EF_RATIO, check_basis
 from ..files import run_lock
-from ..run.checkpoint import check_out_dir, finish_overwrite, set_aside
+from ..run.checkpoint import CHECKPOINT, check_out_dir, finish_overwrite, set_aside
 from ..run.config import check_int
+from ..run.report import COMPARE, RESULTS
 from ..train import CURVES, jsonable, prepare_splits, run_many, safe_name, write_json
 from ._common import emit
 from .train import add_training_flags, config_from_args, fmt_eps, set_threads
@@ -91,7 +92,7 @@ def _variants(args: argparse.Namespace, algos: list[str]) -> tuple[list[tuple[st
 
 def _taken(out: Path, labels: list[str], seeds: list[int]) -> list[str]:
     """What an earlier compare or train run left in ``out`` that this compare would replace."""
-    names = ["compare.json", "results.json", "checkpoint.pt", CURVES,
+    names = [COMPARE, RESULTS, CHECKPOINT, CURVES,
              *(f"{safe_name(label)}-s{seed}" for label in labels for seed in seeds)]
     return [f for f in names if (out / f).exists()]
 
@@ -158,7 +159,7 @@ def _compare(args: argparse.Namespace, base, variants: list[tuple[str, dict]], s
                                                    "wall_time_per_epoch_s", "config")} for r in rs]
                         for label, rs in result["runs"].items()},
                "wall_time_s": time.perf_counter() - t0}
-    write_json(summary, out / "compare.json")
+    write_json(summary, out / COMPARE)
     finish_overwrite(out)
     _print_summary(args, summary, result["summary"], out, t0)
     return 0
@@ -176,7 +177,7 @@ def _print_summary(args: argparse.Namespace, summary: dict, rows: list[dict], ou
     if any(not r["certified"] and not math.isinf(r["epsilon"]) for r in rows):
         print("certified = false: a DiceSGD bound (paper / authors) that a canary attack refutes "
               "(docs/privacy.md): NOT a guarantee, shown only to reproduce the paper.")
-    print(f"\nwrote {out / 'compare.json'} and {out / CURVES} ({time.perf_counter() - t0:.0f} s)")
+    print(f"\nwrote {out / COMPARE} and {out / CURVES} ({time.perf_counter() - t0:.0f} s)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

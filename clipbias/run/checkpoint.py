@@ -21,7 +21,7 @@ from .. import algorithms, privacy
 from ..errors import ConfigError, ResumeMismatchError
 from ..files import atomic_write
 from .config import RESUME_FREE, TrainConfig
-from .report import CURVES, RESULTS, jsonable
+from .report import COMPARE, CURVES, RESULTS, jsonable
 
 CHECKPOINT = "checkpoint.pt"
 PRIVATE_NOTE = "contains the DiceSGD error-feedback buffer and RNG states; never release"
@@ -48,13 +48,16 @@ def open_run_dir(out: Path | None, cfg: TrainConfig) -> dict | None:
     if (out / RESULTS).exists() and not cfg.overwrite:
         raise ConfigError(f"--out {out} already holds a finished run's {RESULTS} (no checkpoint to resume); "
                           f"choose another --out, or replace it with --overwrite")
+    if (out / COMPARE).exists() and not cfg.overwrite:
+        raise ConfigError(f"--out {out} holds a compare ({COMPARE}, {CURVES}); choose another --out, or replace "
+                          f"it with --overwrite")
     return None
 
 
 PREVIOUS = ".previous"  # an overwritten run's files, until the new run has finished
 
 
-def set_aside(out: Path, names: tuple[str, ...] = (CHECKPOINT, RESULTS, CURVES)) -> None:
+def set_aside(out: Path, names: tuple[str, ...] = (CHECKPOINT, RESULTS, CURVES, COMPARE)) -> None:
     """``--overwrite``: move the old run's files (``names``, files or directories) into
     ``out/.previous`` before the new run writes anything, so an interrupted overwrite never leaves old
     and new files mixed (the old run stays whole in ``.previous``); ``finish_overwrite`` removes it

@@ -145,6 +145,7 @@ class DPEngine:
         self.sampler = PoissonSampler(n, self.sample_rate, sampler_seed, steps_per_epoch)
         self.max_physical_batch = max_physical_batch
         self.fast, self.grad_path_note = self._fast_path(grad_path, own_rows, model, loss_fn)
+        self.own_rows = own_rows  # a given backend may read labels its own way (the audit's canaries: y < 0)
         self.steps_taken = 0
         self.settings = PrivacySettings(algorithm, n, self.sample_rate, steps, z, delta, accountant,
                                         dice_accounting, self.config.clip, self.config.ef_clip,
@@ -161,7 +162,7 @@ class DPEngine:
         if self.steps_taken >= self.total_steps and self.algo.private:
             raise ConfigError(f"the privacy budget covers {self.total_steps} steps and all were taken; "
                               f"start a new run with more --epochs to train longer")
-        _check_batch(x, y, indices, self.loss_fn is cross_entropy)
+        _check_batch(x, y, indices, self.loss_fn is cross_entropy, self.own_rows)
         d = self.rows.layout.dim
         dev = self.params[0].device
         ref_sum = torch.zeros(d, device=dev) if self.pipeline.error_feedback is not None else None
@@ -294,9 +295,11 @@ def _check_arguments(model: nn.Module, n: int, batch_size: float, config: AlgoCo
     return n
 
 
-def _check_batch(x: Tensor, y: Tensor, indices: Tensor | None, class_labels: bool) -> None:
+def _check_batch(x: Tensor, y: Tensor, indices: Tensor | None, class_labels: bool, own_rows: bool) -> None:
     """Refuse a batch the step cannot take, before anything changes: tensors of matching lengths and,
-    for the default cross-entropy loss (``class_labels``), one integer class index per example."""
+    for the default cross-entropy loss (``class_labels``), one integer class index per example, not
+    negative where the engine computes the rows itself (``own_rows``; cross-entropy would silently
+    ignore a label of -100)."""
     for name, t in (("x", x), ("y", y), ("indices", indices)):
         if t is not None and not isinstance(t, Tensor):
             raise ConfigError(f"step: {name} must be a torch.Tensor, got {type(t).__name__}; convert it with "
@@ -308,7 +311,7 @@ def _check_batch(x: Tensor, y: Tensor, indices: Tensor | None, class_labels: boo
     if class_labels and y.is_floating_point():
         raise ConfigError(f"labels must be integer class indices (torch.long) for the default cross-entropy "
                           f"loss, got {y.dtype}; convert them with y.long() or pass your own loss_fn")
-    if class_labels and len(y) and bool((y < 0).any()):  # cross_entropy would ignore -100 silently
+    if class_labels and own_rows and len(y) and bool((y < 0).any()):
         raise ConfigError(f"labels must be class indices >= 0 for the default cross-entropy loss, got "
                           f"{int(y.min())}; fix the labels (negative ones are not classes) or pass your own loss_fn")
     if class_labels and y.dim() != 1:

@@ -17,6 +17,8 @@ matplotlib.use("Agg", force=False)
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from .files import atomic_write  # noqa: E402
+
 NOT_DP_NOTE = "diagnostic of raw per-example gradients - NOT differentially private"
 
 
@@ -24,9 +26,11 @@ def _save(fig, path: str | Path, note: str | None = None) -> str:
     if note:
         fig.text(0.995, 0.002, note, ha="right", va="bottom", fontsize=7, color="0.4")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    try:  # through a temporary and a rename: a full disk or a kill never leaves a half-written figure
+        atomic_write(path, lambda fh: fig.savefig(fh, dpi=110, bbox_inches="tight",
+                                                  format=path.suffix.lstrip(".") or "png"))
+    finally:
+        plt.close(fig)
     return str(path)
 
 

@@ -93,14 +93,7 @@ class DPEngine:
                  grad_path: str = "auto") -> None:
         self.algo = algorithms.get(algorithm)
         self.config = config or AlgoConfig()
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-            raise ConfigError(f"dataset size n must be a positive integer, got {n!r}")
-        n = int(n)  # numpy integers are fine
-        if not (isinstance(batch_size, numbers.Real) and 1 <= batch_size <= n):
-            raise ConfigError(f"--batch-size (the expected Poisson batch size B) must lie in [1, N={n}], got "
-                              f"{batch_size!r}")
-        if not any(p.requires_grad for p in model.parameters()):
-            raise ConfigError(f"the model ({type(model).__name__}) has no trainable parameters: nothing to train")
+        n = _check_arguments(model, n, batch_size, self.config)
         if self.algo.accounting == "dice" and self.config.ef_clip is None:
             # the privacy cost of error feedback grows with r = B C2 / C1: default r = 0.01
             self.config = replace(self.config, ef_clip=privacy.dice.default_ef_clip(self.config.clip, batch_size))
@@ -155,6 +148,7 @@ class DPEngine:
         self.max_physical_batch = max_physical_batch
         self._aggregate, self.grad_path_note = self._fast_path(grad_path, own_rows, model, loss_fn)
         self.fast = self._aggregate if isinstance(self._aggregate, BookKeeping) else None
+        self.own_rows = own_rows  # a given backend may read labels its own way (the audit's canaries: y < 0)
         self.world_size = _check_distributed(self.algo.name, self.rows, self.pipeline)
         self.steps_taken, self.last_loss = 0, (0.0, 0)
         self.settings = PrivacySettings(algorithm, n, self.sample_rate, steps, z, delta, accountant,
@@ -221,13 +215,7 @@ class DPEngine:
         if self.steps_taken >= self.total_steps and self.algo.private:
             raise ConfigError(f"the privacy budget covers {self.total_steps} steps and all were taken; "
                               f"start a new run with more --epochs to train longer")
-        if len(x) != len(y) or (indices is not None and len(indices) != len(x)):
-            raise ConfigError(f"step got {len(x)} inputs, {len(y)} labels"
-                              + (f" and {len(indices)} indices" if indices is not None else "")
-                              + ": one label (and index) per input is needed")
-        if self.loss_fn is cross_entropy and y.is_floating_point():
-            raise ConfigError(f"labels must be integer class indices (torch.long) for the default cross-entropy "
-                              f"loss, got {y.dtype}; convert them with y.long() or pass your own loss_fn")
+        _check_batch(x, y, indices, self.loss_fn is cross_entropy, self.own_rows)
         if self.world_size > 1 and indices is None:
             raise ConfigError(f"in a process group of {self.world_size} ranks, step needs the example indices of "
                               f"this rank's share (engine.local_share(engine.sampler.sample())): the keyed "
@@ -309,6 +297,12 @@ class DPEngine:
                 "rows": self.rows.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state_dict()``; refuses (ResumeMismatchError) if a privacy setting changed."""
+        missing = [k for k in ("settings", "steps_taken", "optimizer", "pipeline", "sampler")
+                   if not isinstance(state, dict) or k not in state]
+        if missing:
+            raise ConfigError(f"load_state_dict: not a DPEngine state ({', '.join(missing)} missing); pass what "
+                              f"DPEngine.state_dict() returned (a checkpoint's 'engine' entry)")
         saved, now = state["settings"], asdict(self.settings)
         diff = {k: (saved.get(k), v) for k, v in now.items() if not _same(saved.get(k), v)}
         if diff:
@@ -322,6 +316,50 @@ class DPEngine:
         if "keyed_seed" in state:  # the secret key of the sources' per-example draws continues too
             self.keyed_seed = self.rows.seed = state["keyed_seed"]
         self.rows.load_state_dict(state.get("rows", state.get("grads", {})))  # "grads": before the redesign
+
+
+def _check_arguments(model: nn.Module, n: int, batch_size: float, config: AlgoConfig) -> int:
+    """Refuse constructor arguments that would fail later with a raw error (or silently): returns n
+    as an int (numpy integers are fine)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(config, AlgoConfig):
+        raise ConfigError(f"config must be an AlgoConfig (clipbias.config.AlgoConfig(lr=..., clip=...)), got "
+                          f"{type(config).__name__}")
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ConfigError(f"dataset size n must be a positive integer, got {n!r}")
+    n = int(n)
+    if not (isinstance(batch_size, numbers.Real) and 1 <= batch_size <= n):
+        raise ConfigError(f"--batch-size (the expected Poisson batch size B) must lie in [1, N={n}], got "
+                          f"{batch_size!r}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(f"the model ({type(model).__name__}) has no trainable parameters: nothing to train")
+    return n
+
+
+def _check_batch(x: Tensor, y: Tensor, indices: Tensor | None, class_labels: bool, own_rows: bool) -> None:
+    """Refuse a batch the step cannot take, before anything changes: tensors of matching lengths and,
+    for the default cross-entropy loss (``class_labels``), one integer class index per example, not
+    negative where the engine computes the rows itself (``own_rows``; cross-entropy would silently
+    ignore a label of -100)."""
+    for name, t in (("x", x), ("y", y), ("indices", indices)):
+        if t is not None and not isinstance(t, Tensor):
+            raise ConfigError(f"step: {name} must be a torch.Tensor, got {type(t).__name__}; convert it with "
+                              f"torch.as_tensor({name})")
+    if x.dim() == 0 or len(x) != len(y) or (indices is not None and len(indices) != len(x)):
+        raise ConfigError(f"step got {len(x) if x.dim() else 'a scalar as'} inputs, {len(y)} labels"
+                          + (f" and {len(indices)} indices" if indices is not None else "")
+                          + ": one label (and index) per input is needed")
+    if class_labels and y.is_floating_point():
+        raise ConfigError(f"labels must be integer class indices (torch.long) for the default cross-entropy "
+                          f"loss, got {y.dtype}; convert them with y.long() or pass your own loss_fn")
+    if class_labels and own_rows and len(y) and bool((y < 0).any()):
+        raise ConfigError(f"labels must be class indices >= 0 for the default cross-entropy loss, got "
+                          f"{int(y.min())}; fix the labels (negative ones are not classes) or pass your own loss_fn")
+    if class_labels and y.dim() != 1:
+        raise ConfigError(f"labels must be one class index per example (shape ({len(y)},)) for the default "
+                          f"cross-entropy loss, got shape {tuple(y.shape)}; flatten them with y.view(-1) or pass "
+                          f"your own loss_fn")
 
 
 def _canon(v) -> str:

@@ -247,10 +247,12 @@ def guarded(fn: Callable, x: Tensor, y: Tensor, dim: int):
                 f"out of memory computing {len(x)} per-example gradients of {dim} parameters "
                 f"({len(x) * dim * 4 / 2**30:.1f} GB as float32): lower --max-physical-batch (the math does "
                 f"not change), or use --grad-path fast (no per-example gradient matrix) where it applies") from e
+        labels = (f"{int(y.min())}..{int(y.max())}" if len(y) and not y.is_floating_point() and y.dim() == 1
+                  else f"shape {tuple(y.shape)}, {y.dtype}")
         raise ConfigError(
             f"computing per-example gradients failed ({type(e).__name__}: {e}). Check that the inputs have the "
-            f"shape the model expects (one example: {tuple(x.shape[1:])} here) and that the labels are class "
-            f"indices the model can output") from e
+            f"shape and dtype the model expects (one example given: shape {tuple(x.shape[1:])}, {x.dtype}) and "
+            f"that the labels are class indices the model can output (given: {labels})") from e
 
 
 def as_row_source(grads: "RowSource | PerSampleGradients") -> RowSource:

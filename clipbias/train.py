@@ -252,7 +252,7 @@ def run_many(base: TrainConfig, variants: list[tuple[str, dict]], seeds: list[in
     for label, cfg in cfgs.items():
         runs[label] = []
         for seed in seeds:
-            run_out = None if out is None else str(Path(out) / f"{_safe(label)}-s{seed}")
+            run_out = None if out is None else str(Path(out) / f"{safe_name(label)}-s{seed}")
             c = dataclasses.replace(cfg, seed=seed, out=run_out, overwrite=True)
             res = train(c, splits=splits, progress=progress, checkpoint=False, plot=False,
                         on_start=(lambda h, lab=label, s=seed: on_start(lab, s, h)) if on_start else None)
@@ -263,5 +263,6 @@ def run_many(base: TrainConfig, variants: list[tuple[str, dict]], seeds: list[in
     return {"runs": runs, "summary": summarize(runs)}
 
 
-def _safe(label: str) -> str:
+def safe_name(label: str) -> str:
+    """A run label as a directory name (``dice:paper`` -> ``dice_paper``): compare's per-run directories."""
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in label)

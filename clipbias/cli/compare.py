@@ -18,7 +18,11 @@ from pathlib import Path
 from .. import algorithms
 from ..errors import ConfigError
 from ..privacy.dice import DEFAULT_EF_RATIO, check_basis
-from ..train import CURVES, jsonable, prepare_splits, run_many, write_json
+from ..files import run_lock
+from ..run.checkpoint import CHECKPOINT, check_out_dir, finish_overwrite, set_aside
+from ..run.config import check_int
+from ..run.report import COMPARE, RESULTS
+from ..train import CURVES, jsonable, prepare_splits, run_many, safe_name, write_json
 from ._common import emit
 from .train import add_training_flags, config_from_args, fmt_eps, set_threads
 
@@ -69,12 +73,9 @@ def _table(rows: list[dict]) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
 
 
-def _run(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
-    set_threads(args.threads)
-    algos = args.algos or DEFAULT_ALGOS
-    seeds = args.seeds if args.seeds is not None else DEFAULT_SEEDS
-    base = config_from_args(args, algo="dpsgd", seed=seeds[0] if seeds else 0, ef_clip=None)
+def _variants(args: argparse.Namespace, algos: list[str]) -> tuple[list[tuple[str, dict]], float]:
+    """(label, config overrides) per --algos entry, and the feedback ratio r: C2 = r C1 / B goes to
+    the algorithms that read it (the sound privacy cost of feedback grows with r) unless --ef-clip."""
     if args.ef_ratio is not None and args.ef_clip is not None:
         raise ConfigError("give --ef-clip or --ef-ratio, not both")
     ratio = DEFAULT_EF_RATIO if args.ef_ratio is None else args.ef_ratio
@@ -84,24 +85,54 @@ def _run(args: argparse.Namespace) -> int:
     for spec in algos:
         label, over = parse_variant(spec)
         if algorithms.get(over["algo"]).reads_ef_clip:
-            # C2 = r C1 / B: the sound privacy cost of feedback grows with r (unless --ef-clip is given)
             over["ef_clip"] = args.ef_clip if args.ef_clip is not None else ratio * args.clip / args.batch_size
         variants.append((label, over))
+    return variants, ratio
+
+
+def _taken(out: Path, labels: list[str], seeds: list[int]) -> list[str]:
+    """What an earlier compare or train run left in ``out`` that this compare would replace."""
+    names = [COMPARE, RESULTS, CHECKPOINT, CURVES,
+             *(f"{safe_name(label)}-s{seed}" for label in labels for seed in seeds)]
+    return [f for f in names if (out / f).exists()]
+
+
+def _run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    if args.epsilon is None and args.noise_multiplier is None:  # the default budget, unless z is given
+        args.epsilon = DEFAULTS["epsilon"]
+    set_threads(args.threads)
+    algos = args.algos or DEFAULT_ALGOS
+    seeds = args.seeds if args.seeds is not None else DEFAULT_SEEDS
+    for s in seeds:
+        check_int(s, "--seeds", 0)
+    base = config_from_args(args, algo="dpsgd", seed=seeds[0] if seeds else 0, ef_clip=None)
+    variants, ratio = _variants(args, algos)
     for _, over in variants:
         dataclasses.replace(base, **over).validate()
     out = Path(args.out or os.path.join(
         "runs", f"compare-{base.data}-{base.model}-eps{base.epsilon:g}" if base.epsilon else
         f"compare-{base.data}-{base.model}"))
-    taken = [f for f in ("compare.json", "results.json", "checkpoint.pt") if (out / f).exists()]
-    if taken and not args.overwrite:
-        raise ConfigError(f"--out {out} already holds {', '.join(taken)} (an earlier compare or train run); "
-                          f"choose another --out, or replace it with --overwrite")
-    out.mkdir(parents=True, exist_ok=True)
+    check_out_dir(out)
+    with run_lock(out):  # a second compare (or train) on the same --out is refused
+        taken = _taken(out, [label for label, _ in variants], seeds)
+        if taken and not args.overwrite:
+            raise ConfigError(f"--out {out} already holds {', '.join(taken)} (an earlier compare or train run); "
+                              f"choose another --out, or replace it with --overwrite")
+        return _compare(args, base, variants, seeds, out, taken, ratio, t0)
+
+
+def _compare(args: argparse.Namespace, base, variants: list[tuple[str, dict]], seeds: list[int], out: Path,
+             taken: list[str], ratio: float, t0: float) -> int:
+    """Run the comparison into the locked ``out``; an overwritten compare's files wait in
+    ``out/.previous`` until the new one is complete (an interrupt never mixes old and new)."""
+    algos = [label for label, _ in variants]
     log = sys.stderr if args.json else sys.stdout
     print(f"compare: {', '.join(algos)} on {base.data} / {base.model}, epsilon={base.epsilon}, "
           f"delta={base.delta:g}, {base.epochs} epochs, B={base.batch_size:g}, lr={base.lr:g}, "
           f"clip={base.clip:g}, seeds {' '.join(map(str, seeds))} -> {out}", file=log, flush=True)
     splits = prepare_splits(dataclasses.replace(base, **variants[0][1]))
+    set_aside(out, tuple(taken))
 
     def on_start(label: str, seed: int, h: dict) -> None:
         if h.get("warning") and label == variants[0][0] and seed == seeds[0]:
@@ -128,20 +159,25 @@ def _run(args: argparse.Namespace) -> int:
                                                    "wall_time_per_epoch_s", "config")} for r in rs]
                         for label, rs in result["runs"].items()},
                "wall_time_s": time.perf_counter() - t0}
-    write_json(summary, out / "compare.json")
+    write_json(summary, out / COMPARE)
+    finish_overwrite(out)
+    _print_summary(args, summary, result["summary"], out, t0)
+    return 0
+
+
+def _print_summary(args: argparse.Namespace, summary: dict, rows: list[dict], out: Path, t0: float) -> None:
     if args.json:
         emit(jsonable(summary), True)
-        return 0
+        return
     print()
-    print(_table(result["summary"]))
+    print(_table(rows))
     print()
-    for r in result["summary"]:
+    for r in rows:
         print(f"{r['label']}: basis: {r['basis']}")
-    if any(not r["certified"] and not math.isinf(r["epsilon"]) for r in result["summary"]):
+    if any(not r["certified"] and not math.isinf(r["epsilon"]) for r in rows):
         print("certified = false: a DiceSGD bound (paper / authors) that a canary attack refutes "
               "(docs/privacy.md): NOT a guarantee, shown only to reproduce the paper.")
-    print(f"\nwrote {out / 'compare.json'} and {out / CURVES} ({time.perf_counter() - t0:.0f} s)")
-    return 0
+    print(f"\nwrote {out / COMPARE} and {out / CURVES} ({time.perf_counter() - t0:.0f} s)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -158,7 +194,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=None, metavar="S",
                    help=f"seeds (default: {' '.join(map(str, DEFAULT_SEEDS))})")
     add_training_flags(p, algo=False, defaults=DEFAULTS)
-    p.set_defaults(momentum=DEFAULTS["momentum"])
+    p.set_defaults(momentum=DEFAULTS["momentum"], epsilon=None)  # 3 unless --noise-multiplier is given
     p.add_argument("--ef-ratio", type=float, default=None, metavar="R",
                    help=f"DiceSGD feedback clip C2 = R * C1 / B (default R = {DEFAULT_EF_RATIO:g}) unless --ef-clip is given")
     p.add_argument("--out", default=None, metavar="DIR",

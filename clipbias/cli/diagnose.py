@@ -19,6 +19,7 @@ import torch
 from .. import algorithms, diagnostics
 from .. import diagnostics_plots as plots
 from ..errors import ConfigError
+from ..run.checkpoint import check_out_dir
 from ..run.report import write_json
 from ._common import emit, jsonable
 
@@ -132,7 +133,7 @@ def _run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, reproducible_noise=True).validate()
     sizes = _check_sizes(args)
     out = Path(args.out or args.run or "runs/diagnose")
-    out.mkdir(parents=True, exist_ok=True)
+    check_out_dir(out)  # a file in the way is refused now, not after the recording; created at the first write
     print(f"clipbias diagnose: {diagnostics.PRIVACY_WARNING}", file=sys.stderr)
     run = build_run(cfg, splits_for(cfg))  # exactly what `clipbias train` builds
     recorder, picked = _recorder(cfg, run, args, *sizes)

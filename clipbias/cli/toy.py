@@ -15,6 +15,7 @@ from .. import algorithms, toy
 from .. import diagnostics_plots as plots
 from ..errors import ConfigError
 from ..privacy import DICE_ACCOUNTING
+from ..run.checkpoint import check_out_dir
 from ._common import emit
 from .train import add_method_flags, method_settings
 
@@ -56,6 +57,8 @@ def _fmt(v) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     problem = toy.get_problem(args.problem)
+    if not args.no_figure:  # a file in the way of the figure's directory is refused now, not after the runs
+        check_out_dir(Path(args.figure).parent if args.figure else Path(args.out))
     algorithms.get(args.algo)  # a clear error for an unknown name
     extra = method_settings(args)
     extra.update(_parse_extra(args.extra))

@@ -21,7 +21,7 @@ from .. import algorithms, privacy
 from ..errors import ConfigError, ResumeMismatchError
 from ..files import atomic_write
 from .config import RESUME_FREE, TrainConfig
-from .report import CURVES, RESULTS, jsonable
+from .report import COMPARE, CURVES, RESULTS, jsonable
 
 CHECKPOINT = "checkpoint.pt"
 PRIVATE_NOTE = "contains the DiceSGD error-feedback buffer and RNG states; never release"
@@ -48,17 +48,21 @@ def open_run_dir(out: Path | None, cfg: TrainConfig) -> dict | None:
     if (out / RESULTS).exists() and not cfg.overwrite:
         raise ConfigError(f"--out {out} already holds a finished run's {RESULTS} (no checkpoint to resume); "
                           f"choose another --out, or replace it with --overwrite")
+    if (out / COMPARE).exists() and not cfg.overwrite:
+        raise ConfigError(f"--out {out} holds a compare ({COMPARE}, {CURVES}); choose another --out, or replace "
+                          f"it with --overwrite")
     return None
 
 
 PREVIOUS = ".previous"  # an overwritten run's files, until the new run has finished
 
 
-def set_aside(out: Path) -> None:
-    """``--overwrite``: move the old run's files into ``out/.previous`` before the new run writes
-    anything, so an interrupted overwrite never leaves old and new files mixed (the old run stays
-    whole in ``.previous``); ``finish_overwrite`` removes it when the new run is complete."""
-    old = [out / f for f in (CHECKPOINT, RESULTS, CURVES) if (out / f).exists()]
+def set_aside(out: Path, names: tuple[str, ...] = (CHECKPOINT, RESULTS, CURVES, COMPARE)) -> None:
+    """``--overwrite``: move the old run's files (``names``, files or directories) into
+    ``out/.previous`` before the new run writes anything, so an interrupted overwrite never leaves old
+    and new files mixed (the old run stays whole in ``.previous``); ``finish_overwrite`` removes it
+    when the new run is complete."""
+    old = [out / f for f in names if (out / f).exists()]
     if not old:
         return
     prev = out / PREVIOUS
@@ -116,8 +120,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     try:
         ckpt = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling problem is a bad file
+        detail = str(exc).strip().split(". ")[0][:160]  # torch appends a paragraph of advice
         raise ConfigError(f"{p} is truncated or corrupted, or not a clipbias checkpoint ({type(exc).__name__}: "
-                          f"{exc}); it cannot be resumed or exported: start the run again with --overwrite") from exc
+                          f"{detail}); it cannot be resumed or exported: start the run again with --overwrite") from exc
     if not isinstance(ckpt, dict) or "model" not in ckpt or "engine" not in ckpt:
         raise ConfigError(f"{p} is not a clipbias checkpoint (no model/engine state)")
     return ckpt

@@ -21,6 +21,7 @@ from ..files import atomic_write
 from .config import TrainConfig
 
 RESULTS, CURVES = "results.json", "curves.png"
+COMPARE = "compare.json"  # written by `clipbias compare`
 
 
 def jsonable(obj: Any) -> Any:

@@ -136,7 +136,8 @@ def splits_for(cfg: TrainConfig, splits: Splits | None = None, dataset: Dataset 
                 raise ConfigError(f"the prepared data have {key}={splits.info.get(key)!r} but the run asks "
                                   f"for --{key.replace('_', '-')} {want!r}; prepare them for this config")
     if cfg.batch_size > splits.n:
-        raise ConfigError(f"--batch-size must lie in (0, N={splits.n}], got {cfg.batch_size:g}")
+        raise ConfigError(f"--batch-size must lie in [1, N={splits.n}] (the expected batch cannot exceed the "
+                          f"{splits.n} training examples), got {cfg.batch_size:g}")
     if cfg.validation and splits.x_val is None:
         raise ConfigError("--validation: the prepared data hold no validation split")
     return splits

@@ -304,7 +304,8 @@ class DPEngine:
             raise ConfigError(f"load_state_dict: not a DPEngine state ({', '.join(missing)} missing); pass what "
                               f"DPEngine.state_dict() returned (a checkpoint's 'engine' entry)")
         saved, now = state["settings"], asdict(self.settings)
-        diff = {k: (saved.get(k), v) for k, v in now.items() if not _same(saved.get(k), v)}
+        diff = {k: (saved.get(k), v) for k, v in now.items() if not _same(saved.get(k), v)
+                and not (k == "steps" and _extendable(saved, now))}
         if diff:
             lines = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
             raise ResumeMismatchError(f"cannot resume: privacy-relevant settings changed ({lines}). "
@@ -360,6 +361,12 @@ def _check_batch(x: Tensor, y: Tensor, indices: Tensor | None, class_labels: boo
         raise ConfigError(f"labels must be one class index per example (shape ({len(y)},)) for the default "
                           f"cross-entropy loss, got shape {tuple(y.shape)}; flatten them with y.view(-1) or pass "
                           f"your own loss_fn")
+
+
+def _extendable(saved: dict, now: dict) -> bool:
+    """More steps than the checkpoint's at a noise multiplier that was given, not calibrated to a
+    target epsilon: the accounting covers the longer run (``privacy()`` reports its epsilon)."""
+    return saved.get("target_epsilon") is None and now["target_epsilon"] is None and now["steps"] > saved["steps"]
 
 
 def _canon(v) -> str:

@@ -318,3 +318,23 @@ def test_a_second_run_on_the_same_out_is_refused(tmp_path):
             train(cfg)
     res = train(cfg)  # free again
     assert res["steps"] == res["planned_steps"] and (out / RESULTS).is_file()
+
+
+def test_a_finished_run_at_a_given_noise_extends_to_more_epochs_exactly(tmp_path):
+    """--resume with more --epochs continues a run whose noise multiplier was given: the result equals
+    an uninterrupted run of all the epochs bit for bit (same batches, noise and weights) and reports
+    the epsilon of all the steps; a run calibrated to a target epsilon is refused, saying why (issue 16)."""
+    from clipbias.train import load_checkpoint, train
+    base = dict(data="digits", model="mlp", algo="dice", batch_size=128.0, lr=0.5, clip=1.0, seed=3,
+                reproducible_noise=True, noise_multiplier=1.0)
+    train(TrainConfig(**base, epochs=1, out=str(tmp_path / "a")), progress=False, plot=False)
+    extended = train(TrainConfig(**base, epochs=3, out=str(tmp_path / "a"), resume=True), progress=False, plot=False)
+    direct = train(TrainConfig(**base, epochs=3, out=str(tmp_path / "b")), progress=False, plot=False)
+    a, b = load_checkpoint(str(tmp_path / "a")), load_checkpoint(str(tmp_path / "b"))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
+    assert extended["epsilon"] == direct["epsilon"] and extended["steps"] == direct["steps"] == 33
+    assert len(extended["history"]) == 3
+    cal = dict(base, noise_multiplier=None, epsilon=2.0, algo="dpsgd")
+    train(TrainConfig(**cal, epochs=1, out=str(tmp_path / "c")), progress=False, plot=False)
+    with pytest.raises(ResumeMismatchError, match="calibrated so that 1 epochs spend exactly --epsilon 2"):
+        train(TrainConfig(**cal, epochs=2, out=str(tmp_path / "c"), resume=True), progress=False, plot=False)

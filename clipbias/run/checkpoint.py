@@ -155,10 +155,12 @@ def export_weights(run_dir: str | os.PathLike, file: str | os.PathLike) -> dict:
 
 
 def resume_check(saved: dict, cfg: TrainConfig) -> None:
-    """Refuse a resume whose settings changed (``RESUME_FREE`` ones may), naming the flag."""
+    """Refuse a resume whose settings changed (``RESUME_FREE`` ones may), naming the flag. More
+    ``--epochs`` extend a run whose noise multiplier was given (the accounting simply covers more
+    steps at the same noise); a calibrated run cannot be extended at its noise within its target."""
     now = cfg.to_dict()
     for key, value in now.items():
-        if key in RESUME_FREE:
+        if key in RESUME_FREE or (key == "epochs" and _extends(saved, cfg)):
             continue
         old = saved.get(key)
         if old != value and not (isinstance(old, (int, float)) and isinstance(value, (int, float))
@@ -171,6 +173,20 @@ def resume_check(saved: dict, cfg: TrainConfig) -> None:
             raise ResumeMismatchError(
                 f"cannot resume: {flag} changed (checkpoint {old!r}, now {value!r}). Resume with the "
                 f"original setting, or start a new run (another --out, or --overwrite).")
+
+
+def _extends(saved: dict, cfg: TrainConfig) -> bool:
+    """Whether ``cfg`` asks for more epochs than the checkpoint's run, and may have them."""
+    old = saved.get("epochs")
+    if not (isinstance(old, int) and cfg.epochs > old):
+        return False
+    if saved.get("noise_multiplier") is None and saved.get("epsilon") is not None:
+        raise ResumeMismatchError(
+            f"cannot extend this run from {old} to {cfg.epochs} epochs: its noise multiplier was calibrated so that "
+            f"{old} epochs spend exactly --epsilon {saved['epsilon']:g}; more steps at that noise would exceed it. "
+            f"Start a new run with --epochs {cfg.epochs} (the noise is calibrated for all of them), or, to spend "
+            f"more than the original budget, start runs with --noise-multiplier Z, which can be extended")
+    return True
 
 
 def to_cpu(obj: Any) -> Any:

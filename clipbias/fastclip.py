@@ -213,9 +213,11 @@ class BookKeeping:
         check_model(self.model)
         params = self.layout.params(self.model)
         rng, buffers = _rng_state(x.device), [(b, b._version, b.detach().clone()) for b in self.model.buffers()]
-        losses, acts, grads = self._backward(x, y)
+        try:
+            losses, acts, grads = self._backward(x, y)
+        finally:  # a buffer changed by the forward is restored and refused, whatever else failed
+            _check_buffers(self.model, buffers)
         stochastic = not _same_rng(rng, _rng_state(x.device))  # dropout (or any other draw) in the forward
-        _check_buffers(self.model, buffers)
         rules = [_rule(m, acts[m], g) for m, g in zip(self.layers, grads)]
         norms = torch.sqrt(sum(r.sq for r in rules))
         if not bool(torch.isfinite(norms).all()):  # the caller refuses the step, naming the examples

@@ -295,47 +295,40 @@ def load_dataset(name: str, *, data_dir: str | os.PathLike | None = None, valida
         return with_validation(ds, validation, seed)
     if name == "fashion-mnist":
         t = load_fashion_mnist(data_dir)
-        x_tr, y_tr, x_te, y_te = t["x_train"], t["y_train"], t["x_test"], t["y_test"]
-        notes = (f"pixels/255 then (x-{FASHION_MNIST_MEAN})/{FASHION_MNIST_STD}: public "
-                 "constants, no statistic of the private data. Row-by-row sequence view: "
-                 "x.view(-1, 28, 28).")
-        private_ok, shape = True, (1, 28, 28)
-        x_val = y_val = None
-        if validation:
-            keep, val = _split(y_tr.numpy(), validation, seed)
-            x_val, y_val = x_tr[val], y_tr[val]
-            x_tr, y_tr = x_tr[keep], y_tr[keep]
+        ds = Dataset(name=name, x_train=t["x_train"], y_train=t["y_train"], x_test=t["x_test"], y_test=t["y_test"],
+                     num_classes=FASHION_MNIST_CLASSES, input_shape=(1, 28, 28),
+                     notes=(f"pixels/255 then (x-{FASHION_MNIST_MEAN})/{FASHION_MNIST_STD}: public constants, no "
+                            "statistic of the private data. Row-by-row sequence view: x.view(-1, 28, 28)."))
+        return with_validation(ds, validation, seed)
+    x, y = _sklearn_arrays(name)
+    train, test = _split(y, SKLEARN_TEST_SIZE, SKLEARN_SPLIT_SEED)
+    val = np.empty(0, dtype=np.int64)
+    if validation:
+        keep, val = _split(y[train], validation, seed)
+        train, val = train[keep], train[val]
+    if name == "digits":
+        mean, std = 0.0, 16.0
+        notes = "pixels/16 (known 0..16 range): no statistic of the private data."
+        private_ok = True
     else:
-        x, y = _sklearn_arrays(name)
-        train, test = _split(y, SKLEARN_TEST_SIZE, SKLEARN_SPLIT_SEED)
-        val = np.empty(0, dtype=np.int64)
-        if validation:
-            keep, val = _split(y[train], validation, seed)
-            train, val = train[keep], train[val]
-        if name == "digits":
-            mean, std = 0.0, 16.0
-            notes = "pixels/16 (known 0..16 range): no statistic of the private data."
-            private_ok = True
-        else:
-            mean, std = x[train].mean(axis=0), x[train].std(axis=0)
-            std = np.where(std > 0, std, 1.0)
-            notes = ("standardised with the mean/std of the training split: a small "
-                     "NON-private preprocessing step, not covered by the DP guarantee.")
-            private_ok = False
-        x = ((x - mean) / std).astype(np.float32)
-        shape = (1, 8, 8) if (name == "digits" and image) else (x.shape[1],)
+        mean, std = x[train].mean(axis=0), x[train].std(axis=0)
+        std = np.where(std > 0, std, 1.0)
+        notes = ("standardised with the mean/std of the training split: a small "
+                 "NON-private preprocessing step, not covered by the DP guarantee.")
+        private_ok = False
+    x = ((x - mean) / std).astype(np.float32)
+    shape = (1, 8, 8) if (name == "digits" and image) else (x.shape[1],)
 
-        def take(idx: np.ndarray) -> tuple[Tensor, Tensor]:
-            return (torch.from_numpy(x[idx]).reshape(len(idx), *shape),
-                    torch.from_numpy(y[idx]))
+    def take(idx: np.ndarray) -> tuple[Tensor, Tensor]:
+        return (torch.from_numpy(x[idx]).reshape(len(idx), *shape),
+                torch.from_numpy(y[idx]))
 
-        x_tr, y_tr = take(train)
-        x_te, y_te = take(test)
-        x_val, y_val = take(val) if validation else (None, None)
+    x_tr, y_tr = take(train)
+    x_te, y_te = take(test)
+    x_val, y_val = take(val) if validation else (None, None)
 
-    num_classes = int(max(y_tr.max(), y_te.max())) + 1
     return Dataset(name=name, x_train=x_tr, y_train=y_tr, x_test=x_te, y_test=y_te,
-                   num_classes=num_classes, input_shape=tuple(shape), notes=notes,
+                   num_classes=int(max(y_tr.max(), y_te.max())) + 1, input_shape=tuple(shape), notes=notes,
                    preprocessing_private=private_ok, x_val=x_val, y_val=y_val)
 
 

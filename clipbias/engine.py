@@ -147,7 +147,6 @@ class DPEngine:
         self.sampler = PoissonSampler(n, self.sample_rate, sampler_seed, steps_per_epoch)
         self.max_physical_batch = max_physical_batch
         self._aggregate, self.grad_path_note = self._fast_path(grad_path, own_rows, model, loss_fn)
-        self.fast = self._aggregate if isinstance(self._aggregate, BookKeeping) else None
         self.own_rows = own_rows  # a given backend may read labels its own way (the audit's canaries: y < 0)
         self.world_size = _check_distributed(self.algo.name, self.rows, self.pipeline)
         self.steps_taken, self.last_loss = 0, (0.0, 0)
@@ -201,7 +200,12 @@ class DPEngine:
         self.pipeline.commit()
         self.rows.commit()
         self.steps_taken += 1
-        return mine if losses else torch.zeros(0)
+        return mine
+
+    @property
+    def fast(self) -> BookKeeping | None:
+        """The book-keeping fast path when this engine runs it (``--grad-path``), else None."""
+        return self._aggregate if isinstance(self._aggregate, BookKeeping) else None
 
     def local_share(self, indices: Tensor) -> Tensor:
         """This rank's share of the global sample ``indices`` (all of it with one process): the
@@ -252,16 +256,16 @@ class DPEngine:
                "--grad-bound clips the rows first" if p.reference else
                f"--algo {self.algo.name} transforms rows beyond a norm scaling" if len(p.per_sample) != 1
                or p.per_sample[0].scale(torch.ones(1)) is None else None)
-        if why is None:
+        if why is None:  # a norm-scaling step: the fast path if the model allows it, else summed rows
             why = why_unsupported(model)
             rows_bytes = min(self.max_physical_batch, math.ceil(1.2 * self.expected_batch_size)) * \
                 self.rows.layout.dim * 4
-            if grad_path == "fast" or (grad_path == "auto" and why is None and rows_bytes > AUTO_ROWS_BYTES):
-                if why is None:
-                    return BookKeeping(model, loss_fn), (
-                        "fast (per-layer norms and book-keeping sums, no rows; per-example sensitivity rests "
-                        "on run-time checks of the model, docs/results.md)")
-            elif isinstance(self.rows, PerExampleRows) and isinstance(self.rows.grads, FuncGradients):
+            if why is None and (grad_path == "fast" or grad_path == "auto" and rows_bytes > AUTO_ROWS_BYTES):
+                return BookKeeping(model, loss_fn), (
+                    "fast (per-layer norms and book-keeping sums, no rows; per-example sensitivity rests "
+                    "on run-time checks of the model, docs/results.md)")
+            if grad_path != "fast" and isinstance(self.rows, PerExampleRows) and \
+                    isinstance(self.rows.grads, FuncGradients):
                 return ParamSums(self.rows.grads), "rows (per-example gradients, torch.func, summed per parameter" + (
                     f"; the fast path does not apply: {why})" if grad_path == "auto" and why else ")")
         if grad_path == "fast":

@@ -221,7 +221,7 @@ class BookKeeping:
         rules = [_rule(m, acts[m], g) for m, g in zip(self.layers, grads)]
         norms = torch.sqrt(sum(r.sq for r in rules))
         if not bool(torch.isfinite(norms).all()):  # the caller refuses the step, naming the examples
-            return torch.zeros(0), None, losses.detach(), norms
+            return torch.zeros(0), None, losses, norms
         self._check_examples(rules, x, y, params, rng if stochastic else None)
         S = torch.stack([scale(norms)] + ([torch.ones_like(norms)] if reference else []))
         pieces = [r.sums(S) for r in rules]

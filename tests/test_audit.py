@@ -5,6 +5,7 @@ independent runs at once: one-parameter model, D = {} vs D' = {canary}, canary g
 (the paper's bounded-gradient assumption holds with --grad-bound 1e4).
 """
 
+import json
 import math
 
 import numpy as np
@@ -158,3 +159,14 @@ def test_one_run_audit_end_to_end_catches_understated_noise():
     assert cheat["canaries"] == 200 and 0 < cheat["correct"] <= cheat["guesses"]
     honest = audit.one_run_audit(audit.OneRunAudit(**kw))
     assert not honest["refuted"] and honest["epsilon_lower_bound"] < honest["epsilon_claimed"]
+
+
+def test_one_run_audit_runs_the_fast_path_and_records_it(capsys):
+    """`clipbias audit --mode one-run --grad-path fast` audits the book-keeping fast path (input
+    canaries: the model's own gradients) and records the path in its settings."""
+    from clipbias.cli import main
+    assert main(["audit", "--mode", "one-run", "--json", "--quiet", "--algo", "dpsgd", "--data", "digits-image",
+                 "--model", "mlp", "--noise-multiplier", "1", "--sample-rate", "0.1", "--steps", "5",
+                 "--canaries", "20", "--canary-type", "input", "--grad-path", "fast", "--clip", "1", "--lr", "0.1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["settings"]["grad_path"] == "fast" and out["certified"] and out["canaries"] == 20

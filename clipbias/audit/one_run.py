@@ -54,6 +54,7 @@ class OneRunAudit:
     confidence: float = 0.95
     seed: int = 0
     subset: int | None = None
+    grad_path: str = "auto"               # rows | fast | auto, as in clipbias train
 
     def __post_init__(self) -> None:
         check_positive(self.noise_multiplier, "--noise-multiplier")
@@ -115,7 +116,7 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
     batch = float(len(y_all)) if a.batch_size is None else a.batch_size
     engine = DPEngine(model, a.algo, n=len(y_all), batch_size=batch, steps=a.steps,
                       noise_multiplier=a.noise_multiplier, delta=a.delta, dice_accounting=a.dice_accounting,
-                      config=algo_cfg, grads=c["grads"])
+                      config=algo_cfg, grads=c["grads"], grad_path=a.grad_path)
     layout = engine.rows.layout
     theta0 = torch.cat([p.detach().flatten() for p in layout.params(model)]).clone()
     bar = None
@@ -223,5 +224,5 @@ def run_from_args(args) -> dict:
                     lr=lr, clip=args.clip, momentum=args.momentum, ef_clip=args.ef_clip,
                     canary_norm=args.canary_norm, delta=args.delta, dice_accounting=args.dice_accounting,
                     claim_noise_multiplier=args.claim_noise_multiplier, confidence=args.confidence,
-                    seed=args.seed, subset=args.subset)
+                    seed=args.seed, subset=args.subset, grad_path=args.grad_path)
     return one_run_audit(a, progress=not args.quiet, splits=splits)

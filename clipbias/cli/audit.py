@@ -89,6 +89,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="one-run mode: SGD momentum of the base optimizer (default 0.9; inner-outer needs 0)")
     p.add_argument("--subset", type=int, default=None, metavar="N",
                    help="one-run mode: train on the first N training examples (plus the included canaries)")
+    p.add_argument("--grad-path", choices=("rows", "fast", "auto"), default="auto",
+                   help="one-run mode: how the per-example norms are computed, as in `clipbias train` (audit the "
+                        "fast path with --grad-path fast --canary-type input)")
     p.add_argument("--confidence", type=float, default=0.95,
                    help="confidence of the lower bound (default 0.95; Bonferroni over every bound used)")
     p.add_argument("--seed", type=int, default=0, help="seed of the experiment (the audit's own randomness)")

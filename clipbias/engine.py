@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.utils.data import Dataset
 
-from . import algorithms, distributed, privacy
+from . import algorithms, batch, distributed, privacy
+from .batch import Batch
 from .config import AlgoConfig
 from .errors import ClipbiasError, ConfigError, ResumeMismatchError
 from .fastclip import BookKeeping, why_unsupported
+from .loader import PoissonLoader, TensorData
 from .grads import (FuncGradients, LossFn, ParamSums, PerExampleRows, PerSampleGradients, RowSource,
                     as_row_source, check_finite, check_finite_norms, cross_entropy)
 from .privacy import PrivacyReport
@@ -156,8 +160,12 @@ class DPEngine:
                                         tuple(sorted((k, _canon(v)) for k, v in self.config.extra.items())))
 
     # ------------------------------------------------------------------ training
-    def step(self, x: Tensor, y: Tensor, indices: Tensor | None = None) -> Tensor:
+    def step(self, x: Batch, y: Batch, indices: Tensor | None = None) -> Tensor:
         """One logical step on the Poisson batch ``(x, y)``; returns the per-example losses.
+
+        ``x`` and ``y`` are tensors or any ``clipbias.batch.Batch`` (tuples, dicts of tensors: the
+        model is called ``model(**x)`` for a dict), with the examples on the first dimension; an
+        empty batch (zero examples) is a noise-only step.
 
         In a process group of N ranks, ``(x, y, indices)`` is this rank's share of the global batch
         (``engine.local_share`` of the sampled indices; ``run_steps`` does it): the partial sums
@@ -207,25 +215,31 @@ class DPEngine:
         """The book-keeping fast path when this engine runs it (``--grad-path``), else None."""
         return self._aggregate if isinstance(self._aggregate, BookKeeping) else None
 
-    def local_share(self, indices: Tensor) -> Tensor:
+    def local_share(self, indices: Tensor, step: int | None = None) -> Tensor:
         """This rank's share of the global sample ``indices`` (all of it with one process): the
-        examples the row source assigns to this rank at the coming step (``RowSource.owners``)."""
+        examples the row source assigns to this rank at ``step`` (default: the coming step;
+        ``RowSource.owners``)."""
         if self.world_size == 1:
             return indices
-        return distributed.local_share(indices, self.rows.owners(indices, self.steps_taken, self.world_size))
+        step = self.steps_taken if step is None else step
+        return distributed.local_share(indices, self.rows.owners(indices, step, self.world_size))
 
-    def _check_step(self, x: Tensor, y: Tensor, indices: Tensor | None) -> None:
+    def _check_step(self, x: Batch, y: Batch, indices: Tensor | None) -> None:
         """Refuse a step that cannot be taken: budget spent, mismatched lengths, float labels."""
         if self.steps_taken >= self.total_steps and self.algo.private:
             raise ConfigError(f"the privacy budget covers {self.total_steps} steps and all were taken; "
                               f"start a new run with more --epochs to train longer")
+        if not (isinstance(x, Tensor) and isinstance(y, Tensor)) and not self.rows.structured:
+            raise ConfigError(f"--algo {self.algo.name} computes its rows from image tensors and takes tensor "
+                              f"inputs and labels, got {type(x).__name__} and {type(y).__name__}; use an "
+                              f"algorithm with per-example rows (dpsgd, dice, ...) for structured batches")
         _check_batch(x, y, indices, self.loss_fn is cross_entropy, self.own_rows)
         if self.world_size > 1 and indices is None:
             raise ConfigError(f"in a process group of {self.world_size} ranks, step needs the example indices of "
                               f"this rank's share (engine.local_share(engine.sampler.sample())): the keyed "
                               f"per-example draws and the shares are defined by them")
 
-    def _sums(self, x: Tensor, y: Tensor, indices: Tensor | None):
+    def _sums(self, x: Batch, y: Batch, indices: Tensor | None):
         """(reference sum, processed sum, losses) per physical micro-batch, through the rows or a
         norm-scaling aggregate (``_fast_path``); the finiteness of every example's gradient is checked on its norm either way."""
         if self._aggregate is None:
@@ -236,9 +250,9 @@ class DPEngine:
             return
         scale = self.pipeline.per_sample[0].scale
         need_ref = self.pipeline.error_feedback is not None
-        for start in range(0, len(x), self.max_physical_batch):
+        for start in range(0, batch.size(x), self.max_physical_batch):
             sl = slice(start, start + self.max_physical_batch)
-            p, r, loss, norms = self._aggregate(x[sl], y[sl], scale, need_ref)
+            p, r, loss, norms = self._aggregate(batch.take(x, sl), batch.take(y, sl), scale, need_ref)
             check_finite_norms(norms, indices[sl] if indices is not None else None)
             yield r, p, loss
 
@@ -273,13 +287,16 @@ class DPEngine:
         return None, "rows (per-example gradients, torch.func)" + (f"; the fast path does not apply: {why}"
                                                                     if grad_path == "auto" and why else "")
 
-    def train_epoch(self, x: Tensor, y: Tensor) -> float:
-        """One epoch of Poisson batches over in-memory tensors; returns the mean example loss."""
-        if len(x) != len(y) or len(x) != self.n:
-            raise ConfigError(f"train_epoch got {len(x)} inputs and {len(y)} labels for an engine built with "
-                              f"n={self.n}: the sampler draws from n examples and the accounting assumes n; pass "
-                              f"exactly the n training examples (or build the engine with n={len(x)})")
-        total, count = run_steps(self, x, y, len(self.sampler))
+    def train_epoch(self, x: "Batch | Dataset | PoissonLoader", y: Batch | None = None, **loader_options) -> float:
+        """One epoch of Poisson batches; returns the mean example loss. The data: in-memory inputs
+        ``x`` with labels ``y``, a map-style ``torch.utils.data.Dataset`` (``y`` omitted; ``loader_options``
+        such as ``collate_fn`` and ``num_workers`` go to ``clipbias.loader.PoissonLoader``) or a
+        ``PoissonLoader``."""
+        if y is not None and (batch.size(x) != batch.size(y) or batch.size(x) != self.n):
+            raise ConfigError(f"train_epoch got {batch.size(x)} inputs and {batch.size(y)} labels for an engine "
+                              f"built with n={self.n}: the sampler draws from n examples and the accounting assumes "
+                              f"n; pass exactly the n training examples (or build the engine with n={batch.size(x)})")
+        total, count = run_steps(self, x, y, len(self.sampler), **loader_options)
         return total / max(count, 1)
 
     # ------------------------------------------------------------------ privacy
@@ -342,19 +359,26 @@ def _check_arguments(model: nn.Module, n: int, batch_size: float, config: AlgoCo
     return n
 
 
-def _check_batch(x: Tensor, y: Tensor, indices: Tensor | None, class_labels: bool, own_rows: bool) -> None:
-    """Refuse a batch the step cannot take, before anything changes: tensors of matching lengths and,
-    for the default cross-entropy loss (``class_labels``), one integer class index per example, not
-    negative where the engine computes the rows itself (``own_rows``; cross-entropy would silently
-    ignore a label of -100)."""
+def _check_batch(x: Batch, y: Batch, indices: Tensor | None, class_labels: bool, own_rows: bool) -> None:
+    """Refuse a batch the step cannot take, before anything changes: tensors (or tuples, lists, dicts
+    of tensors) with one row per example in every tensor and, for the default cross-entropy loss
+    (``class_labels``), one integer class index per example, not negative where the engine computes
+    the rows itself (``own_rows``; cross-entropy would silently ignore a label of -100)."""
     for name, t in (("x", x), ("y", y), ("indices", indices)):
-        if t is not None and not isinstance(t, Tensor):
-            raise ConfigError(f"step: {name} must be a torch.Tensor, got {type(t).__name__}; convert it with "
-                              f"torch.as_tensor({name})")
-    if x.dim() == 0 or len(x) != len(y) or (indices is not None and len(indices) != len(x)):
-        raise ConfigError(f"step got {len(x) if x.dim() else 'a scalar as'} inputs, {len(y)} labels"
+        if t is not None and not isinstance(t, Tensor) and (name == "indices" or not isinstance(t, (tuple, list, Mapping))):
+            raise ConfigError(f"step: {name} must be a torch.Tensor" + ("" if name == "indices" else
+                              " (or a tuple, list or dict of tensors)") + f", got {type(t).__name__}; convert it "
+                              f"with torch.as_tensor({name})")
+    if isinstance(x, Tensor) and x.dim() == 0:
+        raise ConfigError("step got a scalar as inputs: one row per example is needed")
+    bx, by = batch.size(x), batch.size(y)
+    if bx != by or (indices is not None and len(indices) != bx):
+        raise ConfigError(f"step got {bx} inputs, {by} labels"
                           + (f" and {len(indices)} indices" if indices is not None else "")
                           + ": one label (and index) per input is needed")
+    if class_labels and not isinstance(y, Tensor):
+        raise ConfigError(f"the default cross-entropy loss takes a tensor of class indices, got "
+                          f"{type(y).__name__} labels; pass your own loss_fn for structured targets")
     if class_labels and y.is_floating_point():
         raise ConfigError(f"labels must be integer class indices (torch.long) for the default cross-entropy "
                           f"loss, got {y.dtype}; convert them with y.long() or pass your own loss_fn")
@@ -408,25 +432,28 @@ def _check_distributed(name: str, rows: RowSource, pipeline) -> int:
 StepHook = Callable[[DPEngine, Tensor], None]
 
 
-def run_steps(engine: DPEngine, x: Tensor, y: Tensor, steps: int | None = None, *,
-              before: Callable[[DPEngine], None] | None = None, after: StepHook | None = None) -> tuple[float, int]:
-    """The sample-and-step loop: up to ``steps`` Poisson steps (default: all remaining) on the
-    in-memory ``(x, y)``, stopping at ``engine.total_steps``; returns (sum of the example losses,
-    number of examples). ``before(engine)`` runs before each step, ``after(engine, losses)`` after
-    it: progress bars, diagnostics, iterate traces. Used by training, the toy problems and the
-    diagnostics recorder alike. ``x``/``y`` may live on the GPU; the indices stay on the CPU. In a
-    process group every rank holds the whole ``(x, y)``, draws the same global sample and steps on its
-    share (``engine.local_share``); ``after`` gets this rank's losses, the sums are global.
+def run_steps(engine: DPEngine, x: "Batch | Dataset | PoissonLoader", y: Batch | None = None,
+              steps: int | None = None, *, before: Callable[[DPEngine], None] | None = None,
+              after: StepHook | None = None, **loader_options) -> tuple[float, int]:
+    """The sample-and-step loop: up to ``steps`` Poisson steps (default: all remaining), stopping at
+    ``engine.total_steps``; returns (sum of the example losses, number of examples). The data are
+    in-memory ``(x, y)`` (tensors or structured batches, on the CPU or the GPU), a map-style Dataset
+    ``x`` (``y`` None; ``loader_options`` go to ``clipbias.loader.PoissonLoader``: ``collate_fn``,
+    ``num_workers``, ...) or a ``PoissonLoader``: one loop for all (``PoissonLoader.epoch``).
+    ``before(engine)`` runs before each step, ``after(engine, losses)`` after it: progress bars,
+    diagnostics, iterate traces. Used by training, the toy problems and the diagnostics recorder
+    alike. In a process group every rank draws the same global sample and steps on its share
+    (``engine.local_share``); ``after`` gets this rank's losses, the sums are global.
     """
+    if isinstance(x, PoissonLoader):
+        loader = x
+    else:
+        loader = PoissonLoader(engine, x if y is None else TensorData(x, y), **loader_options)
     total, count = 0.0, 0
-    for _ in range(engine.total_steps - engine.steps_taken if steps is None else steps):
-        if engine.steps_taken >= engine.total_steps:
-            break
+    for xb, yb, idx in loader.epoch(engine.total_steps - engine.steps_taken if steps is None else steps):
         if before is not None:
             before(engine)
-        idx = engine.local_share(engine.sampler.sample())  # all of it with one process
-        idx_dev = idx.to(x.device) if x.device.type != "cpu" else idx
-        losses = engine.step(x[idx_dev], y[idx_dev], idx)
+        losses = engine.step(xb, yb, idx)
         total, count = total + engine.last_loss[0], count + engine.last_loss[1]  # global sums
         if after is not None:
             after(engine, losses)

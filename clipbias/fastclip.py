@@ -48,6 +48,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from . import batch
+from .batch import Batch
 from .errors import ConfigError
 from .grads import FuncGradients, LossFn, ParamLayout, check_model, cross_entropy
 
@@ -208,16 +210,17 @@ class BookKeeping:
         self._check_gen = torch.Generator().manual_seed(secrets.randbits(63))
         self._alone = FuncGradients(model, loss_fn, check=False)  # the probes' own gradients
 
-    def __call__(self, x: Tensor, y: Tensor, scale: Callable[[Tensor], Tensor],
+    def __call__(self, x: Batch, y: Batch, scale: Callable[[Tensor], Tensor],
                  reference: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         check_model(self.model)
         params = self.layout.params(self.model)
-        rng, buffers = _rng_state(x.device), [(b, b._version, b.detach().clone()) for b in self.model.buffers()]
+        dev = params[0].device
+        rng, buffers = _rng_state(dev), [(b, b._version, b.detach().clone()) for b in self.model.buffers()]
         try:
             losses, acts, grads = self._backward(x, y)
         finally:  # a buffer changed by the forward is restored and refused, whatever else failed
             _check_buffers(self.model, buffers)
-        stochastic = not _same_rng(rng, _rng_state(x.device))  # dropout (or any other draw) in the forward
+        stochastic = not _same_rng(rng, _rng_state(dev))  # dropout (or any other draw) in the forward
         rules = [_rule(m, acts[m], g) for m, g in zip(self.layers, grads)]
         norms = torch.sqrt(sum(r.sq for r in rules))
         if not bool(torch.isfinite(norms).all()):  # the caller refuses the step, naming the examples
@@ -229,11 +232,17 @@ class BookKeeping:
         ref = self._assemble([[t[1] for t in lp] for lp in pieces]) if reference else None
         return proc, ref, losses, norms
 
-    def _losses(self, out: Tensor, y: Tensor) -> Tensor:
-        return (F.cross_entropy(out, y, reduction="none") if self.loss_fn is cross_entropy else
-                torch.vmap(lambda o, t: self.loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(out, y))
+    def _losses(self, out, y: Batch, b: int) -> Tensor:
+        """The ``[b]`` per-example losses: the loss function's own when it returns them, else it is
+        mapped over the examples (a loss that returns the batch sum)."""
+        if self.loss_fn is cross_entropy:
+            return F.cross_entropy(out, y, reduction="none")
+        losses = self.loss_fn(out, y)
+        if losses.dim() == 1 and losses.shape[0] == b:
+            return losses
+        return torch.vmap(lambda o, t: self.loss_fn(batch.unsqueeze(o), batch.unsqueeze(t)).sum())(out, y)
 
-    def _backward(self, x: Tensor, y: Tensor) -> tuple:
+    def _backward(self, x: Batch, y: Batch) -> tuple:
         """One forward and one backward of the summed loss, to the layer outputs only (no parameter
         gradients): the per-example losses (detached), every layer's input and output gradient.
         Refuses, before anything changes, a model the rules would misread."""
@@ -253,8 +262,9 @@ class BookKeeping:
         handles = [m.register_forward_hook(hook) for m in self.layers]
         try:
             with torch.enable_grad():
-                losses = self._losses(self.model(x), y)
-                self._check_layers(acts, outs, len(x))
+                b = batch.size(x)
+                losses = self._losses(batch.call(self.model, x), y, b)
+                self._check_layers(acts, outs, b)
                 changed = [m for m in self.layers if outs[m]._version != versions[m]]
                 if changed:  # the backward would differentiate through the later in-place op
                     raise ConfigError(f"--grad-path fast: the output of a {type(changed[0]).__name__} layer is "
@@ -308,7 +318,7 @@ class BookKeeping:
                 parts[s] = t
         return parts
 
-    def _check_examples(self, rules: list, x: Tensor, y: Tensor, params: list, rng: tuple | None) -> None:
+    def _check_examples(self, rules: list, x: Batch, y: Batch, params: list, rng: tuple | None) -> None:
         """Every step, secret random examples' gradients as the per-layer rules attribute them must
         equal their own gradients (to 1e-4 relative). A deterministic forward: ``PROBES`` examples,
         each run through the model alone (``vmap(grad)``, what the rows path computes). A
@@ -318,7 +328,7 @@ class BookKeeping:
         other examples' data (batch statistics, mixup, cross-example attention, a sequence-first
         layout) changes it. A mixing confined to a few examples is caught with probability
         (examples probed) x (examples affected) / b per step (docs/results.md)."""
-        probes = torch.randperm(len(x), generator=self._check_gen)[:1 if rng is not None else PROBES].tolist()
+        probes = torch.randperm(batch.size(x), generator=self._check_gen)[:1 if rng is not None else PROBES].tolist()
         if rng is None:
             own = self._own(x, y, probes, params)
         for j, i in enumerate(probes):
@@ -331,26 +341,30 @@ class BookKeeping:
                     f"lets examples see each other (batch statistics, mixup, cross-example attention, a "
                     f"sequence-first layout), so per-layer norms are not per-example norms. Use --grad-path rows")
 
-    def _own(self, x: Tensor, y: Tensor, probes: list[int], params: list) -> list[Tensor]:
+    def _own(self, x: Batch, y: Batch, probes: list[int], params: list) -> list[Tensor]:
         """The probes' gradients, each example alone: ``vmap(grad)`` at once as the rows path computes
         them, or one by one where vmap cannot run the model (e.g. a custom autograd.Function)."""
-        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+        dev = params[0].device
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             try:
-                return self._alone.per_param(x[probes], y[probes])[0]
+                pick = torch.tensor(probes, dtype=torch.long)
+                return self._alone.per_param(batch.take(x, pick), batch.take(y, pick))[0]
             except RuntimeError:
                 pass
             with torch.enable_grad():
-                each = [torch.autograd.grad(self._losses(self.model(x[i:i + 1]), y[i:i + 1]).sum(), params,
+                each = [torch.autograd.grad(self._losses(batch.call(self.model, batch.take(x, slice(i, i + 1))),
+                                                         batch.take(y, slice(i, i + 1)), 1).sum(), params,
                                             allow_unused=True) for i in probes]
         return [torch.stack([g if g is not None else torch.zeros_like(p) for g in col])
                 for col, p in zip(zip(*each), params)]
 
-    def _counterfactual(self, x: Tensor, y: Tensor, i: int, rng: tuple) -> list[Tensor]:
+    def _counterfactual(self, x: Batch, y: Batch, i: int, rng: tuple) -> list[Tensor]:
         """Example i's attributed gradient in the batch whose every row is example i, under the
         random draws of the real step (restored from ``rng``); the RNG continues as before."""
-        xi, yi = x[i:i + 1].expand_as(x).contiguous(), y[i:i + 1].expand_as(y).contiguous()
-        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
-            _set_rng(rng, x.device)
+        xi, yi = (batch.tree_map(lambda t: t[i:i + 1].expand_as(t).contiguous(), v) for v in (x, y))
+        dev = self.layout.params(self.model)[0].device
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            _set_rng(rng, dev)
             _, acts, grads = self._backward(xi, yi)
         return self._ordered([_rule(m, acts[m], g).one(i) for m, g in zip(self.layers, grads)])
 

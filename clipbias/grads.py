@@ -21,10 +21,18 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from . import batch
+from .batch import Batch
 from .errors import ConfigError, NonFiniteGradientError, UnsupportedModelError
 from .sampling import PROBE_STEP
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
+LossFn = Callable[..., Tensor]
+"""``loss_fn(model output, targets) -> loss``: either the sum of the batch's per-example losses (a
+scalar, like ``cross_entropy`` below) or the per-example losses themselves (shape ``[b]``, e.g. token
+cross-entropy summed per sequence with a padding mask: ``clipbias.text.sequence_loss``). The rows
+path calls it on one example at a time (a batch of one, inside ``vmap``); the fast path on the whole
+batch. The output may be any object the model returns (a Hugging Face ``ModelOutput``); the targets
+any ``Batch``."""
 
 _CROSS_EXAMPLE = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
 
@@ -84,7 +92,7 @@ class PerSampleGradients(Protocol):
 
     layout: ParamLayout
 
-    def __call__(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]: ...
+    def __call__(self, x: Batch, y: Batch) -> tuple[Tensor, Tensor]: ...
 
 
 def cross_entropy(out: Tensor, y: Tensor) -> Tensor:
@@ -96,7 +104,10 @@ class FuncGradients:
     """``torch.func`` backend: ``vmap(grad(loss of one example))`` over the batch, at the model's
     current parameters or at any given ones (inner momentum evaluates past iterates).
 
-    Frozen parameters (``requires_grad=False``) and buffers are passed as constants. Randomness
+    Inputs and targets may be any ``clipbias.batch.Batch`` (tensors, tuples, dicts: ``model(**x)``
+    for a dict). Only trainable parameters get per-example gradients: frozen ones
+    (``requires_grad=False``: a frozen base under LoRA adapters) and buffers are passed as constants,
+    so their gradients are never computed. Randomness
     inside the model (dropout) is drawn independently per example. ``grouped=True``: each "example"
     is a group ``x_i`` of shape ``[p, *input]`` run through the model together (BatchNorm sees the
     group) and the loss is that of the group's first row (BatchClipping); ``check=False`` then lets
@@ -111,9 +122,10 @@ class FuncGradients:
         self.model, self.loss_fn, self.grouped, self.check = model, loss_fn, grouped, check
         self.layout = ParamLayout.of(model)
 
-        def loss_one(params: dict[str, Tensor], consts: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
-            out = functional_call(self.model, (params, consts), (x if grouped else x.unsqueeze(0),))
-            return self.loss_fn(out[:1], y.unsqueeze(0))
+        def loss_one(params: dict[str, Tensor], consts: dict[str, Tensor], x: Batch, y: Batch) -> Tensor:
+            out = functional_call(self.model, (params, consts), *batch.arguments(x if grouped else batch.unsqueeze(x)))
+            # the loss of one example (a sum over a batch of one, or a [1] vector of per-example losses)
+            return self.loss_fn(out[:1] if grouped else out, batch.unsqueeze(y)).sum()
 
         self._fn = vmap(grad_and_value(loss_one), in_dims=(None, None, 0, 0), randomness="different")
 
@@ -127,13 +139,17 @@ class FuncGradients:
         c.update(dict(self.model.named_buffers()))
         return c
 
-    def __call__(self, x: Tensor, y: Tensor, params: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        if len(x) == 0:
-            return torch.zeros(0, self.layout.dim, device=y.device), torch.zeros(0, device=y.device)
-        grads, losses = self.per_param(x, y, params)
-        return torch.cat([g.reshape(len(x), -1) for g in grads], dim=1), losses
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
-    def per_param(self, x: Tensor, y: Tensor, params: dict[str, Tensor] | None = None) -> tuple[list[Tensor], Tensor]:
+    def __call__(self, x: Batch, y: Batch, params: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        b = batch.size(x)
+        if b == 0:
+            return torch.zeros(0, self.layout.dim, device=self.device()), torch.zeros(0, device=self.device())
+        grads, losses = self.per_param(x, y, params)
+        return torch.cat([g.reshape(b, -1) for g in grads], dim=1), losses
+
+    def per_param(self, x: Batch, y: Batch, params: dict[str, Tensor] | None = None) -> tuple[list[Tensor], Tensor]:
         """(per-example gradients ``[b, *shape]`` per parameter in layout order, losses): the rows
         before they are concatenated into ``[b, d]``."""
         if self.check:
@@ -153,13 +169,15 @@ class ParamSums:
     def __init__(self, grads: FuncGradients) -> None:
         self.grads, self.layout = grads, grads.layout
 
-    def __call__(self, x: Tensor, y: Tensor, scale: Callable[[Tensor], Tensor],
+    def __call__(self, x: Batch, y: Batch, scale: Callable[[Tensor], Tensor],
                  reference: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-        if len(x) == 0:
-            z = torch.zeros(self.layout.dim, device=y.device)
-            return z, (z.clone() if reference else None), torch.zeros(0, device=y.device), torch.zeros(0, device=y.device)
+        b = batch.size(x)
+        if b == 0:
+            dev = self.grads.device()
+            z = torch.zeros(self.layout.dim, device=dev)
+            return z, (z.clone() if reference else None), torch.zeros(0, device=dev), torch.zeros(0, device=dev)
         grads, losses = guarded(self.grads.per_param, x, y, self.layout.dim)
-        flat = [g.reshape(len(x), -1) for g in grads]
+        flat = [g.reshape(b, -1) for g in grads]
         norms = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat]), dim=0)
         s = scale(norms).to(flat[0].dtype)
         if not reference:
@@ -190,8 +208,11 @@ class RowSource(abc.ABC):
     # example, so each rank computes the rows of its share and the sums add up; clipbias.distributed)
     distributed_refusal: str | None = None
 
+    # whether ``iter_rows`` takes any ``clipbias.batch.Batch`` (tuples, dicts) or only tensors
+    structured: bool = True
+
     @abc.abstractmethod
-    def iter_rows(self, x: Tensor, y: Tensor, indices: Tensor | None, step: int,
+    def iter_rows(self, x: Batch, y: Batch, indices: Tensor | None, step: int,
                   max_physical_batch: int) -> Iterator[Rows]:
         """The rows of the logical batch ``(x, y)`` (example ids ``indices``) at ``step``."""
 
@@ -226,15 +247,15 @@ class PerExampleRows(RowSource):
     def __init__(self, grads: PerSampleGradients) -> None:
         self.grads, self.layout = grads, grads.layout
 
-    def iter_rows(self, x: Tensor, y: Tensor, indices: Tensor | None, step: int,
+    def iter_rows(self, x: Batch, y: Batch, indices: Tensor | None, step: int,
                   max_physical_batch: int) -> Iterator[Rows]:
-        for start in range(0, len(x), max_physical_batch):
+        for start in range(0, batch.size(x), max_physical_batch):
             sl = slice(start, start + max_physical_batch)
-            g, loss = guarded(self.grads, x[sl], y[sl], self.layout.dim)
+            g, loss = guarded(self.grads, batch.take(x, sl), batch.take(y, sl), self.layout.dim)
             yield g, loss, (indices[sl] if indices is not None else None)
 
 
-def guarded(fn: Callable, x: Tensor, y: Tensor, dim: int):
+def guarded(fn: Callable, x: Batch, y: Batch, dim: int):
     """``fn(x, y)`` with torch's errors on bad shapes, labels or memory turned into a
     ``ConfigError`` that says what to change."""
     try:
@@ -244,15 +265,16 @@ def guarded(fn: Callable, x: Tensor, y: Tensor, dim: int):
     except (RuntimeError, IndexError) as e:  # shapes or labels the model/loss cannot take
         if "allocate memory" in str(e) or "out of memory" in str(e):
             raise ConfigError(
-                f"out of memory computing {len(x)} per-example gradients of {dim} parameters "
-                f"({len(x) * dim * 4 / 2**30:.1f} GB as float32): lower --max-physical-batch (the math does "
+                f"out of memory computing {batch.size(x)} per-example gradients of {dim} parameters "
+                f"({batch.size(x) * dim * 4 / 2**30:.1f} GB as float32): lower --max-physical-batch (the math does "
                 f"not change), or use --grad-path fast (no per-example gradient matrix) where it applies") from e
-        labels = (f"{int(y.min())}..{int(y.max())}" if len(y) and not y.is_floating_point() and y.dim() == 1
-                  else f"shape {tuple(y.shape)}, {y.dtype}")
+        labels = (f"{int(y.min())}..{int(y.max())}" if isinstance(y, Tensor) and len(y) and y.dim() == 1
+                  and not y.is_floating_point() else batch.describe(y))
         raise ConfigError(
             f"computing per-example gradients failed ({type(e).__name__}: {e}). Check that the inputs have the "
-            f"shape and dtype the model expects (one example given: shape {tuple(x.shape[1:])}, {x.dtype}) and "
-            f"that the labels are class indices the model can output (given: {labels})") from e
+            f"shape and dtype the model expects (one example given: {batch.describe(x)}) and that the labels "
+            f"are what the loss takes (class indices the model can output for the default loss; given: "
+            f"{labels})") from e
 
 
 def as_row_source(grads: "RowSource | PerSampleGradients") -> RowSource:

@@ -26,7 +26,13 @@ from .errors import ConfigError
 
 
 class PoissonSampler:
-    """Yields index tensors of Poisson batches; ``len(self)`` = steps per epoch = round(1/q)."""
+    """Yields index tensors of Poisson batches; ``len(self)`` = steps per epoch = round(1/q).
+
+    A loader that prefetches (``clipbias.loader``: DataLoader workers fetch the next batches while
+    the current step runs) draws batches ahead with ``draw_ahead``; ``sample`` then returns them in
+    the same order, so the batches are the same with or without lookahead. Batches drawn ahead and
+    not yet sampled are part of ``state_dict``: a resumed run continues with exactly them.
+    """
 
     def __init__(self, n: int, sample_rate: float, seed: int = 0, steps: int | None = None) -> None:
         if n < 1:
@@ -36,13 +42,33 @@ class PoissonSampler:
         self.n, self.q = n, float(sample_rate)
         self.steps = steps if steps is not None else max(1, round(1 / self.q))
         self.generator = torch.Generator().manual_seed(seed)
+        self._ahead: list[Tensor] = []  # drawn by draw_ahead, not yet returned by sample
+        self.handed = 0                # how many of them the current loader was given (read-only outside)
 
     @property
     def expected_batch_size(self) -> float:
         return self.q * self.n
 
     def sample(self) -> Tensor:
-        """One batch: the indices i with U_i < q."""
+        """The next batch (the oldest one drawn ahead, if any): the indices i with U_i < q."""
+        if self._ahead:
+            self.handed = max(0, self.handed - 1)
+            return self._ahead.pop(0)
+        return self._draw()
+
+    def draw_ahead(self) -> Tensor:
+        """The batch that ``sample`` returns after every batch handed out before it: drawn now (or
+        the next one drawn earlier and not yet handed out since ``restart_ahead``)."""
+        if self.handed == len(self._ahead):
+            self._ahead.append(self._draw())
+        self.handed += 1
+        return self._ahead[self.handed - 1]
+
+    def restart_ahead(self) -> None:
+        """A new loader starts: batches drawn ahead and not yet sampled are handed out again first."""
+        self.handed = 0
+
+    def _draw(self) -> Tensor:
         if self.q == 1:
             return torch.arange(self.n)
         # float64 uniforms on a 2^-53 grid: P(U < q) is q to within 2^-53 (float32 was 2^-24 coarse)
@@ -57,13 +83,15 @@ class PoissonSampler:
             yield self.sample()
 
     def state_dict(self) -> dict:
-        return {"rng": self.generator.get_state(), "n": self.n, "q": self.q}
+        return {"rng": self.generator.get_state(), "n": self.n, "q": self.q,
+                "ahead": [t.clone() for t in self._ahead]}
 
     def load_state_dict(self, state: dict) -> None:
         if state["n"] != self.n or state["q"] != self.q:
             raise ConfigError(f"sampler state is for n={state['n']}, q={state['q']}; this sampler has "
                               f"n={self.n}, q={self.q}")
         self.generator.set_state(state["rng"])
+        self._ahead, self.handed = [t.clone() for t in state.get("ahead", [])], 0
 
 
 _DOMAIN = 0x636C697062696173  # "clipbias": separates these streams from torch.manual_seed(seed)

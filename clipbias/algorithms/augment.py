@@ -80,6 +80,8 @@ class CropFlip:
 class AugmentedGradients(RowSource):
     """Rows = the average of the gradients of K augmented copies of each example."""
 
+    structured = False  # image tensors [b, c, h, w] only
+
     def __init__(self, model: nn.Module, loss_fn: LossFn, k: int, augment: CropFlip, seed: int = 0) -> None:
         if not (isinstance(k, int) and k >= 1):
             raise ConfigError(f"--augmentations (K copies per example) must be an integer >= 1, got {k!r}")

@@ -136,6 +136,8 @@ def draw_groups(x: Tensor, public: Tensor, p: int, seed: int, purpose: int, step
 class BatchClipGradients(RowSource):
     """Rows = gradients of the private example's loss through a BatchNorm network run on its group."""
 
+    structured = False  # groups stack tensor inputs with public features
+
     def __init__(self, model: nn.Module, loss_fn: LossFn, public: Tensor, p: int, seed: int = 0) -> None:
         check_batchnorm_model(model)
         self.public = check_public(public, getattr(model, "input_shape", None))

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from .. import distributed
+from .. import batch, distributed
 from ..config import OPTIONAL, AlgoConfig, Setting, boolean, integer, real
 from ..errors import ConfigError
 from ..grads import FuncGradients, LossFn, PerExampleRows, RowSource
@@ -195,19 +195,20 @@ class InnerMomentumGradients(RowSource):
             m = m + self.gamma0 ** j * g
         return m, losses
 
-    def probe(self, x: Tensor, y: Tensor, max_physical_batch: int = 512) -> Tensor:
+    def probe(self, x: batch.Batch, y: batch.Batch, max_physical_batch: int = 512) -> Tensor:
         """Inner momenta of the probe batch at the current and stored iterates; nothing staged."""
-        parts = [self.inner(x[s:s + max_physical_batch], y[s:s + max_physical_batch])[0]
-                 for s in range(0, len(x), max_physical_batch)]
+        parts = [self.inner(batch.take(x, slice(s, s + max_physical_batch)),
+                            batch.take(y, slice(s, s + max_physical_batch)))[0]
+                 for s in range(0, batch.size(x), max_physical_batch)]
         return torch.cat(parts) if parts else torch.zeros(0, self.layout.dim)
 
     def iter_rows(self, x: Tensor, y: Tensor, indices: Tensor | None, step: int,
                   max_physical_batch: int) -> Iterator[tuple[Tensor, Tensor, Tensor | None]]:
         now = {k: v.clone() for k, v in self.fg.params().items()}
         self._pending = now
-        for start in range(0, len(x), max_physical_batch):
+        for start in range(0, batch.size(x), max_physical_batch):
             sl = slice(start, start + max_physical_batch)
-            m, losses = self.inner(x[sl], y[sl], now)
+            m, losses = self.inner(batch.take(x, sl), batch.take(y, sl), now)
             yield m, losses, (indices[sl] if indices is not None else None)
 
     def commit(self) -> None:

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from .. import batch
 from ..config import AlgoConfig, Setting, integer
 from ..grads import FuncGradients, LossFn, RowSource, check_finite
 from ..sampling import GROUP, PROBE_STEP, batch_keys, keyed_ints
@@ -71,19 +72,20 @@ class GroupMeanGradients(RowSource):
         ranks then add up to the one-process sum (clipping a mean is not additive over its members)."""
         return self.assign([int(i) for i in indices], step) % world
 
-    def iter_rows(self, x: Tensor, y: Tensor, indices: Tensor | None, step: int, max_physical_batch: int,
+    def iter_rows(self, x: batch.Batch, y: batch.Batch, indices: Tensor | None, step: int, max_physical_batch: int,
                   groups: int | None = None) -> Iterator[tuple[Tensor, Tensor, Tensor | None]]:
-        if len(x) == 0:
+        b = batch.size(x)
+        if b == 0:
             return
         groups = groups or self.groups
-        gid = self.assign(batch_keys(indices, 0, len(x)), step, groups)
-        d = self.layout.dim
-        sums = torch.zeros(groups, d, device=y.device)
-        counts = torch.zeros(groups, device=y.device)
+        gid = self.assign(batch_keys(indices, 0, b), step, groups)
+        d, dev = self.layout.dim, self.fg.device()
+        sums = torch.zeros(groups, d, device=dev)
+        counts = torch.zeros(groups, device=dev)
         losses = []
-        for start in range(0, len(x), max_physical_batch):
+        for start in range(0, b, max_physical_batch):
             sl = slice(start, start + max_physical_batch)
-            g, loss = self.fg(x[sl], y[sl])
+            g, loss = self.fg(batch.take(x, sl), batch.take(y, sl))
             check_finite(g, indices[sl] if indices is not None else None)
             gi = gid[sl].to(g.device)
             sums.index_add_(0, gi, g)
@@ -92,10 +94,10 @@ class GroupMeanGradients(RowSource):
         keep = counts > 0
         yield sums[keep] / counts[keep].unsqueeze(1), torch.cat(losses), None
 
-    def probe(self, x: Tensor, y: Tensor, max_physical_batch: int = 512) -> Tensor:
+    def probe(self, x: batch.Batch, y: batch.Batch, max_physical_batch: int = 512) -> Tensor:
         """Group means of the probe batch, in groups of about p within it (probe randomness)."""
         parts = [g for g, _, _ in self.iter_rows(x, y, None, PROBE_STEP, max_physical_batch,
-                                                 groups=num_groups(self.p, len(x)))]
+                                                 groups=num_groups(self.p, batch.size(x)))]
         return torch.cat(parts) if parts else torch.zeros(0, self.layout.dim)
 
 

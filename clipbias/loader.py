@@ -1,0 +1,173 @@
+"""Poisson batches of any map-style ``torch.utils.data.Dataset``, fetched by a ``DataLoader``.
+
+The engine's secret ``PoissonSampler`` chooses every step's indices; a ``DataLoader`` (workers,
+pinned memory, your ``collate_fn``) only fetches and collates them. Privacy therefore rests on the
+sampler exactly as for in-memory tensors: each example joins each step independently with
+probability q, the realised batch size varies and may be 0 (an empty batch is a noise-only step),
+the update is normalised by the expected size B. To let workers prefetch, batches are drawn ahead
+(``PoissonSampler.draw_ahead``) in the order they are used; a checkpoint holds the ones drawn and not
+yet used, so a resumed run sees exactly the batches an uninterrupted one would.
+
+A collated batch is ``(inputs, targets)``, or a dict with a ``"labels"`` entry (the Hugging Face
+convention: the rest of the dict is the model's keyword arguments). Inputs and targets may be any
+``clipbias.batch.Batch``. In-memory tensors go through the same loop as ``TensorData`` (a batched
+fetch: one indexing operation per step, no per-example collation).
+
+Example::
+
+    loader = PoissonLoader(engine, dataset, collate_fn=my_collate, num_workers=2)
+    for epoch in range(epochs):
+        for x, y, idx in loader.epoch():
+            engine.step(x, y, idx)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from . import batch
+from .batch import Batch
+from .errors import ConfigError
+from .sampling import mix
+
+LOADER = 6  # keyed-randomness purpose of the DataLoader's worker seeds
+
+
+class TensorData(Dataset):
+    """In-memory ``(inputs, targets)`` as a Dataset whose batches are fetched by one indexing
+    operation (``__getitems__``), on whatever device the tensors live."""
+
+    def __init__(self, x: Batch, y: Batch) -> None:
+        if batch.size(x) != batch.size(y):
+            raise ConfigError(f"got {batch.size(x)} inputs and {batch.size(y)} labels: one label per input is needed")
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return batch.size(self.x)
+
+    def __getitem__(self, i: int) -> tuple[Batch, Batch]:
+        return batch.take(self.x, slice(i, i + 1)), batch.take(self.y, slice(i, i + 1))
+
+    def fetch(self, indices: list[int]) -> tuple[Batch, Batch]:
+        idx = torch.tensor(indices, dtype=torch.long)
+        return batch.take(self.x, idx), batch.take(self.y, idx)
+
+
+class _Fetch(Dataset):
+    """What the DataLoader reads: ``__getitems__(indices) -> (indices, collated batch)``, collated in
+    the worker; an empty index list gives ``template`` (the batch structure with zero rows)."""
+
+    def __init__(self, dataset: Dataset, collate: Callable, template: Any) -> None:
+        self.dataset, self.collate, self.template = dataset, collate, template
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitems__(self, indices: list[int]) -> tuple[Tensor, Any]:
+        idx = torch.tensor(indices, dtype=torch.long)
+        if isinstance(self.dataset, TensorData):
+            return idx, self.dataset.fetch(indices)
+        if not indices:
+            return idx, self.template
+        many = getattr(self.dataset, "__getitems__", None)
+        items = many(indices) if many is not None else [self.dataset[i] for i in indices]
+        return idx, self.collate(items)
+
+
+def _as_is(data: Any) -> Any:
+    return data
+
+
+def split(data: Any) -> tuple[Batch, Batch]:
+    """``(inputs, targets)`` of a collated batch: a pair, or a dict with a ``"labels"`` entry."""
+    if isinstance(data, Mapping) and "labels" in data:
+        return {k: v for k, v in data.items() if k != "labels"}, data["labels"]
+    if isinstance(data, (tuple, list)) and len(data) == 2:
+        return data[0], data[1]
+    raise ConfigError(f"a collated batch must be (inputs, targets) or a dict with a 'labels' entry, got "
+                      f"{type(data).__name__}" + (f" with keys {sorted(data)}" if isinstance(data, Mapping) else "")
+                      + "; make the dataset items (x, y) pairs or pass a collate_fn that returns one")
+
+
+class _Plan:
+    """The DataLoader's batch sampler: the engine's coming Poisson batches (this rank's share),
+    drawn ahead in order."""
+
+    def __init__(self, engine: Any, steps: int) -> None:
+        self.engine, self.steps = engine, steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        sampler = self.engine.sampler
+        for _ in range(self.steps):
+            idx = sampler.draw_ahead()
+            step = self.engine.steps_taken + sampler.handed - 1  # the step that will use it
+            yield self.engine.local_share(idx, step).tolist()
+
+
+class PoissonLoader:
+    """Poisson batches of ``dataset`` for ``engine`` (a ``DPEngine``): ``epoch()`` yields ``(x, y,
+    indices)`` for ``engine.step``, on ``device`` (default: the model's).
+
+    ``collate_fn`` turns a list of dataset items into a batch (default: torch's ``default_collate``);
+    ``num_workers``, ``pin_memory``, ``prefetch_factor``, ``persistent_workers`` and
+    ``multiprocessing_context`` are the DataLoader's. The workers' seeds derive from the run's secret
+    key and the step (fresh every epoch, reproducible with ``noise_seed``). ``len(dataset)`` must be
+    the engine's n: the sampler draws from n examples and the accounting assumes n.
+    """
+
+    def __init__(self, engine: Any, dataset: Dataset, *, collate_fn: Callable | None = None, num_workers: int = 0,
+                 pin_memory: bool = False, prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 multiprocessing_context: Any = None, device: torch.device | str | None = None) -> None:
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise ConfigError(f"the data must be a map-style torch Dataset (__getitem__ and __len__), got "
+                              f"{type(dataset).__name__}; wrap tensors as clipbias.loader.TensorData(x, y)")
+        if len(dataset) != engine.n:
+            raise ConfigError(f"the dataset has {len(dataset)} examples but the engine was built with n={engine.n}: "
+                              f"the sampler draws from n examples and the accounting assumes n; build the engine "
+                              f"with n=len(dataset)")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ConfigError(f"--workers (DataLoader worker processes) must be an integer >= 0, got {num_workers!r}")
+        if num_workers and isinstance(dataset, TensorData) and any(t.device.type != "cpu"
+                                                                 for t in batch.leaves(dataset.x)):
+            raise ConfigError("DataLoader workers cannot read tensors on a GPU: keep the data on the CPU or use "
+                              "--workers 0")
+        collate = collate_fn or default_collate
+        template = None
+        if not isinstance(dataset, TensorData) and len(dataset):
+            # the structure of an empty batch (a noise-only step): one example's collated batch, with
+            # zero rows; its values are never used
+            template = batch.take(collate([dataset[0]]), slice(0, 0))
+        self.engine, self.dataset = engine, dataset
+        self.fetch = _Fetch(dataset, collate, template)
+        self.options = dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers
+                            and num_workers > 0, multiprocessing_context=multiprocessing_context if num_workers else None)
+        if num_workers and prefetch_factor is not None:
+            self.options["prefetch_factor"] = prefetch_factor
+        self.device = torch.device(device) if device is not None else next(engine.model.parameters()).device
+
+    def epoch(self, steps: int | None = None) -> Iterator[tuple[Batch, Batch, Tensor]]:
+        """``(x, y, indices)`` of the next ``steps`` Poisson steps (default: one epoch, ``len(engine.sampler)``),
+        never past the engine's ``total_steps``."""
+        engine = self.engine
+        steps = len(engine.sampler) if steps is None else steps
+        steps = max(0, min(steps, engine.total_steps - engine.steps_taken))
+        engine.sampler.restart_ahead()
+        seed = mix(engine.keyed_seed, LOADER, engine.steps_taken)
+        loader = DataLoader(self.fetch, batch_sampler=_Plan(engine, steps), collate_fn=_as_is,
+                            generator=torch.Generator().manual_seed(seed), **self.options)
+        non_blocking = self.options["pin_memory"] and self.device.type == "cuda"
+        for idx, data in loader:
+            want = engine.local_share(engine.sampler.sample())
+            if not torch.equal(want, idx):  # the loader and the sampler must agree on every batch
+                raise RuntimeError("PoissonLoader: the fetched batch is not the sampler's next batch (was the "
+                                   "sampler used by another loop at the same time?)")
+            x, y = split(data)
+            yield batch.to(x, self.device, non_blocking), batch.to(y, self.device, non_blocking), idx

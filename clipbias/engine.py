@@ -24,9 +24,9 @@ from .batch import Batch
 from .config import AlgoConfig
 from .errors import ClipbiasError, ConfigError, ResumeMismatchError
 from .fastclip import BookKeeping, why_unsupported
-from .loader import PoissonLoader, TensorData
 from .grads import (FuncGradients, LossFn, ParamSums, PerExampleRows, PerSampleGradients, RowSource,
                     as_row_source, check_finite, check_finite_norms, cross_entropy)
+from .loader import PoissonLoader, TensorData
 from .privacy import PrivacyReport
 from .sampling import PoissonSampler, secret_streams
 from .transforms import StepContext
@@ -446,6 +446,10 @@ def run_steps(engine: DPEngine, x: "Batch | Dataset | PoissonLoader", y: Batch |
     (``engine.local_share``); ``after`` gets this rank's losses, the sums are global.
     """
     if isinstance(x, PoissonLoader):
+        if loader_options or y is not None:
+            raise ConfigError(f"a PoissonLoader carries its own data and options; got also "
+                              f"{'labels' if y is not None else ', '.join(loader_options)}: pass them when "
+                              f"building the PoissonLoader")
         loader = x
     else:
         loader = PoissonLoader(engine, x if y is None else TensorData(x, y), **loader_options)

@@ -273,8 +273,7 @@ def guarded(fn: Callable, x: Batch, y: Batch, dim: int):
         raise ConfigError(
             f"computing per-example gradients failed ({type(e).__name__}: {e}). Check that the inputs have the "
             f"shape and dtype the model expects (one example given: {batch.describe(x)}) and that the labels "
-            f"are what the loss takes (class indices the model can output for the default loss; given: "
-            f"{labels})") from e
+            f"are class indices the model can output (given: {labels}), or targets your loss_fn takes") from e
 
 
 def as_row_source(grads: "RowSource | PerSampleGradients") -> RowSource:

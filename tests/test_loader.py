@@ -185,6 +185,8 @@ def test_refusals():
         PoissonLoader(eng, [1, 2, 3] and object())
     with pytest.raises(ConfigError, match="labels"):
         split({"input_ids": torch.zeros(2, 3)})
+    with pytest.raises(ConfigError, match="num_workers.*building the PoissonLoader"):
+        eng.train_epoch(PoissonLoader(eng, Pairs(x, y)), num_workers=2)  # not silently ignored
     with pytest.raises(ConfigError, match="one row per example"):
         TensorData({"a": torch.zeros(3, 2), "b": torch.zeros(4, 2)}, torch.zeros(3))
     # an image-only method refuses structured batches by name

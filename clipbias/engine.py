@@ -446,6 +446,11 @@ def run_steps(engine: DPEngine, x: "Batch | Dataset | PoissonLoader", y: Batch |
     (``engine.local_share``); ``after`` gets this rank's losses, the sums are global.
     """
     if isinstance(x, PoissonLoader):
+        if x.engine is not engine:  # its batches come from that engine's sampler, at that engine's q and n
+            raise ConfigError("this PoissonLoader was built for another engine: its batches are that engine's "
+                              "Poisson samples (its sampling rate, its secret sampler), not this engine's, so "
+                              "this engine's accounting would not describe them; build "
+                              "PoissonLoader(engine, dataset) for this engine")
         if loader_options or y is not None:
             raise ConfigError(f"a PoissonLoader carries its own data and options; got also "
                               f"{'labels' if y is not None else ', '.join(loader_options)}: pass them when "

@@ -10,7 +10,11 @@ yet used, so a resumed run sees exactly the batches an uninterrupted one would.
 
 A collated batch is ``(inputs, targets)``, or a dict with a ``"labels"`` entry (the Hugging Face
 convention: the rest of the dict is the model's keyword arguments). Inputs and targets may be any
-``clipbias.batch.Batch``. In-memory tensors go through the same loop as ``TensorData`` (a batched
+``clipbias.batch.Batch``. The guarantee needs row i of every tensor, and the model's computation on
+it, to depend on example i alone: a ``collate_fn`` that pads to the batch's longest example is sound
+only for a model that ignores the padding (a causal model with right padding and its attention mask:
+tested for GPT-2), and one that builds in-batch matrices is not. Nothing checks this: pad to a fixed
+length when in doubt. In-memory tensors go through the same loop as ``TensorData`` (a batched
 fetch: one indexing operation per step, no per-example collation).
 
 Example::
@@ -142,9 +146,9 @@ class PoissonLoader:
         collate = collate_fn or default_collate
         template = None
         if not isinstance(dataset, TensorData) and len(dataset):
-            # the structure of an empty batch (a noise-only step): one example's collated batch, with
-            # zero rows; its values are never used
-            template = batch.take(collate([dataset[0]]), slice(0, 0))
+            # the structure of an empty batch (a noise-only step): one example's collated shapes and
+            # dtypes with zero rows, in fresh storage (no value of the example is kept)
+            template = batch.tree_map(lambda t: t.new_empty((0, *t.shape[1:])), collate([dataset[0]]))
         self.engine, self.dataset = engine, dataset
         self.fetch = _Fetch(dataset, collate, template)
         self.options = dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers

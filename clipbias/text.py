@@ -22,7 +22,6 @@ from typing import Any, Sequence
 
 import torch
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 
 from .data import DataFormatError, DataNotFoundError
 from .errors import ConfigError
@@ -135,27 +134,37 @@ class E2EDataset(torch.utils.data.Dataset):
         return {"input_ids": input_ids, "labels": labels}
 
 
-def lm_collate(items: Sequence[dict[str, Tensor]], pad_id: int) -> dict[str, Tensor]:
-    """Stack :class:`E2EDataset` items, padded on the right to the batch's longest: ``input_ids``
-    (padded with ``pad_id``), ``attention_mask`` (1 real, 0 padding) and ``labels`` (padded with
-    :data:`IGNORE`), each ``[b, T]`` long. ``T`` depends only on the examples of the batch. With
-    right padding a causal model's real tokens never see the padding, so passing ``attention_mask``
-    to the model changes no loss (transformers 5's SDPA mask code tests it with data-dependent
-    control flow, which ``torch.func.vmap`` refuses: leave it out there, or use eager attention)."""
+def lm_collate(items: Sequence[dict[str, Tensor]], pad_id: int, length: int | None = None) -> dict[str, Tensor]:
+    """Stack :class:`E2EDataset` items, padded on the right to the batch's longest (or to ``length``):
+    ``input_ids`` (padded with ``pad_id``), ``attention_mask`` (1 real, 0 padding) and ``labels``
+    (padded with :data:`IGNORE`), each ``[b, T]`` long. Padded to the batch's longest, ``T`` depends on
+    the other examples of the batch: sound for DP only with a model that ignores padding (a causal
+    model with right padding: its real tokens never see the padding, so ``attention_mask`` changes no
+    loss; tested for GPT-2). ``length`` pads every batch to the same ``T`` (items must not be longer),
+    which needs no such assumption. (transformers 5's SDPA mask code tests the mask with
+    data-dependent control flow, which ``torch.func.vmap`` refuses: use eager attention.)"""
     ids = [it["input_ids"] for it in items]
-    return {"input_ids": pad_sequence(ids, batch_first=True, padding_value=pad_id),
-            "attention_mask": pad_sequence([torch.ones_like(t) for t in ids], batch_first=True, padding_value=0),
-            "labels": pad_sequence([it["labels"] for it in items], batch_first=True, padding_value=IGNORE)}
+    longest = max(len(t) for t in ids)
+    if length is not None and longest > length:
+        raise ConfigError(f"an item has {longest} tokens, more than the padding length {length}; truncate the "
+                          f"items to it (E2EDataset max_length)")
+    T = longest if length is None else length
+
+    def pad(ts: list[Tensor], value: int) -> Tensor:
+        return torch.stack([torch.nn.functional.pad(t, (0, T - len(t)), value=value) for t in ts])
+    return {"input_ids": pad(ids, pad_id), "attention_mask": pad([torch.ones_like(t) for t in ids], 0),
+            "labels": pad([it["labels"] for it in items], IGNORE)}
 
 
 class LMCollate:
-    """:func:`lm_collate` with a fixed ``pad_id``, as a picklable ``collate_fn`` (a lambda is not)."""
+    """:func:`lm_collate` with a fixed ``pad_id`` (and ``length``), as a picklable ``collate_fn``
+    (a lambda is not)."""
 
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
+    def __init__(self, pad_id: int, length: int | None = None):
+        self.pad_id, self.length = pad_id, length
 
     def __call__(self, items: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
-        return lm_collate(items, self.pad_id)
+        return lm_collate(items, self.pad_id, self.length)
 
 
 def sequence_loss(out: Any, labels: Tensor) -> Tensor:

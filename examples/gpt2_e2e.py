@@ -63,6 +63,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                                                                      "projections only (default 0: every weight)")
     p.add_argument("--max-length", type=int, default=320, help="tokens per sequence (default 320: the byte "
                                                                "tokenizer's E2E lengths; GPT-2's are ~90)")
+    p.add_argument("--pad-to", choices=("longest", "max-length"), default="longest",
+                   help="pad each batch to its longest sequence (default: sound for GPT-2, whose causal attention "
+                        "with right padding ignores the padding; tested) or to --max-length (sound for any model)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (default 0)")
     p.add_argument("--max-physical-batch", type=int, default=8, help="examples per vmap call (memory only)")
     p.add_argument("--grad-path", choices=("rows", "fast", "auto"), default="auto",
@@ -134,6 +137,7 @@ def run(args: argparse.Namespace) -> dict:
         train_pairs, valid_pairs = pairs[:cut], pairs[cut:] or pairs[:1]
     model, tok = build(args)
     pad = tok.pad_token_id
+    collate = LMCollate(pad, args.max_length if args.pad_to == "max-length" else None)
     train, valid = (E2EDataset(p, tok, args.max_length) for p in (train_pairs, valid_pairs))
     n = len(train)
     delta = args.delta if args.delta is not None else 1.0 / (10 * n)
@@ -145,7 +149,7 @@ def run(args: argparse.Namespace) -> dict:
                       config=AlgoConfig(lr=args.lr, clip=args.clip, optimizer=optimizer),
                       loss_fn=sequence_loss, max_physical_batch=args.max_physical_batch, grad_path=args.grad_path,
                       noise_seed=args.seed if args.reproducible_noise else None)
-    loader = PoissonLoader(engine, train, collate_fn=LMCollate(pad), num_workers=args.workers)
+    loader = PoissonLoader(engine, train, collate_fn=collate, num_workers=args.workers)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     head = {"model": "tiny GPT-2" if args.tiny else args.model_dir, "parameters": sum(p.numel() for p in model.parameters()),
             "trainable": trainable, "train_sequences": n, "valid_sequences": len(valid), "algo": args.algo,

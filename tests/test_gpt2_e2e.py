@@ -124,6 +124,25 @@ def test_a_padded_example_has_the_gradient_it_has_alone():
     assert torch.allclose(g_both[0], g_alone[0], rtol=1e-4, atol=1e-7)
 
 
+def test_fixed_length_padding_does_not_depend_on_the_batch():
+    """--pad-to max-length: every batch has the same length whatever its longest example, so no
+    model can see the other examples through the padding; the loss is that of the shorter padding."""
+    from clipbias.text import byte_tokenizer
+    tok = byte_tokenizer()
+    data = E2EDataset(read_e2e(example.SAMPLE)[:3], tok, 200)
+    fixed = LMCollate(256, 200)
+    one, three = fixed([data[0]]), fixed([data[0], data[1], data[2]])
+    assert one["input_ids"].shape == (1, 200) and three["input_ids"].shape == (3, 200)
+    assert all(torch.equal(one[k][0], three[k][0]) for k in one)
+    m = no_dropout_lora()
+    lab = one.pop("labels")
+    short = LMCollate(256)([data[0]])
+    lab_s = short.pop("labels")
+    assert torch.allclose(sequence_loss(m(**one), lab), sequence_loss(m(**short), lab_s), rtol=1e-5)
+    with pytest.raises(Exception, match="more than the padding length"):
+        LMCollate(256, 10)([data[0]])
+
+
 def test_bad_model_dir_is_refused_by_name(tmp_path, capsys):
     assert example.main(["--model-dir", str(tmp_path), "--epochs", "1"]) == 2
     err = capsys.readouterr().err

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from clipbias.config import AlgoConfig
-from clipbias.engine import DPEngine
+from clipbias.engine import DPEngine, run_steps
 from clipbias.errors import ConfigError
 from clipbias.loader import PoissonLoader, TensorData, split
 
@@ -187,6 +187,30 @@ def test_refusals():
         split({"input_ids": torch.zeros(2, 3)})
     with pytest.raises(ConfigError, match="num_workers.*building the PoissonLoader"):
         eng.train_epoch(PoissonLoader(eng, Pairs(x, y)), num_workers=2)  # not silently ignored
+
+
+def test_a_loader_serves_only_its_own_engine():
+    """Red-team finding: engine B stepping on a loader built for engine A would take A's Poisson
+    samples (A's rate, A's secret sampler) while accounting at B's rate. Refused, nothing stepped."""
+    x, y = data()
+    a, b = engine(linear(), batch_size=float(N)), engine(linear(), batch_size=3.0)
+    foreign = PoissonLoader(a, Pairs(x, y))
+    before = weights(b.model).clone()
+    with pytest.raises(ConfigError, match="another engine"):
+        b.train_epoch(foreign)
+    with pytest.raises(ConfigError, match="another engine"):
+        run_steps(b, foreign, steps=3)
+    assert b.steps_taken == a.steps_taken == 0 and torch.equal(weights(b.model), before)
+
+
+def test_the_empty_batch_template_keeps_no_example_values():
+    """The zero-row batch of a noise-only step has the dataset's structure in fresh storage: no
+    value of example 0 (read once for its shapes) travels with it to the workers."""
+    x, y = data()
+    loader = PoissonLoader(engine(TwoInputs(linear())), Dicts(x, y))
+    t = loader.fetch.template
+    assert set(t) == {"a", "b", "labels"} and t["a"].shape == (0, 2) and t["labels"].dtype == y.dtype
+    assert all(v.untyped_storage().nbytes() == 0 for v in t.values())
     with pytest.raises(ConfigError, match="one row per example"):
         TensorData({"a": torch.zeros(3, 2), "b": torch.zeros(4, 2)}, torch.zeros(3))
     # an image-only method refuses structured batches by name

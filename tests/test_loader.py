@@ -96,18 +96,9 @@ def test_dict_batches_call_the_model_with_keywords():
 def test_tuple_inputs_and_in_memory_structures():
     """In-memory structured inputs ((a, b) tuples of tensors) go through the same loop."""
     x, y = data()
-
-    class Tup(nn.Module):
-        def __init__(self, lin):
-            super().__init__()
-            self.lin = lin
-
-        def forward(self, a, b):
-            return self.lin(torch.cat([a, b], dim=1))
-
     ref = engine(linear())
     ref.train_epoch(x, y)
-    eng = engine(Tup(linear()))
+    eng = engine(TwoInputs(linear()))  # called model(a, b) with the tuple's tensors
     eng.train_epoch((x[:, :2], x[:, 2:]), y)
     assert torch.allclose(weights(eng.model), weights(ref.model), atol=1e-6)
 

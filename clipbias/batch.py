@@ -56,8 +56,9 @@ def size(x: Batch) -> int:
     return sizes.pop()
 
 
-def take(x: Batch, idx: Tensor | slice) -> Batch:
-    """The examples ``idx`` (indices or a slice) of every tensor in ``x``."""
+def take(x: Batch, idx: Tensor | slice | int) -> Batch:
+    """The examples ``idx`` (indices or a slice) of every tensor in ``x``; an int gives one example
+    without its batch dimension."""
     if isinstance(idx, Tensor):
         return tree_map(lambda t: t[idx.to(t.device) if t.device != idx.device else idx], x)
     return tree_map(lambda t: t[idx], x)

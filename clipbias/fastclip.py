@@ -209,6 +209,7 @@ class BookKeeping:
         self.slots = [[slot[names[id(p)]] for p in _trainable(m)] for m in self.layers]
         self._check_gen = torch.Generator().manual_seed(secrets.randbits(63))
         self._alone = FuncGradients(model, loss_fn, check=False)  # the probes' own gradients
+        self._vector_loss: bool | None = None  # does loss_fn return per-example losses? (decided once)
 
     def __call__(self, x: Batch, y: Batch, scale: Callable[[Tensor], Tensor],
                  reference: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
@@ -237,9 +238,15 @@ class BookKeeping:
         mapped over the examples (a loss that returns the batch sum)."""
         if self.loss_fn is cross_entropy:
             return F.cross_entropy(out, y, reduction="none")
-        losses = self.loss_fn(out, y)
-        if losses.dim() == 1 and losses.shape[0] == b:
-            return losses
+        if self._vector_loss is not False:  # a scalar (summed) loss is evaluated on the batch only once
+            losses = self.loss_fn(out, y)
+            if self._vector_loss is None:
+                self._vector_loss = losses.dim() == 1 and losses.shape[0] == b
+            if self._vector_loss:
+                if losses.shape != (b,):
+                    raise ConfigError(f"loss_fn returned per-example losses of shape (b,) before and shape "
+                                      f"{tuple(losses.shape)} now for b = {b}: return one loss per example always")
+                return losses
         return torch.vmap(lambda o, t: self.loss_fn(batch.unsqueeze(o), batch.unsqueeze(t)).sum())(out, y)
 
     def _backward(self, x: Batch, y: Batch) -> tuple:

@@ -55,10 +55,10 @@ class TensorData(Dataset):
         return batch.size(self.x)
 
     def __getitem__(self, i: int) -> tuple[Batch, Batch]:
-        return batch.take(self.x, slice(i, i + 1)), batch.take(self.y, slice(i, i + 1))
+        return batch.take(self.x, i), batch.take(self.y, i)
 
-    def fetch(self, indices: list[int]) -> tuple[Batch, Batch]:
-        idx = torch.tensor(indices, dtype=torch.long)
+    def fetch(self, idx: Tensor) -> tuple[Batch, Batch]:
+        """The batch of examples ``idx`` (a long tensor)."""
         return batch.take(self.x, idx), batch.take(self.y, idx)
 
 
@@ -75,7 +75,7 @@ class _Fetch(Dataset):
     def __getitems__(self, indices: list[int]) -> tuple[Tensor, Any]:
         idx = torch.tensor(indices, dtype=torch.long)
         if isinstance(self.dataset, TensorData):
-            return idx, self.dataset.fetch(indices)
+            return idx, self.dataset.fetch(idx)
         if not indices:
             return idx, self.template
         many = getattr(self.dataset, "__getitems__", None)

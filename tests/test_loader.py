@@ -223,3 +223,17 @@ def test_frozen_parameters_get_no_per_example_gradients():
     eng.train_epoch(Pairs(x, y))
     assert torch.equal(m[0].weight, frozen) and m[0].weight.grad is None
     assert not torch.equal(m[2].weight, linear()[2].weight)
+
+
+def test_tensor_data_items_are_single_examples():
+    """TensorData is an ordinary map-style dataset too: item i is one example (no batch dimension), so
+    torch's default_collate rebuilds the batch its batched fetch returns."""
+    from torch.utils.data import default_collate
+    x, y = data()
+    d = TensorData({"a": x[:, :2], "b": x[:, 2:]}, y)
+    xi, yi = d[3]
+    assert xi["a"].shape == (2,) and torch.equal(xi["b"], x[3, 2:]) and yi.dim() == 0
+    idx = torch.tensor([4, 0, 7])
+    bx, by = default_collate([d[int(i)] for i in idx])
+    fx, fy = d.fetch(idx)
+    assert torch.equal(bx["a"], fx["a"]) and torch.equal(bx["b"], fx["b"]) and torch.equal(by, fy)

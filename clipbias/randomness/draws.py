@@ -1,0 +1,146 @@
+"""Secret draws from a ``SecretKey``: uniform bits, Poisson inclusion, integers, standard normals.
+
+Each function takes the key and the draw's address ``(purpose, step, index)`` and returns the same
+values whenever it is called with them (no state), on any device. ``keyed_*`` draw one row per
+example key (the example's index, or its position in the logical batch when indices are unknown),
+so the rows are independent of how a batch is split into micro-batches or ranks.
+
+Normals: Box-Muller in float64. The radius uses 128 random bits, so the tails reach 13.37 standard
+deviations (a pair's radius exceeds r with probability exp(-r^2 / 2), 2^-129 at the end); the angle
+uses 64 bits. Rounding onto a grid (``clipbias.randomness.noise``) happens after the noise is
+added, never here.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Iterable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .chacha import BLOCK_BYTES, chacha20_words, keystream, words_of
+from .key import SecretKey, nonce
+
+PAIR_BYTES = 24                    # three 64-bit integers per pair of normals
+_CHUNK_PAIRS = 1 << 20             # normals are made 2^21 at a time (bounded temporary memory)
+_GPU_KEYSTREAM_PAIRS = 1 << 18     # on a GPU, larger draws compute the keystream there
+_T32, _T64 = 2.0 ** 32, 2.0 ** -64
+_M32 = float(0xFFFFFFFF)
+
+
+def stream(key: SecretKey, purpose: int, step: int, index: int, nbytes: int, counter: int = 0) -> np.ndarray:
+    """``nbytes`` secret bytes (uint8) at the address ``(purpose, step, index)``."""
+    return keystream(key.bytes, nonce(purpose, step, index), nbytes, counter)
+
+
+def uint64s(key: SecretKey, purpose: int, step: int, index: int, count: int) -> np.ndarray:
+    """``count`` uniform 64-bit integers (numpy uint64)."""
+    return stream(key, purpose, step, index, 8 * count).view("<u8")
+
+
+def secret_int(key: SecretKey, purpose: int, step: int, index: int = 0) -> int:
+    """One uniform 63-bit integer (e.g. the seed of a generator off the secret path)."""
+    return int(uint64s(key, purpose, step, index, 1)[0]) >> 1
+
+
+def inclusion_threshold(q: float) -> int:
+    """T with T / 2^64 the float q rounded to the nearest multiple of 2^-64: an example is included when
+    its uniform 64-bit draw is below T (exactly q when q >= 2^-11; within 2^-65 always)."""
+    return int(Fraction(q) * (1 << 64) + Fraction(1, 2))
+
+
+def poisson_indices(key: SecretKey, purpose: int, step: int, n: int, q: float) -> Tensor:
+    """Indices i in [0, n) included independently with probability q (``inclusion_threshold``)."""
+    t = inclusion_threshold(q)
+    if t >= 1 << 64:
+        return torch.arange(n)
+    u = uint64s(key, purpose, step, 0, n)
+    return torch.from_numpy(np.flatnonzero(u < np.uint64(t)))
+
+
+def normals(key: SecretKey, purpose: int, step: int, index: int, count: int,
+            device: torch.device | str = "cpu", cipher: str = "auto") -> Tensor:
+    """``count`` independent standard normals (float64) at the address, on ``device``. ``cipher``:
+    where the keystream is made: ``"openssl"`` (on the CPU), ``"torch"`` (on ``device``) or ``"auto"``
+    (torch for large draws on a GPU); the numbers are the same either way."""
+    device = torch.device(device)
+    if cipher not in ("auto", "openssl", "torch"):
+        raise ValueError(f"cipher must be auto, openssl or torch, got {cipher!r}")
+    out = torch.empty(2 * math.ceil(count / 2), dtype=torch.float64, device=device)
+    pairs = len(out) // 2
+    for chunk, first in enumerate(range(0, pairs, _CHUNK_PAIRS)):
+        m = min(_CHUNK_PAIRS, pairs - first)
+        on_device = cipher == "torch" or (cipher == "auto" and device.type != "cpu" and m >= _GPU_KEYSTREAM_PAIRS)
+        out[2 * first:2 * (first + m)] = box_muller(_pair_words(key, nonce(purpose, step, index), chunk, m, device,
+                                                                on_device))
+    return out[:count]
+
+
+def _pair_words(key: SecretKey, address: bytes, chunk: int, pairs: int, device: torch.device,
+                on_device: bool) -> Tensor:
+    """The first ``pairs`` pairs of chunk ``chunk`` of the address as float64 ``[5, pairs]`` on
+    ``device``: the 64-bit integers H, L, A of each pair and the complements ~H, ~L, each converted to
+    float64 with one rounding.
+
+    Stream layout: chunk c (pairs ``c * _CHUNK_PAIRS ...``) occupies ``PAIR_BYTES * _CHUNK_PAIRS`` bytes,
+    its H integers first, then its L, then its A (little-endian), so that pair i is the same whatever
+    the number of normals asked for. ``on_device``: the keystream by ``chacha20_words`` on ``device``,
+    else by OpenSSL on the CPU."""
+    runs = []
+    for part in range(3):
+        block = 8 * (3 * chunk + part) * _CHUNK_PAIRS // BLOCK_BYTES
+        if on_device:
+            w = chacha20_words(key.bytes, address, -(-8 * pairs // BLOCK_BYTES), block, device)
+            w = w[:2 * pairs].view(pairs, 2).to(torch.float64)  # low word first
+            runs.append(w[:, 1] * _T32 + w[:, 0])  # one rounding of the exact integer
+            if part < 2:
+                runs.append((_M32 - w[:, 1]) * _T32 + (_M32 - w[:, 0]))  # the complement, likewise
+        else:
+            u = keystream(key.bytes, address, 8 * pairs, block).view("<u8")
+            runs.append(torch.from_numpy(u.astype(np.float64)).to(device))
+            if part < 2:
+                runs.append(torch.from_numpy(np.invert(u).astype(np.float64)).to(device))
+    h, hc, l, lc, a = runs
+    return torch.stack([h, l, a, hc, lc])
+
+
+def box_muller(w: Tensor) -> Tensor:
+    """Two standard normals per column of ``w [5, p]`` (float64 of the 64-bit integers H, L, A and
+    the complements ~H, ~L): radius from the 128-bit integer U = H 2^64 + L, angle from A.
+
+    u = (U + 1/2) / 2^128 lies in [2^-129, 1 - 2^-129]; ln u is computed as log(u) for u < 1/2 and as
+    log1p(-v) with v = 1 - u = (~U + 1/2) / 2^128 otherwise, each operand with relative precision
+    2^-52: the radius sqrt(-2 ln u) is accurate to a few ulp everywhere, near 0 (u near 1) as in the
+    tails (u down to 2^-129: 13.37); theta = 2 pi (A + 1/2) / 2^64."""
+    h, l, a, hc, lc = w
+    u = (h + (l + 0.5) * _T64) * _T64
+    v = (hc + (lc + 0.5) * _T64) * _T64
+    r = torch.sqrt(-2.0 * torch.where(u < 0.5, torch.log(u), torch.log1p(-v)))
+    theta = (a + 0.5) * (2.0 * math.pi * _T64)
+    return torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=1).reshape(-1)
+
+
+def keyed_ints(key: SecretKey, purpose: int, step: int, keys: Iterable[int], count: int, high: int) -> Tensor:
+    """``[len(keys), count]`` integers in ``[0, high)``, row i a pure function of ``keys[i]`` (a 64-bit
+    uniform reduced mod ``high``: bias below high / 2^64)."""
+    rows = [uint64s(key, purpose, step, int(k), count) % np.uint64(high) for k in keys]
+    if not rows:
+        return torch.zeros(0, count, dtype=torch.long)
+    return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+def keyed_normal(key: SecretKey, purpose: int, step: int, keys: Iterable[int], d: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Tensor:
+    """``[len(keys), d]`` standard normal rows, row i a pure function of ``keys[i]``."""
+    rows = [normals(key, purpose, step, int(k), d, device).to(dtype) for k in keys]
+    return torch.stack(rows) if rows else torch.zeros(0, d, device=device, dtype=dtype)
+
+
+def batch_keys(indices: Tensor | None, start: int, size: int) -> list[int]:
+    """Example indices of ``[start, start + size)`` of the logical batch, or the positions."""
+    if indices is not None:
+        return [int(i) for i in indices[start:start + size]]
+    return list(range(start, start + size))

@@ -1,0 +1,112 @@
+"""``SecretKey``: the 256-bit key of every secret draw of a run, and the addresses of the draws.
+
+A draw is named by ``(purpose, step, index)``: what it is for (``Purpose``), the training step (or
+the sampler's batch counter, the noise stage's draw counter) and the example index (0 where the
+draw is not per example). The address is ChaCha20's 96-bit nonce, so a draw is a pure function of
+the key and its address (``clipbias.randomness.chacha``).
+
+The key comes from the operating system's CSPRNG (``secrets``, 256 bits) unless a seed is given for
+a reproducible run; then it is a hash of all the seed's bits (up to 256), and the guarantee holds
+only while the seed stays secret and unguessable (``reproducible``). There is no integer seed to
+enumerate otherwise: unlike torch's and numpy's generators, nothing truncates the key.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import secrets
+
+import torch
+
+from ..errors import ConfigError
+
+KEY_BYTES = 32
+SEED_BITS = 256
+STEP_BITS, INDEX_BITS = 48, 40
+PROBE_STEP = (1 << STEP_BITS) - 1
+"""The step of measurement probes (diagnostics): never a training step."""
+
+
+class Purpose(enum.IntEnum):
+    """What a draw is for: one independent stream each."""
+
+    SAMPLE = 1    # Poisson inclusion of every example (per sampler batch)
+    NOISE = 2     # the Gaussian noise of the released update (per noise draw)
+    PERTURB = 3   # pre-clipping perturbation (per step and example)
+    AUGMENT = 4   # self-augmentation codes (per step and example)
+    GROUP = 5     # p-averaging groups (per step and example)
+    PUBLIC = 6    # BatchClipping's public partners (per step and example)
+    PREDICT = 7   # BatchClipping's inference draws (per vote and test example)
+    LOADER = 8    # DataLoader worker seeds (the user's own dataset randomness, per epoch start)
+    PERTURB_BATCH = 9  # pre-clipping perturbation of rows without example indices (per step and call)
+
+
+class SecretKey:
+    """The key of all secret draws of one run. Never printed; saved only in private checkpoints."""
+
+    __slots__ = ("_key", "reproducible")
+
+    def __init__(self, key: bytes, reproducible: bool) -> None:
+        if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
+            raise ConfigError(f"a secret key is {KEY_BYTES} bytes")
+        self._key, self.reproducible = bytes(key), bool(reproducible)
+
+    @classmethod
+    def generate(cls) -> "SecretKey":
+        """256 fresh bits from the OS CSPRNG: the default for every private run."""
+        return cls(secrets.token_bytes(KEY_BYTES), reproducible=False)
+
+    @classmethod
+    def from_seed(cls, seed: int) -> "SecretKey":
+        """A reproducible key: BLAKE2b of all bits of ``seed`` (an integer in [0, 2^256))."""
+        seed = check_seed(seed)
+        digest = hashlib.blake2b(seed.to_bytes(SEED_BITS // 8, "little"), digest_size=KEY_BYTES,
+                                 person=b"clipbias-key-v1").digest()
+        return cls(digest, reproducible=True)
+
+    @classmethod
+    def of(cls, seed: "int | SecretKey | None") -> "SecretKey":
+        """A key from what an API was given: a key, a seed, or None (a fresh OS key)."""
+        if isinstance(seed, SecretKey):
+            return seed
+        return cls.generate() if seed is None else cls.from_seed(seed)
+
+    @property
+    def bytes(self) -> bytes:
+        """The raw key (for the cipher, the private checkpoint and the rank-0 broadcast only)."""
+        return self._key
+
+    def state_dict(self) -> dict:
+        return {"key": torch.tensor(list(self._key), dtype=torch.uint8), "reproducible": self.reproducible}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "SecretKey":
+        if not isinstance(state, dict) or "key" not in state:
+            raise ConfigError("not a secret-key state (SecretKey.state_dict())")
+        return cls(bytes(state["key"].tolist()), bool(state.get("reproducible", False)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SecretKey) and hmac.compare_digest(self._key, other._key)
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        return f"SecretKey(<secret>, {'from a seed' if self.reproducible else 'from the OS CSPRNG'})"
+
+
+def check_seed(seed: object) -> int:
+    """A reproducible-noise seed: an integer in [0, 2^256)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < (1 << SEED_BITS):
+        raise ConfigError(f"a noise seed must be an integer in [0, 2^{SEED_BITS}), got {seed!r}")
+    return seed
+
+
+def nonce(purpose: int, step: int, index: int) -> bytes:
+    """The 96-bit ChaCha20 nonce of a draw: purpose (8 bits), step (48 bits), index (40 bits)."""
+    if not (0 < purpose < 256 and 0 <= step < (1 << STEP_BITS) and 0 <= index < (1 << INDEX_BITS)):
+        raise ValueError(f"draw address out of range: purpose {purpose}, step {step} (< 2^{STEP_BITS}), "
+                         f"index {index} (< 2^{INDEX_BITS})")
+    return bytes([purpose]) + step.to_bytes(STEP_BITS // 8, "little") + index.to_bytes(INDEX_BITS // 8, "little")

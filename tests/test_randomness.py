@@ -1,0 +1,270 @@
+"""Secret randomness (clipbias.randomness): ChaCha20 against RFC 8439 and an independent
+implementation, the Gaussian sampler's distribution, the exact rounding of the release, the keyed
+draws, and the attack the design closes (a seed small enough to enumerate is recovered from the
+released weights, and with it the exact clipped sum)."""
+
+from __future__ import annotations
+
+import ast
+import math
+import pathlib
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from clipbias.config import AlgoConfig
+from clipbias.engine import DPEngine
+from clipbias.errors import ConfigError
+from clipbias.randomness import (Purpose, SecretKey, keyed_ints, noise_grid, normals, poisson_indices, snap,
+                                 snapped_gaussian)
+from clipbias.randomness.chacha import chacha20_words, keystream, words_of
+
+KEY = SecretKey.from_seed(2024)
+
+
+# ------------------------------------------------------------------ the cipher
+def test_chacha20_matches_rfc8439_test_vectors():
+    """RFC 8439 2.3.2 (block function, counter 1) and 2.4.2 (keystream of the sunscreen example)."""
+    key, nonce = bytes(range(32)), bytes.fromhex("000000090000004a00000000")
+    block = "10f1e7e4d13b5915500fdd1fa32071c4c7d1f4c733c068030422aa9ac3d46c4ed2826446079faa0914c2d705d98b02a2b5129cd1de164eb9cbd083e8a2503c4e"
+    assert keystream(key, nonce, 64, counter=1).tobytes().hex() == block
+    words = chacha20_words(key, nonce, 1, counter=1).numpy().astype("<u4")
+    assert words.tobytes().hex() == block
+    nonce2 = bytes.fromhex("000000000000004a00000000")
+    plain = (b"Ladies and Gentlemen of the class of '99: If I could offer you only one tip for the future, "
+             b"sunscreen would be it.")
+    cipher = bytes(a ^ b for a, b in zip(plain, keystream(key, nonce2, len(plain), counter=1).tobytes()))
+    assert cipher[:16].hex() == "6e2e359a2568f98041ba0728dd0d6981"
+    assert len(cipher) == 114 and cipher[-18:].hex() == "5af90bbf74a35be6b40b8eedf2785e42874d"
+
+
+def test_openssl_and_torch_keystreams_agree():
+    """The two implementations (OpenSSL through cryptography; torch integer ops, the GPU path) give
+    the same words for any key, nonce and starting block."""
+    g = np.random.default_rng(0)  # test inputs only
+    for blocks, counter in ((1, 0), (37, 5), (300, (1 << 32) - 300)):
+        key, nonce = g.bytes(32), g.bytes(12)
+        a = words_of(keystream(key, nonce, 64 * blocks, counter)).astype(np.int64)
+        assert np.array_equal(a, chacha20_words(key, nonce, blocks, counter).numpy())
+    with pytest.raises(ValueError, match="blocks"):
+        keystream(bytes(32), bytes(12), 128, counter=(1 << 32) - 1)
+
+
+# ------------------------------------------------------------------ normals
+@pytest.fixture(scope="module")
+def million():
+    return normals(KEY, Purpose.NOISE, 0, 0, 10 ** 6).numpy()
+
+
+def test_normals_match_n01_in_moments_and_shape(million):
+    z = million
+    n = len(z)
+    assert abs(z.mean()) < 5 / math.sqrt(n) and abs(z.var() - 1) < 5 * math.sqrt(2 / n)
+    assert abs(stats.kurtosis(z, fisher=False) - 3) < 5 * math.sqrt(24 / n)
+    assert abs(stats.skew(z)) < 5 * math.sqrt(6 / n)
+    assert stats.kstest(z, "norm").pvalue > 1e-3
+    # tail frequencies: beyond 3 and 4 sigma within 5 standard errors of the normal's
+    for t in (3.0, 4.0):
+        p = 2 * stats.norm.sf(t)
+        assert abs((np.abs(z) > t).sum() - n * p) < 5 * math.sqrt(n * p)
+
+
+def test_normals_reach_beyond_five_sigma():
+    """The 128-bit radius reaches 13.37 sigma; in 10^7 draws about 5.7 lie beyond 5 sigma (a sampler
+    built on float32 or 24-bit uniforms truncates near 5.5-5.8 sigma)."""
+    z = normals(KEY, Purpose.NOISE, 1, 0, 10 ** 7)
+    beyond = int((z.abs() > 5).sum())
+    assert beyond >= 1
+    assert beyond < 5.7 + 6 * math.sqrt(5.7)
+
+
+def test_draws_are_pure_functions_of_key_and_address(million):
+    again = normals(KEY, Purpose.NOISE, 0, 0, 1000).numpy()
+    assert np.array_equal(again, million[:1000])  # a prefix: the count does not change the draws
+    others = [normals(KEY, Purpose.PERTURB, 0, 0, 1000), normals(KEY, Purpose.NOISE, 1, 0, 1000),
+              normals(KEY, Purpose.NOISE, 0, 1, 1000), normals(SecretKey.from_seed(2025), Purpose.NOISE, 0, 0, 1000)]
+    for o in others:  # independent across purposes, steps, indices and keys
+        assert abs(np.corrcoef(again, o.numpy())[0, 1]) < 5 / math.sqrt(1000)
+    assert np.array_equal(normals(KEY, Purpose.NOISE, 7, 0, 3 << 20)[2 ** 21:2 ** 21 + 10].numpy(),
+                          normals(KEY, Purpose.NOISE, 7, 0, (3 << 20) - 5)[2 ** 21:2 ** 21 + 10].numpy())
+
+
+def test_box_muller_is_accurate_to_2_to_the_minus_44_against_200_bit_arithmetic():
+    """The float64 normals equal the exact Box-Muller of the same 192 bits (mpmath, 200-bit precision)
+    to 2^-44 absolute, in the bulk, near 0 (u near 1: the complement path) and in the far tail (u near
+    2^-128): the error bound of the floating-point argument in docs/privacy.md."""
+    import mpmath
+    from clipbias.randomness.draws import box_muller
+    mpmath.mp.prec = 200
+    g = np.random.default_rng(1)  # test inputs
+    n = 3000
+    h, l, a = (g.integers(0, 2 ** 64, n, dtype=np.uint64) for _ in range(3))
+    h[:300] = 0  # far tail (radius up to 13.37)
+    l[:150] = g.integers(0, 2 ** 20, 150, dtype=np.uint64)
+    h[300:600] = np.uint64(2 ** 64 - 1) - g.integers(0, 2 ** 20, 300, dtype=np.uint64)  # radius near 0
+    a[600:900] = (np.arange(300, dtype=np.uint64) % 4) * np.uint64(2 ** 62) + g.integers(0, 2 ** 20, 300,
+                                                                                           dtype=np.uint64)
+    w = torch.from_numpy(np.stack([v.astype(np.float64) for v in (h, l, a, ~h, ~l)]))
+    z = box_muller(w).view(n, 2).numpy()
+    worst = 0.0
+    for i in range(n):
+        u = (mpmath.mpf(int(h[i])) * 2 ** 64 + int(l[i]) + mpmath.mpf(0.5)) / mpmath.mpf(2) ** 128
+        r, th = mpmath.sqrt(-2 * mpmath.log(u)), 2 * mpmath.pi * (int(a[i]) + mpmath.mpf(0.5)) / mpmath.mpf(2) ** 64
+        worst = max(worst, abs(float(r * mpmath.cos(th) - z[i, 0])), abs(float(r * mpmath.sin(th) - z[i, 1])))
+    assert worst < 2.0 ** -44 and np.abs(z).max() > 12
+
+
+def test_normals_are_the_same_with_either_keystream_implementation():
+    """The GPU path makes the keystream with torch integer ops on the device: the same numbers (here
+    both on the CPU, across a chunk boundary of the stream layout)."""
+    n = (1 << 21) + 10
+    assert torch.equal(normals(KEY, Purpose.NOISE, 2, 0, n, cipher="openssl"),
+                       normals(KEY, Purpose.NOISE, 2, 0, n, cipher="torch"))
+
+
+# ------------------------------------------------------------------ the release
+def test_snap_rounds_the_exact_sum_onto_the_grid():
+    """round_g(x + s) of the exact real sum (computed here in rationals), ties included."""
+    g = 2.0 ** -10
+    x = torch.tensor([0.1, 1e6 + 0.3, -3.75, 2.0 ** -11, 0.5 * g + 2.0 ** -60, 5 * g + g / 2, 1.0], dtype=torch.float64)
+    s = torch.tensor([0.2, 1e-9, 2.0 ** -40, 0.0, -2.0 ** -61, 0.0, 1e-30], dtype=torch.float64)
+    out = snap(x, s, g)
+    for xi, si, oi in zip(x.tolist(), s.tolist(), out.tolist()):
+        exact = (Fraction(xi) + Fraction(si)) / Fraction(g)
+        k = math.floor(exact + Fraction(1, 2))
+        if exact + Fraction(1, 2) == k:  # an exact tie: either neighbour is a correct rounding
+            assert Fraction(oi) / Fraction(g) in (k, k - 1)
+        else:
+            assert Fraction(oi) == k * Fraction(g)
+    assert float(out[4]) == g  # x + s = g / 2 + 2^-61 (not a float64 number): above the tie, rounds up
+    assert float(out[5]) == 6 * g  # 5.5 g exactly: a tie
+
+
+def test_noise_grid_is_a_power_of_two_between_std_over_512_and_std_over_256():
+    for std in (1e-6, 0.004, 0.3, 1.0, 7.5, 1e4):
+        g = noise_grid(std)
+        assert math.frexp(g)[0] == 0.5 and std / 512 < g <= std / 256
+
+
+def test_snapped_gaussian_is_on_the_grid_unbiased_and_reproducible():
+    x = torch.linspace(-1, 1, 200_000, dtype=torch.float64)
+    std = 0.37
+    y = snapped_gaussian(x, std, KEY, 3)
+    g = noise_grid(std)
+    assert torch.equal(y / g, torch.round(y / g))
+    r = (y - x) / std
+    assert abs(float(r.mean())) < 5 / math.sqrt(len(r)) and abs(float(r.var()) - 1) < 0.02
+    assert torch.equal(y, snapped_gaussian(x, std, KEY, 3))
+    assert not torch.equal(y, snapped_gaussian(x, std, KEY, 4))
+
+
+# ------------------------------------------------------------------ keys and sampling
+def test_keys_use_every_seed_bit_and_never_print():
+    seeds = [0, 1 << 32, (1 << 32) + 7 * (1 << 40), 1 << 255, (1 << 256) - 1]
+    keys = [SecretKey.from_seed(s) for s in seeds]
+    assert len({k.bytes for k in keys}) == len(seeds)  # unlike torch's CPU generator (low 32 bits only)
+    a, b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5 + (7 << 32))
+    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))  # why torch seeds are not used
+    fresh = SecretKey.generate()
+    assert not fresh.reproducible and len(fresh.bytes) == 32 and fresh != SecretKey.generate()
+    assert fresh.bytes.hex() not in repr(fresh) and "secret" in repr(fresh)
+    assert SecretKey.from_state(fresh.state_dict()) == fresh
+
+
+def test_poisson_inclusion_has_rate_q():
+    n, q = 200_000, 0.01
+    sizes = [len(poisson_indices(KEY, Purpose.SAMPLE, t, n, q)) for t in range(5)]
+    for s in sizes:
+        assert abs(s - n * q) < 5 * math.sqrt(n * q * (1 - q))
+    assert len(set(map(tuple, (poisson_indices(KEY, Purpose.SAMPLE, t, 100, 0.5).tolist() for t in range(5))))) == 5
+
+
+def test_keyed_ints_are_uniform():
+    v = keyed_ints(KEY, Purpose.GROUP, 0, range(20_000), 1, 7).flatten()
+    counts = torch.bincount(v, minlength=7).numpy()
+    assert stats.chisquare(counts).pvalue > 1e-3
+
+
+# ------------------------------------------------------------------ the attack
+def test_an_enumerable_seed_is_recovered_from_the_weights_and_the_default_key_has_none():
+    """The DP adversary knows the data but the target, the public initial weights, the algorithm and
+    its settings. With a key derived from a 14-bit seed (a deliberately weak stream, as torch's 32-bit
+    CPU seeds were) the released weights give the seed by correlation over all 2^14 candidates, and
+    subtracting that noise gives the clipped sum exactly (to the release grid): no privacy is left. The
+    default key is 256 bits from the OS CSPRNG: there is no seed to enumerate."""
+    torch.manual_seed(0)  # public model initialisation
+    d_in, classes, n, B, z, c = 16, 8, 64, 4.0, 1.0, 1.0
+    x, y = torch.randn(n, d_in), torch.randint(0, classes, (n,))
+    model = torch.nn.Linear(d_in, classes)
+    w0 = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+    secret = 12_345  # the weak seed the attacker does not know
+    eng = DPEngine(model, "dpsgd", n=n, batch_size=B, steps=1, noise_multiplier=z,
+                   config=AlgoConfig(lr=1.0, clip=c), noise_seed=secret)
+    idx = eng.sampler.sample()
+    eng.step(x[idx], y[idx], idx)
+    released = (w0 - torch.cat([p.detach().flatten() for p in model.parameters()])).double()  # lr = 1
+    std, d = z * c / B, len(w0)
+
+    noises = _candidate_noises(range(1 << 14), d)
+    assert torch.equal(noises[secret], normals(SecretKey.from_seed(secret), Purpose.NOISE, 0, 0, d))
+    scores = noises @ released / (noises.norm(dim=1) * released.norm())
+    best = int(scores.argmax())
+    assert best == secret
+    runner_up = float(scores.topk(2).values[1])
+    assert float(scores[best]) > 0.8 > runner_up + 0.2
+
+    # the exact clipped sum of the batch, recovered: released - std Z = sum clip(g_i) / B to the grid
+    recovered = released - std * noises[best]
+    from clipbias.grads import FuncGradients
+    torch.nn.utils.vector_to_parameters(w0, model.parameters())
+    g, _ = FuncGradients(model, torch.nn.functional.cross_entropy)(x[idx], y[idx])
+    truth = (g * torch.clamp(c / g.norm(dim=1, keepdim=True), max=1.0)).sum(0).double() / B
+    assert torch.allclose(recovered, truth, atol=noise_grid(std) + 1e-6)
+
+    default = DPEngine(torch.nn.Linear(d_in, classes), "dpsgd", n=n, batch_size=B, steps=1, noise_multiplier=z)
+    assert not default.key.reproducible and default.privacy(1).certified
+    assert len(default.key.bytes) * 8 == 256
+
+
+def _candidate_noises(seeds, d: int) -> torch.Tensor:
+    """The first noise draw of each candidate seed's key, as the attacker computes it: the keystream
+    per candidate, one batched Box-Muller (the layout of ``draws.normals``: H, L, A runs per chunk)."""
+    from clipbias.randomness.draws import _CHUNK_PAIRS, box_muller
+    from clipbias.randomness.key import nonce
+    pairs, address = -(-d // 2), nonce(Purpose.NOISE, 0, 0)
+    runs = np.stack([np.stack([keystream(SecretKey.from_seed(s).bytes, address, 8 * pairs, part * _CHUNK_PAIRS // 8)
+                               .view("<u8") for part in range(3)]) for s in seeds])  # [candidates, 3, pairs]
+    h, l, a = runs.transpose(1, 0, 2).reshape(3, -1)
+    w = torch.from_numpy(np.stack([v.astype(np.float64) for v in (h, l, a, ~h, ~l)]))
+    return box_muller(w).view(len(runs), pairs, 2).reshape(len(runs), -1)[:, :d]
+
+
+# ------------------------------------------------------------------ nothing else on the secret path
+SECRET_FREE = {  # modules whose seeded generators draw public or experimental randomness only
+    "data.py": "validation split and holdout (public split seeds)",
+    "toy.py": "the toy problems' synthetic data",
+    "diagnostics.py": "measurement projections of an instrument that is not private",
+    "cli/diagnose.py": "which examples the (non-private) diagnostics measure",
+    "audit/canary.py": "the audit experiment's own inclusion draws",
+    "audit/one_run.py": "the audit experiment's canaries and model initialisation",
+    "algorithms/batchclip.py": "which public test images become public features",
+    "run/build.py": "the public model initialisation",
+    "loader.py": "DataLoader worker seeds (the user's dataset randomness, not the mechanism's), a ChaCha20 output",
+}
+
+
+def test_no_seeded_generator_outside_the_public_uses():
+    """torch.Generator().manual_seed, torch.manual_seed, numpy's RandomState/default_rng and
+    random.seed appear only in modules whose randomness is public (listed with the reason)."""
+    root = pathlib.Path(__file__).resolve().parents[1] / "clipbias"
+    seeded = {"manual_seed", "RandomState", "default_rng", "seed"}
+    found = {}
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in seeded:
+                found.setdefault(str(path.relative_to(root)), []).append(node.lineno)
+    assert set(found) <= set(SECRET_FREE), {k: v for k, v in found.items() if k not in SECRET_FREE}

@@ -10,9 +10,14 @@ Privacy of preprocessing (see ``docs/data.md``):
 * ``fashion-mnist``: pixels / 255, then ``(x - 0.2860) / 0.3530``. The two constants are
   the public, widely published Fashion-MNIST statistics; nothing is computed from the data.
 * ``digits``: pixels / 16 (the known 0..16 range). Nothing is computed from the data.
-* ``breast-cancer`` and ``wine``: standardised with the mean/std of the training split.
-  That is a small *non-private* use of the private data; the returned dataset says so
-  with ``preprocessing_private=False`` and a note.
+* ``breast-cancer`` and ``wine``: ``log1p`` of each (non-negative) feature, a fixed transform that
+  computes nothing from the data (standardising with the training split's mean and std would
+  release statistics of the private data outside the guarantee).
+* ``cifar10``: public constants 0.5/0.5. ``npz``: used as given (no preprocessing by clipbias).
+
+``Dataset.preprocessing`` names which: ``"public"`` (constants or fixed transforms only),
+``"none"`` (arrays used as given) or ``"private-statistics"`` (statistics of the private training
+split: outside the guarantee, and runs on such data are reported ``certified: false``).
 """
 
 from __future__ import annotations
@@ -91,9 +96,10 @@ class Dataset:
     ``x_*`` are float32 tensors of shape ``(n, *input_shape)``; ``y_*`` are int64 labels
     in ``[0, num_classes)``. ``x_val``/``y_val`` are ``None`` unless a validation split
     was asked for; it is carved out of the training split, never out of the test split.
-    ``preprocessing_private`` is True when preprocessing used only public constants (no
-    statistic of the private training data), False when it used non-private statistics
-    of the training split; ``notes`` says which and why.
+    ``preprocessing`` is ``"public"`` when preprocessing used only public constants or fixed
+    transforms (nothing computed from the data), ``"none"`` when the arrays are used as given, and
+    ``"private-statistics"`` when it used statistics of the private training split (outside the DP
+    guarantee); ``notes`` says which and why.
     """
 
     name: str
@@ -104,7 +110,7 @@ class Dataset:
     num_classes: int
     input_shape: tuple[int, ...]
     notes: str = ""
-    preprocessing_private: bool = True
+    preprocessing: str = "public"
     x_val: Tensor | None = None
     y_val: Tensor | None = None
 
@@ -307,16 +313,11 @@ def load_dataset(name: str, *, data_dir: str | os.PathLike | None = None, valida
         keep, val = _split(y[train], validation, seed)
         train, val = train[keep], train[val]
     if name == "digits":
-        mean, std = 0.0, 16.0
+        x = (x / 16.0).astype(np.float32)
         notes = "pixels/16 (known 0..16 range): no statistic of the private data."
-        private_ok = True
-    else:
-        mean, std = x[train].mean(axis=0), x[train].std(axis=0)
-        std = np.where(std > 0, std, 1.0)
-        notes = ("standardised with the mean/std of the training split: a small "
-                 "NON-private preprocessing step, not covered by the DP guarantee.")
-        private_ok = False
-    x = ((x - mean) / std).astype(np.float32)
+    else:  # measurements >= 0 on scales from 1e-3 to 1e3: a fixed compression, nothing computed from the data
+        x = np.log1p(x).astype(np.float32)
+        notes = "log1p of each feature (a fixed transform): no statistic of the private data."
     shape = (1, 8, 8) if (name == "digits" and image) else (x.shape[1],)
 
     def take(idx: np.ndarray) -> tuple[Tensor, Tensor]:
@@ -329,7 +330,7 @@ def load_dataset(name: str, *, data_dir: str | os.PathLike | None = None, valida
 
     return Dataset(name=name, x_train=x_tr, y_train=y_tr, x_test=x_te, y_test=y_te,
                    num_classes=int(max(y_tr.max(), y_te.max())) + 1, input_shape=tuple(shape), notes=notes,
-                   preprocessing_private=private_ok, x_val=x_val, y_val=y_val)
+                   x_val=x_val, y_val=y_val)
 
 
 def holdout(dataset: Dataset, n: int, seed: int = 0) -> tuple[Dataset, Tensor]:
@@ -460,4 +461,4 @@ def _npz_dataset(a: dict, path: str) -> Dataset:
     return Dataset(name="npz", x_train=xs["train"], y_train=ys["train"], x_test=xs["test"], y_test=ys["test"],
                    num_classes=k, input_shape=tuple(xs["train"].shape[1:]),
                    notes=f"{path}, used as given: its preprocessing is the user's and not covered by clipbias.",
-                   preprocessing_private=False)
+                   preprocessing="none")

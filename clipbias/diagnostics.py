@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from .engine import run_steps
 from .grads import FuncGradients, LossFn, ParamLayout, cross_entropy
-from .sampling import PROBE_STEP
+from .randomness import PROBE_STEP
 from .transforms import StepContext, clip_rows
 
 PRIVACY_WARNING = ("NOT differentially private: these diagnostics read the raw per-example gradients "

@@ -65,15 +65,17 @@ def init_from_env(device: str) -> bool:
     return True
 
 
-def broadcast_ints(values: tuple[int, ...]) -> tuple[int, ...]:
-    """Rank 0's integers on every rank (the secret stream seeds: identical sampler and noise everywhere)."""
+def broadcast_key(key: "SecretKey") -> "SecretKey":
+    """Rank 0's secret key on every rank: identical batches and one noise draw everywhere. The key
+    travels over the process group's own transport (a trusted network between the ranks)."""
     rank, world = context()
     if world == 1:
-        return values
+        return key
     import torch.distributed as dist
-    box = [list(values) if rank == 0 else None]
+    from .randomness import SecretKey
+    box = [(key.bytes, key.reproducible) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return tuple(int(v) for v in box[0])
+    return SecretKey(*box[0])
 
 
 def local_share(indices: Tensor, owners: Tensor | None = None) -> Tensor:

@@ -28,7 +28,8 @@ from .grads import (FuncGradients, LossFn, ParamSums, PerExampleRows, PerSampleG
                     as_row_source, check_finite, check_finite_norms, cross_entropy)
 from .loader import PoissonLoader, TensorData
 from .privacy import PrivacyReport
-from .sampling import PoissonSampler, secret_streams
+from .randomness import SecretKey
+from .sampling import PoissonSampler
 from .transforms import StepContext
 
 
@@ -65,12 +66,11 @@ class DPEngine:
 
     Randomness: the caller seeds the model init (public). The Poisson batches, the pipeline's draws
     (Gaussian noise, pre-clipping perturbation) and the keyed per-example draws of the gradient
-    backends (augmentations, groupings, public partners) come from secret streams: the guarantee
-    needs them unpredictable, so by default (``noise_seed=None``) their generators are seeded from
-    the OS CSPRNG and recorded nowhere but in the private ``state_dict``
-    (``clipbias.sampling.secret_streams``). Pass ``noise_seed`` for reproducible runs; the guarantee
-    then assumes that integer is secret. torch's generators are
-    not cryptographically secure (as in Opacus without ``secure_mode``): see docs/privacy.md.
+    backends (augmentations, groupings, public partners) are ChaCha20 draws under one 256-bit
+    ``SecretKey`` (``clipbias.randomness``): by default (``noise_seed=None``) 256 bits of the OS
+    CSPRNG, recorded nowhere but in the private ``state_dict``. ``noise_seed`` (an integer below
+    2^256, or a ``SecretKey``) makes a run reproducible; the guarantee then holds only while that seed
+    is secret, and ``privacy()`` reports it ``certified=False`` with that caveat.
 
     Rows: ``grads`` if given (a ``clipbias.grads.RowSource``, or a per-example gradient function
     ``PerSampleGradients``, which is wrapped in ``PerExampleRows``), else the algorithm's own
@@ -93,7 +93,7 @@ class DPEngine:
                  delta: float = 1e-5, noise_multiplier: float | None = None, accountant: str = "pld",
                  dice_accounting: str = privacy.DEFAULT_DICE_ACCOUNTING, config: AlgoConfig | None = None,
                  loss_fn: LossFn = cross_entropy, max_physical_batch: int = 512,
-                 noise_seed: int | None = None, grads: RowSource | PerSampleGradients | None = None,
+                 noise_seed: int | SecretKey | None = None, grads: RowSource | PerSampleGradients | None = None,
                  grad_path: str = "auto") -> None:
         self.algo = algorithms.get(algorithm)
         self.config = config or AlgoConfig()
@@ -116,6 +116,8 @@ class DPEngine:
             steps = epochs * steps_per_epoch
         privacy.check_steps(steps)
         self.total_steps, self.delta = steps, delta
+        # in a process group every rank holds rank 0's key: one global sample, one noise draw
+        self.key = distributed.broadcast_key(SecretKey.of(noise_seed))
         self.accountant, self.dice_accounting = accountant, dice_accounting
 
         spec = self.algo.spec(self.config, self.sample_rate, 0.0, self.expected_batch_size)
@@ -135,20 +137,17 @@ class DPEngine:
             self.privacy(steps)  # refuses now (not after training) when the guarantee cannot hold
 
         self.model = model
-        device = next(model.parameters()).device
-        # in a process group every rank runs rank 0's secret streams: one global sample, one noise draw
-        sampler_seed, noise_stream_seed, self.keyed_seed = distributed.broadcast_ints(secret_streams(noise_seed))
         own_rows = grads is None
         if grads is None:  # an algorithm may compute its rows differently (group means, momenta, ...)
             grads = self.algo.row_source(model, loss_fn, self.config, n=n, batch_size=self.expected_batch_size,
-                                         seed=self.keyed_seed)
+                                         key=self.key)
         self.rows, self.loss_fn = as_row_source(grads), loss_fn
-        self.rows.seed = self.keyed_seed
+        self.rows.key = self.key
         self.params = self.rows.layout.params(model)
-        self.pipeline = self.algo.pipeline(self.config, self.expected_batch_size, z, noise_stream_seed, device)
+        self.pipeline = self.algo.pipeline(self.config, self.expected_batch_size, z, self.key)
         self.optimizer = algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer,
                                                    self.params, self.config)
-        self.sampler = PoissonSampler(n, self.sample_rate, sampler_seed, steps_per_epoch)
+        self.sampler = PoissonSampler(n, self.sample_rate, self.key, steps_per_epoch)
         self.max_physical_batch = max_physical_batch
         self._aggregate, self.grad_path_note = self._fast_path(grad_path, own_rows, model, loss_fn)
         self.own_rows = own_rows  # a given backend may read labels its own way (the audit's canaries: y < 0)
@@ -301,20 +300,25 @@ class DPEngine:
 
     # ------------------------------------------------------------------ privacy
     def privacy(self, steps: int | None = None) -> PrivacyReport:
-        """The guarantee after ``steps`` (default: the steps taken so far)."""
-        return privacy.account(self.spec, self.steps_taken if steps is None else steps, self.delta,
-                               self.accountant, self.dice_accounting)
+        """The guarantee after ``steps`` (default: the steps taken so far). A run keyed by a seed
+        (``noise_seed``) is reported ``certified=False``: whoever knows or guesses the seed can
+        recompute the batches and subtract the noise."""
+        report = privacy.account(self.spec, self.steps_taken if steps is None else steps, self.delta,
+                                 self.accountant, self.dice_accounting)
+        if self.algo.private and self.key.reproducible:
+            report = report.with_caveat(SEEDED_CAVEAT)
+        return report
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """All DP state except the model weights (save ``model.state_dict()`` beside it).
 
-        PRIVATE: holds the error-feedback buffer and the secret sampler/noise generator states;
+        PRIVATE: holds the error-feedback buffer and the secret key of the batches and the noise;
         never release it.
         """
         return {"settings": asdict(self.settings), "steps_taken": self.steps_taken,
                 "optimizer": self.optimizer.state_dict(), "pipeline": self.pipeline.state_dict(),
-                "sampler": self.sampler.state_dict(), "keyed_seed": self.keyed_seed,
+                "sampler": self.sampler.state_dict(), "secret_key": self.key.state_dict(),
                 "rows": self.rows.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -324,6 +328,11 @@ class DPEngine:
         if missing:
             raise ConfigError(f"load_state_dict: not a DPEngine state ({', '.join(missing)} missing); pass what "
                               f"DPEngine.state_dict() returned (a checkpoint's 'engine' entry)")
+        if "secret_key" not in state:
+            raise ResumeMismatchError("cannot resume: this checkpoint comes from a clipbias version whose batches and "
+                                      "noise came from torch generators with 32-bit seeds, which can be recovered "
+                                      "from the released model; continuing it would not be private. Start a new run "
+                                      "(a new run directory, or --overwrite)")
         saved, now = state["settings"], asdict(self.settings)
         diff = {k: (saved.get(k), v) for k, v in now.items() if not _same(saved.get(k), v)
                 and not (k == "steps" and _extendable(saved, now))}
@@ -331,13 +340,19 @@ class DPEngine:
             lines = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
             raise ResumeMismatchError(f"cannot resume: privacy-relevant settings changed ({lines}). "
                                       f"Resume with the original settings or start a new run directory.")
+        self._set_key(SecretKey.from_state(state["secret_key"]))  # the stream continues under the run's key
         self.steps_taken = state["steps_taken"]
         self.optimizer.load_state_dict(state["optimizer"])
         self.pipeline.load_state_dict(state["pipeline"])
         self.sampler.load_state_dict(state["sampler"])
-        if "keyed_seed" in state:  # the secret key of the sources' per-example draws continues too
-            self.keyed_seed = self.rows.seed = state["keyed_seed"]
         self.rows.load_state_dict(state.get("rows", state.get("grads", {})))  # "grads": before the redesign
+
+    def _set_key(self, key: SecretKey) -> None:
+        """Every secret draw of the run under ``key``: sampler, row source, keyed stages (noise, perturbation)."""
+        self.key = self.rows.key = self.sampler.key = key
+        for _, stage in self.pipeline.named_stages():
+            if isinstance(getattr(stage, "key", None), SecretKey):
+                stage.key = key
 
 
 def _check_arguments(model: nn.Module, n: int, batch_size: float, config: AlgoConfig) -> int:
@@ -409,6 +424,10 @@ def _same(a, b) -> bool:
         return math.isclose(a, b, rel_tol=1e-12) or (math.isnan(a) and math.isnan(b))
     return a == b
 
+
+SEEDED_CAVEAT = ("batches and noise derived from a user-given seed (a reproducible run): the guarantee holds only "
+                 "while that seed stays secret and unguessable; anyone who has it can recompute the batches and "
+                 "subtract the noise")
 
 AUTO_ROWS_BYTES = 2 * 2**30
 """``grad_path="auto"`` takes the fast path when one micro-batch of float32 rows would exceed this."""

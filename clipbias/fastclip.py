@@ -207,7 +207,7 @@ class BookKeeping:
         names = {id(p): n for n, p in model.named_parameters()}
         slot = {n: i for i, n in enumerate(self.layout.names)}
         self.slots = [[slot[names[id(p)]] for p in _trainable(m)] for m in self.layers]
-        self._check_gen = torch.Generator().manual_seed(secrets.randbits(63))
+        self._check_rng = secrets.SystemRandom()  # the probes: unpredictable, from the OS CSPRNG
         self._alone = FuncGradients(model, loss_fn, check=False)  # the probes' own gradients
         self._vector_loss: bool | None = None  # does loss_fn return per-example losses? (decided once)
 
@@ -335,7 +335,8 @@ class BookKeeping:
         other examples' data (batch statistics, mixup, cross-example attention, a sequence-first
         layout) changes it. A mixing confined to a few examples is caught with probability
         (examples probed) x (examples affected) / b per step (docs/results.md)."""
-        probes = torch.randperm(batch.size(x), generator=self._check_gen)[:1 if rng is not None else PROBES].tolist()
+        b = batch.size(x)
+        probes = self._check_rng.sample(range(b), min(b, 1 if rng is not None else PROBES))
         if rng is None:
             own = self._own(x, y, probes, params)
         for j, i in enumerate(probes):

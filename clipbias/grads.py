@@ -24,7 +24,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from . import batch
 from .batch import Batch
 from .errors import ConfigError, NonFiniteGradientError, UnsupportedModelError
-from .sampling import PROBE_STEP
+from .randomness import PROBE_STEP
 
 LossFn = Callable[..., Tensor]
 """``loss_fn(model output, targets) -> loss``: either the sum of the batch's per-example losses (a
@@ -197,13 +197,13 @@ class RowSource(abc.ABC):
     augmentations or an inner momentum. A source that keeps state across steps stages it during
     ``iter_rows`` and applies it in ``commit()`` (after the whole step succeeded) or drops it in
     ``rollback()`` (a later micro-batch failed); ``state_dict`` is part of the engine's private
-    checkpoint. ``seed`` keys the source's per-example draws (``clipbias.sampling.mix``); the engine
-    sets it from its secret stream and restores it on resume. ``probe`` computes the rows of a
+    checkpoint. ``key`` (a ``clipbias.randomness.SecretKey``) keys the source's secret per-example
+    draws; the engine sets it to the run's key and restores it on resume. ``probe`` computes the rows of a
     probe batch without changing any state (diagnostics).
     """
 
     layout: ParamLayout
-    seed: int = 0
+    key: "SecretKey | None" = None
     # why this source cannot be split over the ranks of a process group (None: its rows are per
     # example, so each rank computes the rows of its share and the sums add up; clipbias.distributed)
     distributed_refusal: str | None = None

@@ -37,9 +37,8 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from . import batch
 from .batch import Batch
 from .errors import ConfigError
-from .sampling import mix
+from .randomness import Purpose, secret_int
 
-LOADER = 6  # keyed-randomness purpose of the DataLoader's worker seeds
 
 
 class TensorData(Dataset):
@@ -164,7 +163,7 @@ class PoissonLoader:
         steps = len(engine.sampler) if steps is None else steps
         steps = max(0, min(steps, engine.total_steps - engine.steps_taken))
         engine.sampler.restart_ahead()
-        seed = mix(engine.keyed_seed, LOADER, engine.steps_taken)
+        seed = secret_int(engine.key, Purpose.LOADER, engine.steps_taken)  # ChaCha20 output: reveals no key bit
         loader = DataLoader(self.fetch, batch_sampler=_Plan(engine, steps), collate_fn=_as_is,
                             generator=torch.Generator().manual_seed(seed), **self.options)
         non_blocking = self.options["pin_memory"] and self.device.type == "cuda"

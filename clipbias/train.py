@@ -42,7 +42,7 @@ from .run.checkpoint import (CHECKPOINT, CHECKPOINT_FORMAT, PRIVATE_NOTE, check_
                              to_cpu)
 from .run.config import TrainConfig, check_int, default_out
 from .run.report import (CURVES, RESULTS, diverged, eps_label, header, jsonable, mean_std, privacy_note,
-                         results, summarize, write_json)
+                         results, statement, summarize, write_json)
 from .run.splits import Splits, prepare_splits, splits_for
 
 __all__ = ["TrainConfig", "Splits", "prepare_splits", "train", "evaluate", "load_checkpoint",
@@ -149,8 +149,9 @@ def _epoch(run: Run, epoch: int, bar: "_Progress | None") -> dict:
            "test_accuracy": acc, "test_loss": test_loss}
     if splits.x_val is not None:
         rec["val_accuracy"], rec["val_loss"] = run.evaluate(splits.x_val, splits.y_val)
-    rep = engine.privacy()
-    rec.update(epsilon=rep.epsilon, accountant=rep.accountant, certified=rep.certified, basis=rep.basis)
+    rep = statement(run)
+    rec.update(epsilon=rep.epsilon, accountant=rep.accountant, certified=rep.certified, basis=rep.basis,
+               caveats=list(rep.caveats))
     rec["epoch_time_s"], rec["eval_time_s"] = train_time, time.perf_counter() - t1
     if bar is not None:
         bar.epoch_end(rec)
@@ -161,7 +162,7 @@ def _refuse_diverged(run: Run, rec: dict, history: list[dict], out: Path | None)
     """Fail loudly: never report the accuracy of a broken model (results.json records the failure)."""
     if not diverged(rec, run.engine.params):
         return
-    cfg, rep = run.cfg, run.engine.privacy()
+    cfg, rep = run.cfg, statement(run)
     if out is not None and distributed.context()[0] == 0:
         write_json({"config": cfg.to_dict(), "diverged": True, "history": history, "epsilon": rep.epsilon,
                     "delta": rep.delta, "basis": rep.basis, "certified": rep.certified,

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .errors import ConfigError
+from .randomness import SecretKey, snapped_gaussian
 
 
 @dataclass
@@ -168,26 +169,42 @@ class ErrorFeedback(Stage):
 
 
 class GaussianNoise(Stage):
-    """Adds ``N(0, std^2 I)`` from its own generator (whose state is checkpointed)."""
+    """Adds ``N(0, std^2 I)`` and rounds once onto a grid (``clipbias.randomness.snapped_gaussian``).
 
-    def __init__(self, std: float, seed: int = 0, device: torch.device | str = "cpu") -> None:
+    Draw ``t`` (the t-th committed call) is a pure function of the secret key and t; its state is
+    the draw counter. The output has the input's dtype (a deterministic rounding of the released
+    float64 grid value: post-processing)."""
+
+    def __init__(self, std: float, key: SecretKey) -> None:
         if not std >= 0:
             raise ConfigError(f"noise std must be >= 0, got {std!r}")
-        self.std = float(std)
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        if not isinstance(key, SecretKey):
+            raise ConfigError(f"GaussianNoise needs a clipbias.randomness.SecretKey, got {type(key).__name__}")
+        self.std, self.key = float(std), key
+        self.draws, self._pending = 0, None
 
     def __call__(self, v: Tensor) -> Tensor:
         if self.std == 0:
             return v
-        w = torch.randn(v.shape, generator=self.generator, device=v.device, dtype=v.dtype)
-        return v + self.std * w
+        self._pending = self.draws + 1
+        return snapped_gaussian(v, self.std, self.key, self.draws).to(v.dtype)
+
+    def commit(self) -> None:
+        if self._pending is not None:
+            self.draws, self._pending = self._pending, None
+
+    def rollback(self) -> None:
+        self._pending = None
 
     def state_dict(self) -> dict:
-        return {"rng": self.generator.get_state()}
+        return {"draws": self.draws}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["rng"])
+        if "draws" not in state:
+            raise ConfigError("this noise state comes from a clipbias version whose noise was drawn by a torch "
+                              "generator with a 32-bit seed (recoverable from the released model); it cannot be "
+                              "resumed: start a new run")
+        self.draws, self._pending = int(state["draws"]), None
 
 
 @dataclass

@@ -171,8 +171,8 @@ def run(args: argparse.Namespace) -> dict:
                   f"perplexity {ppl:.2f}, epsilon {rep.epsilon:.3f}", flush=True)
     rep = engine.privacy()
     return {**head, "initial_valid_perplexity": ppl0, "history": history, "valid_perplexity": history[-1]["valid_perplexity"],
-            "epsilon": rep.epsilon, "certified": rep.certified, "accountant": rep.accountant, "basis": rep.basis,
-            "wall_time_s": time.perf_counter() - t0}
+            "epsilon": rep.epsilon, "certified": rep.certified, "caveats": list(rep.caveats),
+            "accountant": rep.accountant, "basis": rep.basis, "wall_time_s": time.perf_counter() - t0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"valid perplexity {res['initial_valid_perplexity']:.2f} -> {res['valid_perplexity']:.2f}; "
               f"epsilon {res['epsilon']:.3f} at delta {res['delta']:.2g} ({res['accountant']}, certified: "
-              f"{str(res['certified']).lower()}; {res['basis']})")
+              f"{str(res['certified']).lower()}; {res['basis']})"
+              + "".join(f"\nNOT certified: {c}" for c in res["caveats"]))
     return 0
 
 

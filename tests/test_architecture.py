@@ -104,7 +104,7 @@ def half_clip():
                      "clip at shrink * C")
     algo = algorithms.register(Algorithm(
         "half-clip", "DPSGD clipping at shrink * C (a test method)", True, "gaussian",
-        lambda cfg, s, b, seed: Parts([Clip(s["shrink"] * cfg.clip)]), schema=(shrink,)))
+        lambda cfg, s, b, key: Parts([Clip(s["shrink"] * cfg.clip)]), schema=(shrink,)))
     yield algo
     del algorithms.ALGORITHMS["half-clip"]
 

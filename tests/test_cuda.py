@@ -23,8 +23,8 @@ from clipbias.cli import main
 from clipbias.engine import DPEngine
 from clipbias.grads import FuncGradients
 from clipbias.algorithms import batchnorm_variant
-from clipbias.algorithms import perturb as perturb_module
-from clipbias.sampling import keyed_normal
+from clipbias.randomness import Purpose, SecretKey, keyed_normal, normals, snapped_gaussian
+from clipbias.randomness.chacha import chacha20_words, keystream, words_of
 from clipbias.models import build_model
 from clipbias.train import TrainConfig, load_checkpoint, prepare_splits, train
 
@@ -54,9 +54,9 @@ ALGOS = [("dpsgd", {}), ("normalized", {}), ("dice", {}), ("dice-adam", {}), ("d
 
 
 def _run(algo: str, extra: dict, device: torch.device, steps: int = 3) -> torch.Tensor:
-    """``steps`` engine steps on ``device`` with the Gaussian noise switched off after construction
-    (its realisations differ between the CPU and CUDA generators; its scale is tested below). The
-    caller makes the pre-clipping perturbation device-independent for the same reason."""
+    """``steps`` engine steps on ``device``, noise included: the secret draws are ChaCha20 keystream on
+    either device, so the noise and the perturbations are the same numbers on the CPU and on CUDA (up
+    to the last bits of float64 log/cos; the release grid absorbs them)."""
     g = torch.Generator().manual_seed(1)
     x = (3 * torch.randn(N, 1, D_IN, D_IN, generator=g)).to(device)  # large gradients: clipping binds
     y = torch.randint(0, CLASSES, (N,), generator=g).to(device)
@@ -69,7 +69,6 @@ def _run(algo: str, extra: dict, device: torch.device, steps: int = 3) -> torch.
     eng = DPEngine(model, algo, n=N, batch_size=bs, steps=steps, noise_multiplier=5.0, accountant="rdp",
                    dice_accounting="conservative", noise_seed=0, max_physical_batch=5,
                    config=AlgoConfig(lr=0.1, clip=0.5, extra=extra))
-    eng.pipeline.noise.std = 0.0
     for _ in range(steps):
         idx = eng.sampler.sample()
         eng.step(x[idx.to(device)], y[idx.to(device)], idx)
@@ -77,12 +76,7 @@ def _run(algo: str, extra: dict, device: torch.device, steps: int = 3) -> torch.
 
 
 @pytest.mark.parametrize("algo,extra", ALGOS, ids=[a for a, _ in ALGOS])
-def test_every_algorithm_makes_the_cpu_update_on_cuda(algo, extra, monkeypatch):
-    def cpu_draws(*args, **kw):  # the CPU generator's rows, moved: the same zeta on both devices
-        device = kw.pop("device", args[5] if len(args) > 5 else "cpu")
-        return keyed_normal(*args[:5], "cpu", *args[6:], **kw).to(device)
-
-    monkeypatch.setattr(perturb_module, "keyed_normal", cpu_draws)
+def test_every_algorithm_makes_the_cpu_update_on_cuda(algo, extra):
     before = params_of(tiny_cnn())
     cpu, gpu = _run(algo, extra, torch.device("cpu")), _run(algo, extra, CUDA)
     assert not torch.equal(cpu, before)
@@ -96,7 +90,6 @@ def test_gpu_noise_has_the_stated_scale_and_an_empty_batch_is_noise_only():
     z, c, b, lr = 2.0, 0.5, 8.0, 1.0
     eng = DPEngine(model, "dpsgd", n=100, batch_size=b, steps=4, noise_multiplier=z, accountant="rdp",
                    noise_seed=0, config=AlgoConfig(lr=lr, clip=c))
-    assert eng.pipeline.noise.generator.device.type == "cuda"
     before = params_of(model)
     empty = torch.zeros(0, 200, device=CUDA), torch.zeros(0, dtype=torch.long, device=CUDA)
     losses = eng.step(*empty, torch.zeros(0, dtype=torch.long))
@@ -108,14 +101,30 @@ def test_gpu_noise_has_the_stated_scale_and_an_empty_batch_is_noise_only():
 
 
 def test_gpu_perturbation_is_keyed_and_standard_normal():
-    """On CUDA zeta_i is drawn by a CUDA generator (other numbers than on the CPU, same law): a pure
-    function of (seed, step, example), N(0, 1) in every coordinate."""
-    a = keyed_normal(3, 7, 5, list(range(64)), 4000, CUDA)
+    """On CUDA zeta_i is a pure function of (key, step, example), N(0, 1) in every coordinate, and the
+    same numbers as on the CPU (to float64 rounding of log and cos)."""
+    key = SecretKey.from_seed(3)
+    a = keyed_normal(key, Purpose.PERTURB, 5, list(range(64)), 4000, CUDA, torch.float64)
     assert a.device.type == "cuda"
-    assert torch.equal(a[10:], keyed_normal(3, 7, 5, list(range(10, 64)), 4000, CUDA))
-    assert not torch.equal(a, keyed_normal(3, 7, 6, list(range(64)), 4000, CUDA))
+    assert torch.equal(a[10:], keyed_normal(key, Purpose.PERTURB, 5, list(range(10, 64)), 4000, CUDA, torch.float64))
+    assert not torch.equal(a, keyed_normal(key, Purpose.PERTURB, 6, list(range(64)), 4000, CUDA, torch.float64))
+    assert torch.allclose(a.cpu(), keyed_normal(key, Purpose.PERTURB, 5, list(range(64)), 4000, "cpu", torch.float64),
+                          rtol=1e-12, atol=1e-12)
     assert abs(float(a.mean())) < 4 / (a.numel() ** 0.5)
     assert float(a.var()) == pytest.approx(1.0, rel=0.01)
+
+
+def test_gpu_keystream_and_noise_equal_the_cpu_ones():
+    """The torch ChaCha20 on CUDA gives OpenSSL's words; large draws use it on the device; the
+    snapped release is bit-identical to the CPU's."""
+    key, nonce = bytes(range(32)), bytes(range(12))
+    assert torch.equal(chacha20_words(key, nonce, 4096, 7, CUDA).cpu(),
+                       torch.from_numpy(words_of(keystream(key, nonce, 64 * 4096, 7)).astype("int64")))
+    k, n = SecretKey.from_seed(11), (1 << 20) + 3  # above the GPU keystream threshold
+    gpu, cpu = normals(k, Purpose.NOISE, 4, 0, n, CUDA), normals(k, Purpose.NOISE, 4, 0, n)
+    assert torch.allclose(gpu.cpu(), cpu, rtol=1e-12, atol=1e-12)
+    x = torch.linspace(-3, 3, n, dtype=torch.float64)
+    assert torch.equal(snapped_gaussian(x.to(CUDA), 0.25, k, 4).cpu(), snapped_gaussian(x, 0.25, k, 4))
 
 
 def test_gpu_noise_stream_round_trips_through_state_dict():

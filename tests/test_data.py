@@ -106,7 +106,7 @@ def test_fake_fashion_normalisation_and_cache_invalidation(tmp_path):
     raw = read_idx(tmp_path / "train-images-idx3-ubyte.gz").astype(np.float32)
     expected = (raw / 255.0 - cd.FASHION_MNIST_MEAN) / cd.FASHION_MNIST_STD
     np.testing.assert_allclose(d1.x_train[:, 0].numpy(), expected, rtol=1e-5, atol=1e-5)
-    assert d1.preprocessing_private and "x.view(-1, 28, 28)" in d1.notes
+    assert d1.preprocessing == "public" and "x.view(-1, 28, 28)" in d1.notes
     assert len(list(cd.cache_dir().glob("fashion-mnist-*.pt"))) == 1
     # a changed file (new size/mtime) must not be served from the old cache
     write_fake_fashion(tmp_path, n_train=8)
@@ -161,7 +161,7 @@ def test_sklearn_shapes(name, n, features, classes):
     assert d.x_test.shape[0] == int(np.ceil(0.25 * n))
     assert d.num_classes == classes and d.x_val is None and d.y_val is None
     assert d.x_train.dtype == torch.float32 and d.y_train.dtype == torch.int64
-    assert d.preprocessing_private == (name == "digits")
+    assert d.preprocessing == "public"
 
 
 def test_digits_image_shape_and_fixed_scaling():
@@ -172,10 +172,18 @@ def test_digits_image_shape_and_fixed_scaling():
     assert float(flat.x_train.min()) == 0.0 and float(flat.x_train.max()) == 1.0
 
 
-def test_standardisation_uses_train_split_only():
-    d = load_dataset("wine")
-    torch.testing.assert_close(d.x_train.mean(0), torch.zeros(13), atol=1e-5, rtol=0)
-    assert "NON-private" in d.notes
+@pytest.mark.parametrize("name", ["breast-cancer", "wine"])
+def test_tabular_preprocessing_is_a_fixed_transform(name):
+    """log1p of every feature: each example's features are a function of that example alone, so
+    removing or changing one training example leaves every other example's inputs unchanged (a
+    train-split standardisation moved them all: outside the guarantee)."""
+    from sklearn import datasets as skd
+    raw = {"breast-cancer": skd.load_breast_cancer, "wine": skd.load_wine}[name]().data
+    d = load_dataset(name)
+    ours = torch.cat([d.x_train, d.x_test]).double()
+    want = torch.from_numpy(np.log1p(raw)).float().double()
+    assert _rows(ours.float()) == _rows(want.float())  # the same rows, in the split's order
+    assert d.preprocessing == "public" and "fixed transform" in d.notes
 
 
 def _rows(x: torch.Tensor) -> set[bytes]:

@@ -10,7 +10,8 @@ from clipbias.config import AlgoConfig
 from clipbias.engine import DPEngine
 from clipbias.errors import ConfigError, NonFiniteGradientError, ResumeMismatchError, UnsupportedModelError
 from clipbias.grads import FuncGradients, ParamLayout
-from clipbias.sampling import PoissonSampler, secret_seeds
+from clipbias.randomness import Purpose, SecretKey, inclusion_threshold, snapped_gaussian, uint64s
+from clipbias.sampling import PoissonSampler
 from clipbias.transforms import clip_rows
 
 
@@ -74,8 +75,8 @@ def test_dpsgd_one_step_against_hand_values():
     w = torch.tensor([1.0, 2.0])
     g = torch.stack([(w @ x[i] - y[i]) * x[i] for i in range(3)])
     clipped = torch.stack([gi * min(1.0, 1.0 / float(gi.norm())) for gi in g])
-    noise = torch.randn(2, generator=torch.Generator().manual_seed(secret_seeds(5)[1]))  # the noise stream
-    expected = w - 0.1 * (clipped.sum(0) / 2.0 + 2.0 * 1.0 / 2.0 * noise)
+    released = snapped_gaussian(clipped.sum(0) / 2.0, 2.0 * 1.0 / 2.0, SecretKey.from_seed(5), 0)  # draw 0
+    expected = w - 0.1 * released.float()
     eng.step(x, y)
     assert torch.allclose(m.w.detach(), expected, atol=1e-6)
 
@@ -239,7 +240,7 @@ def test_nan_gradient_is_refused_before_any_state_changes():
 
 
 def test_poisson_sampler_rate_and_reproducibility():
-    s = PoissonSampler(2000, 0.05, seed=4)
+    s = PoissonSampler(2000, 0.05, SecretKey.from_seed(4))
     assert len(s) == 20
     sizes = [len(s.sample()) for _ in range(200)]
     assert sum(sizes) / len(sizes) == pytest.approx(100, rel=0.05)
@@ -296,7 +297,7 @@ def test_dice_adam_one_step_against_hand_adam():
     w = torch.tensor([1.0, 1.0])
     g = torch.stack([(w @ x[i]) * x[i] for i in range(2)])
     v = sum(gi * min(1.0, 1.0 / float(gi.norm())) for gi in g) / 2.0  # e_0 = 0
-    u = v + 3.0 * 1.0 / 2.0 * torch.randn(2, generator=torch.Generator().manual_seed(secret_seeds(0)[1]))
+    u = snapped_gaussian(v, 3.0 * 1.0 / 2.0, SecretKey.from_seed(0), 0).float()
     m1, m2 = (1 - b1) * u, (1 - b2) * u**2
     expected = w - lr * (m1 / (1 - b1)) / ((m2 / (1 - b2)).sqrt() + eps)
     eng.step(x, y)
@@ -324,8 +325,8 @@ def test_a_core_algorithm_refuses_a_method_setting():
 
 
 def test_batches_and_noise_are_secret_by_default_and_reproducible_on_request():
-    """Default: the sampler and noise streams come from the OS CSPRNG, so two engines with the same
-    public seed draw different batches and noise; with noise_seed they are identical."""
+    """Default: the key comes from the OS CSPRNG, so two engines with the same public seed draw
+    different batches and noise; with noise_seed they are identical (and reported uncertified)."""
     def first_update(**kw):
         m = Linear1([0.0, 0.0])
         eng = DPEngine(m, "dpsgd", n=200, batch_size=20.0, steps=1, noise_multiplier=1.0, loss_fn=sq,
@@ -338,10 +339,10 @@ def test_batches_and_noise_are_secret_by_default_and_reproducible_on_request():
     assert not torch.equal(i1, i2) and not torch.equal(w1, w2)
     (i3, w3), (i4, w4) = first_update(noise_seed=7), first_update(noise_seed=7)
     assert torch.equal(i3, i4) and torch.equal(w3, w4)
-    s_a, s_b = secret_seeds(7)
-    assert s_a != s_b and secret_seeds(7) == (s_a, s_b) and secret_seeds(None) != secret_seeds(None)
-    with pytest.raises(ConfigError, match="noise seed"):
-        secret_seeds(-1)
+    assert SecretKey.from_seed(7) == SecretKey.from_seed(7) and SecretKey.generate() != SecretKey.generate()
+    for bad in (-1, 1 << 256, 1.5, True):
+        with pytest.raises(ConfigError, match="noise seed"):
+            SecretKey.from_seed(bad)
 
 
 def test_engine_refuses_epsilon_and_noise_multiplier_together():
@@ -350,13 +351,18 @@ def test_engine_refuses_epsilon_and_noise_multiplier_together():
                  noise_multiplier=1.0, loss_fn=sq)
 
 
-def test_poisson_inclusion_uses_float64_uniforms():
-    """Inclusion is U_i < q with U_i float64 (2^-53 grid), so P(include) is q to within 2^-53; with
-    float32 uniforms it would be q rounded up to the 2^-24 grid (3e-6 relative at q = 256/60000)."""
-    n, q = 100_000, 256 / 60000
-    s = PoissonSampler(n, q, seed=11)
-    u = torch.rand(n, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
-    assert torch.equal(s.sample(), (u < q).nonzero().flatten())
+def test_poisson_inclusion_compares_64_bit_uniforms_with_q():
+    """Batch t includes i iff the i-th 64-bit ChaCha20 uniform at (SAMPLE, t) is below q 2^64 rounded
+    (P(include) = q exactly for q >= 2^-11); recomputed here from the key."""
+    n, q, key = 100_000, 256 / 60000, SecretKey.from_seed(11)
+    s = PoissonSampler(n, q, key)
+    for t in range(2):
+        u = uint64s(key, Purpose.SAMPLE, t, 0, n)
+        want = [i for i, v in enumerate(u.tolist()) if v < inclusion_threshold(q)]
+        assert s.sample().tolist() == want
+    from fractions import Fraction
+    assert Fraction(inclusion_threshold(q), 1 << 64) == Fraction(q)
+    assert len(PoissonSampler(10, 1.0, key).sample()) == 10
 
 
 def test_feedback_state_loaded_on_cpu_follows_the_update_device():

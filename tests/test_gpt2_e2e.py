@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+from clipbias.engine import SEEDED_CAVEAT
 from clipbias.config import AlgoConfig  # noqa: E402
 from clipbias.engine import DPEngine  # noqa: E402
 from clipbias.grads import FuncGradients  # noqa: E402
@@ -40,7 +41,8 @@ def test_tiny_dice_full_fine_tuning_reports_the_sound_epsilon(capsys):
     assert res["trainable"] == res["parameters"] > 100_000 and res["train_sequences"] == 48
     ref = DPEngine(torch.nn.Linear(2, 2), "dice", n=48, batch_size=8, steps=6, noise_multiplier=2.0, delta=1 / 480)
     assert res["epsilon"] == pytest.approx(ref.privacy(6).epsilon, rel=1e-9) and 0.5 < res["epsilon"] < 0.7
-    assert res["certified"] is True and "sound" in res["basis"]
+    assert "sound" in res["basis"]
+    assert res["certified"] is False and res["caveats"] == [SEEDED_CAVEAT]  # --reproducible-noise: a seeded key
     h = res["history"][-1]
     assert math.isclose(h["valid_perplexity"], math.exp(h["valid_loss_per_token"]), rel_tol=1e-9)
     assert res["steps"] == 6 and res["delta"] == pytest.approx(1 / 480)
@@ -73,7 +75,7 @@ def test_model_dir_with_lora_trains_the_adapters_only(tmp_path, capsys):
     assert any(not torch.equal(now[n], p) for n, p in lora.items())
     res = run_json(capsys, ["--model-dir", str(d), "--lora", "2", "--algo", "dpsgd", "--noise-multiplier", "1",
                             "--workers", "1"] + FAST)
-    assert res["trainable"] == eng.rows.layout.dim and res["certified"] is True
+    assert res["trainable"] == eng.rows.layout.dim and res["caveats"] == [SEEDED_CAVEAT]
 
 
 def no_dropout_lora(seed=0):

@@ -18,11 +18,11 @@ from clipbias.algorithms import (CropFlip, GroupBatchNorm, batchclip_logits, bat
                                  compose, noise_ratio_vs_dpsgd, num_groups, public_split)
 from clipbias.diagnostics import clipped_quantity
 from clipbias.diagnostics import sampling_noise_report as sampling_noise
-from clipbias.sampling import AUGMENT, GROUP, PERTURB, PUBLIC, keyed_ints, keyed_normal, mix
 from clipbias.privacy import gaussian
-from clipbias.sampling import secret_seeds, secret_streams
+from clipbias.randomness import Purpose, SecretKey, keyed_ints, keyed_normal, snapped_gaussian
 
-KEYED0 = secret_streams(0)[2]  # the secret key of the backends' draws in an engine with noise_seed=0
+KEY0 = SecretKey.from_seed(0)  # the secret key of every draw in an engine with noise_seed=0
+AUGMENT, GROUP, PERTURB, PUBLIC = Purpose.AUGMENT, Purpose.GROUP, Purpose.PERTURB, Purpose.PUBLIC
 from clipbias.transforms import StepContext
 
 N, D_IN, CLASSES = 24, 6, 3
@@ -68,13 +68,14 @@ def clip(v: torch.Tensor, c: float) -> torch.Tensor:
 
 
 class NoiseReplica:
-    """The engine's Gaussian noise: the noise stream of ``secret_seeds(noise_seed)``, one randn(d) per step."""
+    """The engine's release of ``v``: ``round_g(v + std Z)``, Z the t-th noise draw of ``noise_seed``'s key."""
 
     def __init__(self, seed: int, d: int):
-        self.g, self.d = torch.Generator().manual_seed(secret_seeds(seed)[1]), d
+        self.key, self.d, self.t = SecretKey.from_seed(seed), d, 0
 
-    def __call__(self, std: float) -> torch.Tensor:
-        return std * torch.randn(self.d, generator=self.g)
+    def __call__(self, v: torch.Tensor, std: float) -> torch.Tensor:
+        self.t += 1
+        return snapped_gaussian(v, std, self.key, self.t - 1).float()
 
 
 def processed_sum(eng, x, y, idx, step=0) -> torch.Tensor:
@@ -88,15 +89,16 @@ def processed_sum(eng, x, y, idx, step=0) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ keyed randomness
-def test_keyed_randomness_is_a_pure_function_of_seed_step_key():
-    a = keyed_ints(3, GROUP, 5, [1, 2, 3], 4, 10)
-    assert torch.equal(a, keyed_ints(3, GROUP, 5, [1, 2, 3], 4, 10))
-    assert torch.equal(a[1:], keyed_ints(3, GROUP, 5, [2, 3], 4, 10))  # independent of batch composition
-    assert not torch.equal(a, keyed_ints(3, GROUP, 6, [1, 2, 3], 4, 10))  # fresh per step
-    assert not torch.equal(a, keyed_ints(4, GROUP, 5, [1, 2, 3], 4, 10))  # and per seed
-    z = keyed_normal(0, PERTURB, 0, list(range(400)), 50)
+def test_keyed_randomness_is_a_pure_function_of_key_step_example():
+    k3, k4 = SecretKey.from_seed(3), SecretKey.from_seed(4)
+    a = keyed_ints(k3, GROUP, 5, [1, 2, 3], 4, 10)
+    assert torch.equal(a, keyed_ints(k3, GROUP, 5, [1, 2, 3], 4, 10))
+    assert torch.equal(a[1:], keyed_ints(k3, GROUP, 5, [2, 3], 4, 10))  # independent of batch composition
+    assert not torch.equal(a, keyed_ints(k3, GROUP, 6, [1, 2, 3], 4, 10))  # fresh per step
+    assert not torch.equal(a, keyed_ints(k4, GROUP, 5, [1, 2, 3], 4, 10))  # and per key
+    assert not torch.equal(a, keyed_ints(k3, AUGMENT, 5, [1, 2, 3], 4, 10))  # and per purpose
+    z = keyed_normal(KEY0, PERTURB, 0, list(range(400)), 50)
     assert abs(float(z.mean())) < 0.02 and abs(float(z.var()) - 1) < 0.03
-    assert mix(1, 2) != mix(2, 1)
 
 
 # ------------------------------------------------------------------ perturbation
@@ -109,9 +111,9 @@ def test_perturb_update_matches_independent_computation():
     noise = NoiseReplica(0, d)
     for step, idx in enumerate([torch.tensor([0, 3, 5, 7]), torch.tensor([1, 2, 9])]):
         eng.step(x[idx], y[idx], idx)
-        zeta = keyed_normal(secret_seeds(0)[1], PERTURB, step, idx.tolist(), d)  # pipeline (noise) seed
+        zeta = keyed_normal(KEY0, PERTURB, step, idx.tolist(), d)
         s = sum(clip(loop_grad(ref, x[i:i + 1], y[i]) + k * zeta[j], c) for j, i in enumerate(idx.tolist()))
-        upd = s / 8 + noise(Z * c / 8)
+        upd = noise(s / 8, Z * c / 8)
         with torch.no_grad():
             off = 0
             for p in ref.parameters():
@@ -146,7 +148,7 @@ def test_dpgd_momentum_matches_brute_force_alg1():
     mom = [loop_grad(ref, x[i:i + 1], y[i]) for i in range(N)]  # line 2: m_0 = grad f(w_0)
     for _ in range(2):
         eng.train_epoch(x, y)
-        upd = sum(clip(mi, c) for mi in mom) / N + noise(Z * c / N)  # line 4 (clipped variant)
+        upd = noise(sum(clip(mi, c) for mi in mom) / N, Z * c / N)  # line 4 (clipped variant)
         with torch.no_grad():
             off = 0
             for p in ref.parameters():
@@ -240,7 +242,7 @@ def test_outer_momentum_update_eq14():
                 r = r + 0.2 * loop_grad(ref, x[i:i + 1], y[i])
                 torch.nn.utils.vector_to_parameters(w_now, ref.parameters())
             rows.append(clip(r, c))
-        v = sum(rows) / 8 + noise(Z * c / 8)
+        v = noise(sum(rows) / 8, Z * c / 8)
         M = v if M is None else (1 - g1) * M + v
         prev_w = w_now
         torch.nn.utils.vector_to_parameters(w_now - lr * M, ref.parameters())
@@ -264,13 +266,13 @@ def test_p_avg_update_matches_independent_computation():
     assert eng.pipeline.noise.std == pytest.approx(Z * 2 * c / groups)
     noise = NoiseReplica(0, eng.rows.layout.dim)
     idx = torch.arange(13)
-    gid = keyed_ints(KEYED0, GROUP, 0, idx.tolist(), 1, groups).flatten()  # backend seed: the secret keyed stream
+    gid = keyed_ints(KEY0, GROUP, 0, idx.tolist(), 1, groups).flatten()  # backend seed: the secret keyed stream
     s = 0
     for j in range(groups):
         members = idx[gid == j].tolist()
         if members:
             s = s + clip(sum(loop_grad(ref, x[i:i + 1], y[i]) for i in members) / len(members), c)
-    upd = s / groups + noise(Z * 2 * c / groups)
+    upd = noise(s / groups, Z * 2 * c / groups)
     eng.step(x[idx], y[idx], idx)
     assert torch.allclose(params_of(m), params_of(ref) - lr * upd, atol=1e-5)
 
@@ -315,12 +317,12 @@ def test_self_aug_update_matches_independent_computation():
     noise = NoiseReplica(0, eng.rows.layout.dim)
     idx = torch.tensor([2, 4, 6, 8, 10])
     aug = CropFlip(pad=1, flip=True)
-    codes = keyed_ints(KEYED0, AUGMENT, 0, idx.tolist(), K, aug.choices)
+    codes = keyed_ints(KEY0, AUGMENT, 0, idx.tolist(), K, aug.choices)
     s = 0
     for j, i in enumerate(idx.tolist()):
         xa = aug(x[i:i + 1], codes[j:j + 1])
         s = s + clip(sum(loop_grad(ref, xa[r:r + 1], y[i]) for r in range(K)) / K, c)
-    upd = s / 8 + noise(Z * c / 8)
+    upd = noise(s / 8, Z * c / 8)
     eng.step(x[idx], y[idx], idx)
     assert torch.allclose(params_of(m), params_of(ref) - lr * upd, atol=1e-5)
 
@@ -355,12 +357,12 @@ def test_batch_clip_update_matches_independent_computation():
     eng = engine(m, "batch-clip", extra={"public": pub, "p": p}, clip=c, lr=lr, max_physical_batch=7)
     noise = NoiseReplica(0, eng.rows.layout.dim)
     idx = torch.tensor([1, 3, 5, 20])
-    draws = keyed_ints(KEYED0, PUBLIC, 0, idx.tolist(), p - 1, len(pub))
+    draws = keyed_ints(KEY0, PUBLIC, 0, idx.tolist(), p - 1, len(pub))
     s = 0
     for j, i in enumerate(idx.tolist()):
         group = torch.cat([x[i:i + 1], pub[draws[j]]])  # private example first, then p - 1 public
         s = s + clip(loop_grad(ref, group, y[i]), c)  # BN over the group; loss of row 0 only
-    upd = s / 8 + noise(Z * c / 8)
+    upd = noise(s / 8, Z * c / 8)
     eng.step(x[idx], y[idx], idx)
     assert torch.allclose(params_of(m), params_of(ref) - lr * upd, atol=1e-5)
 
@@ -410,7 +412,7 @@ def test_batch_clip_majority_vote():
         assert int(pred[i]) == int(torch.nonzero(counts == counts.max())[0])  # ties -> smallest class
     # each draw runs x_i with p - 1 public features through BatchNorm: row 0 of that forward pass
     r0 = batchclip_logits(m, x[:1], pub, 3, 0)
-    draws = keyed_ints(0, 5, 0, [0], 2, 9)
+    draws = keyed_ints(SecretKey.from_seed(0), Purpose.PREDICT, 0, [0], 2, 9)  # inference: the public seed 0
     with torch.no_grad():
         assert torch.allclose(r0[0], m(torch.cat([x[:1], pub[draws[0]]]))[0], atol=1e-5)
 
@@ -530,7 +532,7 @@ def test_micro_batching_does_not_change_the_rows(algo, extra):
 # ------------------------------------------------------------------ combinations and refusals
 def test_sound_combinations_are_accounted_as_dicesgd():
     for name in ("dice-perturb", "dice-self-aug"):
-        eng = engine(tiny_cnn(), name, dice_accounting="conservative")
+        eng = engine(tiny_cnn(), name, dice_accounting="conservative", noise_seed=None)  # a seeded run is not certified
         assert eng.spec.kind == "dice" and eng.spec.certifiable
         assert eng.privacy(6).certified
     # an outer clip G_max: with perturbation ||g - clip(g + k zeta)|| <= G_max + C1, not G_max - C1
@@ -553,11 +555,11 @@ def test_dice_perturb_update_matches_independent_computation():
     noise = NoiseReplica(0, d)
     e = torch.zeros(d)
     for step, idx in enumerate([torch.tensor([0, 4, 9]), torch.tensor([2, 3])]):
-        zeta = keyed_normal(secret_seeds(0)[1], PERTURB, step, idx.tolist(), d)
+        zeta = keyed_normal(KEY0, PERTURB, step, idx.tolist(), d)
         g = [loop_grad(ref, x[i:i + 1], y[i]) for i in idx.tolist()]
         v = sum(clip(gi + k * zeta[j], c1) for j, gi in enumerate(g)) / 8 + clip(e, c2)
         e = e + sum(g) / 8 - v
-        upd = v + noise(Z * c1 / 8)
+        upd = noise(v, Z * c1 / 8)
         torch.nn.utils.vector_to_parameters(params_of(ref) - lr * upd, ref.parameters())
         eng.step(x[idx], y[idx], idx)
     assert torch.allclose(params_of(m), params_of(ref), atol=1e-5)
@@ -674,31 +676,34 @@ def test_resume_continues_the_secret_streams(algo, extra):
     assert torch.equal(params_of(m1), params_of(m2))
 
 
-def test_failed_micro_batch_rewinds_the_perturbation_stream():
-    """Without example indices Perturb draws from a sequential generator; a NaN in a later
-    micro-batch must leave it (and the engine) as before the step."""
+def test_failed_micro_batch_rewinds_the_perturbation_draws():
+    """Without example indices Perturb draws one block per micro-batch call of the step; a NaN in a
+    later micro-batch must leave the engine as before the step, so that the retried step makes
+    exactly the update of an engine that never failed."""
     x, y = data()
-    m = tiny_cnn()
+    m, ref = tiny_cnn(), tiny_cnn()
     eng = engine(m, "perturb", extra={"k": 0.3}, max_physical_batch=2)
-    stage = next(st for st in eng.pipeline.per_sample if hasattr(st, "generator"))
-    before, w = stage.generator.get_state(), params_of(m)
+    clean = engine(ref, "perturb", extra={"k": 0.3}, max_physical_batch=2)
+    w = params_of(m)
     xb = x[:4].clone()
     xb[3] = float("nan")
     with pytest.raises(NonFiniteGradientError):
         eng.step(xb, y[:4])
-    assert torch.equal(stage.generator.get_state(), before) and torch.equal(params_of(m), w)
-    assert eng.steps_taken == 0
+    assert torch.equal(params_of(m), w) and eng.steps_taken == 0
+    eng.step(x[:4], y[:4])
+    clean.step(x[:4], y[:4])
+    assert torch.equal(params_of(m), params_of(ref))
 
 
 @pytest.mark.parametrize("algo,extra", [("p-avg", {}), ("self-aug", {"K": 2})])
 def test_keyed_draws_come_from_the_secret_stream_and_resume(algo, extra):
     """Groupings and augmentations are keyed by example index: with a public key, removing one example
     (which shifts every later index) would change the others' rows predictably (docs/privacy.md).
-    The key is the secret keyed stream: fresh from the OS CSPRNG by default, the noise seed's third
-    stream on request, and carried by the private checkpoint."""
+    The key is the run's secret key: fresh from the OS CSPRNG by default, derived from the noise seed
+    on request, and carried by the private checkpoint."""
     a = engine(tiny_cnn(), algo, extra=extra, noise_seed=None)
     b = engine(tiny_cnn(), algo, extra=extra, noise_seed=None)
-    assert a.rows.seed != b.rows.seed
-    assert engine(tiny_cnn(), algo, extra=extra, noise_seed=5).rows.seed == secret_streams(5)[2]
+    assert a.rows.key != b.rows.key
+    assert engine(tiny_cnn(), algo, extra=extra, noise_seed=5).rows.key == SecretKey.from_seed(5)
     b.load_state_dict(a.state_dict())
-    assert b.rows.seed == a.rows.seed == a.keyed_seed
+    assert b.rows.key == a.rows.key == a.key == b.sampler.key

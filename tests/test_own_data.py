@@ -33,7 +33,7 @@ def test_cifar10_loads_the_python_layout_with_public_scaling(tmp_path):
     with open(tmp_path / "cifar-10-batches-py" / "data_batch_1", "rb") as f:
         first = pickle.load(f, encoding="bytes")
     assert ds.x_train.shape == (20, 3, 32, 32) and ds.x_test.shape == (4, 3, 32, 32)
-    assert ds.num_classes == 10 and ds.input_shape == (3, 32, 32) and ds.preprocessing_private
+    assert ds.num_classes == 10 and ds.input_shape == (3, 32, 32) and ds.preprocessing == "public"
     # pixel p -> (p/255 - 0.5)/0.5, row-major channels first, as CIFAR-10 stores them
     want = (torch.from_numpy(first[b"data"][0].astype(np.float32)).view(3, 32, 32) / 255 - 0.5) / 0.5
     torch.testing.assert_close(ds.x_train[0], want)
@@ -70,7 +70,7 @@ def test_npz_loads_any_shape_as_given(tmp_path):
     f = _npz(tmp_path / "d.npz", num_classes=np.array(5))
     ds = load_dataset("npz", data_path=f, validation=6)
     raw = np.load(f)
-    assert ds.input_shape == (4, 3) and ds.num_classes == 5 and not ds.preprocessing_private
+    assert ds.input_shape == (4, 3) and ds.num_classes == 5 and ds.preprocessing == "none"
     assert len(ds.y_train) == 24 and len(ds.y_val) == 6
     torch.testing.assert_close(ds.x_test, torch.from_numpy(raw["x_test"]))
 

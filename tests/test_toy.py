@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from clipbias.engine import SEEDED_CAVEAT
 from clipbias import algorithms, toy
 from clipbias.cli import main
 from clipbias.errors import ConfigError
@@ -117,7 +118,8 @@ def test_private_toy_run_reports_the_engines_epsilon():
 
 def test_dice_toy_accounting_is_sound_and_the_paper_bound_is_refused_at_q_1():
     r = toy.run("dice-b1", "dice", toy.settings_for("dice-b1", steps=20))
-    assert r.privacy["certified"] and "sound bound" in r.privacy["basis"]
+    assert "sound bound" in r.privacy["basis"]
+    assert not r.privacy["certified"] and r.privacy["caveats"] == [SEEDED_CAVEAT]  # toy runs are seeded
     assert "feedback ratio" in r.privacy["note"]
     with pytest.raises(Exception, match="q=1 > 1/5|1/5"):
         toy.run("dice-b1", "dice", toy.settings_for("dice-b1", steps=20, dice_accounting="paper",

@@ -11,6 +11,7 @@ import stat
 import pytest
 import torch
 
+from clipbias.engine import SEEDED_CAVEAT
 from clipbias.errors import ConfigError, ResumeMismatchError
 from clipbias.train import (CHECKPOINT, CURVES, PRIVATE_NOTE, RESULTS, TrainConfig, evaluate,
                             export_weights, load_checkpoint, prepare_splits, run_many, train)
@@ -59,7 +60,8 @@ def test_results_files_and_private_checkpoint(tmp_path, splits):
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, splits):
     # two separate runs draw the same batches and noise only with --reproducible-noise
     full = train(dataclasses.replace(BASE, reproducible_noise=True, out=str(tmp_path / "a")), splits=splits)
-    assert "reproducible noise" in full["privacy_note"] and "secret" in full["privacy_note"]
+    assert "user-given seed" in full["privacy_note"] and "secret" in full["privacy_note"]
+    assert full["certified"] is False and full["caveats"] == [SEEDED_CAVEAT]
 
     def stop_after_first(rec):
         if rec["epoch"] == 1:

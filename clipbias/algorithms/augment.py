@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..config import Setting, boolean, integer
 from ..errors import ConfigError
 from ..grads import FuncGradients, LossFn, RowSource
-from ..sampling import AUGMENT, batch_keys, keyed_ints
+from ..randomness import Purpose, SecretKey, batch_keys, keyed_ints
 
 
 class CropFlip:
@@ -82,15 +82,16 @@ class AugmentedGradients(RowSource):
 
     structured = False  # image tensors [b, c, h, w] only
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, k: int, augment: CropFlip, seed: int = 0) -> None:
+    def __init__(self, model: nn.Module, loss_fn: LossFn, k: int, augment: CropFlip,
+                 key: SecretKey | None = None) -> None:
         if not (isinstance(k, int) and k >= 1):
             raise ConfigError(f"--augmentations (K copies per example) must be an integer >= 1, got {k!r}")
         self.fg = FuncGradients(model, loss_fn)
         self.layout = self.fg.layout
-        self.k, self.augment, self.seed = k, augment, int(seed)
+        self.k, self.augment, self.key = k, augment, key
 
     def codes(self, keys: list[int], step: int) -> Tensor:
-        return keyed_ints(self.seed, AUGMENT, step, keys, self.k, self.augment.choices)
+        return keyed_ints(self.key, Purpose.AUGMENT, step, keys, self.k, self.augment.choices)
 
     def rows(self, x: Tensor, y: Tensor, keys: list[int], step: int) -> tuple[Tensor, Tensor]:
         b = len(x)
@@ -117,5 +118,5 @@ SETTINGS = (AUG_K, AUG_PAD, AUG_FLIP)
 
 
 def augmented_source(model: nn.Module, loss_fn: LossFn, cfg, s: dict, *, n: int, batch_size: float,
-                     seed: int) -> AugmentedGradients:
-    return AugmentedGradients(model, loss_fn, s["K"], CropFlip(s["pad"], s["flip"]), seed)
+                     key: SecretKey | None) -> AugmentedGradients:
+    return AugmentedGradients(model, loss_fn, s["K"], CropFlip(s["pad"], s["flip"]), key)

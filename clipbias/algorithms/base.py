@@ -19,6 +19,7 @@ from ..config import AlgoConfig, Setting, read_settings
 from ..errors import ConfigError
 from ..grads import FuncGradients, LossFn, PerExampleRows, RowSource
 from ..privacy import AccountingSpec, DiceParams
+from ..randomness import SecretKey
 from ..transforms import Clip, ErrorFeedback, GaussianNoise, Normalize, PerSample, Pipeline, Stage
 
 
@@ -33,8 +34,8 @@ class Parts:
     divisor: float | None = None
 
 
-Build = Callable[[AlgoConfig, dict, float, int], Parts]  # (config, settings, B, seed of the stage draws)
-Source = Callable[..., RowSource]  # (model, loss_fn, config, settings, *, n, batch_size, seed)
+Build = Callable[[AlgoConfig, dict, float, "SecretKey | None"], Parts]  # (config, settings, B, key of the stage draws)
+Source = Callable[..., RowSource]  # (model, loss_fn, config, settings, *, n, batch_size, key)
 
 
 def _c1_c2(cfg: AlgoConfig) -> tuple[float, float]:
@@ -45,8 +46,9 @@ def _c1_c2(cfg: AlgoConfig) -> tuple[float, float]:
 class Algorithm:
     """A named recipe. Names match the ``--algo`` values of the CLI.
 
-    ``build(cfg, settings, B, seed)`` returns the ``Parts``; ``source(model, loss_fn, cfg, settings,
-    n=, batch_size=, seed=)`` the row source (None: per-example gradients); ``validate(cfg, settings,
+    ``build(cfg, settings, B, key)`` returns the ``Parts`` (``key``: the run's ``SecretKey`` for the
+    stages' secret draws; None where only the structure is read); ``source(model, loss_fn, cfg,
+    settings, n=, batch_size=, key=)`` the row source (None: per-example gradients); ``validate(cfg, settings,
     q, B)`` refuses settings the guarantee does not cover; ``note(cfg, settings)`` states the
     sensitivity and sampling in words; ``dice_units(cfg)`` gives (C1, C2) of DiceSGD's accounting and
     ``dice_grad_bound(cfg, settings)`` the G_max it may use (default ``cfg.grad_bound``).
@@ -76,20 +78,20 @@ class Algorithm:
         """Whether the algorithm reads public features (``AlgoConfig.extra['public']``)."""
         return any(s.key == "public" for s in self.schema)
 
-    def parts(self, cfg: AlgoConfig, expected_batch_size: float = 1.0, seed: int = 0) -> Parts:
-        return self.build(cfg, self.settings(cfg), expected_batch_size, seed)
+    def parts(self, cfg: AlgoConfig, expected_batch_size: float = 1.0, key: SecretKey | None = None) -> Parts:
+        return self.build(cfg, self.settings(cfg), expected_batch_size, key)
 
-    def pipeline(self, cfg: AlgoConfig, expected_batch_size: float, z: float, seed: int = 0,
-                 device: torch.device | str = "cpu") -> Pipeline:
-        """The update rule; the noise std is ``z * sensitivity / divisor``."""
-        parts = self.parts(cfg, expected_batch_size, seed)
+    def pipeline(self, cfg: AlgoConfig, expected_batch_size: float, z: float, key: SecretKey) -> Pipeline:
+        """The update rule; the noise std is ``z * sensitivity / divisor``; ``key`` keys the noise and the
+        stages' secret draws."""
+        parts = self.parts(cfg, expected_batch_size, key)
         reference = [Clip(cfg.grad_bound)] if cfg.grad_bound is not None else []
         div = parts.divisor if parts.divisor is not None else expected_batch_size
         p = Pipeline(parts.per_sample, div, reference, parts.error_feedback, post=parts.post)
         if self.private:
             if p.sensitivity is None:
                 raise ConfigError(f"{self.name}: no stage bounds the per-example norm")
-            p.noise = GaussianNoise(z * p.sensitivity / div, seed, device)
+            p.noise = GaussianNoise(z * p.sensitivity / div, key)
         return p
 
     def spec(self, cfg: AlgoConfig, sample_rate: float, z: float, expected_batch_size: float) -> AccountingSpec:
@@ -99,7 +101,7 @@ class Algorithm:
             self.validate(cfg, s, sample_rate, expected_batch_size)
         if not self.private:
             return AccountingSpec("none", sample_rate)
-        per_sample = self.build(cfg, s, expected_batch_size, 0).per_sample
+        per_sample = self.build(cfg, s, expected_batch_size, None).per_sample
         if not per_sample or per_sample[-1].bound is None:
             last = type(per_sample[-1]).__name__ if per_sample else "none"
             raise ConfigError(f"{self.name}: the last per-example stage ({last}) bounds no norm; it must be "
@@ -116,17 +118,17 @@ class Algorithm:
                               self.why_not_certifiable, last.bound)
 
     def row_source(self, model: nn.Module, loss_fn: LossFn, cfg: AlgoConfig, *, n: int, batch_size: float,
-                   seed: int = 0) -> RowSource:
+                   key: SecretKey | None = None) -> RowSource:
         """Where the engine's rows come from when the caller gives no gradient backend."""
         if self.source is None:
             return PerExampleRows(FuncGradients(model, loss_fn))
-        return self.source(model, loss_fn, cfg, self.settings(cfg), n=n, batch_size=batch_size, seed=seed)
+        return self.source(model, loss_fn, cfg, self.settings(cfg), n=n, batch_size=batch_size, key=key)
 
     @property
     def reads_ef_clip(self) -> bool:
         """Whether the algorithm clips an error-feedback buffer with ``AlgoConfig.ef_clip`` (C2)."""
         ef = self.build(AlgoConfig(clip=2.0, ef_clip=3.0), {s.key: s.default for s in self.schema
-                                                            if s.key != "public"}, 1.0, 0).error_feedback
+                                                            if s.key != "public"}, 1.0, None).error_feedback
         return ef is not None and ef.c2 == 3.0
 
 

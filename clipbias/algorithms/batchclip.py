@@ -33,7 +33,7 @@ from torch.func import functional_call, vmap
 from ..config import OPTIONAL, REQUIRED, Setting, integer
 from ..errors import ConfigError
 from ..grads import FuncGradients, LossFn, RowSource
-from ..sampling import PREDICT, PUBLIC, batch_keys, keyed_ints
+from ..randomness import Purpose, SecretKey, batch_keys, keyed_ints
 from ..transforms import Clip
 from .base import Algorithm, Parts, register
 from .p_avg import P_AVG
@@ -125,10 +125,10 @@ def public_split(dataset, n_public: int = 100, source: str = "test", seed: int =
     return dataset.x_test[taken], rest
 
 
-def draw_groups(x: Tensor, public: Tensor, p: int, seed: int, purpose: int, step: int,
+def draw_groups(x: Tensor, public: Tensor, p: int, key: SecretKey, purpose: int, step: int,
                 keys: list[int]) -> Tensor:
     """``[b, p, *input]``: each x_i first, then p - 1 public features drawn for key i."""
-    idx = keyed_ints(seed, purpose, step, keys, p - 1, len(public)).to(public.device)
+    idx = keyed_ints(key, purpose, step, keys, p - 1, len(public)).to(public.device)
     pub = public[idx.flatten()].view(len(x), p - 1, *public.shape[1:]).to(x)
     return torch.cat([x.unsqueeze(1), pub], dim=1)
 
@@ -138,7 +138,8 @@ class BatchClipGradients(RowSource):
 
     structured = False  # groups stack tensor inputs with public features
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, public: Tensor, p: int, seed: int = 0) -> None:
+    def __init__(self, model: nn.Module, loss_fn: LossFn, public: Tensor, p: int,
+                 key: SecretKey | None = None) -> None:
         check_batchnorm_model(model)
         self.public = check_public(public, getattr(model, "input_shape", None))
         if not (isinstance(p, int) and p >= 2):
@@ -146,10 +147,10 @@ class BatchClipGradients(RowSource):
                               f">= 2, got {p!r}")
         self.fg = FuncGradients(model, loss_fn, grouped=True, check=False)
         self.layout = self.fg.layout
-        self.p, self.seed = p, int(seed)
+        self.p, self.key = p, key
 
     def groups(self, x: Tensor, keys: list[int], step: int) -> Tensor:
-        return draw_groups(x, self.public, self.p, self.seed, PUBLIC, step, keys)
+        return draw_groups(x, self.public, self.p, self.key, Purpose.PUBLIC, step, keys)
 
     def iter_rows(self, x: Tensor, y: Tensor, indices: Tensor | None, step: int,
                   max_physical_batch: int) -> Iterator[tuple[Tensor, Tensor, Tensor | None]]:
@@ -164,8 +165,10 @@ class BatchClipGradients(RowSource):
 @torch.no_grad()
 def batchclip_logits(model: nn.Module, x: Tensor, public: Tensor, p: int, draw: int = 0, seed: int = 0,
                      chunk: int = 256) -> Tensor:
-    """Logits of each ``x_i`` run with ``p - 1`` public features (draw number ``draw``)."""
+    """Logits of each ``x_i`` run with ``p - 1`` public features (draw number ``draw``). The draws of
+    inference are not secret (public features for evaluation inputs): keyed by the public ``seed``."""
     check_public(public)
+    key = SecretKey.from_seed(seed)
     params = {n: t.detach() for n, t in model.named_parameters()}
     buffers = dict(model.named_buffers())
     run = vmap(lambda xg: functional_call(model, (params, buffers), (xg,))[0], randomness="different")
@@ -173,7 +176,7 @@ def batchclip_logits(model: nn.Module, x: Tensor, public: Tensor, p: int, draw: 
     for start in range(0, len(x), chunk):
         xs = x[start:start + chunk]
         keys = list(range(start, start + len(xs)))
-        out.append(run(draw_groups(xs, public, p, seed, PREDICT, draw, keys)))
+        out.append(run(draw_groups(xs, public, p, key, Purpose.PREDICT, draw, keys)))
     return torch.cat(out) if out else torch.zeros(0)
 
 
@@ -206,10 +209,10 @@ DRAWS = Setting("draws", 10, "an integer >= 1", integer(1), "--vote-draws",
 
 register(Algorithm(
     "batch-clip", "BatchClipping: BatchNorm network on groups with public features (Xiao et al. Alg. 3)",
-    True, "gaussian", lambda cfg, s, b, seed: Parts([Clip(cfg.clip)]),
+    True, "gaussian", lambda cfg, s, b, key: Parts([Clip(cfg.clip)]),
     schema=(P_AVG, PUBLIC_FEATURES, DRAWS, PUBLIC_SIZE),
-    source=lambda model, loss_fn, cfg, s, *, n, batch_size, seed: BatchClipGradients(
-        model, loss_fn, s["public"], s["p"], seed),
+    source=lambda model, loss_fn, cfg, s, *, n, batch_size, key: BatchClipGradients(
+        model, loss_fn, s["public"], s["p"], key),
     note=lambda cfg, s: (
         f"per-example L2 sensitivity {cfg.clip:g} (clip C); the clipped group gradient of a private example "
         f"depends on it and on {s['p'] - 1} public features only (no public labels); the accounting covers "

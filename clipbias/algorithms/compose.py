@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..config import AlgoConfig
 from ..errors import ConfigError
+from ..randomness import SecretKey
 from . import augment, core  # noqa: F401  (core registers the bases)
 from . import base as registry
 from .base import ALGORITHMS, Algorithm, Parts, get
@@ -62,11 +63,11 @@ def compose(base: str, *methods: str, name: str | None = None, register: bool = 
     perturb, selfaug = "perturb" in methods, "self-aug" in methods
     schema = tuple(s for m in ("perturb", "self-aug") if m in methods for s in COMPOSABLE[m])
 
-    def build(cfg: AlgoConfig, s: dict, batch_size: float, seed: int) -> Parts:
-        parts = b.build(cfg, {}, batch_size, seed)
+    def build(cfg: AlgoConfig, s: dict, batch_size: float, key: SecretKey | None) -> Parts:
+        parts = b.build(cfg, {}, batch_size, key)
         if not perturb:
             return parts
-        return Parts([Perturb(s["k"], seed), *parts.per_sample], parts.error_feedback, parts.post, parts.divisor)
+        return Parts([Perturb(s["k"], key), *parts.per_sample], parts.error_feedback, parts.post, parts.divisor)
 
     def note(cfg: AlgoConfig, s: dict) -> str:
         bound = f"{cfg.clip:g} (clip C)" if base in ("dpsgd", "dice", "dice-adam") else "1 (normalised)"

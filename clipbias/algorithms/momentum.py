@@ -293,7 +293,7 @@ def _full_batch(cfg: AlgoConfig, s: dict, q: float, batch_size: float) -> None:
 
 
 def _momentum_source(model: nn.Module, loss_fn: LossFn, cfg: AlgoConfig, s: dict, *, n: int,
-                     batch_size: float, seed: int) -> RowSource:
+                     batch_size: float, key) -> RowSource:
     fg = FuncGradients(model, loss_fn)
     check_momentum_memory(n, fg.layout.dim, next(model.parameters()).device, s["max_memory_gb"])
     return PerExampleRows(fg)
@@ -301,7 +301,7 @@ def _momentum_source(model: nn.Module, loss_fn: LossFn, cfg: AlgoConfig, s: dict
 
 register(Algorithm(
     "dpgd-momentum", "DP-GD with per-example momentum (Xiao et al. Alg. 1), full batch", True, "gaussian",
-    lambda cfg, s, b, seed: Parts([PerExampleMomentum(round(b), s["gamma_m"]), clip_or_normalize(cfg, s["normalize"])]),
+    lambda cfg, s, b, key: Parts([PerExampleMomentum(round(b), s["gamma_m"]), clip_or_normalize(cfg, s["normalize"])]),
     schema=(GAMMA_M, NORMALIZE, MAX_MEM), source=_momentum_source, validate=_full_batch,
     note=lambda cfg, s: (
         f"per-example L2 sensitivity {_bound(cfg, s)}; full batch (q = 1): each step releases sum_i clip(m_i) "
@@ -320,9 +320,9 @@ def _inner_outer_checks(cfg: AlgoConfig, s: dict, q: float, batch_size: float) -
 
 register(Algorithm(
     "inner-outer", "DP-SGD with inner and outer momentum (Xiao et al. Alg. 2)", True, "gaussian",
-    lambda cfg, s, b, seed: Parts([clip_or_normalize(cfg, s["normalize"])], post=OuterMomentum(s["gamma1"])),
+    lambda cfg, s, b, key: Parts([clip_or_normalize(cfg, s["normalize"])], post=OuterMomentum(s["gamma1"])),
     schema=(K0, GAMMA0, GAMMA1, NORMALIZE),
-    source=lambda model, loss_fn, cfg, s, *, n, batch_size, seed: InnerMomentumGradients(
+    source=lambda model, loss_fn, cfg, s, *, n, batch_size, key: InnerMomentumGradients(
         model, loss_fn, s["K0"], s["gamma0"]),
     validate=_inner_outer_checks,
     note=lambda cfg, s: (

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from .. import batch
 from ..config import AlgoConfig, Setting, integer
 from ..grads import FuncGradients, LossFn, RowSource, check_finite
-from ..sampling import GROUP, PROBE_STEP, batch_keys, keyed_ints
+from ..randomness import PROBE_STEP, Purpose, SecretKey, batch_keys, keyed_ints
 from ..transforms import Clip
 from .base import Algorithm, Parts, register
 
@@ -58,14 +58,14 @@ class GroupClip(Clip):
 class GroupMeanGradients(RowSource):
     """Rows = means of the per-example gradients of each non-empty random group (one yield per step)."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, p: int, groups: int, seed: int = 0) -> None:
+    def __init__(self, model: nn.Module, loss_fn: LossFn, p: int, groups: int, key: SecretKey | None = None) -> None:
         self.fg = FuncGradients(model, loss_fn)
         self.layout = self.fg.layout
-        self.p, self.groups, self.seed = int(p), int(groups), int(seed)
+        self.p, self.groups, self.key = int(p), int(groups), key
 
     def assign(self, keys: list[int], step: int, groups: int | None = None) -> Tensor:
         """Each key's group in ``[0, groups)``: uniform, independent, fresh per step."""
-        return keyed_ints(self.seed, GROUP, step, keys, 1, groups or self.groups).flatten()
+        return keyed_ints(self.key, Purpose.GROUP, step, keys, 1, groups or self.groups).flatten()
 
     def owners(self, indices: Tensor, step: int, world: int) -> Tensor:
         """A group is processed whole by one rank (``group % world``): the clipped group means of the
@@ -114,8 +114,8 @@ def _note(cfg: AlgoConfig, s: dict) -> str:
 
 P_AVG_METHOD = register(Algorithm(
     "p-avg", "p-averaged clipping: clip the mean gradient of random groups (Xiao et al. Sec. 3.3)", True,
-    "gaussian", lambda cfg, s, b, seed: Parts([GroupClip(cfg.clip)], divisor=float(num_groups(s["p"], b))),
+    "gaussian", lambda cfg, s, b, key: Parts([GroupClip(cfg.clip)], divisor=float(num_groups(s["p"], b))),
     schema=(P_AVG,),
-    source=lambda model, loss_fn, cfg, s, *, n, batch_size, seed: GroupMeanGradients(
-        model, loss_fn, s["p"], num_groups(s["p"], batch_size), seed),
+    source=lambda model, loss_fn, cfg, s, *, n, batch_size, key: GroupMeanGradients(
+        model, loss_fn, s["p"], num_groups(s["p"], batch_size), key),
     note=_note))

@@ -8,65 +8,59 @@ accounting is that of the clip that follows: sensitivity C, Poisson-subsampled G
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ..config import Setting, real
 from ..errors import ConfigError
-from ..sampling import PERTURB, PROBE_STEP, keyed_normal, mix
+from ..randomness import PROBE_STEP, Purpose, SecretKey, batch_keys, keyed_normal, normals
 from ..transforms import PerSample, StepContext
 
 
 class Perturb(PerSample):
     """``g_i -> g_i + k zeta_i`` (no norm bound: ``bound = None``; a Clip/Normalize must follow).
 
-    With example indices in the context, ``zeta_i`` is a pure function of ``(seed, step, index)``
-    (exact resume, independent of micro-batching). Without indices a sequential generator owned by
-    the stage is used; its state is in ``state_dict``.
+    With example indices in the context, ``zeta_i`` is a pure function of ``(key, step, index)``:
+    exact resume, independent of micro-batching. Without indices (rows of a bare ``step(x, y)``, or
+    the canary audit's leading axis of independent runs), the j-th call of a step draws one block for
+    all its rows at ``(key, step, j)``: fresh for every row, call and step.
     """
 
     bound = None
 
-    def __init__(self, k: float, seed: int = 0) -> None:
+    def __init__(self, k: float, key: SecretKey | None = None) -> None:
         if not (isinstance(k, (int, float)) and k > 0):
             raise ConfigError(f"--perturb-k (perturbation scale k) must be > 0, got {k!r}")
-        self.k, self.seed = float(k), int(seed)
-        # a stream of its own: the pipeline's GaussianNoise is seeded with the same seed
-        self.generator = torch.Generator().manual_seed(mix(self.seed, PERTURB))
-        self._start: torch.Tensor | None = None  # generator state at the step's first draw
+        self.k, self.key = float(k), key
+        self._calls = 0  # calls without indices in the current step
+
+    def _key(self) -> SecretKey:
+        if self.key is None:
+            raise ConfigError("Perturb draws its perturbation from the run's secret key: build it with "
+                              "Perturb(k, key) (DPEngine does)")
+        return self.key
 
     def noise(self, g: Tensor, ctx: StepContext) -> Tensor:
         if ctx.indices is not None:
-            return keyed_normal(self.seed, PERTURB, ctx.step, ctx.indices.tolist(), g.shape[1],
+            return keyed_normal(self._key(), Purpose.PERTURB, ctx.step, ctx.indices.tolist(), g.shape[-1],
                                 g.device, g.dtype)
-        if self._start is None:
-            self._start = self.generator.get_state()
-        return torch.randn(g.shape, generator=self.generator, dtype=g.dtype).to(g.device)
+        self._calls += 1
+        z = normals(self._key(), Purpose.PERTURB_BATCH, ctx.step, self._calls - 1, g.numel(), g.device)
+        return z.view(g.shape).to(g.dtype)
 
     def __call__(self, g: Tensor, ctx: StepContext) -> Tensor:
         return g + self.k * self.noise(g, ctx)
 
     def probe(self, g: Tensor, ctx: StepContext) -> Tensor:
-        """Probe randomness (keyed at ``PROBE_STEP``): the sequential generator is not touched."""
-        keys = ctx.indices.tolist() if ctx.indices is not None else list(range(len(g)))
-        return g + self.k * keyed_normal(self.seed, PERTURB, PROBE_STEP, keys, g.shape[1], g.device, g.dtype)
+        """Probe randomness (keyed at ``PROBE_STEP`` by index or position); the call count is untouched."""
+        keys = batch_keys(ctx.indices, 0, len(g))
+        return g + self.k * keyed_normal(self._key(), Purpose.PERTURB, PROBE_STEP, keys, g.shape[-1], g.device,
+                                         g.dtype)
 
     def commit(self) -> None:
-        self._start = None
+        self._calls = 0
 
     def rollback(self) -> None:
-        if self._start is not None:  # un-draw what the failed step drew
-            self.generator.set_state(self._start)
-        self._start = None
-
-    def state_dict(self) -> dict:
-        return {"seed": self.seed, "rng": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        # the key of the draws is part of the (secret) stream state: a resumed run continues it
-        self.seed = int(state.get("seed", self.seed))
-        self.generator.set_state(state["rng"])
-        self._start = None
+        self._calls = 0
 
 
 K_PERTURB = Setting("k", 0.01, "a number > 0", real(0, float("inf"), lo_open=True), "--perturb-k",

@@ -28,6 +28,7 @@ from .. import algorithms, privacy
 from ..config import AlgoConfig
 from ..errors import ConfigError
 from ..privacy.report import check_delta, check_positive, check_rate, check_steps
+from ..randomness import SecretKey
 from ..transforms import Pipeline, StepContext
 from .stats import epsilon_lower_bound
 
@@ -102,7 +103,8 @@ def simulate(audit: CanaryAudit, with_canary: bool, *, progress: bool = False) -
     cfg = audit.algo_config()
     trials = audit.trials
     seed = audit.seed * 2 + int(with_canary)
-    pipe = algo.pipeline(cfg, audit.batch_size, audit.noise_multiplier, seed, "cpu")
+    # the audit is an experiment, not a release: its mechanism runs under a key from its own seed
+    pipe = algo.pipeline(cfg, audit.batch_size, audit.noise_multiplier, SecretKey.from_seed(seed))
     if pipe.noise is None or pipe.noise.std <= 0:
         raise ConfigError(f"--algo {audit.algo}: its pipeline adds no noise")
     sigma = pipe.noise.std

@@ -61,8 +61,8 @@ def _table(rows: list[dict]) -> str:
     body = []
     for r in rows:
         acct = r["dice_accounting"] or ("none" if math.isinf(r["epsilon"]) else r["accountant"])
-        cert = "true" if r["certified"] else ("false (REFUTED bound)" if not math.isinf(r["epsilon"])
-                                              else "false (non-private)")
+        cert = ("true" if r["certified"] else "false (non-private)" if math.isinf(r["epsilon"]) else
+                "false (see caveats)" if r.get("caveats") else "false (REFUTED bound)")
         body.append([r["label"], acct,
                      f"{100 * r['test_accuracy_mean']:.2f} ± {100 * r['test_accuracy_std']:.2f} %"
                      + (f"  (val {100 * r['val_accuracy_mean']:.2f})" if "val_accuracy_mean" in r else ""),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..data import DATASET_NAMES
 from ..errors import ConfigError
+from ..randomness.key import check_seed
 from ..privacy import ACCOUNTANTS, DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING
 from ..privacy.dice import DEFAULT_EF_RATIO
 from .. import algorithms, distributed
@@ -18,6 +19,9 @@ from ..train import CHECKPOINT, CURVES, RESULTS, TrainConfig, default_out, train
 from ._common import emit, exit_code, tune_allocator, warn
 
 REFUTED = "false  (NOT a guarantee: a DiceSGD bound refuted by a canary attack; reproduction only)"
+PREPROCESSING = {"public": "public constants or fixed transforms only",
+                 "none": "none (arrays used as given; what made them is outside the guarantee)",
+                 "private-statistics": "statistics of the private training split: NOT covered by the guarantee"}
 
 
 def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, defaults: dict | None = None) -> None:
@@ -62,10 +66,12 @@ def _add_privacy_flags(p: argparse.ArgumentParser, d: dict) -> None:
                         "conservative (proven, looser), paper (the paper's Thm 3.8) and authors (the "
                         "authors' protocol): both REFUTED by a canary attack, certified = false, for "
                         "reproducing the paper only")
-    g.add_argument("--reproducible-noise", action="store_true",
-                   help="derive the Poisson batches and the Gaussian noise from --seed (reproducible runs, "
-                        "tests, benchmarks); the guarantee then holds only while the seed stays secret. "
-                        "Default: seeded from the OS's CSPRNG, kept only in the private checkpoint")
+    g.add_argument("--reproducible-noise", nargs="?", const=True, default=False, type=noise_seed, metavar="SEED",
+                   help="derive the secret key of the Poisson batches, the Gaussian noise and the keyed draws from "
+                        "SEED (an integer below 2^256, decimal or 0x-hex; all its bits are used), or from --seed "
+                        "when SEED is omitted: reproducible runs for tests and benchmarks. Such a run is reported "
+                        "certified: false (its guarantee holds only while the seed stays secret and unguessable). "
+                        "Default: a 256-bit key from the OS CSPRNG, kept only in the private checkpoint")
 
 
 def _add_training_group(p: argparse.ArgumentParser, d: dict, req: dict) -> None:
@@ -151,7 +157,8 @@ def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
               delta=args.delta, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, clip=args.clip,
               ef_clip=args.ef_clip, grad_bound=args.grad_bound, accountant=args.accountant,
               dice_accounting=args.dice_accounting, noise_multiplier=args.noise_multiplier,
-              seed=getattr(args, "seed", 0), reproducible_noise=getattr(args, "reproducible_noise", False),
+              seed=getattr(args, "seed", 0), reproducible_noise=getattr(args, "reproducible_noise", False) is not False,
+              noise_seed=_given_seed(getattr(args, "reproducible_noise", False)),
               device=args.device, optimizer=args.optimizer,
               momentum=args.momentum, weight_decay=args.weight_decay, gamma=args.gamma,
               max_physical_batch=args.max_physical_batch, grad_path=args.grad_path, validation=args.validation,
@@ -161,15 +168,30 @@ def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
     return TrainConfig(**kw)
 
 
+def _given_seed(flag: bool | int) -> int | None:
+    """The SEED of ``--reproducible-noise SEED`` (None: the flag alone, or absent)."""
+    return None if isinstance(flag, bool) else flag
+
+
 def fmt_eps(eps: float) -> str:
     return "inf" if math.isinf(eps) else f"{eps:.4g}"
 
 
-def fmt_certified(certified: bool, private: bool) -> str:
+def noise_seed(text: str) -> int:
+    """``--reproducible-noise SEED``: an integer in [0, 2^256), decimal or 0x-hex."""
+    try:
+        return check_seed(int(text, 0))
+    except (ValueError, ConfigError):
+        raise argparse.ArgumentTypeError(f"SEED must be an integer in [0, 2^256) (decimal or 0x-hex), got {text!r}")
+
+
+def fmt_certified(certified: bool, private: bool, caveats: list[str] | tuple = ()) -> str:
     if certified:
         return "true"
     if not private:
         return "false  (non-private: no DP guarantee)"
+    if caveats:
+        return "false  (" + "; ".join(caveats) + ")"
     return REFUTED
 
 
@@ -180,8 +202,7 @@ def print_header(h: dict, stream=None) -> None:
         warn(h["warning"])
     warn(h.get("noise_floor"))
     rows = {
-        "dataset": f"{h['dataset']} (N={h['N']}, preprocessing "
-                   f"{'data-independent' if h['preprocessing_private'] else 'NON-private (train-split statistics)'})",
+        "dataset": f"{h['dataset']} (N={h['N']}, preprocessing: {PREPROCESSING[h['preprocessing']]})",
         "model": f"{h['model']} ({h['params']:,} parameters)",
         "algo": h["algo"],
         "N": h["N"],
@@ -196,11 +217,13 @@ def print_header(h: dict, stream=None) -> None:
         "epsilon at end": fmt_eps(h["epsilon_at_end"]),
         "accountant": h["accountant"],
         "basis": h["basis"],
-        "certified": fmt_certified(h["certified"], private),
+        "certified": fmt_certified(h["certified"], private, h.get("caveats", ())),
     }
     if private:
-        rows["batches and noise"] = ("derived from --seed (--reproducible-noise): keep the seed secret"
-                                     if h.get("reproducible_noise") else "secret (seeded from the OS CSPRNG)")
+        rows["batches and noise"] = ("ChaCha20 under a key derived from a seed (--reproducible-noise): not certified"
+                                     if h.get("reproducible_noise") else
+                                     "ChaCha20 under a 256-bit key from the OS CSPRNG, kept only in the private checkpoint")
+        rows["outside the guarantee"] = "; ".join(h.get("outside_guarantee", [])) or "nothing"
     if h.get("ef_ratio_r") is not None:
         r = h["ef_ratio_r"]
         rows["feedback ratio r"] = (f"{r:.4g} (r = B*C2/C1 with C2 = {h['ef_clip']:.4g}; the sound noise "
@@ -271,7 +294,7 @@ def _train_and_report(args: argparse.Namespace, cfg: TrainConfig) -> int:
         "epsilon": fmt_eps(res["epsilon"]),
         "delta": f"{res['delta']:g}",
         "accountant": res["accountant"],
-        "certified": fmt_certified(res["certified"], private),
+        "certified": fmt_certified(res["certified"], private, res.get("caveats", ())),
         "noise multiplier": f"{res['noise_multiplier']:.6g}",
         "wall time": f"{res['wall_time_s']:.1f} s ({res['wall_time_per_epoch_s']:.1f} s/epoch training)",
         "results": f"{cfg.out}/{RESULTS}, {cfg.out}/{CURVES}",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..errors import ConfigError
 
@@ -15,8 +15,9 @@ class PrivacyReport:
     """An (epsilon, delta) statement with what it rests on.
 
     ``basis`` names the theorem the number comes from; ``certified`` is False when the number
-    rests on a heuristic (the DiceSGD authors' protocol) rather than a proof.
-    ``epsilon`` is ``math.inf`` for non-private runs: never a made-up number.
+    rests on a heuristic (the DiceSGD authors' protocol) rather than a proof, or when a ``caveat``
+    voids it for this run (a seed-keyed run, statistics of the private data released outside the
+    mechanism). ``epsilon`` is ``math.inf`` for non-private runs: never a made-up number.
     """
 
     epsilon: float
@@ -25,9 +26,15 @@ class PrivacyReport:
     basis: str
     certified: bool
     noise_multiplier: float | None = None
+    caveats: tuple[str, ...] = ()
+
+    def with_caveat(self, why: str) -> "PrivacyReport":
+        """The same statement, not certified, with ``why`` among its caveats."""
+        return replace(self, certified=False, caveats=(*self.caveats, why))
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["caveats"] = list(self.caveats)
         if math.isinf(self.epsilon):
             d["epsilon"] = "inf"
         return d

@@ -54,7 +54,7 @@ def build_run(cfg: TrainConfig, splits: Splits) -> Run:
                       noise_multiplier=cfg.noise_multiplier if algo.private else None,
                       delta=cfg.delta, accountant=cfg.accountant, dice_accounting=cfg.dice_accounting,
                       config=algo_cfg, max_physical_batch=cfg.max_physical_batch,
-                      noise_seed=cfg.seed if cfg.reproducible_noise else None, grad_path=cfg.grad_path)
+                      noise_seed=cfg.key_seed, grad_path=cfg.grad_path)
     return Run(cfg, splits, model, engine, algo, dev, predict)
 
 

@@ -143,7 +143,7 @@ def export_weights(run_dir: str | os.PathLike, file: str | os.PathLike) -> dict:
             "epochs_trained": ckpt.get("epoch"), "steps": last.get("steps"),
             "epsilon": last.get("epsilon"), "delta": cfg.get("delta"),
             "accountant": last.get("accountant"), "certified": last.get("certified"),
-            "basis": last.get("basis")}
+            "caveats": last.get("caveats", []), "basis": last.get("basis")}
     if cfg.get("dice_accounting") in privacy.dice.RENAMED and cfg.get("algo") in algorithms.ALGORITHMS and \
             algorithms.get(cfg["algo"]).accounting == "dice":
         # a run from before the refutation: its "certified" DiceSGD epsilon is the paper's bound

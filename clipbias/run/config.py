@@ -16,6 +16,7 @@ from ..config import AlgoConfig
 from ..data import DATASET_NAMES
 from ..errors import ConfigError
 from ..privacy.report import check_delta, check_epsilon, check_nonnegative, check_positive
+from ..randomness import check_seed
 
 # Settings that may differ on --resume (they do not change the math or the privacy statement).
 RESUME_FREE = {"out", "resume", "overwrite", "max_physical_batch", "eval_batch_size", "data_dir", "grad_path"}
@@ -52,6 +53,7 @@ class TrainConfig:
     noise_multiplier: float | None = None
     seed: int = 0
     reproducible_noise: bool = False
+    noise_seed: int | None = None
     device: str = "cpu"
     optimizer: str | None = None
     momentum: float = 0.0
@@ -74,6 +76,14 @@ class TrainConfig:
     @property
     def private(self) -> bool:
         return algorithms.get(self.algo).private
+
+    @property
+    def key_seed(self) -> int | None:
+        """The seed of the run's secret key: ``noise_seed``, else ``seed`` with ``reproducible_noise``,
+        else None (a fresh key from the OS CSPRNG)."""
+        if not self.reproducible_noise:
+            return None
+        return self.noise_seed if self.noise_seed is not None else self.seed
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -133,6 +143,13 @@ class TrainConfig:
                               f"got {self.accountant!r}")
         privacy.dice.check_basis(self.dice_accounting)
         check_int(self.seed, "--seed", 0)
+        if self.seed >= 1 << 64:
+            raise ConfigError(f"--seed (the model initialisation's seed) must be below 2^64, got {self.seed!r}; a "
+                              f"longer secret seed for the batches and noise goes to --reproducible-noise SEED")
+        if self.noise_seed is not None:
+            if not self.reproducible_noise:
+                raise ConfigError("a noise seed is only used with --reproducible-noise: pass --reproducible-noise SEED")
+            check_seed(self.noise_seed)
         check_int(self.split_seed, "split_seed", 0)
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")

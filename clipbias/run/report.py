@@ -3,7 +3,8 @@ privacy note in words, and the summary over seeds. JSON never holds a bare infin
 (``jsonable``): epsilon = inf must never read as a number.
 
 ``results.json`` holds the config, per-epoch history, final accuracy, the privacy statement and
-wall times. Its ``train_loss`` is a raw statistic of the private data (not accounted).
+wall times. What it holds besides the model's guarantee is listed in its ``outside_guarantee``
+(``train_loss`` and validation metrics are statistics of the private data, not noised).
 """
 
 from __future__ import annotations
@@ -42,20 +43,43 @@ def write_json(data: dict, path: str | os.PathLike) -> None:
     atomic_write(Path(path), lambda fh: fh.write(text))
 
 
-def privacy_note(cfg: TrainConfig, certified: bool, private: bool, info: dict) -> str | None:
+PRIVATE_STATISTICS_CAVEAT = ("the data were preprocessed with statistics of the private training split, which the "
+                             "guarantee does not cover")
+
+
+def statement(run, steps: int | None = None):
+    """The run's privacy statement: the engine's (``DPEngine.privacy``: the mechanism, and the
+    seed caveat of a reproducible run), not certified when the data's preprocessing used statistics
+    of the private training split."""
+    rep = run.engine.privacy(steps)
+    if run.algo.private and run.splits.info.get("preprocessing") == "private-statistics":
+        rep = rep.with_caveat(PRIVATE_STATISTICS_CAVEAT)
+    return rep
+
+
+def outside_guarantee(cfg: TrainConfig) -> list[str]:
+    """What a run outputs that the DP guarantee (which covers the model weights) does not cover."""
+    out = ["train_loss (results.json, console, progress bar): mean loss of the private examples sampled, "
+           "not noised"]
+    if cfg.validation:
+        out.append("val_accuracy and val_loss: measured on a validation split of the private training data, "
+                   "not noised")
+    return out
+
+
+def privacy_note(cfg: TrainConfig, rep, private: bool, info: dict) -> str | None:
     """What the guarantee does not cover, in words (``None`` when nothing needs saying)."""
     notes = []
     if not private:
         notes.append("non-private: no DP guarantee")
-    elif not certified:
+    elif rep.basis and "REFUTED" in rep.basis:
         notes.append(f"NOT a guarantee: DiceSGD's '{cfg.dice_accounting}' bound is refuted by a canary attack "
                      f"(docs/privacy.md); for reproducing the paper only")
-    if private and cfg.reproducible_noise:
-        notes.append(f"reproducible noise: batches and noise are derived from --seed {cfg.seed}, which this "
-                     "file records; the guarantee holds only while the seed is secret (do not publish this "
-                     "file with the model)")
-    if private and info.get("preprocessing_private") is False:
-        notes.append("data standardised with statistics of the private training split (not accounted)")
+    if private:
+        notes.extend(f"NOT certified: {c}" for c in rep.caveats)
+    if private and info.get("preprocessing") == "none":
+        notes.append("the arrays were used as given: the guarantee covers training on them, not whatever "
+                     "made them")
     return "; ".join(notes) or None
 
 
@@ -77,7 +101,7 @@ def header(run, cfg: TrainConfig, resumed_at_epoch: int | None) -> dict:
     the privacy statement projected to the end of the run."""
     from .. import privacy
     engine, info, private = run.engine, run.splits.info, run.algo.private
-    projected = engine.privacy(engine.total_steps)
+    projected = statement(run, engine.total_steps)
     h = {
         "dataset": info["name"], "N": engine.n, "q": engine.sample_rate, "B": engine.expected_batch_size,
         "steps": engine.total_steps, "steps_per_epoch": len(engine.sampler), "epochs": cfg.epochs,
@@ -85,12 +109,12 @@ def header(run, cfg: TrainConfig, resumed_at_epoch: int | None) -> dict:
         "algo": cfg.algo, "private": private, "noise_multiplier": engine.noise_multiplier,
         "target_epsilon": cfg.epsilon if private else math.inf, "delta": cfg.delta,
         "epsilon_at_end": projected.epsilon, "accountant": projected.accountant,
-        "basis": projected.basis, "certified": projected.certified,
+        "basis": projected.basis, "certified": projected.certified, "caveats": list(projected.caveats),
         "warning": privacy.delta_warning(cfg.delta, engine.n) if private else None,
         "noise_floor": privacy.report.floor_note(cfg.epsilon, projected.epsilon, engine.noise_multiplier,
                                                  cfg.accountant) if private and cfg.noise_multiplier is None else None,
-        "preprocessing_private": info["preprocessing_private"],
-        "reproducible_noise": cfg.reproducible_noise,
+        "preprocessing": info["preprocessing"],
+        "reproducible_noise": cfg.reproducible_noise, "outside_guarantee": outside_guarantee(cfg) if private else [],
         "resumed_at_epoch": resumed_at_epoch, "device": str(run.device),
         "gradients": engine.grad_path_note, "world_size": engine.world_size,
     }
@@ -103,7 +127,7 @@ def header(run, cfg: TrainConfig, resumed_at_epoch: int | None) -> dict:
 def results(run, cfg: TrainConfig, head: dict, history: list[dict], wall: float, resumed: bool) -> dict:
     """The content of ``results.json``."""
     engine, algo = run.engine, run.algo
-    final = engine.privacy()
+    final = statement(run)
     epoch_times = [h["epoch_time_s"] for h in history]
     return {
         "config": cfg.to_dict(),
@@ -115,8 +139,11 @@ def results(run, cfg: TrainConfig, head: dict, history: list[dict], wall: float,
         "noise_multiplier": engine.noise_multiplier,
         "target_epsilon": cfg.epsilon if algo.private else math.inf,
         "epsilon": final.epsilon, "delta": final.delta, "accountant": final.accountant,
-        "basis": final.basis, "certified": final.certified,
-        "privacy_note": privacy_note(cfg, final.certified, algo.private, run.splits.info),
+        "basis": final.basis, "certified": final.certified, "caveats": list(final.caveats),
+        "secret_randomness": ("derived from a seed: see caveats" if engine.key.reproducible else
+                              "ChaCha20 under a 256-bit key from the OS CSPRNG (kept only in the private checkpoint)"),
+        "outside_guarantee": head["outside_guarantee"],
+        "privacy_note": privacy_note(cfg, final, algo.private, run.splits.info),
         **({"ef_ratio_r": head["ef_ratio_r"]} if "ef_ratio_r" in head else {}),
         "delta_warning": head["warning"],
         "test_accuracy": history[-1]["test_accuracy"] if history else None,
@@ -146,6 +173,7 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
                "test_accuracies": [r["test_accuracy"] for r in rs],
                "epsilon": max(eps), "epsilon_per_seed": eps, "delta": rs[0]["delta"],
                "accountant": rs[0]["accountant"], "certified": all(r["certified"] for r in rs),
+               "caveats": sorted({c for r in rs for c in r.get("caveats", [])}),
                "basis": rs[0]["basis"], "noise_multiplier": rs[0]["noise_multiplier"],
                "dice_accounting": rs[0]["config"]["dice_accounting"] if rs[0]["basis"].startswith("DiceSGD") else None,
                "ef_clip": rs[0]["config"]["ef_clip"], "lr": rs[0]["config"]["lr"],

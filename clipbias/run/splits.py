@@ -110,7 +110,7 @@ def prepare_splits(cfg: TrainConfig, dataset: Dataset | None = None) -> Splits:
     info = {"name": dataset.name, "n": int(len(y_tr)), "num_test": int(len(y_te)),
             "num_val": 0 if y_va is None else int(len(y_va)), "input_shape": list(dataset.input_shape),
             "num_classes": dataset.num_classes, "notes": dataset.notes,
-            "preprocessing_private": dataset.preprocessing_private, "features": features,
+            "preprocessing": dataset.preprocessing, "features": features,
             "subset": cfg.subset, "validation": cfg.validation, "public_size": public_size,
             "public_source": cfg.public_source if public_size else None,
             "model_key": model_key(cfg.model)}

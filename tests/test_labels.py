@@ -1,0 +1,93 @@
+"""What a run certifies and what it releases outside the guarantee, said in every output: a key
+derived from a seed, preprocessing with private statistics, validation metrics and training losses,
+npz arrays used as given; old checkpoints with recoverable generator states are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from clipbias.cli import main
+from clipbias.data import load_dataset
+from clipbias.engine import SEEDED_CAVEAT, DPEngine
+from clipbias.errors import ResumeMismatchError
+from clipbias.randomness import SecretKey
+from clipbias.run.report import PRIVATE_STATISTICS_CAVEAT
+from clipbias.train import TrainConfig, export_weights, prepare_splits, train
+
+# digits, logistic regression, one epoch: about a second
+BASE = TrainConfig(data="digits", model="logreg", algo="dpsgd", noise_multiplier=1.0, delta=1e-5, epochs=1,
+                   batch_size=64, lr=0.5, clip=1.0, accountant="rdp")
+
+
+def test_a_seeded_run_is_not_certified_in_results_console_and_export(tmp_path, capsys):
+    seed = (1 << 255) + 12345  # every bit is used: a 256-bit seed
+    code = main(["train", "--data", "digits", "--model", "logreg", "--algo", "dpsgd", "--noise-multiplier", "1",
+                 "--epochs", "1", "--batch-size", "64", "--lr", "0.5", "--accountant", "rdp", "--quiet",
+                 "--reproducible-noise", hex(seed), "--out", str(tmp_path / "r")])
+    out = capsys.readouterr().out
+    assert code == 0 and out.count("unguessable") >= 2  # the header and the summary
+    res = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert res["certified"] is False and res["caveats"] == [SEEDED_CAVEAT]
+    assert res["config"]["noise_seed"] == seed and "seed" in res["secret_randomness"]
+    assert "NOT certified" in res["privacy_note"]
+    meta = export_weights(tmp_path / "r", tmp_path / "w.pt")
+    assert meta["certified"] is False and meta["caveats"] == [SEEDED_CAVEAT]
+    # the same seed gives the same run; the default key is fresh and certified
+    again = train(dataclasses.replace(BASE, reproducible_noise=True, noise_seed=seed))
+    assert again["history"][-1]["train_loss"] == res["history"][-1]["train_loss"]
+    fresh = train(BASE)
+    assert fresh["certified"] is True and fresh["caveats"] == [] and "OS CSPRNG" in fresh["secret_randomness"]
+
+
+@pytest.mark.parametrize("bad", ["-1", str(1 << 256), "0x", "seven"])
+def test_a_bad_noise_seed_is_refused(bad, capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--data", "digits", "--model", "logreg", "--algo", "dpsgd", "--epsilon", "1",
+              "--epochs", "1", "--batch-size", "64", "--lr", "0.5", "--reproducible-noise", bad])
+    assert "2^256" in capsys.readouterr().err
+
+
+def test_released_statistics_are_named_and_private_statistics_void_the_guarantee(tmp_path):
+    res = train(dataclasses.replace(BASE, validation=100))
+    named = " ".join(res["outside_guarantee"])
+    assert res["certified"] is True and "train_loss" in named and "val_accuracy" in named
+    assert not any("val_" in s for s in train(BASE)["outside_guarantee"])
+    ds = load_dataset("digits")
+    ds = dataclasses.replace(ds, x_train=(ds.x_train - ds.x_train.mean(0)) / (ds.x_train.std(0) + 1e-6),
+                             preprocessing="private-statistics")
+    res = train(BASE, dataset=ds)
+    assert res["certified"] is False and res["caveats"] == [PRIVATE_STATISTICS_CAVEAT]
+
+
+def test_npz_arrays_are_used_as_given_and_the_header_says_so(tmp_path, capsys):
+    import numpy as np
+    g = np.random.default_rng(0)  # test data
+    path = tmp_path / "d.npz"
+    np.savez(path, x_train=g.normal(size=(200, 5)).astype(np.float32), y_train=g.integers(0, 3, 200),
+             x_test=g.normal(size=(50, 5)).astype(np.float32), y_test=g.integers(0, 3, 50))
+    code = main(["train", "--data", "npz", "--data-path", str(path), "--model", "logreg", "--algo", "dpsgd",
+                 "--noise-multiplier", "1", "--epochs", "1", "--batch-size", "20", "--lr", "0.5", "--quiet",
+                 "--accountant", "rdp", "--out", str(tmp_path / "r")])
+    out = capsys.readouterr().out
+    assert code == 0 and "arrays used as given" in out and "NON-private" not in out
+    res = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert res["dataset"]["preprocessing"] == "none" and res["certified"] is True
+    assert "used as given" in res["privacy_note"]
+
+
+def test_a_checkpoint_with_torch_generator_states_is_refused():
+    model = torch.nn.Linear(3, 2)
+    eng = DPEngine(model, "dpsgd", n=50, batch_size=5, steps=3, noise_multiplier=1.0)
+    state = eng.state_dict()
+    old = {k: v for k, v in state.items() if k != "secret_key"}
+    old["keyed_seed"] = 123
+    with pytest.raises(ResumeMismatchError, match="32-bit seeds"):
+        DPEngine(model, "dpsgd", n=50, batch_size=5, steps=3, noise_multiplier=1.0).load_state_dict(old)
+    resumed = DPEngine(model, "dpsgd", n=50, batch_size=5, steps=3, noise_multiplier=1.0)
+    resumed.load_state_dict(state)
+    assert resumed.key == eng.key and resumed.sampler.key == eng.key and resumed.pipeline.noise.key == eng.key
+    assert resumed.key != SecretKey.generate()

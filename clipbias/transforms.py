@@ -187,7 +187,7 @@ class GaussianNoise(Stage):
         if self.std == 0:
             return v
         self._pending = self.draws + 1
-        return snapped_gaussian(v, self.std, self.key, self.draws).to(v.dtype)
+        return snapped_gaussian(v, self.std, self.key, self.draws, dtype=v.dtype)
 
     def commit(self) -> None:
         if self._pending is not None:

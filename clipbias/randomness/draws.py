@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -66,22 +66,30 @@ def normals(key: SecretKey, purpose: int, step: int, index: int, count: int,
     """``count`` independent standard normals (float64) at the address, on ``device``. ``cipher``:
     where the keystream is made: ``"openssl"`` (on the CPU), ``"torch"`` (on ``device``) or ``"auto"``
     (torch for large draws on a GPU); the numbers are the same either way."""
+    out = torch.empty(count, dtype=torch.float64, device=device)
+    for start, z in normal_chunks(key, purpose, step, index, count, device, cipher):
+        out[start:start + len(z)] = z
+    return out
+
+
+def normal_chunks(key: SecretKey, purpose: int, step: int, index: int, count: int,
+                  device: torch.device | str = "cpu", cipher: str = "auto") -> Iterator[tuple[int, Tensor]]:
+    """The normals of ``normals`` as ``(start, values)`` pieces of at most 2^21 (bounded memory: a
+    caller can use each piece while it is in cache)."""
     device = torch.device(device)
     if cipher not in ("auto", "openssl", "torch"):
         raise ValueError(f"cipher must be auto, openssl or torch, got {cipher!r}")
-    out = torch.empty(2 * math.ceil(count / 2), dtype=torch.float64, device=device)
-    pairs = len(out) // 2
+    address, pairs = nonce(purpose, step, index), math.ceil(count / 2)
     for chunk, first in enumerate(range(0, pairs, _CHUNK_PAIRS)):
         m = min(_CHUNK_PAIRS, pairs - first)
         on_device = cipher == "torch" or (cipher == "auto" and device.type != "cpu" and m >= _GPU_KEYSTREAM_PAIRS)
-        out[2 * first:2 * (first + m)] = box_muller(_pair_words(key, nonce(purpose, step, index), chunk, m, device,
-                                                                on_device))
-    return out[:count]
+        z = box_muller(_pair_words(key, address, chunk, m, device, on_device))
+        yield 2 * first, z[:count - 2 * first]
 
 
 def _pair_words(key: SecretKey, address: bytes, chunk: int, pairs: int, device: torch.device,
-                on_device: bool) -> Tensor:
-    """The first ``pairs`` pairs of chunk ``chunk`` of the address as float64 ``[5, pairs]`` on
+                on_device: bool) -> tuple[Tensor, ...]:
+    """The first ``pairs`` pairs of chunk ``chunk`` of the address as five float64 vectors on
     ``device``: the 64-bit integers H, L, A of each pair and the complements ~H, ~L, each converted to
     float64 with one rounding.
 
@@ -104,23 +112,30 @@ def _pair_words(key: SecretKey, address: bytes, chunk: int, pairs: int, device: 
             if part < 2:
                 runs.append(torch.from_numpy(np.invert(u).astype(np.float64)).to(device))
     h, hc, l, lc, a = runs
-    return torch.stack([h, l, a, hc, lc])
+    return h, l, a, hc, lc
 
 
-def box_muller(w: Tensor) -> Tensor:
-    """Two standard normals per column of ``w [5, p]`` (float64 of the 64-bit integers H, L, A and
-    the complements ~H, ~L): radius from the 128-bit integer U = H 2^64 + L, angle from A.
+def box_muller(w) -> Tensor:
+    """Two standard normals per pair, interleaved (cos, sin), from the five float64 vectors ``w`` =
+    (H, L, A, ~H, ~L) of ``_pair_words``: radius from the 128-bit integer U = H 2^64 + L, angle from A.
 
-    u = (U + 1/2) / 2^128 lies in [2^-129, 1 - 2^-129]; ln u is computed as log(u) for u < 1/2 and as
-    log1p(-v) with v = 1 - u = (~U + 1/2) / 2^128 otherwise, each operand with relative precision
-    2^-52: the radius sqrt(-2 ln u) is accurate to a few ulp everywhere, near 0 (u near 1) as in the
-    tails (u down to 2^-129: 13.37); theta = 2 pi (A + 1/2) / 2^64."""
+    u = (U + 1/2) / 2^128 lies in [2^-129, 1 - 2^-129]; ln u is log(u), except above 1 - 2^-20, where
+    log1p(-v) with v = 1 - u = (~U + 1/2) / 2^128 keeps the relative precision (2^-52) of a small
+    radius: sqrt(-2 ln u) is accurate to a few ulp everywhere, near 0 as in the tails (u down to
+    2^-129: 13.37); theta = 2 pi (A + 1/2) / 2^64."""
     h, l, a, hc, lc = w
     u = (h + (l + 0.5) * _T64) * _T64
-    v = (hc + (lc + 0.5) * _T64) * _T64
-    r = torch.sqrt(-2.0 * torch.where(u < 0.5, torch.log(u), torch.log1p(-v)))
-    theta = (a + 0.5) * (2.0 * math.pi * _T64)
-    return torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=1).reshape(-1)
+    lg = torch.log(u)
+    near_one = u > 1.0 - 2.0 ** -20
+    if bool(near_one.any()):  # about one pair in a million
+        v = (hc[near_one] + (lc[near_one] + 0.5) * _T64) * _T64
+        lg[near_one] = torch.log1p(-v)
+    r = torch.sqrt(lg.mul_(-2.0))
+    theta = (a + 0.5).mul_(2.0 * math.pi * _T64)
+    out = torch.empty(len(r), 2, dtype=torch.float64, device=r.device)
+    torch.mul(r, torch.cos(theta), out=out[:, 0])
+    torch.mul(r, torch.sin(theta), out=out[:, 1])
+    return out.view(-1)
 
 
 def keyed_ints(key: SecretKey, purpose: int, step: int, keys: Iterable[int], count: int, high: int) -> Tensor:

@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from .draws import normals
+from .draws import normal_chunks
 from .key import Purpose, SecretKey
 
 GRID_BITS = 8
@@ -37,17 +37,27 @@ def snap(x: Tensor, s: Tensor, g: float) -> Tensor:
     """``x + s`` (float64) rounded to the nearest multiple of the power of two ``g``, exactly.
 
     two-sum: x + s = t + err exactly, with t = fl(x + s). k = round(t / g) is exact arithmetic on the
-    float t; r = t - k g is exact; only a tie |r| = g / 2 can be decided by err."""
+    float t; r = t - k g is exact; only a tie |r| = g / 2 can be decided by err (ties are rare: the
+    correction runs only when one occurs)."""
     t = x + s
-    bp = t - x
-    err = (x - (t - bp)) + (s - bp)
-    k = torch.round(t / g)
+    k = torch.round(t * (1.0 / g))
     r = t - k * g
-    k = k + ((r == g / 2) & (err > 0)).to(k.dtype) - ((r == -g / 2) & (err < 0)).to(k.dtype)
+    ties = r.abs() == g / 2
+    if bool(ties.any()):
+        bp = t - x
+        err = (x - (t - bp)) + (s - bp)
+        k = k + (ties & (r > 0) & (err > 0)).to(k.dtype) - (ties & (r < 0) & (err < 0)).to(k.dtype)
     return k * g
 
 
-def snapped_gaussian(x: Tensor, std: float, key: SecretKey, draw: int, purpose: int = Purpose.NOISE) -> Tensor:
-    """``round_g(x + std Z)`` in float64 (shape of ``x``), Z from the address ``(purpose, draw, 0)``."""
-    z = normals(key, purpose, draw, 0, x.numel(), x.device).view(x.shape)
-    return snap(x.to(torch.float64), std * z, noise_grid(std))
+def snapped_gaussian(x: Tensor, std: float, key: SecretKey, draw: int, purpose: int = Purpose.NOISE,
+                     dtype: torch.dtype = torch.float64) -> Tensor:
+    """``round_g(x + std Z)`` (shape of ``x``, in ``dtype``: float64 by default; a narrower dtype is a
+    rounding of the float64 grid value, post-processing), Z from the address ``(purpose, draw, 0)``;
+    computed piece by piece of the noise stream."""
+    flat, g = x.reshape(-1), noise_grid(std)
+    out = torch.empty(flat.shape, dtype=dtype, device=x.device)
+    for start, z in normal_chunks(key, purpose, draw, 0, flat.numel(), x.device):
+        piece = slice(start, start + len(z))
+        out[piece] = snap(flat[piece].to(torch.float64), std * z, g)
+    return out.view(x.shape)

@@ -43,10 +43,10 @@ from pathlib import Path
 
 import torch
 
-from clipbias.data import load_dataset
+from clipbias.data.datasets import load_dataset
 from clipbias.errors import ClipbiasError
 from clipbias.cli._common import tune_allocator
-from clipbias.train import TrainConfig, jsonable, prepare_splits, summarize, train, write_json
+from clipbias.run.training import TrainConfig, jsonable, prepare_splits, summarize, train, write_json
 
 MODELS = {
     # Tramer & Boneh 2021, Fashion-MNIST: end-to-end CNN B=2048 lr=4; ScatterNet+linear (GroupNorm 27)

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from clipbias.config import AlgoConfig
-from clipbias.engine import DPEngine
-from clipbias.loader import PoissonLoader
-from clipbias.text import E2EDataset, LMCollate, byte_tokenizer, read_e2e, sequence_loss
+from clipbias.engine.core import DPEngine
+from clipbias.sampling.loader import PoissonLoader
+from clipbias.data.text import E2EDataset, LMCollate, byte_tokenizer, read_e2e, sequence_loss
 
 SAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data" / "e2e_sample.csv"
 

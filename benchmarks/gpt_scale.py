@@ -27,7 +27,7 @@ def one(arm: str, b: int, steps: int, threads: int) -> dict:
 
     from clipbias.cli._common import tune_allocator
     from clipbias.config import AlgoConfig
-    from clipbias.engine import DPEngine
+    from clipbias.engine.core import DPEngine
     from clipbias.models.gpt import GPT, lm_loss
     tune_allocator()  # as the CLI does
     torch.set_num_threads(threads)

@@ -2,8 +2,8 @@
 PoissonLoader.epoch over TensorData, one Fashion-MNIST-sized epoch (n = 60000, B = 256, 234 steps)."""
 import time, torch
 from torch import nn
-from clipbias.engine import DPEngine
-from clipbias.loader import PoissonLoader, TensorData
+from clipbias.engine.core import DPEngine
+from clipbias.sampling.loader import PoissonLoader, TensorData
 torch.set_num_threads(1)
 x, y = torch.randn(60000, 1, 28, 28), torch.randint(0, 10, (60000,))
 def eng():

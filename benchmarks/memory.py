@@ -22,7 +22,7 @@ def one(path: str, b: int, steps: int = 3) -> dict:
     from torch import nn
 
     from clipbias.config import AlgoConfig
-    from clipbias.engine import DPEngine
+    from clipbias.engine.core import DPEngine
     torch.set_num_threads(2)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(784, 4096), nn.Tanh(), nn.Linear(4096, 4096), nn.Tanh(),

@@ -61,13 +61,13 @@ from pathlib import Path
 import torch
 
 from clipbias.config import AlgoConfig
-from clipbias.data import load_dataset
-from clipbias.engine import DPEngine
-from clipbias.grads import FuncGradients
+from clipbias.data.datasets import load_dataset
+from clipbias.engine.core import DPEngine
+from clipbias.grads.rows import FuncGradients
 from clipbias.algorithms import (PerExampleMomentum, batchclip_predict, batchnorm_variant,
                                  noise_ratio_vs_dpsgd, public_split)
-from clipbias.diagnostics import clipped_quantity
-from clipbias.diagnostics import sampling_noise_report as sampling_noise
+from clipbias.analysis.diagnostics import clipped_quantity
+from clipbias.analysis.diagnostics import sampling_noise_report as sampling_noise
 from clipbias.models import build_model
 from clipbias.transforms import StepContext
 

@@ -28,7 +28,7 @@ import torch
 
 from clipbias.cli._common import tune_allocator
 from clipbias.config import AlgoConfig
-from clipbias.engine import DPEngine
+from clipbias.engine.core import DPEngine
 from clipbias.models import build_model
 from clipbias.randomness import SecretKey, snapped_gaussian
 

@@ -32,8 +32,8 @@ from torch import nn
 
 from clipbias.cli._common import tune_allocator
 from clipbias.config import AlgoConfig
-from clipbias.data import load_dataset
-from clipbias.engine import DPEngine
+from clipbias.data.datasets import load_dataset
+from clipbias.engine.core import DPEngine
 from clipbias.models import build_model
 
 

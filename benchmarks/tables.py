@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fmnist import label_order, markdown  # noqa: E402
 
-from clipbias.train import summarize  # noqa: E402
+from clipbias.run.training import summarize  # noqa: E402
 
 
 def cells(out: Path) -> list[dict]:

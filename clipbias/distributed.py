@@ -23,13 +23,16 @@ Outside an initialised process group (or with one process) every function here i
 from __future__ import annotations
 
 import os
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 from torch import Tensor
 
 from . import errors
 from .errors import ClipbiasError, ConfigError
+
+if TYPE_CHECKING:
+    from .randomness import SecretKey
 
 T = TypeVar("T")
 
@@ -65,7 +68,7 @@ def init_from_env(device: str) -> bool:
     return True
 
 
-def broadcast_key(key: "SecretKey") -> "SecretKey":
+def broadcast_key(key: SecretKey) -> SecretKey:
     """Rank 0's secret key on every rank: identical batches and one noise draw everywhere. The key
     travels over the process group's own transport (a trusted network between the ranks)."""
     rank, world = context()

@@ -4,7 +4,7 @@
     python examples/gpt2_e2e.py --model-dir DIR --train trainset.csv --valid devset.csv --algo dice --epsilon 3
 
 ``--tiny`` builds a small random GPT-2 configuration and the byte-level tokenizer of
-``clipbias.text`` (nothing to download); ``--model-dir`` loads ``GPT2LMHeadModel`` weights and their
+``clipbias.data.text`` (nothing to download); ``--model-dir`` loads ``GPT2LMHeadModel`` weights and their
 tokenizer from a local directory (``save_pretrained`` layout; nothing is downloaded). ``--lora R``
 trains rank-R LoRA adapters (peft) on the attention projections over a frozen base: only trainable
 parameters get per-example gradients. The data are E2E CSV files (``mr,ref``); the default
@@ -31,10 +31,10 @@ import torch
 
 from clipbias import algorithms
 from clipbias.config import AlgoConfig
-from clipbias.engine import DPEngine
+from clipbias.engine.core import DPEngine
 from clipbias.errors import ClipbiasError, ConfigError
-from clipbias.loader import PoissonLoader
-from clipbias.text import E2EDataset, LMCollate, byte_tokenizer, read_e2e, sequence_loss, token_count
+from clipbias.sampling.loader import PoissonLoader
+from clipbias.data.text import E2EDataset, LMCollate, byte_tokenizer, read_e2e, sequence_loss, token_count
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "e2e_sample.csv"
 

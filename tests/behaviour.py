@@ -97,7 +97,7 @@ def _exact(v):
 
 
 def numbers(algo: str) -> dict:
-    from clipbias.train import RESULTS, TrainConfig, load_checkpoint, train
+    from clipbias.run.training import RESULTS, TrainConfig, load_checkpoint, train
     case = dict(CASES[algo])
     cfg = TrainConfig(data=case.pop("data", "digits"), model=case.pop("model", "mlp"), algo=algo, epochs=case.pop("epochs", 2),
                       batch_size=case.pop("batch_size", 128.0), lr=case.pop("lr", 0.5), clip=1.0,

@@ -1,5 +1,6 @@
-"""The layout of issue 13 as checked properties: no import cycle, nothing below the catalog imports
-it, short functions, and a new method is one module (its settings become CLI flags by themselves)."""
+"""The layout as checked properties: no import cycle, imports only downward through the pipeline's
+floors, nothing below the catalog imports it, short functions, and a new method is one module (its
+settings become CLI flags by themselves)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,54 @@ def test_nothing_below_the_catalog_imports_it():
         assert not any(d.startswith("clipbias.algorithms") for d in GRAPH[m]), f"{m} imports an algorithm"
 
 
+# The pipeline's floors, bottom to top: a unit may import only its own floor and the floors below.
+FLOORS = [("errors", "config", "files", "distributed", "randomness"),  # bottom: no pipeline stage
+          ("data",),                                                  # data sets, text, batch structures
+          ("models", "sampling", "grads", "transforms", "privacy"),   # stages and accounting
+          ("algorithms",), ("engine",), ("run",), ("analysis", "audit"), ("cli",), ("__main__",)]
+FLOOR = {unit: i for i, units in enumerate(FLOORS) for unit in units}
+
+
+def _all_imports(path: pathlib.Path) -> list[tuple[str, int]]:
+    """Every clipbias import of the file, function-level ones included: (module, line)."""
+    mod = _module(path)
+    pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("clipbias")):
+            base = node.module or ""
+            if node.level:
+                anchor = pkg.split(".")
+                base = ".".join(anchor[:len(anchor) - (node.level - 1)] + ([base] if base else []))
+            out += [(f"{base}.{a.name}" if base == "clipbias" else base, node.lineno) for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names if a.name.startswith("clipbias")]
+    return out
+
+
+def test_the_root_holds_at_most_eight_plain_modules_and_every_unit_has_a_floor():
+    plain = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(plain) <= 8, plain
+    units = {p.stem for p in PKG.glob("*.py") if p.stem != "__init__"} | {p.name for p in PKG.iterdir()
+                                                                           if (p / "__init__.py").exists()}
+    assert units == set(FLOOR), units ^ set(FLOOR)
+
+
+def test_every_unit_imports_only_downward():
+    """Data flows one way, and so do the imports: a unit never imports a higher floor, even inside a
+    function (``FLOORS``: data -> sampling, gradients, transforms, accounting -> algorithms -> engine ->
+    run -> analysis and audits -> cli)."""
+    up = []
+    for p in PKG.rglob("*.py"):
+        mod = _module(p)
+        unit = mod.split(".")[1] if "." in mod else "__init__"
+        for target, line in _all_imports(p):
+            t = target.split(".")[1] if "." in target else "__init__"
+            if unit != "__init__" and t != unit and FLOOR[t] > FLOOR[unit]:
+                up.append(f"{mod}:{line} imports {target} (floor {FLOOR[t]} > {FLOOR[unit]})")
+    assert not up, up
+
+
 def test_no_function_is_longer_than_80_lines():
     long = []
     for p in PKG.rglob("*.py"):
@@ -114,7 +163,7 @@ def test_a_new_method_is_one_declaration_and_the_cli_takes_its_setting(half_clip
     method's settings, and the accounting reads the sensitivity off its bounding stage."""
     from clipbias.cli import build_parser
     from clipbias.cli.train import config_from_args
-    from clipbias.train import train
+    from clipbias.run.training import train
 
     args = build_parser().parse_args(
         ["train", "--data", "digits", "--model", "logreg", "--algo", "half-clip", "--shrink", "0.25",
@@ -125,7 +174,7 @@ def test_a_new_method_is_one_declaration_and_the_cli_takes_its_setting(half_clip
     res = train(cfg, plot=False)
     assert res["algorithm"]["name"] == "half-clip" and res["steps"] == 21
     assert "sensitivity 0.5 (Clip)" in res["basis"] and res["certified"] is True
-    from clipbias.engine import DPEngine
+    from clipbias.engine.core import DPEngine
     from clipbias.config import AlgoConfig
     from torch import nn
     eng = DPEngine(nn.Linear(3, 2), "half-clip", n=100, batch_size=10, steps=1, noise_multiplier=1.0,

@@ -122,7 +122,7 @@ def test_one_run_bound_against_randomized_response():
 
 def test_canary_gradients_insert_dirac_rows_and_keep_real_rows():
     import torch
-    from clipbias.grads import FuncGradients
+    from clipbias.grads.rows import FuncGradients
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     inner = FuncGradients(model)

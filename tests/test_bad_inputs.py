@@ -33,11 +33,11 @@ from torch import nn
 from clipbias.cli import main
 from clipbias.cli._common import Terminated
 from clipbias.config import AlgoConfig
-from clipbias.data import IdxFormatError
-from clipbias.engine import DPEngine
+from clipbias.data.datasets import IdxFormatError
+from clipbias.engine.core import DPEngine
 from clipbias.errors import ClipbiasError, ConfigError, NonFiniteGradientError, UnsupportedModelError
 from clipbias.privacy import gaussian
-from clipbias.train import TrainConfig, train
+from clipbias.run.training import TrainConfig, train
 from tests.test_data import write_fake_fashion, write_idx
 
 # digits (N = 1347), logreg, one epoch, a given noise multiplier (no calibration): about a second.
@@ -112,7 +112,7 @@ def prepared(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("prepared")
     assert cli([*TRAIN, "--out", root / "run"])[0] == 0
     mp = pytest.MonkeyPatch()
-    import clipbias.train as library
+    import clipbias.run.training as library
     check = library._refuse_diverged
 
     def ctrl_c_in_epoch_2(run, rec, history, out):  # after epoch 1's checkpoint, before epoch 2's
@@ -434,7 +434,7 @@ CASES = [
     A("train-into-a-file", lambda tmp: train(TrainConfig(data="digits", model="logreg", algo="dpsgd",
                                                          noise_multiplier=1.0, out=str(tmp / "blocker"))),
       ConfigError, "{tmp}/blocker is a file"),
-    A("fashion-mnist-corrupted-label-api", lambda tmp: __import__("clipbias.data").data.load_dataset(
+    A("fashion-mnist-corrupted-label-api", lambda tmp: __import__("clipbias.data.datasets").data.load_dataset(
         "fashion-mnist", data_dir=tmp / "fm"), IdxFormatError, "label 200", "--reinstall", setup=corrupt_fashion),
 ]
 

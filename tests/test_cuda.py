@@ -17,16 +17,16 @@ import pytest
 import torch
 from torch import nn
 
-from clipbias import diagnostics
+from clipbias.analysis import diagnostics
 from clipbias.config import AlgoConfig
 from clipbias.cli import main
-from clipbias.engine import DPEngine
-from clipbias.grads import FuncGradients
+from clipbias.engine.core import DPEngine
+from clipbias.grads.rows import FuncGradients
 from clipbias.algorithms import batchnorm_variant
 from clipbias.randomness import Purpose, SecretKey, keyed_normal, normals, snapped_gaussian
 from clipbias.randomness.chacha import chacha20_words, keystream, words_of
 from clipbias.models import build_model
-from clipbias.train import TrainConfig, load_checkpoint, prepare_splits, train
+from clipbias.run.training import TrainConfig, load_checkpoint, prepare_splits, train
 
 from test_methods import CLASSES, D_IN, N, tiny_cnn  # the same tiny model and data shape
 

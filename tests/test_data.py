@@ -1,4 +1,4 @@
-"""Tests for clipbias.data: idx parsing, Fashion-MNIST loading/caching, sklearn splits."""
+"""Tests for clipbias.data.datasets: idx parsing, Fashion-MNIST loading/caching, sklearn splits."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from clipbias import data as cd
-from clipbias.data import DataNotFoundError, IdxFormatError, holdout, load_dataset, read_idx
+from clipbias.data import fashion as cd
+from clipbias.data.datasets import DataNotFoundError, IdxFormatError, holdout, load_dataset, read_idx
 
 FASHION_DIR = cd.DEFAULT_FASHION_MNIST_DIR
 HAVE_FASHION = all((FASHION_DIR / f).is_file() for f in cd._FASHION_FILES.values())

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from clipbias import diagnostics as D
+from clipbias.analysis import diagnostics as D
 from clipbias.cli import main
 
 
@@ -351,7 +351,7 @@ def test_diagnose_rejects_bad_steps(tmp_path, capsys):
 
 
 def test_diagnose_at_a_saved_checkpoint(tmp_path):
-    from clipbias.train import TrainConfig, train
+    from clipbias.run.training import TrainConfig, train
 
     run = tmp_path / "run"
     train(TrainConfig(data="digits", model="logreg", algo="clip-sgd", epochs=1, batch_size=50.0, lr=0.5,

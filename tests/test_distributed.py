@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from clipbias.errors import ConfigError, NonFiniteGradientError, ResumeMismatchError
-from clipbias.train import TrainConfig, load_checkpoint, train
+from clipbias.run.training import TrainConfig, load_checkpoint, train
 
 ROOT = Path(__file__).resolve().parent.parent
 # digits: 1347 examples, B = 64 -> 21 steps; a fixed noise multiplier (no calibration)
@@ -111,7 +111,7 @@ def test_two_processes_give_the_single_process_run(tmp_path):
 
 # ---------------------------------------------------------------- a failing rank
 def _nan_rank(rank: int, result: str) -> None:
-    from clipbias.engine import DPEngine
+    from clipbias.engine.core import DPEngine
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     n = 40
@@ -155,7 +155,7 @@ def _interrupted_and_resumed(out: Path) -> None:
 def _secret_streams_run() -> list:
     """Weights after 3 steps with OS-CSPRNG streams (no noise seed): each rank drew its own seeds, and
     only rank 0's, broadcast, keep the ranks on one sample and one noise."""
-    from clipbias.engine import DPEngine, run_steps
+    from clipbias.engine.core import DPEngine, run_steps
     torch.manual_seed(1)
     model = torch.nn.Linear(4, 3)
     x, y = torch.randn(60, 4), torch.arange(60) % 3
@@ -189,8 +189,8 @@ def test_a_failing_rank_stops_every_rank_and_unsplittable_sources_are_refused(tm
 
 def _refusals() -> str | None:
     """A row source that declares it cannot be split is refused by name before any work."""
-    from clipbias.engine import DPEngine
-    from clipbias.grads import FuncGradients, PerExampleRows
+    from clipbias.engine.core import DPEngine
+    from clipbias.grads.rows import FuncGradients, PerExampleRows
 
     class WholeBatch(PerExampleRows):
         distributed_refusal = "this source needs the whole batch"

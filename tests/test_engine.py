@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 from clipbias.config import AlgoConfig
-from clipbias.engine import DPEngine
+from clipbias.engine.core import DPEngine
 from clipbias.errors import ConfigError, NonFiniteGradientError, ResumeMismatchError, UnsupportedModelError
-from clipbias.grads import FuncGradients, ParamLayout
+from clipbias.grads.rows import FuncGradients, ParamLayout
 from clipbias.randomness import Purpose, SecretKey, inclusion_threshold, snapped_gaussian, uint64s
-from clipbias.sampling import PoissonSampler
+from clipbias.sampling.poisson import PoissonSampler
 from clipbias.transforms import clip_rows
 
 
@@ -397,7 +397,7 @@ def test_fused_scale_and_sum_equals_the_rows_it_replaces(stage):
     """The pipeline sums ``min(1, C/||g_i||) @ g`` (or ``1/(||g_i|| + gamma) @ g``) in one pass instead of
     clipping every row then summing: the same update to float rounding, with or without the norms the
     finiteness check computed, for [b, d] rows and for a leading axis of independent runs."""
-    from clipbias.grads import check_finite
+    from clipbias.grads.rows import check_finite
     from clipbias.transforms import Clip, Normalize, Pipeline, StepContext, clip_rows, normalize_rows
     g = torch.randn(3, 50, 700, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 2, 50)[:, None]
     st = Clip(1.5) if stage == "clip" else Normalize(0.01)

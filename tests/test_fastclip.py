@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from clipbias.config import AlgoConfig
-from clipbias.engine import DPEngine
+from clipbias.engine.core import DPEngine
 from clipbias.errors import ClipbiasError, ConfigError, NonFiniteGradientError
 
 
@@ -153,7 +153,7 @@ def test_fast_path_refuses_a_nan_gradient_before_any_change():
 
 def test_out_of_memory_in_the_rows_path_says_what_to_do(monkeypatch):
     """A CPU allocation failure is not a shape error: the message names memory and the two fixes."""
-    from clipbias.grads import FuncGradients
+    from clipbias.grads.rows import FuncGradients
 
     def fail(self, x, y, params=None):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
@@ -269,7 +269,7 @@ def test_embedding_rule_counts_a_repeated_token_once_per_example():
     """Example i's embedding gradient row for a token it holds twice is the sum of both output
     gradients: its squared norm is ||g1 + g2||^2, not ||g1||^2 + ||g2||^2 (the sum would understate
     it when they align); the padding row gets none."""
-    from clipbias.fastclip import _Embed
+    from clipbias.grads.fast import _Embed
     m = nn.Embedding(5, 2, padding_idx=0)
     idx = torch.tensor([[3, 3, 1], [0, 2, 4]])
     g = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [0.0, 2.0]], [[9.0, 9.0], [0.0, 1.0], [3.0, 0.0]]])
@@ -294,7 +294,7 @@ class _Doubled(nn.Linear):
                                        (nn.Embedding(5, 2, scale_grad_by_freq=True), "scale_grad_by_freq"),
                                        (nn.Conv1d(2, 2, 1, groups=2), "groups")])
 def test_fast_path_names_layers_it_cannot_handle(layer, why):
-    from clipbias.fastclip import why_unsupported
+    from clipbias.grads.fast import why_unsupported
     assert why in why_unsupported(nn.Sequential(layer))
 
 
@@ -302,7 +302,7 @@ def test_dropout_model_is_checked_by_the_counterfactual_batch(monkeypatch):
     """Under dropout the example run alone draws another mask, so the example is checked in a
     counterfactual batch of copies of itself under the same draws: no false refusal, and that path
     is really taken; the training RNG continues as if no check had run."""
-    import clipbias.fastclip as fc
+    import clipbias.grads.fast as fc
     calls = []
     real = fc.BookKeeping._counterfactual
     monkeypatch.setattr(fc.BookKeeping, "_counterfactual", lambda *a: calls.append(1) or real(*a))
@@ -323,7 +323,7 @@ def test_dropout_model_is_checked_by_the_counterfactual_batch(monkeypatch):
 def test_rows_summed_per_parameter_equal_the_pipeline_on_rows(model_cls, algo, cfg, float64):
     """``grads.ParamSums`` (the default rows path of norm-scaling algorithms) against the rows
     concatenated and run through the pipeline (taken when a gradient backend is given)."""
-    from clipbias.grads import FuncGradients, ParamSums
+    from clipbias.grads.rows import FuncGradients, ParamSums
     sums, e_sums = _run(model_cls, algo, "rows", **cfg)
     torch.manual_seed(1)
     m = model_cls()

@@ -12,12 +12,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from clipbias.engine import SEEDED_CAVEAT
+from clipbias.engine.core import SEEDED_CAVEAT
 from clipbias.config import AlgoConfig  # noqa: E402
-from clipbias.engine import DPEngine  # noqa: E402
-from clipbias.grads import FuncGradients  # noqa: E402
-from clipbias.loader import PoissonLoader  # noqa: E402
-from clipbias.text import E2EDataset, LMCollate, read_e2e, sequence_loss  # noqa: E402
+from clipbias.engine.core import DPEngine  # noqa: E402
+from clipbias.grads.rows import FuncGradients  # noqa: E402
+from clipbias.sampling.loader import PoissonLoader  # noqa: E402
+from clipbias.data.text import E2EDataset, LMCollate, read_e2e, sequence_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("gpt2_e2e", ROOT / "examples" / "gpt2_e2e.py")
@@ -92,7 +92,7 @@ def no_dropout_lora(seed=0):
 def test_lora_fast_path_equals_rows_path():
     """With a frozen (tied) base the LoRA adapters are plain Linear layers: the book-keeping fast path
     applies and gives the rows path's update."""
-    from clipbias.text import byte_tokenizer
+    from clipbias.data.text import byte_tokenizer
     tok = byte_tokenizer()
     data = E2EDataset(read_e2e(example.SAMPLE)[:24], tok, 200)
     out = {}
@@ -109,7 +109,7 @@ def test_lora_fast_path_equals_rows_path():
 def test_a_padded_example_has_the_gradient_it_has_alone():
     """Right padding with the attention mask: a short example's per-example gradient in a batch padded
     to a longer example's length equals its gradient alone (no dependence on the other example)."""
-    from clipbias.text import byte_tokenizer
+    from clipbias.data.text import byte_tokenizer
     tok = byte_tokenizer()
     pairs = read_e2e(example.SAMPLE)
     short, long = sorted(pairs[:10], key=lambda p: len(p[0]) + len(p[1]))[::9]
@@ -129,7 +129,7 @@ def test_a_padded_example_has_the_gradient_it_has_alone():
 def test_fixed_length_padding_does_not_depend_on_the_batch():
     """--pad-to max-length: every batch has the same length whatever its longest example, so no
     model can see the other examples through the padding; the loss is that of the shorter padding."""
-    from clipbias.text import byte_tokenizer
+    from clipbias.data.text import byte_tokenizer
     tok = byte_tokenizer()
     data = E2EDataset(read_e2e(example.SAMPLE)[:3], tok, 200)
     fixed = LMCollate(256, 200)

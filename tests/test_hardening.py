@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from clipbias.config import AlgoConfig
-from clipbias.engine import DPEngine
+from clipbias.engine.core import DPEngine
 from clipbias.errors import ClipbiasError, ConfigError, UnsupportedModelError
 from clipbias.privacy import gaussian
-from clipbias.train import TrainConfig
+from clipbias.run.training import TrainConfig
 
 
 def lin() -> nn.Module:

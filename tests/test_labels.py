@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from clipbias.cli import main
-from clipbias.data import load_dataset
-from clipbias.engine import SEEDED_CAVEAT, DPEngine
+from clipbias.data.datasets import load_dataset
+from clipbias.engine.core import SEEDED_CAVEAT, DPEngine
 from clipbias.errors import ResumeMismatchError
 from clipbias.randomness import SecretKey
 from clipbias.run.report import PRIVATE_STATISTICS_CAVEAT
-from clipbias.train import TrainConfig, export_weights, prepare_splits, train
+from clipbias.run.training import TrainConfig, export_weights, train
 
 # digits, logistic regression, one epoch: about a second
 BASE = TrainConfig(data="digits", model="logreg", algo="dpsgd", noise_multiplier=1.0, delta=1e-5, epochs=1,

@@ -1,4 +1,4 @@
-"""Poisson sampling over map-style Datasets (``clipbias.loader``): the same batches and weights as
+"""Poisson sampling over map-style Datasets (``clipbias.sampling.loader``): the same batches and weights as
 in-memory tensors, with DataLoader workers, structured (dict/tuple) batches, empty batches,
 per-example loss functions, exact resume with batches drawn ahead, and refusals."""
 
@@ -8,9 +8,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from clipbias.config import AlgoConfig
-from clipbias.engine import DPEngine, run_steps
+from clipbias.engine.core import DPEngine, run_steps
 from clipbias.errors import ConfigError
-from clipbias.loader import PoissonLoader, TensorData, split
+from clipbias.sampling.loader import PoissonLoader, TensorData, split
 
 N, D, K = 60, 5, 3
 

@@ -11,13 +11,13 @@ from torch import nn
 
 from clipbias import algorithms
 from clipbias.config import AlgoConfig
-from clipbias.data import Dataset
-from clipbias.engine import DPEngine
+from clipbias.data.datasets import Dataset
+from clipbias.engine.core import DPEngine
 from clipbias.errors import ConfigError, NonFiniteGradientError
 from clipbias.algorithms import (CropFlip, GroupBatchNorm, batchclip_logits, batchclip_predict, batchnorm_variant,
                                  compose, noise_ratio_vs_dpsgd, num_groups, public_split)
-from clipbias.diagnostics import clipped_quantity
-from clipbias.diagnostics import sampling_noise_report as sampling_noise
+from clipbias.analysis.diagnostics import clipped_quantity
+from clipbias.analysis.diagnostics import sampling_noise_report as sampling_noise
 from clipbias.privacy import gaussian
 from clipbias.randomness import Purpose, SecretKey, keyed_ints, keyed_normal, snapped_gaussian
 

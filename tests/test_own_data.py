@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from clipbias.cli import main
-from clipbias.data import DataFormatError, DataNotFoundError, load_dataset
+from clipbias.data.datasets import DataFormatError, DataNotFoundError, load_dataset
 
 
 def fake_cifar(root, per_batch=4, seed=0):

@@ -16,8 +16,7 @@ import torch
 from scipy import stats
 
 from clipbias.config import AlgoConfig
-from clipbias.engine import DPEngine
-from clipbias.errors import ConfigError
+from clipbias.engine.core import DPEngine
 from clipbias.randomness import (Purpose, SecretKey, keyed_ints, noise_grid, normals, poisson_indices, snap,
                                  snapped_gaussian)
 from clipbias.randomness.chacha import chacha20_words, keystream, words_of
@@ -218,7 +217,7 @@ def test_an_enumerable_seed_is_recovered_from_the_weights_and_the_default_key_ha
 
     # the exact clipped sum of the batch, recovered: released - std Z = sum clip(g_i) / B to the grid
     recovered = released - std * noises[best]
-    from clipbias.grads import FuncGradients
+    from clipbias.grads.rows import FuncGradients
     torch.nn.utils.vector_to_parameters(w0, model.parameters())
     g, _ = FuncGradients(model, torch.nn.functional.cross_entropy)(x[idx], y[idx])
     truth = (g * torch.clamp(c / g.norm(dim=1, keepdim=True), max=1.0)).sum(0).double() / B
@@ -244,15 +243,16 @@ def _candidate_noises(seeds, d: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------ nothing else on the secret path
 SECRET_FREE = {  # modules whose seeded generators draw public or experimental randomness only
-    "data.py": "validation split and holdout (public split seeds)",
-    "toy.py": "the toy problems' synthetic data",
-    "diagnostics.py": "measurement projections of an instrument that is not private",
+    "data/dataset.py": "validation split and holdout (public split seeds)",
+    "analysis/toy.py": "the toy problems' synthetic data",
+    "analysis/symmetry.py": "measurement projections of an instrument that is not private",
+    "analysis/instruments.py": "measurement draws of an instrument that is not private",
     "cli/diagnose.py": "which examples the (non-private) diagnostics measure",
     "audit/canary.py": "the audit experiment's own inclusion draws",
     "audit/one_run.py": "the audit experiment's canaries and model initialisation",
     "algorithms/batchclip.py": "which public test images become public features",
     "run/build.py": "the public model initialisation",
-    "loader.py": "DataLoader worker seeds (the user's dataset randomness, not the mechanism's), a ChaCha20 output",
+    "sampling/loader.py": "DataLoader worker seeds (the user's dataset randomness, not the mechanism's), a ChaCha20 output",
 }
 
 

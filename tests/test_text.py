@@ -1,4 +1,4 @@
-"""Tests for clipbias.text: E2E CSV reading, the byte-level tokenizer, LM examples, collation and
+"""Tests for clipbias.data.text: E2E CSV reading, the byte-level tokenizer, LM examples, collation and
 the per-sequence loss (against a loop over tokens, and under torch.func.vmap)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clipbias.data import DataFormatError, DataNotFoundError
-from clipbias.text import (IGNORE, E2EDataset, LMCollate, byte_tokenizer, lm_collate, prompt, read_e2e,
+from clipbias.data.datasets import DataFormatError, DataNotFoundError
+from clipbias.data.text import (IGNORE, E2EDataset, LMCollate, byte_tokenizer, lm_collate, prompt, read_e2e,
                            sequence_loss, token_count)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +35,7 @@ def tok():
 
 
 def test_importing_the_module_needs_neither_transformers_nor_tokenizers():
-    tree = ast.parse((ROOT / "clipbias" / "text.py").read_text())
+    tree = ast.parse((ROOT / "clipbias" / "data" / "text.py").read_text())
     top = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
     top |= {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
     assert not top & {"transformers", "tokenizers"}

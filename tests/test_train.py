@@ -11,9 +11,9 @@ import stat
 import pytest
 import torch
 
-from clipbias.engine import SEEDED_CAVEAT
+from clipbias.engine.core import SEEDED_CAVEAT
 from clipbias.errors import ConfigError, ResumeMismatchError
-from clipbias.train import (CHECKPOINT, CURVES, PRIVATE_NOTE, RESULTS, TrainConfig, evaluate,
+from clipbias.run.training import (CHECKPOINT, CURVES, PRIVATE_NOTE, RESULTS, TrainConfig, evaluate,
                             export_weights, load_checkpoint, prepare_splits, run_many, train)
 
 # digits: 1347 training examples, 64 features; B = 64 -> 21 steps per epoch, ~0.1 s per epoch.
@@ -246,7 +246,7 @@ def test_run_many_and_scatter_preprocess_once_per_split(tmp_path, monkeypatch):
 
 
 def test_plot_curves(tmp_path):
-    from clipbias.plots import plot_curves
+    from clipbias.run.plots import plot_curves
     h = [{"epoch": i, "train_loss": 1.0 / i, "test_accuracy": 0.5 + 0.1 * i, "val_accuracy": 0.5}
          for i in (1, 2, 3)]
     path = plot_curves({"a": [h, h], "b": [h]}, tmp_path / "c.png", title="t")
@@ -275,7 +275,7 @@ def test_ef_clip_is_refused_where_no_feedback_reads_it():
 
 
 def test_stale_private_temporaries_are_removed_and_truncated_checkpoints_explained(tmp_path):
-    from clipbias.train import check_out_dir, load_checkpoint
+    from clipbias.run.training import check_out_dir, load_checkpoint
     out = tmp_path / "run"
     out.mkdir()
     dead = out / ".checkpoint.pt.tmp999999999"   # no such process
@@ -326,7 +326,7 @@ def test_a_finished_run_at_a_given_noise_extends_to_more_epochs_exactly(tmp_path
     """--resume with more --epochs continues a run whose noise multiplier was given: the result equals
     an uninterrupted run of all the epochs bit for bit (same batches, noise and weights) and reports
     the epsilon of all the steps; a run calibrated to a target epsilon is refused, saying why (issue 16)."""
-    from clipbias.train import load_checkpoint, train
+    from clipbias.run.training import load_checkpoint, train
     base = dict(data="digits", model="mlp", algo="dice", batch_size=128.0, lr=0.5, clip=1.0, seed=3,
                 reproducible_noise=True, noise_multiplier=1.0)
     train(TrainConfig(**base, epochs=1, out=str(tmp_path / "a")), progress=False, plot=False)

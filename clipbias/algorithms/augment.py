@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from ..config import Setting, boolean, integer
 from ..errors import ConfigError
-from ..grads import FuncGradients, LossFn, RowSource
+from ..grads.rows import FuncGradients, LossFn, RowSource
 from ..randomness import Purpose, SecretKey, batch_keys, keyed_ints
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import AlgoConfig, Setting, read_settings
 from ..errors import ConfigError
-from ..grads import FuncGradients, LossFn, PerExampleRows, RowSource
+from ..grads.rows import FuncGradients, LossFn, PerExampleRows, RowSource
 from ..privacy import AccountingSpec, DiceParams
 from ..randomness import SecretKey
 from ..transforms import Clip, ErrorFeedback, GaussianNoise, Normalize, PerSample, Pipeline, Stage

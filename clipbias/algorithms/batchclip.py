@@ -32,7 +32,7 @@ from torch.func import functional_call, vmap
 
 from ..config import OPTIONAL, REQUIRED, Setting, integer
 from ..errors import ConfigError
-from ..grads import FuncGradients, LossFn, RowSource
+from ..grads.rows import FuncGradients, LossFn, RowSource
 from ..randomness import Purpose, SecretKey, batch_keys, keyed_ints
 from ..transforms import Clip
 from .base import Algorithm, Parts, register
@@ -108,7 +108,7 @@ def public_split(dataset, n_public: int = 100, source: str = "test", seed: int =
     if not (isinstance(n_public, int) and n_public >= 1):
         raise ConfigError(f"--public-size must be an integer >= 1, got {n_public!r}")
     if source == "holdout":
-        from ..data import holdout
+        from ..data.datasets import holdout
         rest, x_pub = holdout(dataset, n_public, seed)
         return x_pub, rest
     if source != "test":

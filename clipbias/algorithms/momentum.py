@@ -22,10 +22,11 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from .. import batch, distributed
+from ..data import batch
+from .. import distributed
 from ..config import OPTIONAL, AlgoConfig, Setting, boolean, integer, real
 from ..errors import ConfigError
-from ..grads import FuncGradients, LossFn, PerExampleRows, RowSource
+from ..grads.rows import FuncGradients, LossFn, PerExampleRows, RowSource
 from ..transforms import PerSample, Stage, StepContext
 from .base import Algorithm, Parts, clip_or_normalize, register
 

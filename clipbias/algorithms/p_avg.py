@@ -29,9 +29,9 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from .. import batch
+from ..data import batch
 from ..config import AlgoConfig, Setting, integer
-from ..grads import FuncGradients, LossFn, RowSource, check_finite
+from ..grads.rows import FuncGradients, LossFn, RowSource, check_finite
 from ..randomness import PROBE_STEP, Purpose, SecretKey, batch_keys, keyed_ints
 from ..transforms import Clip
 from .base import Algorithm, Parts, register

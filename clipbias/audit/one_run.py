@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .. import algorithms, privacy
 from ..errors import ConfigError
-from ..grads import FuncGradients, cross_entropy
+from ..grads.rows import FuncGradients, cross_entropy
 from ..privacy.report import check_delta, check_positive
 from .stats import one_run_epsilon_lower_bound
 
@@ -93,7 +93,7 @@ class CanaryGradients:
 
 def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dict:
     """Train once with the canaries, score them, and bound epsilon from below."""
-    from ..engine import DPEngine, run_steps
+    from ..engine.core import DPEngine, run_steps
     from ..run import TrainConfig, evaluate, prepare_splits
 
     algo = algorithms.get(a.algo)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..data import cache_dir
+from ..data.datasets import cache_dir
 from ..privacy import cache as calibration_cache
 from ._common import emit
 

@@ -22,7 +22,7 @@ from ..files import run_lock
 from ..run.checkpoint import CHECKPOINT, check_out_dir, finish_overwrite, set_aside
 from ..run.config import check_int
 from ..run.report import COMPARE, RESULTS
-from ..train import CURVES, jsonable, prepare_splits, run_many, safe_name, write_json
+from ..run.training import CURVES, jsonable, prepare_splits, run_many, safe_name, write_json
 from ._common import emit
 from .train import add_training_flags, config_from_args, fmt_eps, set_threads
 
@@ -147,7 +147,7 @@ def _compare(args: argparse.Namespace, base, variants: list[tuple[str, dict]], s
 
     result = run_many(base, variants, seeds, out=out, splits=splits, progress=not args.quiet,
                       on_run=on_run, on_start=on_start)
-    from ..plots import plot_curves
+    from ..run.plots import plot_curves
     plot_curves({label: [r["history"] for r in rs] for label, rs in result["runs"].items()}, out / CURVES,
                 title=f"{base.data} / {base.model} / target epsilon={base.epsilon}, delta={base.delta:g} "
                       f"(mean over {len(seeds)} seed{'s' if len(seeds) > 1 else ''})")

@@ -2,7 +2,7 @@
 
 Trains with the engine exactly as ``clipbias train`` would (same flags, or a saved run's
 ``results.json`` config via ``--run DIR``) and, at the chosen steps, records the instruments of
-``clipbias.diagnostics`` from the raw per-example gradients of a fixed sample of training examples.
+``clipbias.analysis.diagnostics`` from the raw per-example gradients of a fixed sample of training examples.
 Writes ``DIR/diagnostics.json`` and one PNG per instrument. See ``docs/diagnostics.md``.
 """
 
@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .. import algorithms, diagnostics
-from .. import diagnostics_plots as plots
+from .. import algorithms
+from ..analysis import diagnostics
+from ..analysis import diagnostics_plots as plots
 from ..errors import ConfigError
 from ..run.checkpoint import check_out_dir
 from ..run.report import write_json
@@ -199,7 +200,7 @@ def _recorder(cfg, run, args: argparse.Namespace, ps: list[int],
 
 def _record(args: argparse.Namespace, run, recorder: diagnostics.Recorder) -> tuple[list[int], dict]:
     """Record at the saved checkpoint (``--at-checkpoint``) or along a training run."""
-    from ..train import load_checkpoint
+    from ..run.training import load_checkpoint
     engine = run.engine
     if args.at_checkpoint:
         if not args.run:

@@ -1,6 +1,6 @@
 """``clipbias export DIR FILE``: the releasable artefact of a run, the model weights only.
 
-The run's ``checkpoint.pt`` is PRIVATE (DiceSGD's error-feedback buffer, optimizer and RNG states);
+The run's ``checkpoint.pt`` is PRIVATE (DiceSGD's error-feedback buffer, optimizer state, the secret key);
 the exported file holds ``{"state_dict": model weights, "meta": public facts (model, data, epsilon,
 delta, certified, basis)}`` and nothing of the engine.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import ConfigError
-from ..train import export_weights
+from ..run.training import export_weights
 from ._common import emit
 
 
@@ -28,7 +28,7 @@ def _run(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write a run's model weights (the releasable artefact)",
                        description="Write only the model weights of the run in DIR to FILE (torch.save). "
-                                   "The private engine state (DiceSGD error feedback, RNG states) is "
+                                   "The private engine state (DiceSGD error feedback, the secret key) is "
                                    "never exported. Load with torch.load(FILE)['state_dict'].")
     p.add_argument("dir", metavar="DIR", help="run directory holding checkpoint.pt")
     p.add_argument("file", metavar="FILE", help="output file, e.g. model.pt")

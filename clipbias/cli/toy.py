@@ -11,8 +11,9 @@ import math
 import sys
 from pathlib import Path
 
-from .. import algorithms, toy
-from .. import diagnostics_plots as plots
+from .. import algorithms
+from ..analysis import toy
+from ..analysis import diagnostics_plots as plots
 from ..errors import ConfigError
 from ..privacy import DICE_ACCOUNTING
 from ..run.checkpoint import check_out_dir

@@ -8,14 +8,15 @@ import os
 import sys
 from pathlib import Path
 
-from ..data import DATASET_NAMES
+from ..data.datasets import DATASET_NAMES
 from ..errors import ConfigError
 from ..randomness.key import check_seed
 from ..privacy import ACCOUNTANTS, DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING
 from ..privacy.dice import DEFAULT_EF_RATIO
-from .. import algorithms, distributed
+from .. import algorithms
+from .. import distributed
 from ..config import boolean
-from ..train import CHECKPOINT, CURVES, RESULTS, TrainConfig, default_out, train
+from ..run.training import CHECKPOINT, CURVES, RESULTS, TrainConfig, default_out, train
 from ._common import emit, exit_code, tune_allocator, warn
 
 REFUTED = "false  (NOT a guarantee: a DiceSGD bound refuted by a canary attack; reproduction only)"

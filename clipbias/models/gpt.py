@@ -5,7 +5,7 @@ attention, output projection, a 4x GELU MLP), a final LayerNorm and a
 language-model head, as in GPT-2 (Radford et al. 2019), with one deliberate difference: the head is
 **not tied** to the token embedding. A tied weight is one parameter used by two layers, whose
 per-example gradient is the sum of both uses; per-layer norms would understate it, so the fast path
-refuses tied weights (``clipbias.fastclip``). Positions are looked up per example (``[b, t]``), so
+refuses tied weights (``clipbias.grads.fast``). Positions are looked up per example (``[b, t]``), so
 every layer sees one row per example in dimension 0.
 
 The default configuration (vocabulary 50257, width 512, 4 layers, 8 heads, context 64) has 64.5M

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from clipbias.data import cache_dir
+from clipbias.data.datasets import cache_dir
 
 __all__ = ["ScatterFeatures", "ScatterLinear", "ScatterCNN"]
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .chacha import BLOCK_BYTES, chacha20_words, keystream, words_of
+from .chacha import BLOCK_BYTES, chacha20_words, keystream
 from .key import SecretKey, nonce
 
 PAIR_BYTES = 24                    # three 64-bit integers per pair of normals

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from .. import algorithms
 from ..config import AlgoConfig
-from ..engine import DPEngine
+from ..engine.core import DPEngine
 from ..errors import ConfigError
 from .config import TrainConfig
 from .splits import Splits, build_model, device

@@ -2,7 +2,7 @@
 load atomically, resume only with unchanged settings, export the releasable weights only.
 
 ``checkpoint.pt`` (mode 600) holds the model weights, ``engine.state_dict()`` (the DiceSGD
-error-feedback buffer and the secret RNG states), the history and the config; the top-level key
+error-feedback buffer and the secret key), the history and the config; the top-level key
 ``PRIVATE`` says so. ``clipbias export`` turns it into a releasable weights-only file.
 """
 
@@ -24,7 +24,7 @@ from .config import RESUME_FREE, TrainConfig
 from .report import COMPARE, CURVES, RESULTS, jsonable
 
 CHECKPOINT = "checkpoint.pt"
-PRIVATE_NOTE = "contains the DiceSGD error-feedback buffer and RNG states; never release"
+PRIVATE_NOTE = "contains the DiceSGD error-feedback buffer and the secret key; never release"
 CHECKPOINT_FORMAT = 1
 
 

@@ -13,7 +13,7 @@ import torch
 
 from .. import algorithms, privacy
 from ..config import AlgoConfig
-from ..data import DATASET_NAMES
+from ..data.datasets import DATASET_NAMES
 from ..errors import ConfigError
 from ..privacy.report import check_delta, check_epsilon, check_nonnegative, check_positive
 from ..randomness import check_seed

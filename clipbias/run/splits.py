@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import algorithms
-from ..data import Dataset, load_dataset
+from ..data.datasets import Dataset, load_dataset
 from ..errors import ClipbiasError, ConfigError
 from .config import TrainConfig
 

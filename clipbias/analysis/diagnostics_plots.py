@@ -2,7 +2,7 @@
 
 Every figure has a title, labelled axes and a legend where there is more than one curve. Figures
 of diagnostics carry a footnote saying they read raw per-example gradients (not DP).
-(Training curves live in ``clipbias.plots``.)
+(Training curves live in ``clipbias.run.plots``.)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ matplotlib.use("Agg", force=False)
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from .files import atomic_write  # noqa: E402
+from ..files import atomic_write  # noqa: E402
 
 NOT_DP_NOTE = "diagnostic of raw per-example gradients - NOT differentially private"
 

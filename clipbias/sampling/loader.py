@@ -10,7 +10,7 @@ yet used, so a resumed run sees exactly the batches an uninterrupted one would.
 
 A collated batch is ``(inputs, targets)``, or a dict with a ``"labels"`` entry (the Hugging Face
 convention: the rest of the dict is the model's keyword arguments). Inputs and targets may be any
-``clipbias.batch.Batch``. The guarantee needs row i of every tensor, and the model's computation on
+``clipbias.data.batch.Batch``. The guarantee needs row i of every tensor, and the model's computation on
 it, to depend on example i alone: a ``collate_fn`` that pads to the batch's longest example is sound
 only for a model that ignores the padding (a causal model with right padding and its attention mask:
 tested for GPT-2), and one that builds in-batch matrices is not. Nothing checks this: pad to a fixed
@@ -34,10 +34,10 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from . import batch
-from .batch import Batch
-from .errors import ConfigError
-from .randomness import Purpose, secret_int
+from ..data import batch
+from ..data.batch import Batch
+from ..errors import ConfigError
+from ..randomness import Purpose, secret_int
 
 
 
@@ -131,7 +131,7 @@ class PoissonLoader:
                  multiprocessing_context: Any = None, device: torch.device | str | None = None) -> None:
         if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
             raise ConfigError(f"the data must be a map-style torch Dataset (__getitem__ and __len__), got "
-                              f"{type(dataset).__name__}; wrap tensors as clipbias.loader.TensorData(x, y)")
+                              f"{type(dataset).__name__}; wrap tensors as clipbias.sampling.TensorData(x, y)")
         if len(dataset) != engine.n:
             raise ConfigError(f"the dataset has {len(dataset)} examples but the engine was built with n={engine.n}: "
                               f"the sampler draws from n examples and the accounting assumes n; build the engine "

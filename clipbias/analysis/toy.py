@@ -29,10 +29,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from . import algorithms
-from .config import AlgoConfig
-from .engine import DPEngine, run_steps
-from .errors import ClipbiasError, ConfigError
+from .. import algorithms
+from ..config import AlgoConfig
+from ..engine.core import DPEngine, run_steps
+from ..errors import ClipbiasError, ConfigError
 
 # Algorithms that cannot run on a toy problem, with the reason (checked only if registered).
 NOT_APPLICABLE = {

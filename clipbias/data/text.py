@@ -23,8 +23,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from .data import DataFormatError, DataNotFoundError
-from .errors import ConfigError
+from .datasets import DataFormatError, DataNotFoundError
+from ..errors import ConfigError
 
 __all__ = ["E2EDataset", "EOS", "IGNORE", "LMCollate", "SEP", "byte_tokenizer", "lm_collate", "prompt",
            "read_e2e", "sequence_loss", "token_count"]

@@ -19,18 +19,20 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from . import algorithms, batch, distributed, privacy
-from .batch import Batch
-from .config import AlgoConfig
-from .errors import ClipbiasError, ConfigError, ResumeMismatchError
-from .fastclip import BookKeeping, why_unsupported
-from .grads import (FuncGradients, LossFn, ParamSums, PerExampleRows, PerSampleGradients, RowSource,
-                    as_row_source, check_finite, check_finite_norms, cross_entropy)
-from .loader import PoissonLoader, TensorData
-from .privacy import PrivacyReport
-from .randomness import SecretKey
-from .sampling import PoissonSampler
-from .transforms import StepContext
+from .. import algorithms, privacy
+from ..data import batch
+from .. import distributed
+from ..data.batch import Batch
+from ..config import AlgoConfig
+from ..errors import ClipbiasError, ConfigError, ResumeMismatchError
+from ..grads.fast import BookKeeping, why_unsupported
+from ..grads.rows import (FuncGradients, LossFn, ParamSums, PerExampleRows, PerSampleGradients, RowSource,
+                          as_row_source, check_finite, check_finite_norms, cross_entropy)
+from ..sampling.loader import PoissonLoader, TensorData
+from ..privacy import PrivacyReport
+from ..randomness import SecretKey
+from ..sampling.poisson import PoissonSampler
+from ..transforms import StepContext
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,7 @@ class DPEngine:
     def step(self, x: Batch, y: Batch, indices: Tensor | None = None) -> Tensor:
         """One logical step on the Poisson batch ``(x, y)``; returns the per-example losses.
 
-        ``x`` and ``y`` are tensors or any ``clipbias.batch.Batch`` (tuples, dicts of tensors: the
+        ``x`` and ``y`` are tensors or any ``clipbias.data.batch.Batch`` (tuples, dicts of tensors: the
         model is called ``model(**x)`` for a dict), with the examples on the first dimension; an
         empty batch (zero examples) is a noise-only step.
 
@@ -289,7 +291,7 @@ class DPEngine:
     def train_epoch(self, x: "Batch | Dataset | PoissonLoader", y: Batch | None = None, **loader_options) -> float:
         """One epoch of Poisson batches; returns the mean example loss. The data: in-memory inputs
         ``x`` with labels ``y``, a map-style ``torch.utils.data.Dataset`` (``y`` omitted; ``loader_options``
-        such as ``collate_fn`` and ``num_workers`` go to ``clipbias.loader.PoissonLoader``) or a
+        such as ``collate_fn`` and ``num_workers`` go to ``clipbias.sampling.PoissonLoader``) or a
         ``PoissonLoader``."""
         if y is not None and (batch.size(x) != batch.size(y) or batch.size(x) != self.n):
             raise ConfigError(f"train_epoch got {batch.size(x)} inputs and {batch.size(y)} labels for an engine "
@@ -457,7 +459,7 @@ def run_steps(engine: DPEngine, x: "Batch | Dataset | PoissonLoader", y: Batch |
     """The sample-and-step loop: up to ``steps`` Poisson steps (default: all remaining), stopping at
     ``engine.total_steps``; returns (sum of the example losses, number of examples). The data are
     in-memory ``(x, y)`` (tensors or structured batches, on the CPU or the GPU), a map-style Dataset
-    ``x`` (``y`` None; ``loader_options`` go to ``clipbias.loader.PoissonLoader``: ``collate_fn``,
+    ``x`` (``y`` None; ``loader_options`` go to ``clipbias.sampling.PoissonLoader``: ``collate_fn``,
     ``num_workers``, ...) or a ``PoissonLoader``: one loop for all (``PoissonLoader.epoch``).
     ``before(engine)`` runs before each step, ``after(engine, losses)`` after it: progress bars,
     diagnostics, iterate traces. Used by training, the toy problems and the diagnostics recorder

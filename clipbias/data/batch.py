@@ -15,7 +15,7 @@ from typing import Any, Callable, Union
 import torch
 from torch import Tensor, nn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 Batch = Union[Tensor, tuple, list, Mapping]
 """A tensor, or a (nested) tuple, list or dict of tensors, examples on the first dimension."""

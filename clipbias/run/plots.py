@@ -2,7 +2,7 @@
 
 ``plot_curves({"dpsgd": [history_seed0, history_seed1], "dice": [...]}, "curves.png")`` draws the
 mean over seeds with a +-1 std band (when there are several seeds). A history is the list of
-per-epoch records that :func:`clipbias.train.train` returns (``results["history"]``).
+per-epoch records that :func:`clipbias.run.train` returns (``results["history"]``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import atomic_write
+from ..files import atomic_write
 
 
 def _stack(histories: list[list[dict]], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:

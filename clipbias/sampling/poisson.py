@@ -9,17 +9,16 @@ rounded to 2^-64).
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from .errors import ConfigError
-from .randomness import Purpose, SecretKey, poisson_indices
+from ..errors import ConfigError
+from ..randomness import Purpose, SecretKey, poisson_indices
 
 
 class PoissonSampler:
     """Yields index tensors of Poisson batches; ``len(self)`` = steps per epoch = round(1/q).
 
-    A loader that prefetches (``clipbias.loader``: DataLoader workers fetch the next batches while
+    A loader that prefetches (``clipbias.sampling.loader``: DataLoader workers fetch the next batches while
     the current step runs) draws batches ahead with ``draw_ahead``; ``sample`` then returns them in
     the same order, so the batches are the same with or without lookahead. Batches drawn ahead and
     not yet sampled are part of ``state_dict``: a resumed run continues with exactly them.

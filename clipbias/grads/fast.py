@@ -48,10 +48,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from . import batch
-from .batch import Batch
-from .errors import ConfigError
-from .grads import FuncGradients, LossFn, ParamLayout, check_model, cross_entropy
+from ..data import batch
+from ..data.batch import Batch
+from ..errors import ConfigError
+from .rows import FuncGradients, LossFn, ParamLayout, check_model, cross_entropy
 
 _SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.GroupNorm, nn.LayerNorm)
 _NORMS = (nn.GroupNorm, nn.LayerNorm)

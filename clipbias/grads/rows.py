@@ -4,7 +4,7 @@
 batch's rows micro-batch by micro-batch, with staged state (``commit``/``rollback``) and a
 checkpointable ``state_dict``. ``PerExampleRows`` wraps any ``PerSampleGradients`` function; today
 that is ``FuncGradients`` (``torch.func``: ``functional_call`` + ``vmap(grad)``); a ghost-norm /
-book-keeping fast path (``clipbias.fastclip``) computes the same sums without rows; under
+book-keeping fast path (``clipbias.grads.fast``) computes the same sums without rows; under
 torch.distributed each rank runs its source on its share of the batch (``clipbias.distributed``). Gradients come back *flattened*, one row per example, in the order of
 ``ParamLayout``: every later stage (clip, normalise, error feedback) is then plain tensor algebra on
 a ``[b, d]`` matrix with the global L2 norm over all trainable parameters.
@@ -21,15 +21,15 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from . import batch
-from .batch import Batch
-from .errors import ConfigError, NonFiniteGradientError, UnsupportedModelError
-from .randomness import PROBE_STEP
+from ..data import batch
+from ..data.batch import Batch
+from ..errors import ConfigError, NonFiniteGradientError, UnsupportedModelError
+from ..randomness import PROBE_STEP, SecretKey
 
 LossFn = Callable[..., Tensor]
 """``loss_fn(model output, targets) -> loss``: either the sum of the batch's per-example losses (a
 scalar, like ``cross_entropy`` below) or the per-example losses themselves (shape ``[b]``, e.g. token
-cross-entropy summed per sequence with a padding mask: ``clipbias.text.sequence_loss``). The rows
+cross-entropy summed per sequence with a padding mask: ``clipbias.data.text.sequence_loss``). The rows
 path calls it on one example at a time (a batch of one, inside ``vmap``); the fast path on the whole
 batch. The output may be any object the model returns (a Hugging Face ``ModelOutput``); the targets
 any ``Batch``."""
@@ -104,7 +104,7 @@ class FuncGradients:
     """``torch.func`` backend: ``vmap(grad(loss of one example))`` over the batch, at the model's
     current parameters or at any given ones (inner momentum evaluates past iterates).
 
-    Inputs and targets may be any ``clipbias.batch.Batch`` (tensors, tuples, dicts: ``model(**x)``
+    Inputs and targets may be any ``clipbias.data.batch.Batch`` (tensors, tuples, dicts: ``model(**x)``
     for a dict). Only trainable parameters get per-example gradients: frozen ones
     (``requires_grad=False``: a frozen base under LoRA adapters) and buffers are passed as constants,
     so their gradients are never computed. Randomness
@@ -203,12 +203,12 @@ class RowSource(abc.ABC):
     """
 
     layout: ParamLayout
-    key: "SecretKey | None" = None
+    key: SecretKey | None = None
     # why this source cannot be split over the ranks of a process group (None: its rows are per
     # example, so each rank computes the rows of its share and the sums add up; clipbias.distributed)
     distributed_refusal: str | None = None
 
-    # whether ``iter_rows`` takes any ``clipbias.batch.Batch`` (tuples, dicts) or only tensors
+    # whether ``iter_rows`` takes any ``clipbias.data.batch.Batch`` (tuples, dicts) or only tensors
     structured: bool = True
 
     @abc.abstractmethod

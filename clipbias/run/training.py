@@ -3,17 +3,16 @@
 One run = its data (``run.splits``), the model and engine (``run.build_run``), then per epoch:
 Poisson steps (``engine.run_steps``), test (and validation) accuracy, the epsilon spent so far
 (``engine.privacy()``) and a PRIVATE checkpoint (``run.checkpoint``). Reused by ``clipbias train``,
-``clipbias compare`` and ``benchmarks/``. The pieces live in ``clipbias.run``; this module is the
-public entry point and re-exports them.
+``clipbias compare`` and ``benchmarks/``; ``clipbias.run`` exports ``train`` and ``run_many``.
 
 Files written under ``config.out`` (when given): ``checkpoint.pt`` (mode 600, PRIVATE: the
-DiceSGD error-feedback buffer and the RNG states; ``clipbias export`` makes the releasable file),
+DiceSGD error-feedback buffer and the secret key; ``clipbias export`` makes the releasable file),
 ``results.json`` (config, per-epoch history, final accuracy, the privacy statement, wall times) and
 ``curves.png`` (accuracy and loss per epoch).
 
 Example::
 
-    from clipbias.train import TrainConfig, train
+    from clipbias.run import TrainConfig, train
     res = train(TrainConfig(data="digits", model="mlp", algo="dice", epsilon=3, delta=1e-5,
                             epochs=3, batch_size=64, lr=0.5, clip=1.0))
     res["test_accuracy"], res["epsilon"], res["certified"]
@@ -31,19 +30,18 @@ from typing import Any, Callable
 
 import torch
 
-from . import distributed
-from .data import Dataset
-from .engine import run_steps
-from .errors import ConfigError, ResumeMismatchError, TrainingDivergedError
-from .files import run_lock
-from .run.build import Run, build_run, evaluate
-from .run.checkpoint import (CHECKPOINT, CHECKPOINT_FORMAT, PRIVATE_NOTE, check_out_dir, export_weights,
-                             finish_overwrite, load_checkpoint, open_run_dir, save_private, set_aside,
-                             to_cpu)
-from .run.config import TrainConfig, check_int, default_out
-from .run.report import (CURVES, RESULTS, diverged, eps_label, header, jsonable, mean_std, privacy_note,
-                         results, statement, summarize, write_json)
-from .run.splits import Splits, prepare_splits, splits_for
+from .. import distributed
+from ..data.datasets import Dataset
+from ..engine.core import run_steps
+from ..errors import ConfigError, ResumeMismatchError, TrainingDivergedError
+from ..files import run_lock
+from .build import Run, build_run, evaluate
+from .checkpoint import (CHECKPOINT, CHECKPOINT_FORMAT, PRIVATE_NOTE, check_out_dir, export_weights, finish_overwrite,
+                         load_checkpoint, open_run_dir, save_private, set_aside, to_cpu)
+from .config import TrainConfig, check_int, default_out
+from .report import (CURVES, RESULTS, diverged, eps_label, header, jsonable, mean_std, privacy_note, results,
+                     statement, summarize, write_json)
+from .splits import Splits, prepare_splits, splits_for
 
 __all__ = ["TrainConfig", "Splits", "prepare_splits", "train", "evaluate", "load_checkpoint",
            "export_weights", "run_many", "summarize", "PRIVATE_NOTE", "CHECKPOINT", "RESULTS", "CURVES",

@@ -9,11 +9,7 @@ accounted like any other.
 
 from __future__ import annotations
 
-import math
-import numbers
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -25,14 +21,17 @@ from .. import distributed
 from ..data.batch import Batch
 from ..config import AlgoConfig
 from ..errors import ClipbiasError, ConfigError, ResumeMismatchError
-from ..grads.fast import BookKeeping, why_unsupported
-from ..grads.rows import (FuncGradients, LossFn, ParamSums, PerExampleRows, PerSampleGradients, RowSource,
-                          as_row_source, check_finite, check_finite_norms, cross_entropy)
-from ..sampling.loader import PoissonLoader, TensorData
+from ..grads.fast import BookKeeping
+from ..grads.rows import (LossFn, PerSampleGradients, RowSource, as_row_source, check_finite, check_finite_norms,
+                          cross_entropy)
+from ..sampling.loader import PoissonLoader
 from ..privacy import PrivacyReport
 from ..randomness import SecretKey
 from ..sampling.poisson import PoissonSampler
 from ..transforms import StepContext
+from .aggregate import choose_aggregate
+from .checks import canon, check_arguments, check_distributed, check_resume, check_step
+from .loop import run_steps
 
 
 @dataclass(frozen=True)
@@ -99,7 +98,7 @@ class DPEngine:
                  grad_path: str = "auto") -> None:
         self.algo = algorithms.get(algorithm)
         self.config = config or AlgoConfig()
-        n = _check_arguments(model, n, batch_size, self.config)
+        n = check_arguments(model, n, batch_size, self.config)
         if self.algo.accounting == "dice" and self.config.ef_clip is None:
             # the privacy cost of error feedback grows with r = B C2 / C1: default r = 0.01
             self.config = replace(self.config, ef_clip=privacy.dice.default_ef_clip(self.config.clip, batch_size))
@@ -122,18 +121,7 @@ class DPEngine:
         self.key = distributed.broadcast_key(SecretKey.of(noise_seed))
         self.accountant, self.dice_accounting = accountant, dice_accounting
 
-        spec = self.algo.spec(self.config, self.sample_rate, 0.0, self.expected_batch_size)
-        if not self.algo.private:
-            z = 0.0
-        elif noise_multiplier is not None:
-            privacy.report.check_positive(noise_multiplier, "--noise-multiplier")
-            z = float(noise_multiplier)
-        elif epsilon is not None:
-            z = privacy.calibrate(spec, epsilon, delta, steps, accountant, dice_accounting)
-        else:
-            raise ConfigError(f"{algorithm} is private: give --epsilon (calibrates the noise) or "
-                              f"--noise-multiplier")
-        self.noise_multiplier = z
+        self.noise_multiplier = z = self._noise_multiplier(epsilon, noise_multiplier)
         self.spec = self.algo.spec(self.config, self.sample_rate, z, self.expected_batch_size)
         if self.algo.private:
             self.privacy(steps)  # refuses now (not after training) when the guarantee cannot hold
@@ -151,14 +139,28 @@ class DPEngine:
                                                    self.params, self.config)
         self.sampler = PoissonSampler(n, self.sample_rate, self.key, steps_per_epoch)
         self.max_physical_batch = max_physical_batch
-        self._aggregate, self.grad_path_note = self._fast_path(grad_path, own_rows, model, loss_fn)
+        self._aggregate, self.grad_path_note = choose_aggregate(grad_path, own_rows, model, loss_fn, self.algo,
+                                                                self.pipeline, self.rows, max_physical_batch,
+                                                                self.expected_batch_size)
         self.own_rows = own_rows  # a given backend may read labels its own way (the audit's canaries: y < 0)
-        self.world_size = _check_distributed(self.algo.name, self.rows, self.pipeline)
+        self.world_size = check_distributed(self.algo.name, self.rows, self.pipeline)
         self.steps_taken, self.last_loss = 0, (0.0, 0)
         self.settings = PrivacySettings(algorithm, n, self.sample_rate, steps, z, delta, accountant,
                                         dice_accounting, self.config.clip, self.config.ef_clip,
                                         self.config.grad_bound, self.config.gamma, epsilon,
-                                        tuple(sorted((k, _canon(v)) for k, v in self.config.extra.items())))
+                                        tuple(sorted((k, canon(v)) for k, v in self.config.extra.items())))
+
+    def _noise_multiplier(self, epsilon: float | None, noise_multiplier: float | None) -> float:
+        """The given noise multiplier, or the one calibrated to ``epsilon`` for all steps (0: non-private)."""
+        if not self.algo.private:
+            return 0.0
+        if noise_multiplier is not None:
+            return privacy.report.check_positive(noise_multiplier, "--noise-multiplier")
+        if epsilon is None:
+            raise ConfigError(f"{self.algo.name} is private: give --epsilon (calibrates the noise) or "
+                              f"--noise-multiplier")
+        spec = self.algo.spec(self.config, self.sample_rate, 0.0, self.expected_batch_size)
+        return privacy.calibrate(spec, epsilon, self.delta, self.total_steps, self.accountant, self.dice_accounting)
 
     # ------------------------------------------------------------------ training
     def step(self, x: Batch, y: Batch, indices: Tensor | None = None) -> Tensor:
@@ -176,7 +178,7 @@ class DPEngine:
         Raises before changing anything (model, optimizer, error feedback, accountant) if a
         per-example gradient is not finite, on every rank when one rank's is not.
         """
-        self._check_step(x, y, indices)
+        check_step(self, x, y, indices)
         d = self.rows.layout.dim
         dev = self.params[0].device
         ref_sum = torch.zeros(d, device=dev) if self.pipeline.error_feedback is not None else None
@@ -225,21 +227,6 @@ class DPEngine:
         step = self.steps_taken if step is None else step
         return distributed.local_share(indices, self.rows.owners(indices, step, self.world_size))
 
-    def _check_step(self, x: Batch, y: Batch, indices: Tensor | None) -> None:
-        """Refuse a step that cannot be taken: budget spent, mismatched lengths, float labels."""
-        if self.steps_taken >= self.total_steps and self.algo.private:
-            raise ConfigError(f"the privacy budget covers {self.total_steps} steps and all were taken; "
-                              f"start a new run with more --epochs to train longer")
-        if not (isinstance(x, Tensor) and isinstance(y, Tensor)) and not self.rows.structured:
-            raise ConfigError(f"--algo {self.algo.name} computes its rows from image tensors and takes tensor "
-                              f"inputs and labels, got {type(x).__name__} and {type(y).__name__}; use an "
-                              f"algorithm with per-example rows (dpsgd, dice, ...) for structured batches")
-        _check_batch(x, y, indices, self.loss_fn is cross_entropy, self.own_rows)
-        if self.world_size > 1 and indices is None:
-            raise ConfigError(f"in a process group of {self.world_size} ranks, step needs the example indices of "
-                              f"this rank's share (engine.local_share(engine.sampler.sample())): the keyed "
-                              f"per-example draws and the shares are defined by them")
-
     def _sums(self, x: Batch, y: Batch, indices: Tensor | None):
         """(reference sum, processed sum, losses) per physical micro-batch, through the rows or a
         norm-scaling aggregate (``_fast_path``); the finiteness of every example's gradient is checked on its norm either way."""
@@ -256,37 +243,6 @@ class DPEngine:
             p, r, loss, norms = self._aggregate(batch.take(x, sl), batch.take(y, sl), scale, need_ref)
             check_finite_norms(norms, indices[sl] if indices is not None else None)
             yield r, p, loss
-
-    def _fast_path(self, grad_path: str, own_rows: bool, model: nn.Module, loss_fn: LossFn):
-        """(the aggregate of a norm-scaling step or None, what the header says): the book-keeping fast
-        path (``fastclip.BookKeeping``: no rows), the rows summed per parameter (``grads.ParamSums``),
-        or None (rows through the pipeline: stages that need rows). ``grad_path`` rows | fast | auto:
-        auto takes the fast path where it applies and one micro-batch of rows would exceed
-        ``AUTO_ROWS_BYTES`` (on CPU the rows path is faster for small models: docs/results.md)."""
-        if grad_path not in ("rows", "fast", "auto"):
-            raise ConfigError(f"--grad-path must be rows, fast or auto, got {grad_path!r}")
-        p = self.pipeline
-        why = ("a gradient backend was given" if not own_rows else
-               f"--algo {self.algo.name} computes its own rows" if self.algo.source is not None else
-               "--grad-bound clips the rows first" if p.reference else
-               f"--algo {self.algo.name} transforms rows beyond a norm scaling" if len(p.per_sample) != 1
-               or p.per_sample[0].scale(torch.ones(1)) is None else None)
-        if why is None:  # a norm-scaling step: the fast path if the model allows it, else summed rows
-            why = why_unsupported(model)
-            rows_bytes = min(self.max_physical_batch, math.ceil(1.2 * self.expected_batch_size)) * \
-                self.rows.layout.dim * 4
-            if why is None and (grad_path == "fast" or grad_path == "auto" and rows_bytes > AUTO_ROWS_BYTES):
-                return BookKeeping(model, loss_fn), (
-                    "fast (per-layer norms and book-keeping sums, no rows; per-example sensitivity rests "
-                    "on run-time checks of the model, docs/results.md)")
-            if grad_path != "fast" and isinstance(self.rows, PerExampleRows) and \
-                    isinstance(self.rows.grads, FuncGradients):
-                return ParamSums(self.rows.grads), "rows (per-example gradients, torch.func, summed per parameter" + (
-                    f"; the fast path does not apply: {why})" if grad_path == "auto" and why else ")")
-        if grad_path == "fast":
-            raise ConfigError(f"--grad-path fast is not available: {why}; use --grad-path auto or rows")
-        return None, "rows (per-example gradients, torch.func)" + (f"; the fast path does not apply: {why}"
-                                                                    if grad_path == "auto" and why else "")
 
     def train_epoch(self, x: "Batch | Dataset | PoissonLoader", y: Batch | None = None, **loader_options) -> float:
         """One epoch of Poisson batches; returns the mean example loss. The data: in-memory inputs
@@ -335,13 +291,7 @@ class DPEngine:
                                       "noise came from torch generators with 32-bit seeds, which can be recovered "
                                       "from the released model; continuing it would not be private. Start a new run "
                                       "(a new run directory, or --overwrite)")
-        saved, now = state["settings"], asdict(self.settings)
-        diff = {k: (saved.get(k), v) for k, v in now.items() if not _same(saved.get(k), v)
-                and not (k == "steps" and _extendable(saved, now))}
-        if diff:
-            lines = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
-            raise ResumeMismatchError(f"cannot resume: privacy-relevant settings changed ({lines}). "
-                                      f"Resume with the original settings or start a new run directory.")
+        check_resume(state["settings"], asdict(self.settings))
         self._set_key(SecretKey.from_state(state["secret_key"]))  # the stream continues under the run's key
         self.steps_taken = state["steps_taken"]
         self.optimizer.load_state_dict(state["optimizer"])
@@ -357,134 +307,7 @@ class DPEngine:
                 stage.key = key
 
 
-def _check_arguments(model: nn.Module, n: int, batch_size: float, config: AlgoConfig) -> int:
-    """Refuse constructor arguments that would fail later with a raw error (or silently): returns n
-    as an int (numpy integers are fine)."""
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(config, AlgoConfig):
-        raise ConfigError(f"config must be an AlgoConfig (clipbias.config.AlgoConfig(lr=..., clip=...)), got "
-                          f"{type(config).__name__}")
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-        raise ConfigError(f"dataset size n must be a positive integer, got {n!r}")
-    n = int(n)
-    if not (isinstance(batch_size, numbers.Real) and 1 <= batch_size <= n):
-        raise ConfigError(f"--batch-size (the expected Poisson batch size B) must lie in [1, N={n}], got "
-                          f"{batch_size!r}")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ConfigError(f"the model ({type(model).__name__}) has no trainable parameters: nothing to train")
-    return n
-
-
-def _check_batch(x: Batch, y: Batch, indices: Tensor | None, class_labels: bool, own_rows: bool) -> None:
-    """Refuse a batch the step cannot take, before anything changes: tensors (or tuples, lists, dicts
-    of tensors) with one row per example in every tensor and, for the default cross-entropy loss
-    (``class_labels``), one integer class index per example, not negative where the engine computes
-    the rows itself (``own_rows``; cross-entropy would silently ignore a label of -100)."""
-    for name, t in (("x", x), ("y", y), ("indices", indices)):
-        if t is not None and not isinstance(t, Tensor) and (name == "indices" or not isinstance(t, (tuple, list, Mapping))):
-            raise ConfigError(f"step: {name} must be a torch.Tensor" + ("" if name == "indices" else
-                              " (or a tuple, list or dict of tensors)") + f", got {type(t).__name__}; convert it "
-                              f"with torch.as_tensor({name})")
-    if isinstance(x, Tensor) and x.dim() == 0:
-        raise ConfigError("step got a scalar as inputs: one row per example is needed")
-    bx, by = batch.size(x), batch.size(y)
-    if bx != by or (indices is not None and len(indices) != bx):
-        raise ConfigError(f"step got {bx} inputs, {by} labels"
-                          + (f" and {len(indices)} indices" if indices is not None else "")
-                          + ": one label (and index) per input is needed")
-    if class_labels and not isinstance(y, Tensor):
-        raise ConfigError(f"the default cross-entropy loss takes a tensor of class indices, got "
-                          f"{type(y).__name__} labels; pass your own loss_fn for structured targets")
-    if class_labels and y.is_floating_point():
-        raise ConfigError(f"labels must be integer class indices (torch.long) for the default cross-entropy "
-                          f"loss, got {y.dtype}; convert them with y.long() or pass your own loss_fn")
-    if class_labels and own_rows and len(y) and bool((y < 0).any()):
-        raise ConfigError(f"labels must be class indices >= 0 for the default cross-entropy loss, got "
-                          f"{int(y.min())}; fix the labels (negative ones are not classes) or pass your own loss_fn")
-    if class_labels and y.dim() != 1:
-        raise ConfigError(f"labels must be one class index per example (shape ({len(y)},)) for the default "
-                          f"cross-entropy loss, got shape {tuple(y.shape)}; flatten them with y.view(-1) or pass "
-                          f"your own loss_fn")
-
-
-def _extendable(saved: dict, now: dict) -> bool:
-    """More steps than the checkpoint's at a noise multiplier that was given, not calibrated to a
-    target epsilon: the accounting covers the longer run (``privacy()`` reports its epsilon)."""
-    return saved.get("target_epsilon") is None and now["target_epsilon"] is None and now["steps"] > saved["steps"]
-
-
-def _canon(v) -> str:
-    """A method setting in canonical form: 4 and 4.0 are the same setting."""
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return repr(float(v))
-    return repr(v)
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, float) and isinstance(b, float):
-        return math.isclose(a, b, rel_tol=1e-12) or (math.isnan(a) and math.isnan(b))
-    return a == b
-
-
 SEEDED_CAVEAT = ("batches and noise derived from a user-given seed (a reproducible run): the guarantee holds only "
                  "while that seed stays secret and unguessable; anyone who has it can recompute the batches and "
                  "subtract the noise")
 
-AUTO_ROWS_BYTES = 2 * 2**30
-"""``grad_path="auto"`` takes the fast path when one micro-batch of float32 rows would exceed this."""
-
-
-def _check_distributed(name: str, rows: RowSource, pipeline) -> int:
-    """The world size of the process group (1 without one), after refusing what cannot be split:
-    a row source or stage whose rows are not a sum over examples that each rank can compute alone
-    declares why in ``distributed_refusal`` (none of the built-in methods does; a user's source may)."""
-    world = distributed.context()[1]
-    if world == 1:
-        return 1
-    why = getattr(rows, "distributed_refusal", None) or next(
-        (s.distributed_refusal for _, s in pipeline.named_stages() if getattr(s, "distributed_refusal", None)), None)
-    if why:
-        raise ConfigError(f"--algo {name} cannot run on {world} processes: {why}. Run it with one process "
-                          f"(plain `clipbias train`)")
-    return world
-
-
-StepHook = Callable[[DPEngine, Tensor], None]
-
-
-def run_steps(engine: DPEngine, x: "Batch | Dataset | PoissonLoader", y: Batch | None = None,
-              steps: int | None = None, *, before: Callable[[DPEngine], None] | None = None,
-              after: StepHook | None = None, **loader_options) -> tuple[float, int]:
-    """The sample-and-step loop: up to ``steps`` Poisson steps (default: all remaining), stopping at
-    ``engine.total_steps``; returns (sum of the example losses, number of examples). The data are
-    in-memory ``(x, y)`` (tensors or structured batches, on the CPU or the GPU), a map-style Dataset
-    ``x`` (``y`` None; ``loader_options`` go to ``clipbias.sampling.PoissonLoader``: ``collate_fn``,
-    ``num_workers``, ...) or a ``PoissonLoader``: one loop for all (``PoissonLoader.epoch``).
-    ``before(engine)`` runs before each step, ``after(engine, losses)`` after it: progress bars,
-    diagnostics, iterate traces. Used by training, the toy problems and the diagnostics recorder
-    alike. In a process group every rank draws the same global sample and steps on its share
-    (``engine.local_share``); ``after`` gets this rank's losses, the sums are global.
-    """
-    if isinstance(x, PoissonLoader):
-        if x.engine is not engine:  # its batches come from that engine's sampler, at that engine's q and n
-            raise ConfigError("this PoissonLoader was built for another engine: its batches are that engine's "
-                              "Poisson samples (its sampling rate, its secret sampler), not this engine's, so "
-                              "this engine's accounting would not describe them; build "
-                              "PoissonLoader(engine, dataset) for this engine")
-        if loader_options or y is not None:
-            raise ConfigError(f"a PoissonLoader carries its own data and options; got also "
-                              f"{'labels' if y is not None else ', '.join(loader_options)}: pass them when "
-                              f"building the PoissonLoader")
-        loader = x
-    else:
-        loader = PoissonLoader(engine, x if y is None else TensorData(x, y), **loader_options)
-    total, count = 0.0, 0
-    for xb, yb, idx in loader.epoch(engine.total_steps - engine.steps_taken if steps is None else steps):
-        if before is not None:
-            before(engine)
-        losses = engine.step(xb, yb, idx)
-        total, count = total + engine.last_loss[0], count + engine.last_loss[1]  # global sums
-        if after is not None:
-            after(engine, losses)
-    return total, count

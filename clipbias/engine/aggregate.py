@@ -1,0 +1,50 @@
+"""Which aggregate computes a step's sums: the book-keeping fast path (no rows), the rows summed per
+parameter, or the rows through the pipeline (stages that need rows); ``--grad-path rows | fast | auto``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..grads.fast import BookKeeping, why_unsupported
+from ..grads.rows import FuncGradients, LossFn, ParamSums, PerExampleRows, RowSource
+from ..transforms import Pipeline
+
+AUTO_ROWS_BYTES = 2 * 2**30
+"""``grad_path="auto"`` takes the fast path when one micro-batch of float32 rows would exceed this."""
+
+
+def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: LossFn, algo, pipeline: Pipeline,
+                     rows: RowSource, max_physical_batch: int, expected_batch_size: float):
+    """(the aggregate of a norm-scaling step or None, what the header says): the book-keeping fast
+    path (``grads.fast.BookKeeping``: no rows), the rows summed per parameter (``grads.ParamSums``),
+    or None (rows through the pipeline: stages that need rows). ``grad_path`` rows | fast | auto:
+    auto takes the fast path where it applies and one micro-batch of rows would exceed
+    ``AUTO_ROWS_BYTES`` (on CPU the rows path is faster for small models: docs/results.md)."""
+    if grad_path not in ("rows", "fast", "auto"):
+        raise ConfigError(f"--grad-path must be rows, fast or auto, got {grad_path!r}")
+    p = pipeline
+    why = ("a gradient backend was given" if not own_rows else
+           f"--algo {algo.name} computes its own rows" if algo.source is not None else
+           "--grad-bound clips the rows first" if p.reference else
+           f"--algo {algo.name} transforms rows beyond a norm scaling" if len(p.per_sample) != 1
+           or p.per_sample[0].scale(torch.ones(1)) is None else None)
+    if why is None:  # a norm-scaling step: the fast path if the model allows it, else summed rows
+        why = why_unsupported(model)
+        rows_bytes = min(max_physical_batch, math.ceil(1.2 * expected_batch_size)) * \
+            rows.layout.dim * 4
+        if why is None and (grad_path == "fast" or grad_path == "auto" and rows_bytes > AUTO_ROWS_BYTES):
+            return BookKeeping(model, loss_fn), (
+                "fast (per-layer norms and book-keeping sums, no rows; per-example sensitivity rests "
+                "on run-time checks of the model, docs/results.md)")
+        if grad_path != "fast" and isinstance(rows, PerExampleRows) and \
+                isinstance(rows.grads, FuncGradients):
+            return ParamSums(rows.grads), "rows (per-example gradients, torch.func, summed per parameter" + (
+                f"; the fast path does not apply: {why})" if grad_path == "auto" and why else ")")
+    if grad_path == "fast":
+        raise ConfigError(f"--grad-path fast is not available: {why}; use --grad-path auto or rows")
+    return None, "rows (per-example gradients, torch.func)" + (f"; the fast path does not apply: {why}"
+                                                                if grad_path == "auto" and why else "")

@@ -1,0 +1,129 @@
+"""The engine's refusals, each before anything changes: constructor arguments, a step's batch, a
+process group's ranks, a resumed run's settings. Every message names the value and the fix."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+
+from torch import Tensor, nn
+
+from .. import distributed
+from ..config import AlgoConfig
+from ..data import batch
+from ..data.batch import Batch
+from ..errors import ConfigError, ResumeMismatchError
+from ..grads.rows import RowSource, cross_entropy
+
+
+def check_arguments(model: nn.Module, n: int, batch_size: float, config: AlgoConfig) -> int:
+    """Refuse constructor arguments that would fail later with a raw error (or silently): returns n
+    as an int (numpy integers are fine)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(config, AlgoConfig):
+        raise ConfigError(f"config must be an AlgoConfig (clipbias.config.AlgoConfig(lr=..., clip=...)), got "
+                          f"{type(config).__name__}")
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ConfigError(f"dataset size n must be a positive integer, got {n!r}")
+    n = int(n)
+    if not (isinstance(batch_size, numbers.Real) and 1 <= batch_size <= n):
+        raise ConfigError(f"--batch-size (the expected Poisson batch size B) must lie in [1, N={n}], got "
+                          f"{batch_size!r}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(f"the model ({type(model).__name__}) has no trainable parameters: nothing to train")
+    return n
+
+
+def check_step(engine, x: Batch, y: Batch, indices: Tensor | None) -> None:
+    """Refuse a step that cannot be taken: budget spent, mismatched lengths, float labels."""
+    if engine.steps_taken >= engine.total_steps and engine.algo.private:
+        raise ConfigError(f"the privacy budget covers {engine.total_steps} steps and all were taken; "
+                          f"start a new run with more --epochs to train longer")
+    if not (isinstance(x, Tensor) and isinstance(y, Tensor)) and not engine.rows.structured:
+        raise ConfigError(f"--algo {engine.algo.name} computes its rows from image tensors and takes tensor "
+                          f"inputs and labels, got {type(x).__name__} and {type(y).__name__}; use an "
+                          f"algorithm with per-example rows (dpsgd, dice, ...) for structured batches")
+    check_batch(x, y, indices, engine.loss_fn is cross_entropy, engine.own_rows)
+    if engine.world_size > 1 and indices is None:
+        raise ConfigError(f"in a process group of {engine.world_size} ranks, step needs the example indices of "
+                          f"this rank's share (engine.local_share(engine.sampler.sample())): the keyed "
+                          f"per-example draws and the shares are defined by them")
+
+
+def check_batch(x: Batch, y: Batch, indices: Tensor | None, class_labels: bool, own_rows: bool) -> None:
+    """Refuse a batch the step cannot take, before anything changes: tensors (or tuples, lists, dicts
+    of tensors) with one row per example in every tensor and, for the default cross-entropy loss
+    (``class_labels``), one integer class index per example, not negative where the engine computes
+    the rows itself (``own_rows``; cross-entropy would silently ignore a label of -100)."""
+    for name, t in (("x", x), ("y", y), ("indices", indices)):
+        if t is not None and not isinstance(t, Tensor) and (name == "indices" or not isinstance(t, (tuple, list, Mapping))):
+            raise ConfigError(f"step: {name} must be a torch.Tensor" + ("" if name == "indices" else
+                              " (or a tuple, list or dict of tensors)") + f", got {type(t).__name__}; convert it "
+                              f"with torch.as_tensor({name})")
+    if isinstance(x, Tensor) and x.dim() == 0:
+        raise ConfigError("step got a scalar as inputs: one row per example is needed")
+    bx, by = batch.size(x), batch.size(y)
+    if bx != by or (indices is not None and len(indices) != bx):
+        raise ConfigError(f"step got {bx} inputs, {by} labels"
+                          + (f" and {len(indices)} indices" if indices is not None else "")
+                          + ": one label (and index) per input is needed")
+    if class_labels and not isinstance(y, Tensor):
+        raise ConfigError(f"the default cross-entropy loss takes a tensor of class indices, got "
+                          f"{type(y).__name__} labels; pass your own loss_fn for structured targets")
+    if class_labels and y.is_floating_point():
+        raise ConfigError(f"labels must be integer class indices (torch.long) for the default cross-entropy "
+                          f"loss, got {y.dtype}; convert them with y.long() or pass your own loss_fn")
+    if class_labels and own_rows and len(y) and bool((y < 0).any()):
+        raise ConfigError(f"labels must be class indices >= 0 for the default cross-entropy loss, got "
+                          f"{int(y.min())}; fix the labels (negative ones are not classes) or pass your own loss_fn")
+    if class_labels and y.dim() != 1:
+        raise ConfigError(f"labels must be one class index per example (shape ({len(y)},)) for the default "
+                          f"cross-entropy loss, got shape {tuple(y.shape)}; flatten them with y.view(-1) or pass "
+                          f"your own loss_fn")
+
+
+def check_distributed(name: str, rows: RowSource, pipeline) -> int:
+    """The world size of the process group (1 without one), after refusing what cannot be split:
+    a row source or stage whose rows are not a sum over examples that each rank can compute alone
+    declares why in ``distributed_refusal`` (none of the built-in methods does; a user's source may)."""
+    world = distributed.context()[1]
+    if world == 1:
+        return 1
+    why = getattr(rows, "distributed_refusal", None) or next(
+        (s.distributed_refusal for _, s in pipeline.named_stages() if getattr(s, "distributed_refusal", None)), None)
+    if why:
+        raise ConfigError(f"--algo {name} cannot run on {world} processes: {why}. Run it with one process "
+                          f"(plain `clipbias train`)")
+    return world
+
+
+def _extendable(saved: dict, now: dict) -> bool:
+    """More steps than the checkpoint's at a noise multiplier that was given, not calibrated to a
+    target epsilon: the accounting covers the longer run (``privacy()`` reports its epsilon)."""
+    return saved.get("target_epsilon") is None and now["target_epsilon"] is None and now["steps"] > saved["steps"]
+
+
+def canon(v) -> str:
+    """A method setting in canonical form: 4 and 4.0 are the same setting."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return repr(float(v))
+    return repr(v)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-12) or (math.isnan(a) and math.isnan(b))
+    return a == b
+
+
+def check_resume(saved: dict, now: dict) -> None:
+    """Refuse (``ResumeMismatchError``) a resumed run whose privacy-relevant settings changed; more steps
+    at a given (not calibrated) noise multiplier are allowed (``_extendable``)."""
+    diff = {k: (saved.get(k), v) for k, v in now.items() if not _same(saved.get(k), v)
+            and not (k == "steps" and _extendable(saved, now))}
+    if diff:
+        lines = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+        raise ResumeMismatchError(f"cannot resume: privacy-relevant settings changed ({lines}). "
+                                  f"Resume with the original settings or start a new run directory.")

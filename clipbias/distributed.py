@@ -81,6 +81,17 @@ def broadcast_key(key: SecretKey) -> SecretKey:
     return SecretKey(*box[0])
 
 
+def sum_over_ranks(value: float, device: torch.device | str = "cpu") -> float:
+    """The sum of every rank's ``value`` (the value itself with one process); a collective: every rank
+    calls it (e.g. a step's count of unclipped rows, each rank counting its share)."""
+    if context()[1] == 1:
+        return float(value)
+    import torch.distributed as dist
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t)
+
+
 def local_share(indices: Tensor, owners: Tensor | None = None) -> Tensor:
     """This rank's share of a global batch: the indices whose owner is this rank (all of them for
     one process). ``owners`` defaults to ``index % world``: every example has one owner across all

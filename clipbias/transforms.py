@@ -93,6 +93,12 @@ class PerSample(Stage):
         return None
 
 
+def scales_by_norm(stage: PerSample) -> bool:
+    """Whether the stage only rescales each row by a function of its norm (it overrides ``scale``):
+    decided without calling it (a stage may count what ``scale`` sees: adaptive clipping)."""
+    return type(stage).scale is not PerSample.scale
+
+
 class Clip(PerSample):
     def __init__(self, c: float) -> None:
         if not c > 0:
@@ -224,6 +230,7 @@ class Pipeline:
     error_feedback: ErrorFeedback | None = None
     noise: GaussianNoise | None = None
     post: Stage | None = None
+    noise_per_bound: float | None = None  # with a moving bound (adaptive clipping): noise std / bound
 
     def named_stages(self) -> list[tuple[str, Stage]]:
         """Every stage with its ``state_dict`` key, in the order of the data flow."""
@@ -265,6 +272,11 @@ class Pipeline:
         v = processed_sum / self.divisor
         if self.error_feedback is not None:
             v = self.error_feedback(v, reference_sum / self.divisor)
+        last = self.per_sample[-1] if self.per_sample else None
+        if getattr(last, "dynamic", False):  # adaptive clipping: its own release, and the noise at this step's bound
+            last.release(v.device)
+            if self.noise is not None and self.noise_per_bound is not None:
+                self.noise.std = self.noise_per_bound * last.bound
         if self.noise is not None:
             v = self.noise(v)
         return self.post(v) if self.post is not None else v

@@ -18,6 +18,7 @@
 ``batch-clip``       BatchNorm group gradients with public features (Alg. 3)          DPSGD's, private N
 ``dice-perturb``     DiceSGD + pre-clipping perturbation                             DiceSGD's
 ``dice-self-aug``    DiceSGD + self-augmentation                                     DiceSGD's
+``adaptive``         DPSGD with adaptive quantile clipping (Andrew et al. 2021)       Gaussian, joint z
 ===================  ==============================================================  ==================
 
 Layout: ``base`` (the ``Algorithm`` type, ``Parts``, the registry) at the bottom; one module per
@@ -33,6 +34,7 @@ from . import core  # noqa: I001 (order matters)
 from . import momentum
 from . import p_avg
 from . import batchclip
+from . import adaptive
 from . import compose as _compose
 from ..config import Setting
 from .augment import AugmentedGradients, CropFlip

@@ -68,6 +68,8 @@ class Algorithm:
     dice_grad_bound: Callable[[AlgoConfig, dict], float | None] | None = None
     validate: Callable[[AlgoConfig, dict, float, float], None] | None = None
     note: Callable[[AlgoConfig, dict], str] | None = None
+    # the gradient noise multiplier when the accounted z also pays for another release (adaptive clipping)
+    gradient_noise: Callable[[AlgoConfig, dict, float, float], float] | None = None
 
     def settings(self, cfg: AlgoConfig) -> dict:
         """The validated method settings of ``cfg.extra`` (unknown keys refused)."""
@@ -91,7 +93,10 @@ class Algorithm:
         if self.private:
             if p.sensitivity is None:
                 raise ConfigError(f"{self.name}: no stage bounds the per-example norm")
-            p.noise = GaussianNoise(z * p.sensitivity / div, key)
+            zg = self.gradient_noise(cfg, self.settings(cfg), z, expected_batch_size) if self.gradient_noise else z
+            p.noise = GaussianNoise(zg * p.sensitivity / div, key)
+            if getattr(p.per_sample[-1], "dynamic", False):  # the bound moves: the noise follows it
+                p.noise_per_bound = zg / div
         return p
 
     def spec(self, cfg: AlgoConfig, sample_rate: float, z: float, expected_batch_size: float) -> AccountingSpec:

@@ -94,6 +94,10 @@ def check_batched(name: str) -> algorithms.Algorithm:
         raise ConfigError(f"--algo {name} computes its rows with its own backend (groups, momentum over "
                           f"past iterates or augmentations), which the batched canary simulation does not "
                           f"drive; audit it with --mode one-run")
+    if getattr(algo.parts(AlgoConfig()).per_sample[-1], "dynamic", False):
+        raise ConfigError(f"--algo {name} moves its clip with a released count of unclipped rows, one count per "
+                          f"run: the batched simulation's leading axis of independent runs does not carry it; audit "
+                          f"it with --mode one-run")
     return algo
 
 

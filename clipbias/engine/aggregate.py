@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import nn
 
 from ..errors import ConfigError
 from ..grads.fast import BookKeeping, why_unsupported
 from ..grads.rows import FuncGradients, LossFn, ParamSums, PerExampleRows, RowSource
-from ..transforms import Pipeline
+from ..transforms import Pipeline, scales_by_norm
 
 AUTO_ROWS_BYTES = 2 * 2**30
 """``grad_path="auto"`` takes the fast path when one micro-batch of float32 rows would exceed this."""
@@ -31,7 +30,7 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
            f"--algo {algo.name} computes its own rows" if algo.source is not None else
            "--grad-bound clips the rows first" if p.reference else
            f"--algo {algo.name} transforms rows beyond a norm scaling" if len(p.per_sample) != 1
-           or p.per_sample[0].scale(torch.ones(1)) is None else None)
+           or not scales_by_norm(p.per_sample[0]) else None)
     if why is None:  # a norm-scaling step: the fast path if the model allows it, else summed rows
         why = why_unsupported(model)
         rows_bytes = min(max_physical_batch, math.ceil(1.2 * expected_batch_size)) * \

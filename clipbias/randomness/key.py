@@ -41,6 +41,7 @@ class Purpose(enum.IntEnum):
     PREDICT = 7   # BatchClipping's inference draws (per vote and test example)
     LOADER = 8    # DataLoader worker seeds (the user's own dataset randomness, per epoch start)
     PERTURB_BATCH = 9  # pre-clipping perturbation of rows without example indices (per step and call)
+    CLIP_COUNT = 10    # adaptive clipping: the noisy count of unclipped rows (per release)
 
 
 class SecretKey:

@@ -42,6 +42,9 @@ class Purpose(enum.IntEnum):
     LOADER = 8    # DataLoader worker seeds (the user's own dataset randomness, per epoch start)
     PERTURB_BATCH = 9  # pre-clipping perturbation of rows without example indices (per step and call)
     CLIP_COUNT = 10    # adaptive clipping: the noisy count of unclipped rows (per release)
+    TUNE = 11          # tuning: the number of trials (step 0), each trial's hyperparameters and key (step 1 + trial)
+    TUNE_SCORE = 12    # tuning: the noisy validation count of each trial (per trial)
+    TUNE_SPLIT = 13    # tuning: which training examples form the validation part (one draw)
 
 
 class SecretKey:

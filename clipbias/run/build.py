@@ -18,6 +18,7 @@ from .. import algorithms
 from ..config import AlgoConfig
 from ..engine.core import DPEngine
 from ..errors import ConfigError
+from ..randomness import SecretKey
 from .config import TrainConfig
 from .splits import Splits, build_model, device
 
@@ -40,8 +41,9 @@ class Run:
         return evaluate(self.model, x, y, self.cfg.eval_batch_size, self.predict)
 
 
-def build_run(cfg: TrainConfig, splits: Splits) -> Run:
-    """The model, the BatchClipping variant when the algorithm needs public features, the engine."""
+def build_run(cfg: TrainConfig, splits: Splits, key: SecretKey | None = None) -> Run:
+    """The model, the BatchClipping variant when the algorithm needs public features, the engine (its
+    secret randomness under ``key`` when given: a tuning trial's, drawn from the tuning's key)."""
     dev = device(cfg.device)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, tuple(splits.info["input_shape"]), splits.info["num_classes"]).to(dev)
@@ -54,7 +56,7 @@ def build_run(cfg: TrainConfig, splits: Splits) -> Run:
                       noise_multiplier=cfg.noise_multiplier if algo.private else None,
                       delta=cfg.delta, accountant=cfg.accountant, dice_accounting=cfg.dice_accounting,
                       config=algo_cfg, max_physical_batch=cfg.max_physical_batch,
-                      noise_seed=cfg.key_seed, grad_path=cfg.grad_path)
+                      noise_seed=key if key is not None else cfg.key_seed, grad_path=cfg.grad_path)
     return Run(cfg, splits, model, engine, algo, dev, predict)
 
 

@@ -1,0 +1,145 @@
+"""``tune``: private random search over hyperparameters (Papernot & Steinke, ICLR 2022).
+
+The training data are split once, by a secret keyed draw per example, into a training part and a
+validation part. Then K trials run, K ~ a truncated negative binomial of mean ``trials`` drawn from
+the tuning's secret key; each samples ``lr`` and ``clip`` log-uniformly from their ranges, trains
+with the same noise multiplier z on the training part, and scores the validation part with a
+Gaussian-noised count of correct predictions. Only the best trial is released: its hyperparameters,
+weights, noisy validation accuracy and test accuracy (the test split is public and plays no part in
+the selection). z is calibrated so that the whole tuning, not one trial, meets the target epsilon
+(``clipbias.privacy.tuning``). Nothing about the other trials, not even their number, is output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .. import algorithms
+from ..errors import ConfigError
+from ..privacy import tuning
+from ..privacy.report import check_epsilon, check_positive
+from ..randomness import Purpose, SecretKey, poisson_indices, snapped_gaussian, stream, uint64s
+from ..engine import run_steps
+from .build import build_run
+from .config import TrainConfig
+from .splits import Splits, prepare_splits
+
+
+@dataclass
+class TuneConfig:
+    """A tuning of ``base`` (its data, model, algorithm, epochs, batch size, delta; ``base.epsilon`` is
+    the budget of the whole tuning). ``lr_range``/``clip_range``: log-uniform search ranges;
+    ``trials``: the mean number of trials; ``shape``: of their truncated negative binomial (0:
+    logarithmic, 1: geometric); ``validation``: the fraction of the training data scored;
+    ``score_noise``: std of the validation count's noise (default: 1 % of the validation part, at least 10)."""
+
+    base: TrainConfig
+    lr_range: tuple[float, float]
+    clip_range: tuple[float, float]
+    trials: float = 10.0
+    shape: float = 1.0
+    validation: float = 0.1
+    score_noise: float | None = None
+
+    def validate(self) -> "TuneConfig":
+        if self.base.epsilon is None:
+            raise ConfigError("tune needs --epsilon: the budget of the whole tuning (the trials' noise is calibrated "
+                              "to it)")
+        check_epsilon(self.base.epsilon)
+        algo = algorithms.get(self.base.algo)
+        if not algo.private or algo.accounting != "gaussian":
+            raise ConfigError(f"tune accounts the trials with Renyi DP, which covers the Gaussian-accounted "
+                              f"algorithms (dpsgd, normalized, adaptive, perturb, p-avg, ...); --algo {self.base.algo} "
+                              f"is {'not private' if not algo.private else 'accounted by the DiceSGD mixture'}")
+        for name, (lo, hi) in (("--lr-range", self.lr_range), ("--clip-range", self.clip_range)):
+            if not (check_positive(lo, name) <= check_positive(hi, name)):
+                raise ConfigError(f"{name} must be LO HI with 0 < LO <= HI, got {lo!r} {hi!r}")
+        if not (isinstance(self.trials, (int, float)) and self.trials >= 1):
+            raise ConfigError(f"--trials (the mean number of trials) must be >= 1, got {self.trials!r}")
+        if not (isinstance(self.shape, (int, float)) and self.shape >= 0 and math.isfinite(self.shape)):
+            raise ConfigError(f"--shape must be a finite number >= 0, got {self.shape!r}")
+        if not 0 < self.validation < 1:
+            raise ConfigError(f"--validation-fraction must lie in (0, 1), got {self.validation!r}")
+        if self.score_noise is not None:
+            check_positive(self.score_noise, "--score-noise")
+        return self
+
+
+def split(splits: Splits, fraction: float, key: SecretKey) -> tuple[Splits, torch.Tensor, torch.Tensor]:
+    """(the training part as ``Splits``, validation inputs, labels): each training example joins the
+    validation part independently with probability ``fraction``, by a keyed draw (the coupling that
+    keeps every other example in its part when one is added or removed)."""
+    val = torch.zeros(splits.n, dtype=torch.bool)
+    val[poisson_indices(key, Purpose.TUNE_SPLIT, 0, splits.n, fraction)] = True
+    val = val.to(splits.y_train.device)
+    if not 0 < int(val.sum()) < splits.n:
+        raise ConfigError("the validation part is empty or holds every example: use more data or another "
+                          "--validation-fraction")
+    part = dataclasses.replace(splits, x_train=splits.x_train[~val], y_train=splits.y_train[~val], x_val=None,
+                               y_val=None, info={**splits.info, "n": int((~val).sum())})
+    return part, splits.x_train[val], splits.y_train[val]
+
+
+def _uniform(key: SecretKey, purpose: int, step: int, index: int) -> float:
+    return (int(uint64s(key, purpose, step, index, 1)[0]) + 0.5) / 2.0 ** 64
+
+
+def _trial_config(tc: TuneConfig, key: SecretKey, trial: int, z: float) -> TrainConfig:
+    u_lr, u_clip = _uniform(key, Purpose.TUNE, 1 + trial, 0), _uniform(key, Purpose.TUNE, 1 + trial, 1)
+    (lr0, lr1), (c0, c1) = tc.lr_range, tc.clip_range
+    return dataclasses.replace(tc.base, epsilon=None, noise_multiplier=z, out=None, validation=0,
+                               lr=lr0 * (lr1 / lr0) ** u_lr, clip=c0 * (c1 / c0) ** u_clip)
+
+
+def tune(tc: TuneConfig, key: SecretKey | None = None, splits: Splits | None = None) -> dict:
+    """Run the private random search; returns the best trial (config, weights, accuracies) and the
+    tuning's privacy statement. ``key``: the tuning's secret key (default: 256 OS bits)."""
+    tc.validate()
+    t0 = time.perf_counter()
+    key = key or SecretKey.generate()
+    base = dataclasses.replace(tc.base, validation=0, out=None)
+    part, x_val, y_val = split(splits or prepare_splits(base), tc.validation, key)
+    score_std = tc.score_noise if tc.score_noise is not None else max(10.0, 0.01 * len(y_val))
+    z, event_of = _calibrate(tc, base, part, score_std)
+    trials = tuning.trial_count(_uniform(key, Purpose.TUNE, 0, 0), tc.trials, tc.shape)
+    best = None
+    for trial in range(trials):
+        cfg = _trial_config(tc, key, trial, z)
+        trial_key = SecretKey(stream(key, Purpose.TUNE, 1 + trial, 2, 32).tobytes(), key.reproducible)
+        run = build_run(cfg, part, trial_key)
+        run_steps(run.engine, part.x_train, part.y_train)
+        acc, _ = run.evaluate(x_val, y_val)
+        count = torch.tensor([round(acc * len(y_val))], dtype=torch.float64)
+        score = float(snapped_gaussian(count, score_std, key, trial, Purpose.TUNE_SCORE)) / len(y_val)
+        if best is None or score > best[0]:
+            best = (score, cfg, {name: t.detach().cpu().clone() for name, t in run.model.state_dict().items()},
+                    run.evaluate(part.x_test, part.y_test)[0])
+    score, cfg, weights, test_acc = best
+    eps = tuning.tuned_epsilon(event_of(z), score_std, base.delta, tc.trials, tc.shape)
+    return {"best": {"lr": cfg.lr, "clip": cfg.clip, "config": cfg.to_dict(), "validation_accuracy": score,
+                     "test_accuracy": test_acc},
+            "weights": weights, "noise_multiplier": z, "epsilon": eps, "delta": base.delta,
+            "accountant": "rdp", "certified": not key.reproducible,
+            "caveats": (["the tuning's key derives from a seed: the guarantee holds only while it stays secret"]
+                        if key.reproducible else []),
+            "basis": tuning.BASIS.format(shape=tc.shape, mean=tc.trials, score_std=score_std),
+            "secret": ("the number of trials and every other trial's result are not output; the run's duration "
+                       "grows with the number of trials, so keep it from the adversary (else account K revealed)"),
+            "n_train": part.n, "n_validation": len(y_val), "wall_time_s": time.perf_counter() - t0}
+
+
+def _calibrate(tc: TuneConfig, base: TrainConfig, part: Splits, score_std: float):
+    """(z, the training event of one trial as a function of z) for the tuning's target epsilon."""
+    algo = algorithms.get(base.algo)
+    cfg = base.algo_config()
+    q = base.batch_size / part.n
+    steps = base.epochs * max(1, round(part.n / base.batch_size))
+
+    def event_of(z: float):
+        return algo.spec(cfg, q, z, base.batch_size).dp_event(steps)
+    return tuning.calibrate(event_of, base.epsilon, base.delta, tc.trials, tc.shape, score_std), event_of

@@ -1,0 +1,99 @@
+"""Private hyperparameter tuning (Papernot & Steinke 2022): the accounting equals their Theorem 2
+computed independently from the trial's Renyi curve, the number of trials follows the accounted
+distribution, calibration never overshoots, and a tuning run outputs the best trial only."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from dp_accounting import dp_event
+from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+from clipbias.errors import ConfigError
+from clipbias.privacy import tuning
+from clipbias.randomness import SecretKey
+from clipbias.run import TrainConfig
+from clipbias.run.tune import TuneConfig, tune
+
+TRAINING = dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.05, dp_event.GaussianDpEvent(1.2)), 60)
+
+
+def _theorem_2(orders, curve, lam_index, mean, shape):
+    """eps' at order orders[lam_index] by the formula of Papernot & Steinke, Thm. 2, minimised over the
+    same orders for lambda-hat (dp-accounting's choice of grid), then the monotone envelope."""
+    gamma = tuning.gamma_of(mean, shape)
+    c = (1 + shape) * min((1 - 1 / lh) * e - math.log(gamma) / lh for lh, e in zip(orders, curve))
+    raw = [e + math.log(mean) / (lam - 1) + c for lam, e in zip(orders, curve)]
+    return min(raw[j] for j in range(len(orders)) if orders[j] >= orders[lam_index])
+
+
+@pytest.mark.parametrize("shape", [0.0, 1.0, 3.0])
+def test_the_tuning_epsilon_is_theorem_2_of_the_trial_curve(shape):
+    acc = rdp.RdpAccountant()
+    acc.compose(tuning.trial_event(TRAINING, 25.0))
+    orders, curve = list(acc._orders), list(acc._rdp)
+    ours = [_theorem_2(orders, curve, i, 8.0, shape) for i in range(len(orders))]
+    eps, _ = rdp.compute_epsilon(orders, ours, 1e-5)
+    assert tuning.tuned_epsilon(TRAINING, 25.0, 1e-5, 8.0, shape) == pytest.approx(eps, rel=1e-9)
+    single = rdp.RdpAccountant()
+    single.compose(tuning.trial_event(TRAINING, 25.0))
+    assert eps > single.get_epsilon(1e-5)  # tuning costs privacy
+
+
+@pytest.mark.parametrize("shape", [0.0, 1.0, 2.5])
+def test_the_number_of_trials_follows_the_accounted_distribution(shape):
+    """K by the inverse CDF at uniforms: its distribution is the truncated negative binomial that
+    dp-accounting's gamma describes (pmf recomputed here), and its mean is the requested mean."""
+    mean, gamma = 6.0, tuning.gamma_of(6.0, shape)
+    us = (np.arange(20000) + 0.5) / 20000
+    ks = np.array([tuning.trial_count(float(u), mean, shape) for u in us])
+    assert ks.min() >= 1 and ks.mean() == pytest.approx(mean, rel=0.02)
+    k = np.arange(1, 8)
+    if shape == 0:
+        pmf = (1 - gamma) ** k / k / -math.log(gamma)
+    else:
+        pmf = np.array([(1 - gamma) ** i * math.exp(math.lgamma(i + shape) - math.lgamma(shape) - math.lgamma(i + 1))
+                        for i in k]) / (gamma ** -shape - 1)
+    emp = np.array([(ks == i).mean() for i in k])
+    assert np.allclose(emp, pmf, atol=2e-4)
+
+
+def test_calibration_never_overshoots():
+    def event_of(z):
+        return dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.05, dp_event.GaussianDpEvent(z)), 60)
+    for target in (1.0, 3.0, 8.0):
+        z = tuning.calibrate(event_of, target, 1e-5, 10.0, 1.0, 25.0)
+        assert tuning.tuned_epsilon(event_of(z), 25.0, 1e-5, 10.0, 1.0) <= target
+        assert tuning.tuned_epsilon(event_of(z / 1.01), 25.0, 1e-5, 10.0, 1.0) > target
+    with pytest.raises(ConfigError, match="cannot reach"):
+        tuning.calibrate(event_of, 0.05, 1e-5, 10.0, 1.0, 25.0)
+
+
+BASE = TrainConfig(data="digits", model="logreg", algo="dpsgd", epsilon=3.0, delta=1e-5, epochs=2, batch_size=64,
+                   lr=0.5, clip=1.0, accountant="rdp")
+
+
+def test_a_tuning_outputs_the_best_trial_only_and_meets_its_budget():
+    tc = TuneConfig(BASE, (0.05, 5.0), (0.1, 10.0), trials=3.0)
+    a, b = tune(tc, SecretKey.from_seed(7)), tune(tc, SecretKey.from_seed(7))
+    assert a["epsilon"] <= 3.0 and a["best"] == b["best"] and a["noise_multiplier"] == b["noise_multiplier"]
+    assert a["certified"] is False and a["caveats"]  # a seeded key
+    assert set(a) == {"best", "weights", "noise_multiplier", "epsilon", "delta", "accountant", "certified", "caveats",
+                      "basis", "secret", "n_train", "n_validation", "wall_time_s"}  # nothing per trial
+    assert a["n_train"] + a["n_validation"] == 1347 and 0.5 * 0.1 * 1347 < a["n_validation"] < 1.5 * 0.1 * 1347
+    assert 0.05 <= a["best"]["lr"] <= 5.0 and 0.1 <= a["best"]["clip"] <= 10.0
+    assert a["best"]["config"]["noise_multiplier"] == a["noise_multiplier"] and a["best"]["test_accuracy"] > 0.5
+    fresh = tune(TuneConfig(BASE, (0.05, 5.0), (0.1, 10.0), trials=1.0))
+    assert fresh["certified"] is True and fresh["caveats"] == []
+
+
+@pytest.mark.parametrize("change,flag", [(dict(algo="dice"), "DiceSGD"), (dict(epsilon=None, noise_multiplier=1.0),
+                                                                           "--epsilon")])
+def test_refusals(change, flag):
+    import dataclasses
+    with pytest.raises(ConfigError, match=flag):
+        TuneConfig(dataclasses.replace(BASE, **change), (0.1, 1.0), (0.1, 1.0)).validate()
+    with pytest.raises(ConfigError, match="--lr-range"):
+        TuneConfig(BASE, (1.0, 0.1), (0.1, 1.0)).validate()

@@ -2,8 +2,8 @@
 
 The seam (docs/architecture.md, "Distributed training"):
 
-* every rank runs the SAME Poisson sampler (the secret seeds are broadcast from rank 0 when the
-  engine is built), so every rank draws the identical global index set each step;
+* every rank runs the SAME Poisson sampler (rank 0's secret key is broadcast when the engine is
+  built), so every rank draws the identical global index set each step;
 * each rank processes its share of it, the examples with ``index % world == rank`` (``local_share``):
   an example always lands on the same rank, so per-example state keyed by the index would stay on
   one rank;
@@ -11,8 +11,8 @@ The seam (docs/architecture.md, "Distributed training"):
   its row source or the fast path, and ONE ``all_reduce(SUM)`` of the concatenated
   ``[processed, reference, loss sum, count, failure flag]`` (``reduce_step``) gives every rank the
   global sums of the single-process step;
-* every rank then runs the identical ``Pipeline.finish``: the noise generators are seeded
-  identically, so the same Gaussian vector is added once to the global sum (never N draws), and
+* every rank then runs the identical ``Pipeline.finish``: the noise is drawn under the same key at the
+  same address, so the same Gaussian vector is added once to the global sum (never N draws), and
   the error-feedback buffer, outer momentum, optimizer state and weights stay identical without any
   broadcast.
 

@@ -17,6 +17,7 @@ from scipy import stats
 
 from clipbias.config import AlgoConfig
 from clipbias.engine.core import DPEngine
+from clipbias.errors import ConfigError
 from clipbias.randomness import (Purpose, SecretKey, keyed_ints, noise_grid, normals, poisson_indices, snap,
                                  snapped_gaussian)
 from clipbias.randomness.chacha import chacha20_words, keystream, words_of
@@ -106,6 +107,9 @@ def test_box_muller_is_accurate_to_2_to_the_minus_44_against_200_bit_arithmetic(
     h[300:600] = np.uint64(2 ** 64 - 1) - g.integers(0, 2 ** 20, 300, dtype=np.uint64)  # radius near 0
     a[600:900] = (np.arange(300, dtype=np.uint64) % 4) * np.uint64(2 ** 62) + g.integers(0, 2 ** 20, 300,
                                                                                            dtype=np.uint64)
+    # just below and above the switch to log1p at u = 1 - 2^-20, where log(u)'s error is largest
+    h[900:1000] = np.uint64(2 ** 64 - 2 ** 44) - g.integers(0, 2 ** 36, 100, dtype=np.uint64)
+    h[1000:1100] = np.uint64(2 ** 64 - 2 ** 44) + g.integers(0, 2 ** 36, 100, dtype=np.uint64)
     w = torch.from_numpy(np.stack([v.astype(np.float64) for v in (h, l, a, ~h, ~l)]))
     z = box_muller(w).view(n, 2).numpy()
     worst = 0.0
@@ -171,6 +175,44 @@ def test_keys_use_every_seed_bit_and_never_print():
     assert not fresh.reproducible and len(fresh.bytes) == 32 and fresh != SecretKey.generate()
     assert fresh.bytes.hex() not in repr(fresh) and "secret" in repr(fresh)
     assert SecretKey.from_state(fresh.state_dict()) == fresh
+
+
+def test_poisson_inclusion_never_exceeds_q():
+    """The threshold rounds q 2^64 down: the realised rate is q exactly when q >= 2^-11, below it else."""
+    from clipbias.randomness import inclusion_threshold
+    for n in (3, 1000, 60000, 999_983, 10 ** 7):
+        assert Fraction(inclusion_threshold(1 / n), 1 << 64) <= Fraction(1 / n)
+    assert Fraction(inclusion_threshold(0.25), 1 << 64) == Fraction(1, 4)
+
+
+def test_one_key_drives_one_engine_and_a_failed_load_changes_nothing():
+    """Two engines under one OS key would draw the same noise (their difference is noise-free): refused.
+    A state that fails to load (here an optimizer for another model) leaves the engine on its own key,
+    counters and steps; an engine that has taken steps cannot load a state (it would replay draws)."""
+    def engine(model, **kw):
+        return DPEngine(model, "dpsgd", n=40, batch_size=4, steps=5, noise_multiplier=1.0,
+                        config=AlgoConfig(lr=0.1, clip=1.0), **kw)
+    key = SecretKey.generate()
+    first = engine(torch.nn.Linear(3, 2), noise_seed=key)
+    with pytest.raises(ConfigError, match="already drives another"):
+        engine(torch.nn.Linear(3, 2), noise_seed=key)
+    assert first.key is key
+    engine(torch.nn.Linear(3, 2), noise_seed=5), engine(torch.nn.Linear(3, 2), noise_seed=5)  # seeded: uncertified
+    x, y = torch.randn(40, 3), torch.arange(40) % 2
+    donor = engine(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)))
+    idx = donor.sampler.sample()
+    donor.step(torch.randn(len(idx), 3), y[idx], idx)
+    target = engine(torch.nn.Linear(3, 2))
+    own = target.key
+    with pytest.raises(ValueError):
+        target.load_state_dict(donor.state_dict())  # same settings, another model's optimizer state
+    assert target.key == own and target.steps_taken == 0 and target.sampler.drawn == 0
+    assert target.pipeline.noise.key == own and target.pipeline.noise.draws == 0 and not own.reproducible
+    idx = target.sampler.sample()
+    target.step(x[idx], y[idx], idx)
+    with pytest.raises(ConfigError, match="taken 1 step"):
+        target.load_state_dict(target.state_dict())
+    assert SecretKey.from_state({"key": torch.zeros(32, dtype=torch.uint8)}).reproducible  # unknown: uncertified
 
 
 def test_poisson_inclusion_has_rate_q():
@@ -253,18 +295,48 @@ SECRET_FREE = {  # modules whose seeded generators draw public or experimental r
     "algorithms/batchclip.py": "which public test images become public features",
     "run/build.py": "the public model initialisation",
     "sampling/loader.py": "DataLoader worker seeds (the user's dataset randomness, not the mechanism's), a ChaCha20 output",
+    "models/gpt.py": "the public model initialisation",
 }
 
 
+RANDOM_DRAWS = {"rand", "randn", "randint", "randperm", "bernoulli", "normal", "multinomial", "poisson", "rand_like",
+                "randn_like", "randint_like", "normal_", "uniform_", "bernoulli_", "random_", "exponential_",
+                "geometric_", "cauchy_", "log_normal_"}
+SEEDING = {"manual_seed", "manual_seed_all", "seed", "seed_all", "RandomState", "default_rng", "Random",
+           "SeedSequence", "PCG64", "Philox", "MT19937", "SFC64", "Generator"}
+
+
+def seeded_or_global_draws(tree: ast.AST) -> list[tuple[int, str]]:
+    """Calls that seed a generator (any spelling) or draw from torch's global generator (no
+    ``generator=``): the forms a secret draw must never take."""
+    hits = []
+    for n in ast.walk(tree):
+        if not isinstance(n, ast.Call):
+            continue
+        f = n.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        if name in SEEDING or (name in RANDOM_DRAWS and not any(k.arg == "generator" for k in n.keywords)):
+            hits.append((n.lineno, name))
+    return hits
+
+
+def test_the_walker_sees_every_spelling():
+    snippet = ("import random, numpy as np, torch\nfrom torch import manual_seed\n"
+               "def f(v):\n    z = torch.randn(v.shape)\n    v.normal_()\n    torch.cuda.manual_seed_all(1)\n"
+               "    r = random.Random(5)\n    g = np.random.Generator(np.random.PCG64(7))\n    manual_seed(3)\n"
+               "    ok = torch.randn(3, generator=keyed)\n")
+    names = [n for _, n in seeded_or_global_draws(ast.parse(snippet))]
+    assert names.count("randn") == 1 and {"normal_", "manual_seed_all", "Random", "Generator", "PCG64",
+                                          "manual_seed"} <= set(names)
+
+
 def test_no_seeded_generator_outside_the_public_uses():
-    """torch.Generator().manual_seed, torch.manual_seed, numpy's RandomState/default_rng and
-    random.seed appear only in modules whose randomness is public (listed with the reason)."""
+    """Seeded generators (torch, numpy, random) and draws from torch's global generator appear only in
+    modules whose randomness is public (listed with the reason); the secret path draws from the key."""
     root = pathlib.Path(__file__).resolve().parents[1] / "clipbias"
-    seeded = {"manual_seed", "RandomState", "default_rng", "seed"}
     found = {}
     for path in root.rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in seeded:
-                found.setdefault(str(path.relative_to(root)), []).append(node.lineno)
+        hits = seeded_or_global_draws(ast.parse(path.read_text()))
+        if hits:
+            found[str(path.relative_to(root))] = hits
     assert set(found) <= set(SECRET_FREE), {k: v for k, v in found.items() if k not in SECRET_FREE}

@@ -65,19 +65,11 @@ class DPEngine:
     ``sound``; ``paper`` and ``authors`` are refuted and report ``certified = False``); without
     ``config.ef_clip`` they use C2 = 0.01 C1 / B (feedback ratio r = 0.01).
 
-    Randomness: the caller seeds the model init (public). The Poisson batches, the pipeline's draws
-    (Gaussian noise, pre-clipping perturbation) and the keyed per-example draws of the gradient
-    backends (augmentations, groupings, public partners) are ChaCha20 draws under one 256-bit
-    ``SecretKey`` (``clipbias.randomness``): by default (``noise_seed=None``) 256 bits of the OS
-    CSPRNG, recorded nowhere but in the private ``state_dict``. ``noise_seed`` (an integer below
-    2^256, or a ``SecretKey``) makes a run reproducible; the guarantee then holds only while that seed
-    is secret, and ``privacy()`` reports it ``certified=False`` with that caveat.
-
-    Rows: ``grads`` if given (a ``clipbias.grads.RowSource``, or a per-example gradient function
-    ``PerSampleGradients``, which is wrapped in ``PerExampleRows``), else the algorithm's own
-    ``row_source`` (per-example gradients by ``FuncGradients``, or group means, augmentation averages,
-    inner momenta, ...), keyed by the secret key. The source's staged state is committed after each
-    successful step and rolled back after a failed one; its ``state_dict`` is part of the engine's.
+    Randomness: the model init is the caller's (public). The batches, the noise and every keyed draw
+    are ChaCha20 draws under one 256-bit ``SecretKey`` (``clipbias.randomness``): by default 256 OS bits,
+    kept only in the private ``state_dict``; ``noise_seed`` (an integer below 2^256, or a key) makes a
+    run reproducible and ``privacy()`` then reports it uncertified. Rows: ``grads`` (a ``RowSource``
+    or a per-example gradient function) if given, else the algorithm's own source.
 
     Example::
 
@@ -119,9 +111,10 @@ class DPEngine:
         self.total_steps, self.delta = steps, delta
         # in a process group every rank holds rank 0's key: one global sample, one noise draw
         self.key = distributed.broadcast_key(SecretKey.of(noise_seed))
+        self.key.adopt(self)
         self.accountant, self.dice_accounting = accountant, dice_accounting
 
-        self.noise_multiplier = z = self._noise_multiplier(epsilon, noise_multiplier)
+        self.noise_multiplier = z = noise_multiplier_for(self, epsilon, noise_multiplier)
         self.spec = self.algo.spec(self.config, self.sample_rate, z, self.expected_batch_size)
         if self.algo.private:
             self.privacy(steps)  # refuses now (not after training) when the guarantee cannot hold
@@ -149,18 +142,6 @@ class DPEngine:
                                         dice_accounting, self.config.clip, self.config.ef_clip,
                                         self.config.grad_bound, self.config.gamma, epsilon,
                                         tuple(sorted((k, canon(v)) for k, v in self.config.extra.items())))
-
-    def _noise_multiplier(self, epsilon: float | None, noise_multiplier: float | None) -> float:
-        """The given noise multiplier, or the one calibrated to ``epsilon`` for all steps (0: non-private)."""
-        if not self.algo.private:
-            return 0.0
-        if noise_multiplier is not None:
-            return privacy.report.check_positive(noise_multiplier, "--noise-multiplier")
-        if epsilon is None:
-            raise ConfigError(f"{self.algo.name} is private: give --epsilon (calibrates the noise) or "
-                              f"--noise-multiplier")
-        spec = self.algo.spec(self.config, self.sample_rate, 0.0, self.expected_batch_size)
-        return privacy.calibrate(spec, epsilon, self.delta, self.total_steps, self.accountant, self.dice_accounting)
 
     # ------------------------------------------------------------------ training
     def step(self, x: Batch, y: Batch, indices: Tensor | None = None) -> Tensor:
@@ -280,7 +261,12 @@ class DPEngine:
                 "rows": self.rows.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state_dict()``; refuses (ResumeMismatchError) if a privacy setting changed."""
+        """Continue from ``state_dict()``; refuses (ResumeMismatchError) if a privacy setting changed.
+
+        All or nothing: a state that fails to load leaves the engine as it was. Only a fresh engine
+        (no step taken) loads a state: one that has taken steps would replay its own released draws.
+        A state (a checkpoint) may drive ONE released continuation: two continuations draw the same
+        batches and noise, and releasing both reveals their difference without noise."""
         missing = [k for k in ("settings", "steps_taken", "optimizer", "pipeline", "sampler")
                    if not isinstance(state, dict) or k not in state]
         if missing:
@@ -292,7 +278,21 @@ class DPEngine:
                                       "from the released model; continuing it would not be private. Start a new run "
                                       "(a new run directory, or --overwrite)")
         check_resume(state["settings"], asdict(self.settings))
-        self._set_key(SecretKey.from_state(state["secret_key"]))  # the stream continues under the run's key
+        if self.steps_taken:
+            raise ConfigError(f"load_state_dict: this engine has taken {self.steps_taken} step(s); loading a state "
+                              f"into it would replay draws it has already released. Build a new DPEngine and load "
+                              f"the state into that")
+        backup = self.state_dict()
+        try:
+            self._load(state)
+        except Exception:
+            self._load(backup)  # the engine as it was, on its own key
+            raise
+
+    def _load(self, state: dict) -> None:
+        key = SecretKey.from_state(state["secret_key"])  # the stream continues under the run's key
+        key.adopt(self)
+        self._set_key(key)
         self.steps_taken = state["steps_taken"]
         self.optimizer.load_state_dict(state["optimizer"])
         self.pipeline.load_state_dict(state["pipeline"])
@@ -305,6 +305,21 @@ class DPEngine:
         for _, stage in self.pipeline.named_stages():
             if isinstance(getattr(stage, "key", None), SecretKey):
                 stage.key = key
+
+
+def noise_multiplier_for(engine: DPEngine, epsilon: float | None, noise_multiplier: float | None) -> float:
+    """The given noise multiplier, or the one calibrated to ``epsilon`` for all the engine's steps (0 for a
+    non-private algorithm)."""
+    if not engine.algo.private:
+        return 0.0
+    if noise_multiplier is not None:
+        return privacy.report.check_positive(noise_multiplier, "--noise-multiplier")
+    if epsilon is None:
+        raise ConfigError(f"{engine.algo.name} is private: give --epsilon (calibrates the noise) or "
+                          f"--noise-multiplier")
+    spec = engine.algo.spec(engine.config, engine.sample_rate, 0.0, engine.expected_batch_size)
+    return privacy.calibrate(spec, epsilon, engine.delta, engine.total_steps, engine.accountant,
+                             engine.dice_accounting)
 
 
 SEEDED_CAVEAT = ("batches and noise derived from a user-given seed (a reproducible run): the guarantee holds only "

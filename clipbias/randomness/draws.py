@@ -47,9 +47,10 @@ def secret_int(key: SecretKey, purpose: int, step: int, index: int = 0) -> int:
 
 
 def inclusion_threshold(q: float) -> int:
-    """T with T / 2^64 the float q rounded to the nearest multiple of 2^-64: an example is included when
-    its uniform 64-bit draw is below T (exactly q when q >= 2^-11; within 2^-65 always)."""
-    return int(Fraction(q) * (1 << 64) + Fraction(1, 2))
+    """T with T / 2^64 the float q rounded *down* to a multiple of 2^-64: an example is included when its
+    uniform 64-bit draw is below T, so the realised rate is q exactly when q >= 2^-11 and never above q
+    (a lower rate is more private than the accountant assumes)."""
+    return int(Fraction(q) * (1 << 64))
 
 
 def poisson_indices(key: SecretKey, purpose: int, step: int, n: int, q: float) -> Tensor:

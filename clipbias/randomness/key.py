@@ -17,6 +17,7 @@ import enum
 import hashlib
 import hmac
 import secrets
+import weakref
 
 import torch
 
@@ -50,12 +51,23 @@ class Purpose(enum.IntEnum):
 class SecretKey:
     """The key of all secret draws of one run. Never printed; saved only in private checkpoints."""
 
-    __slots__ = ("_key", "reproducible")
+    __slots__ = ("_key", "reproducible", "_owner")
 
     def __init__(self, key: bytes, reproducible: bool) -> None:
         if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
             raise ConfigError(f"a secret key is {KEY_BYTES} bytes")
-        self._key, self.reproducible = bytes(key), bool(reproducible)
+        self._key, self.reproducible, self._owner = bytes(key), bool(reproducible), None
+
+    def adopt(self, owner: object) -> None:
+        """Bind the key to the one engine that draws under it. Two engines under one key draw the same
+        batches and the same noise: releasing both reveals the difference of their updates without
+        noise. A key from the OS therefore drives one engine (a seeded key is already uncertified)."""
+        previous = self._owner() if self._owner is not None else None
+        if previous is not None and previous is not owner and not self.reproducible:
+            raise ConfigError("this SecretKey already drives another DPEngine: two engines under one key draw the "
+                              "same batches and noise, so releasing both reveals their difference without noise. "
+                              "Give each engine its own key (the default, noise_seed=None)")
+        self._owner = weakref.ref(owner)
 
     @classmethod
     def generate(cls) -> "SecretKey":
@@ -89,7 +101,7 @@ class SecretKey:
     def from_state(cls, state: dict) -> "SecretKey":
         if not isinstance(state, dict) or "key" not in state:
             raise ConfigError("not a secret-key state (SecretKey.state_dict())")
-        return cls(bytes(state["key"].tolist()), bool(state.get("reproducible", False)))
+        return cls(bytes(state["key"].tolist()), bool(state.get("reproducible", True)))  # unknown: not certified
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, SecretKey) and hmac.compare_digest(self._key, other._key)
@@ -106,6 +118,14 @@ def check_seed(seed: object) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < (1 << SEED_BITS):
         raise ConfigError(f"a noise seed must be an integer in [0, 2^{SEED_BITS}), got {seed!r}")
     return seed
+
+
+def derive_seed(seed: int, *parts: int) -> int:
+    """A 256-bit seed from ``seed`` and the integers ``parts`` (BLAKE2b): distinct runs of one reproducible
+    experiment (the seeds of a comparison) get distinct keys from one secret seed."""
+    data = check_seed(seed).to_bytes(SEED_BITS // 8, "little") + b"".join(
+        int(p).to_bytes(16, "little", signed=True) for p in parts)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=32, person=b"clipbias-derive").digest(), "little")
 
 
 def nonce(purpose: int, step: int, index: int) -> bytes:

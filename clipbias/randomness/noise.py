@@ -38,7 +38,8 @@ def snap(x: Tensor, s: Tensor, g: float) -> Tensor:
 
     two-sum: x + s = t + err exactly, with t = fl(x + s). k = round(t / g) is exact arithmetic on the
     float t; r = t - k g is exact; only a tie |r| = g / 2 can be decided by err (ties are rare: the
-    correction runs only when one occurs)."""
+    correction runs only when one occurs). Exact while ulp(x + s) <= g, i.e. |x + s| < 2^52 g (about
+    2^44 std): beyond, t itself is a grid point within ulp/2 of the exact sum."""
     t = x + s
     k = torch.round(t * (1.0 / g))
     r = t - k * g

@@ -36,6 +36,7 @@ from ..engine.core import run_steps
 from ..errors import ConfigError, ResumeMismatchError, TrainingDivergedError
 from ..files import run_lock
 from .build import Run, build_run, evaluate
+from ..randomness.key import derive_seed
 from .checkpoint import (CHECKPOINT, CHECKPOINT_FORMAT, PRIVATE_NOTE, check_out_dir, export_weights, finish_overwrite,
                          load_checkpoint, open_run_dir, save_private, set_aside, to_cpu)
 from .config import TrainConfig, check_int, default_out
@@ -252,7 +253,8 @@ def run_many(base: TrainConfig, variants: list[tuple[str, dict]], seeds: list[in
         runs[label] = []
         for seed in seeds:
             run_out = None if out is None else str(Path(out) / f"{safe_name(label)}-s{seed}")
-            c = dataclasses.replace(cfg, seed=seed, out=run_out, overwrite=True)
+            c = dataclasses.replace(cfg, seed=seed, out=run_out, overwrite=True, noise_seed=None if cfg.noise_seed is None
+                                    else derive_seed(cfg.noise_seed, seed))  # one key per run, never shared
             res = train(c, splits=splits, progress=progress, checkpoint=False, plot=False,
                         on_start=(lambda h, lab=label, s=seed: on_start(lab, s, h)) if on_start else None)
             res["label"] = label

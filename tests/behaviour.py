@@ -17,6 +17,7 @@ does (``tests/test_behaviour.py``), and the exact-valued state (RNG states, coun
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -104,8 +105,7 @@ def numbers(algo: str) -> dict:
                       noise_multiplier=1.0 if _private(algo) else None, seed=3, reproducible_noise=True,
                       max_physical_batch=50, extra=case.pop("extra", {}), **case)
     with tempfile.TemporaryDirectory() as d:
-        cfg.out = d
-        train(cfg, progress=False, plot=False)
+        train(dataclasses.replace(cfg, out=d), progress=False, plot=False)
         with open(f"{d}/{RESULTS}") as f:
             res = json.load(f)
         ck = load_checkpoint(d)

@@ -84,9 +84,8 @@ def test_calibration_steps_over_the_pld_floor(monkeypatch):
 
 @pytest.mark.parametrize("batch_size", [0.5, 0.0, -3.0])
 def test_train_config_refuses_fractional_batch(batch_size):
-    cfg = TrainConfig(data="digits", model="logreg", algo="dpsgd", epsilon=3.0, batch_size=batch_size)
     with pytest.raises(ClipbiasError, match="--batch-size"):
-        cfg.validate()
+        TrainConfig(data="digits", model="logreg", algo="dpsgd", epsilon=3.0, batch_size=batch_size)
 
 
 @pytest.mark.parametrize("x,y,match", [

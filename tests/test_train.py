@@ -269,9 +269,9 @@ def test_ef_clip_is_refused_where_no_feedback_reads_it():
     """--ef-clip with dpsgd used to be recorded but change nothing (issue 17)."""
     for algo in ("dpsgd", "normalized", "dice-auto", "sgd"):
         with pytest.raises(ConfigError, match="--ef-clip applies to the clipped error-feedback"):
-            dataclasses.replace(BASE, algo=algo, epsilon=None if algo == "sgd" else 3.0).validate()
+            dataclasses.replace(BASE, algo=algo, epsilon=None if algo == "sgd" else 3.0)
     for algo in ("dice", "dice-adam", "ef-sgd"):
-        dataclasses.replace(BASE, algo=algo, epsilon=None if algo == "ef-sgd" else 3.0).validate()
+        dataclasses.replace(BASE, algo=algo, epsilon=None if algo == "ef-sgd" else 3.0)
 
 
 def test_stale_private_temporaries_are_removed_and_truncated_checkpoints_explained(tmp_path):

@@ -94,6 +94,6 @@ def test_a_tuning_outputs_the_best_trial_only_and_meets_its_budget():
 def test_refusals(change, flag):
     import dataclasses
     with pytest.raises(ConfigError, match=flag):
-        TuneConfig(dataclasses.replace(BASE, **change), (0.1, 1.0), (0.1, 1.0)).validate()
+        TuneConfig(dataclasses.replace(BASE, **change), (0.1, 1.0), (0.1, 1.0))
     with pytest.raises(ConfigError, match="--lr-range"):
-        TuneConfig(BASE, (1.0, 0.1), (0.1, 1.0)).validate()
+        TuneConfig(BASE, (1.0, 0.1), (0.1, 1.0))

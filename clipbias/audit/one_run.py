@@ -106,7 +106,6 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
                       batch_size=a.batch_size or 1.0, lr=a.lr, clip=a.clip, ef_clip=a.ef_clip, momentum=a.momentum,
                       delta=a.delta, dice_accounting=a.dice_accounting, subset=a.subset, seed=a.seed,
                       extra={"public_size": 100} if algo.needs_public else {})
-    cfg.validate()
     splits = splits or prepare_splits(cfg)
     gen = torch.Generator().manual_seed(a.seed)
     inside = torch.rand(a.canaries, generator=gen) < 0.5
@@ -213,7 +212,6 @@ def run_from_args(args) -> dict:
     probe = TrainConfig(data=args.data, model=args.model, algo=args.algo, noise_multiplier=args.noise_multiplier,
                         batch_size=1.0, lr=lr, clip=args.clip, subset=args.subset,
                         extra={"public_size": 100} if public else {})
-    probe.validate()
     splits = prepare_splits(probe)
     if args.sample_rate >= 1:
         b = None  # full batch: B = N + the included canaries

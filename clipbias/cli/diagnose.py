@@ -131,7 +131,7 @@ def _run(args: argparse.Namespace) -> int:
     if algorithms.get(args.algo).private and args.epsilon is None and args.noise_multiplier is None:
         args.epsilon = DEFAULT_EPSILON
     # diagnostics are not private: reproducible batches and noise, from --seed
-    cfg = config_from_args(args, reproducible_noise=True).validate()
+    cfg = config_from_args(args, reproducible_noise=True)
     sizes = _check_sizes(args)
     out = Path(args.out or args.run or "runs/diagnose")
     check_out_dir(out)  # a file in the way is refused now, not after the recording; created at the first write

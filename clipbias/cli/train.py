@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -259,8 +260,7 @@ def _run(args: argparse.Namespace) -> int:
     itself (gloo on the CPU, nccl on CUDA), where rank 0 alone prints and writes."""
     set_threads(args.threads)
     cfg = config_from_args(args, resume=args.resume, overwrite=args.overwrite)
-    cfg.validate()
-    cfg.out = args.out or default_out(cfg)
+    cfg = dataclasses.replace(cfg, out=args.out or default_out(cfg))
     own_group = distributed.init_from_env(cfg.device)
     try:
         return _train_and_report(args, cfg)

@@ -22,7 +22,7 @@ def _run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     base = config_from_args(args)
     tc = TuneConfig(base, tuple(args.lr_range), tuple(args.clip_range), trials=args.trials, shape=args.shape,
-                    validation=args.validation_fraction, score_noise=args.score_noise).validate()
+                    validation=args.validation_fraction, score_noise=args.score_noise)
     out = Path(args.out) if args.out else None
     if out is not None and (out / "tune.json").exists() and not args.overwrite:
         from ..errors import ConfigError

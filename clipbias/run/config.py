@@ -1,5 +1,5 @@
-"""``TrainConfig``: everything one run depends on, validated before any work (each error names
-its flag). Field names are the CLI flags with ``-`` -> ``_``."""
+"""``TrainConfig``: everything one run depends on, valid by construction (each error names its
+flag), so nothing downstream checks it again. Field names are the CLI flags with ``-`` -> ``_``."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from ..randomness import check_seed
 RESUME_FREE = {"out", "resume", "overwrite", "max_physical_batch", "eval_batch_size", "data_dir", "grad_path"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything one run depends on. Field names are the CLI flags with ``-`` -> ``_``.
 
@@ -98,8 +98,9 @@ class TrainConfig:
                           gamma=self.gamma, optimizer=self.optimizer, momentum=self.momentum,
                           weight_decay=self.weight_decay, extra=dict(self.extra))
 
-    def validate(self) -> "TrainConfig":
-        """Checks that need no data; each error names the flag. Returns self."""
+    def __post_init__(self) -> None:
+        """Every check that needs no data, once, where the config is made (``dataclasses.replace``
+        makes a new one and checks it again); each error names the flag."""
         if self.data not in DATASET_NAMES:
             raise ConfigError(f"--data must be one of {', '.join(DATASET_NAMES)}, got {self.data!r}")
         from ..models import MODEL_NAMES
@@ -171,7 +172,6 @@ class TrainConfig:
             raise ConfigError(f"--public-source must be test or holdout, got {self.public_source!r}")
         if given:  # the method's own checks (each message names the flag)
             algo.settings(self.algo_config_without_public() if algo.needs_public else self.algo_config())
-        return self
 
     def algo_config_without_public(self) -> AlgoConfig:
         """For validation before the public features exist: a placeholder tensor."""

@@ -63,7 +63,6 @@ def train(config: TrainConfig, **kwargs: Any) -> dict:
     config: each steps on its share of every global Poisson batch (``clipbias.distributed``), and
     rank 0 alone touches ``out`` (lock, checkpoint, results) and broadcasts what the others need.
     """
-    config.validate()
     if not config.out:
         return _train(config, open_run_dir(None, config), **kwargs)  # refuses --resume without --out
     with contextlib.ExitStack() as held:
@@ -84,7 +83,7 @@ def _train(config: TrainConfig, ckpt: dict | None, *, dataset: Dataset | None = 
            on_epoch_end: Callable[[dict], None] | None = None, checkpoint: bool = True,
            plot: bool = True) -> dict:
     t_start = time.perf_counter()
-    cfg = config.validate()
+    cfg = config
     out = Path(cfg.out) if cfg.out else None
     run = build_run(cfg, splits_for(cfg, splits, dataset))
     history, start_epoch, prior_time = _restore(run, ckpt)
@@ -245,7 +244,7 @@ def run_many(base: TrainConfig, variants: list[tuple[str, dict]], seeds: list[in
     labels = [label for label, _ in variants]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"--algos: each algorithm may appear once, got {' '.join(labels)}")
-    cfgs = {label: dataclasses.replace(base, **ov, resume=False).validate() for label, ov in variants}
+    cfgs = {label: dataclasses.replace(base, **ov, resume=False) for label, ov in variants}
     if splits is None:
         splits = prepare_splits(next(iter(cfgs.values())))
     runs: dict[str, list[dict]] = {}

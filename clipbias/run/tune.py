@@ -30,7 +30,7 @@ from .config import TrainConfig
 from .splits import Splits, prepare_splits
 
 
-@dataclass
+@dataclass(frozen=True)
 class TuneConfig:
     """A tuning of ``base`` (its data, model, algorithm, epochs, batch size, delta; ``base.epsilon`` is
     the budget of the whole tuning). ``lr_range``/``clip_range``: log-uniform search ranges;
@@ -46,7 +46,7 @@ class TuneConfig:
     validation: float = 0.1
     score_noise: float | None = None
 
-    def validate(self) -> "TuneConfig":
+    def __post_init__(self) -> None:  # valid by construction
         if self.base.epsilon is None:
             raise ConfigError("tune needs --epsilon: the budget of the whole tuning (the trials' noise is calibrated "
                               "to it)")
@@ -67,7 +67,6 @@ class TuneConfig:
             raise ConfigError(f"--validation-fraction must lie in (0, 1), got {self.validation!r}")
         if self.score_noise is not None:
             check_positive(self.score_noise, "--score-noise")
-        return self
 
 
 def split(splits: Splits, fraction: float, key: SecretKey) -> tuple[Splits, torch.Tensor, torch.Tensor]:
@@ -99,7 +98,6 @@ def _trial_config(tc: TuneConfig, key: SecretKey, trial: int, z: float) -> Train
 def tune(tc: TuneConfig, key: SecretKey | None = None, splits: Splits | None = None) -> dict:
     """Run the private random search; returns the best trial (config, weights, accuracies) and the
     tuning's privacy statement. ``key``: the tuning's secret key (default: 256 OS bits)."""
-    tc.validate()
     t0 = time.perf_counter()
     key = key or SecretKey.generate()
     base = dataclasses.replace(tc.base, validation=0, out=None)

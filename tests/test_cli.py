@@ -243,6 +243,16 @@ def test_compare_table_and_files(capsys, tmp_path):
     z_dpsgd_pld = gaussian.calibrate(3.0, 1e-5, 64 / 1347, 21, "pld")
     assert by["dice"]["noise_multiplier"] > z_dpsgd_pld and len(by["dpsgd"]["test_accuracies"]) == 2
     assert (out / "curves.png").is_file()
+    # the closing advice: the certified row with the best mean (never the refuted dice:authors), and a
+    # train line that runs its settings
+    best = max(("dpsgd", "dice"), key=lambda k: by[k]["test_accuracy_mean"])
+    assert d["best_sound"]["label"] == best
+    line = next(x for x in stdout.splitlines() if x.startswith("best sound configuration:"))
+    assert line.startswith(f"best sound configuration: {best} ({100 * by[best]['test_accuracy_mean']:.2f} % mean of 2 seeds")
+    cmd = d["best_sound"]["command"].split()
+    assert cmd[:2] == ["clipbias", "train"] and cmd[cmd.index("--algo") + 1] == best
+    assert float(cmd[cmd.index("--lr") + 1]) == 0.5 and ("--ef-clip" in cmd) == (best == "dice")
+    assert f"run it: {d['best_sound']['command']}" in stdout
 
 
 def test_compare_bad_flags(capsys, tmp_path):

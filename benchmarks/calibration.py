@@ -2,6 +2,7 @@
 
     python benchmarks/calibration.py            # 40 grid configurations + 12 drawn at random (~3 min)
     python benchmarks/calibration.py --quick    # 8 of them
+    python benchmarks/calibration.py --pld      # one-step PLD: dp-accounting's constructor vs fast_pld
 
 Every configuration runs `python -m clipbias calibrate --algo dpsgd ... --json` in a fresh process with
 CLIPBIAS_CACHE=off (wall and CPU time of that process), then checks here, with the accountant every
@@ -50,7 +51,9 @@ def run_cli(eps: float, q: float, steps: int, delta: float) -> tuple[float, floa
            repr(delta), "--sample-rate", repr(q), "--steps", str(steps), "--json"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr}")
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -58,8 +61,31 @@ def run_cli(eps: float, q: float, steps: int, delta: float) -> tuple[float, floa
     return got["noise_multiplier"], got["epsilon"], wall, cpu
 
 
+def pld_builds() -> None:
+    """Seconds to build one step's PLD at the default grid: the library's constructor and the vectorised
+    one (min of 3), at noise multipliers a calibration visits."""
+    from dp_accounting.pld import privacy_loss_distribution as PLD
+
+    from clipbias.privacy import fast_pld
+    print("| z | q | dp-accounting s | fast_pld s | ratio |\n|---|---|---|---|---|")
+    for z, q in [(0.25, 1e-3), (0.7, 256 / 60000), (3.0, 0.1)]:
+        lib = min(_time(lambda: PLD.from_gaussian_mechanism(z, value_discretization_interval=1e-4,
+                                                            sampling_prob=q)) for _ in range(3))
+        mine = min(_time(lambda: fast_pld.gaussian_pld(z, q, 1e-4)) for _ in range(3))
+        print(f"| {z:g} | {q:.4g} | {lib:.3f} | {mine:.3f} | {lib / mine:.1f} |", flush=True)
+
+
+def _time(fn) -> float:
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
+
+
 def main() -> int:
     from clipbias.privacy import gaussian
+    if "--pld" in sys.argv[1:]:
+        pld_builds()
+        return 0
     quick = "--quick" in sys.argv[1:]
     cpu_name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                      if ln.startswith("model name")), platform.processor())

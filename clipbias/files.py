@@ -1,10 +1,11 @@
-"""Files that are never half-written (``atomic_write``) and run directories that one run at a time
-may use (``run_lock``)."""
+"""Files that are never half-written (``atomic_write``), JSON without infinities (``jsonable``) and run
+directories that one run at a time may use (``run_lock``)."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -12,6 +13,19 @@ from typing import Any, Callable, Iterator
 from .errors import ConfigError, WriteError
 
 LOCK = ".clipbias.lock"
+
+
+def jsonable(obj: Any) -> Any:
+    """inf/nan -> strings (JSON has no infinity; epsilon = inf must never read as a number)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "inf" if obj > 0 else ("-inf" if obj < 0 else "nan")
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
 
 
 def atomic_write(path: Path, write: Callable[[Any], None], mode: int | None = None) -> None:

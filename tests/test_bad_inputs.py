@@ -489,14 +489,14 @@ def test_an_interrupted_compare_overwrite_keeps_the_old_compare_whole(prepared, 
     """compare --overwrite sets the old compare aside (``.previous``) before its first run: interrupted,
     the old files are whole there and no new compare.json sits beside new per-run results; finished,
     the old ones are gone (issue 17: compare used to replace compare.json, results and curves.png)."""
-    import clipbias.cli.compare as cli_compare
+    import clipbias.run.training as training  # compare imports run_many from there when it runs
     out = tmp_path / "cmp"
     shutil.copytree(prepared / "cmp", out)
     old = tree(out)
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(cli_compare, "run_many", interrupted)
+    monkeypatch.setattr(training, "run_many", interrupted)
     code, err = cli([*COMPARE, "--out", out, "--overwrite"])
     assert code == 130 and "interrupted" in err
     assert tree(out / ".previous") == old and not (out / "compare.json").exists()

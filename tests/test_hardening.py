@@ -69,17 +69,18 @@ def test_tiny_noise_multiplier_is_a_clear_error_not_a_hang(z):
 
 
 def test_calibration_steps_over_the_pld_floor(monkeypatch):
-    """The bisection may probe below the floor: a refusal there reads as epsilon = inf (too much), never
-    as a crash. (A stand-in epsilon(z) = 1/z with the real floor keeps this test fast: real PLD
-    evaluations near z = 0.1 take ~10 s each.)"""
-    def fake(z, q, steps, delta, accountant="pld"):
-        gaussian.check_pld_noise(z)
-        return 1.0 / z
-    monkeypatch.setattr(gaussian, "epsilon", fake)
+    """An answer just above the floor: the search (whose Renyi stand-in points below the floor) never
+    evaluates the PLD below it, and a refusal there reads as epsilon = inf (too much), never as a crash.
+    (A stand-in PLD epsilon(z) = 1/z keeps this test fast: real PLD evaluations near z = 0.1 take seconds.)"""
+    calls = []
+    monkeypatch.setattr(gaussian, "pld_epsilon", lambda z, q, t, d, grid: calls.append(z) or 1.0 / z)
     gaussian.calibrate.cache_clear()
-    z = gaussian.calibrate(9.0, 1e-5, 0.0123, 77, "pld")  # answer 1/9 = 0.111: probes 0.0625 on the way
+    z = gaussian.calibrate(9.0, 1e-5, 0.0123, 77, "pld")  # answer 1/9 = 0.111
     gaussian.calibrate.cache_clear()
-    assert gaussian.PLD_MIN_NOISE <= z <= 0.1112 and fake(z, 0, 0, 0) <= 9.0
+    assert gaussian.PLD_MIN_NOISE <= z <= 0.1112 and 1.0 / z <= 9.0 and min(calls) >= gaussian.PLD_MIN_NOISE
+    assert gaussian.epsilon(0.05, 0.0123, 77, 1e-5, "rdp") > 9.0  # the stand-in does point below the floor
+    with pytest.raises(gaussian.NoiseTooSmallError):
+        gaussian.epsilon(0.05, 0.0123, 77, 1e-5, "pld")
 
 
 @pytest.mark.parametrize("batch_size", [0.5, 0.0, -3.0])

@@ -357,19 +357,25 @@ def test_cached_one_step_pld_gives_the_accountants_epsilon(z, q, steps):
 
 def test_a_target_epsilon_that_does_not_bind_is_explained_on_the_spot(capsys, monkeypatch):
     """A target the PLD floor z = 0.1 cannot reach (epsilon(0.1) = 160 here: a stand-in accountant
-    eps = 16 / z, monotone like the real one, which takes ~15 s per evaluation at the floor; the real
-    case is epsilon 500 in 10 steps at q = 0.01, which gives 160.2): calibrate returns the floor
-    after one evaluation and says why the epsilon is far below the target (issue 16)."""
+    eps = 16 / z at every PLD grid, monotone like the real one, which takes seconds per evaluation at the
+    floor; the real case is epsilon 500 in 10 steps at q = 0.01, which gives 160.2): calibrate never
+    evaluates below the floor, confirms the floor with one evaluation of the accountant's grid, and says
+    why the epsilon is far below the target."""
     from clipbias.cli import main
     from clipbias.privacy import gaussian
     from clipbias.privacy.report import floor_note
     calls = []
-    monkeypatch.setattr(gaussian, "epsilon", lambda z, q, t, d, acc="pld": calls.append(z) or 16.0 / z)
+    monkeypatch.setattr(gaussian, "pld_epsilon", lambda z, q, t, d, grid: calls.append((z, grid)) or 16.0 / z)
+    gaussian.calibrate.cache_clear()
     assert main(["calibrate", "--algo", "dpsgd", "--epsilon", "500", "--delta", "1e-5", "--sample-rate", "0.0123",
                  "--steps", "10", "--json"]) == 0
+    gaussian.calibrate.cache_clear()
     out = capsys.readouterr()
     got = json.loads(out.out)
-    assert got["noise_multiplier"] == 0.1 and got["epsilon"] == pytest.approx(160) and calls[0] == 0.1
+    assert got["noise_multiplier"] == 0.1 and got["epsilon"] == pytest.approx(160)
+    assert min(z for z, _ in calls) == 0.1  # never below the floor
+    # one evaluation at the accountant's grid confirms the floor, one more is the report's
+    assert [z for z, grid in calls if grid == gaussian.PLD_DISCRETIZATION] == [0.1, 0.1]
     assert "epsilon 160 is far below the target 500" in out.err and "floor (0.1" in out.err
     assert "--accountant rdp" in out.err
     assert floor_note(3.0, 2.99, 1.1, "pld") is None and floor_note(None, 1.0, 0.1, "pld") is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ..run.report import jsonable
+from ..files import jsonable
 
 __all__ = ["emit", "exit_code", "jsonable", "on_sigterm", "tune_allocator", "warn"]
 

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import argparse
 
+from typing import TYPE_CHECKING
+
 from ..errors import ConfigError
-from ..privacy import (ACCOUNTANTS, DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING, AccountingSpec, DiceParams,
-                       account, calibrate, delta_warning)
-from ..privacy.dice import DEFAULT_EF_RATIO, default_ef_clip
-from ..privacy.report import check_delta, check_positive, check_rate, check_steps
-from ..privacy.report import floor_note
+from ._choices import current
 from ._common import emit, warn
+
+if TYPE_CHECKING:
+    from ..privacy import AccountingSpec
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
+    c = current()
+    ACCOUNTANTS, DICE_ACCOUNTING = c["accountants"], c["dice_accounting"]
+    DEFAULT_DICE_ACCOUNTING, DEFAULT_EF_RATIO = c["default_dice_accounting"], c["default_ef_ratio"]
     p.add_argument("--algo", choices=["dpsgd", "dice"], default="dpsgd",
                    help="dpsgd: Poisson-subsampled Gaussian; dice: DiceSGD (default: dpsgd)")
     p.add_argument("--sample-rate", type=float, required=True, metavar="Q",
@@ -42,6 +46,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _spec(args: argparse.Namespace, z: float) -> AccountingSpec:
+    from ..privacy import AccountingSpec, DiceParams, delta_warning
+    from ..privacy.dice import default_ef_clip
+    from ..privacy.report import check_delta, check_positive, check_rate, check_steps
     q = check_rate(args.sample_rate, "--sample-rate")
     check_steps(args.steps, "--steps")
     check_delta(args.delta, "--delta")
@@ -66,6 +73,7 @@ def _spec(args: argparse.Namespace, z: float) -> AccountingSpec:
 
 
 def _run_account(args: argparse.Namespace) -> int:
+    from ..privacy import account
     z = args.noise_multiplier
     if not (z is not None and z > 0):
         raise ConfigError(f"--noise-multiplier must be > 0, got {z!r}")
@@ -75,6 +83,8 @@ def _run_account(args: argparse.Namespace) -> int:
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
+    from ..privacy import account, calibrate
+    from ..privacy.report import floor_note
     eps = args.epsilon
     if not (eps is not None and eps > 0):
         raise ConfigError(f"--epsilon must be > 0, got {eps!r}")

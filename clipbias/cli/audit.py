@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from .. import audit
 from ..errors import ConfigError
-from ..privacy import DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING
+from ._choices import current
 from ._common import emit
 
 
 def _canary(args: argparse.Namespace) -> dict:
+    from .. import audit
     a = audit.CanaryAudit(
         algo=args.algo, noise_multiplier=args.noise_multiplier, sample_rate=args.sample_rate,
         steps=args.steps, batch_size=args.batch_size, clip=args.clip, ef_clip=args.ef_clip,
@@ -71,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grad-bound", type=float, default=None, metavar="G",
                    help="outer clip of every per-example gradient (also the canary's norm by default)")
     p.add_argument("--gamma", type=float, default=0.01, help="normalisation constant (normalized, dice-auto)")
-    p.add_argument("--dice-accounting", choices=DICE_ACCOUNTING, default=DEFAULT_DICE_ACCOUNTING,
+    p.add_argument("--dice-accounting", choices=current()["dice_accounting"], default=current()["default_dice_accounting"],
                    help="the DiceSGD basis whose claim is tested (default sound)")
     p.add_argument("--delta", type=float, default=1e-5, help="delta of the claim and the bound (default 1e-5)")
     p.add_argument("--trials", type=int, default=4000, metavar="N",

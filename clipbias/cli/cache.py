@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..data.datasets import cache_dir
-from ..privacy import cache as calibration_cache
 from ._common import emit
 
 
 def cached_files() -> list[Path]:
     """The files clipbias has cached, in both caches."""
+    from ..data.datasets import cache_dir
+    from ..privacy import cache as calibration_cache
     data = cache_dir()
     files = sorted(data.glob("fashion-mnist-*.pt")) + sorted((data / "scatter").glob("*.pt"))
     folder = calibration_cache._directory()
@@ -29,6 +29,8 @@ def cached_files() -> list[Path]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ..data.datasets import cache_dir
+    from ..privacy import cache as calibration_cache
     files = cached_files()
     size = sum(f.stat().st_size for f in files)
     folder = calibration_cache._directory()

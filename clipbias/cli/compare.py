@@ -15,15 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from .. import algorithms
 from ..errors import ConfigError
-from ..privacy.dice import DEFAULT_EF_RATIO, check_basis
-from ..files import run_lock
-from ..run.checkpoint import CHECKPOINT, check_out_dir, finish_overwrite, set_aside
-from ..run.config import check_int
-from ..run.report import COMPARE, RESULTS
-from ..run.training import CURVES, jsonable, prepare_splits, run_many, safe_name, write_json
-from ._common import emit
+from ._choices import current
+from ._common import emit, jsonable
 from .train import add_training_flags, config_from_args, fmt_eps, set_threads
 
 # The default comparison. scatter-linear trains ~13 s per epoch on the full 60k Fashion-MNIST on one
@@ -40,6 +34,8 @@ DEFAULT_SEEDS = [0, 1, 2]
 
 def parse_variant(spec: str) -> tuple[str, dict]:
     """``NAME`` or ``NAME:ACCOUNTING`` (e.g. ``dice:authors``) -> (label, config overrides)."""
+    from .. import algorithms
+    from ..privacy.dice import check_basis
     algos = algorithms.ALGORITHMS
     name, _, acc = spec.partition(":")
     if name not in algos:
@@ -77,6 +73,8 @@ def _table(rows: list[dict]) -> str:
 def _variants(args: argparse.Namespace, algos: list[str]) -> tuple[list[tuple[str, dict]], float]:
     """(label, config overrides) per --algos entry, and the feedback ratio r: C2 = r C1 / B goes to
     the algorithms that read it (the sound privacy cost of feedback grows with r) unless --ef-clip."""
+    from .. import algorithms
+    from ..privacy.dice import DEFAULT_EF_RATIO
     if args.ef_ratio is not None and args.ef_clip is not None:
         raise ConfigError("give --ef-clip or --ef-ratio, not both")
     ratio = DEFAULT_EF_RATIO if args.ef_ratio is None else args.ef_ratio
@@ -93,12 +91,18 @@ def _variants(args: argparse.Namespace, algos: list[str]) -> tuple[list[tuple[st
 
 def _taken(out: Path, labels: list[str], seeds: list[int]) -> list[str]:
     """What an earlier compare or train run left in ``out`` that this compare would replace."""
+    from ..run.checkpoint import CHECKPOINT
+    from ..run.report import COMPARE, RESULTS
+    from ..run.training import CURVES, safe_name
     names = [COMPARE, RESULTS, CHECKPOINT, CURVES,
              *(f"{safe_name(label)}-s{seed}" for label in labels for seed in seeds)]
     return [f for f in names if (out / f).exists()]
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ..files import run_lock
+    from ..run.checkpoint import check_out_dir
+    from ..run.config import check_int
     t0 = time.perf_counter()
     if args.epsilon is None and args.noise_multiplier is None:  # the default budget, unless z is given
         args.epsilon = DEFAULTS["epsilon"]
@@ -127,6 +131,9 @@ def _compare(args: argparse.Namespace, base, variants: list[tuple[str, dict]], s
              taken: list[str], ratio: float, t0: float) -> int:
     """Run the comparison into the locked ``out``; an overwritten compare's files wait in
     ``out/.previous`` until the new one is complete (an interrupt never mixes old and new)."""
+    from ..run.checkpoint import finish_overwrite, set_aside
+    from ..run.report import COMPARE
+    from ..run.training import CURVES, prepare_splits, run_many, write_json
     algos = [label for label, _ in variants]
     log = sys.stderr if args.json else sys.stdout
     print(f"compare: {', '.join(algos)} on {base.data} / {base.model}, epsilon={base.epsilon}, "
@@ -169,6 +176,8 @@ def _compare(args: argparse.Namespace, base, variants: list[tuple[str, dict]], s
 
 
 def _print_summary(args: argparse.Namespace, summary: dict, rows: list[dict], out: Path, t0: float) -> None:
+    from ..run.report import COMPARE
+    from ..run.training import CURVES
     if args.json:
         emit(jsonable(summary), True)
         return
@@ -224,7 +233,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_training_flags(p, algo=False, defaults=DEFAULTS)
     p.set_defaults(momentum=DEFAULTS["momentum"], epsilon=None)  # 3 unless --noise-multiplier is given
     p.add_argument("--ef-ratio", type=float, default=None, metavar="R",
-                   help=f"DiceSGD feedback clip C2 = R * C1 / B (default R = {DEFAULT_EF_RATIO:g}) unless --ef-clip is given")
+                   help=f"DiceSGD feedback clip C2 = R * C1 / B (default R = {current()['default_ef_ratio']:g}) unless --ef-clip is given")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="output directory (default runs/compare-<data>-<model>-eps<E>)")
     p.add_argument("--overwrite", action="store_true",

@@ -13,16 +13,15 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from .. import algorithms
-from ..analysis import diagnostics
-from ..analysis import diagnostics_plots as plots
 from ..errors import ConfigError
-from ..run.checkpoint import check_out_dir
-from ..run.report import write_json
 from ._common import emit, jsonable
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..analysis import diagnostics
 
 # Defaults of a diagnose run: small enough for < 1 minute on one CPU core.
 DIAGNOSE_DEFAULTS = {"data": "fashion-mnist", "model": "cnn", "epochs": 2, "batch_size": 256.0,
@@ -99,6 +98,7 @@ def _read_run_config(run: str) -> dict:
 
 def _merge(args: argparse.Namespace, defaults: dict) -> None:
     """Explicit flag > the saved run's config (``--run``) > the diagnose defaults."""
+    from .. import algorithms
     run_cfg = _read_run_config(args.run) if args.run else {}
     extra = run_cfg.get("extra") or {}
     spellings = {s.dest: (s.key, *s.aliases, s.dest) for s in algorithms.all_settings().values()}
@@ -118,10 +118,15 @@ def _merge(args: argparse.Namespace, defaults: dict) -> None:
 
 
 def _subset(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    import torch
     return torch.arange(n) if k >= n else torch.randperm(n, generator=gen)[:k].sort().values
 
 
 def _run(args: argparse.Namespace) -> int:
+    from .. import algorithms
+    from ..analysis import diagnostics
+    from ..run.checkpoint import check_out_dir
+    from ..run.report import write_json
     from ..run.build import build_run
     from ..run.splits import splits_for
     from .train import config_from_args
@@ -178,6 +183,9 @@ def _check_sizes(args: argparse.Namespace) -> tuple[list[int], list[int]]:
 def _recorder(cfg, run, args: argparse.Namespace, ps: list[int],
               windows: list[int]) -> tuple[diagnostics.Recorder, dict]:
     """The recorder on fixed random samples of the training set, and what was sampled."""
+    import torch
+
+    from ..analysis import diagnostics
     x, y, n = run.splits.x_train, run.splits.y_train, run.splits.n
     gen = torch.Generator().manual_seed(cfg.seed + 7919)
     rec_idx = _subset(n, args.record_size, gen)
@@ -200,6 +208,7 @@ def _recorder(cfg, run, args: argparse.Namespace, ps: list[int],
 
 def _record(args: argparse.Namespace, run, recorder: diagnostics.Recorder) -> tuple[list[int], dict]:
     """Record at the saved checkpoint (``--at-checkpoint``) or along a training run."""
+    from ..analysis import diagnostics
     from ..run.training import load_checkpoint
     engine = run.engine
     if args.at_checkpoint:
@@ -223,6 +232,7 @@ def _record(args: argparse.Namespace, run, recorder: diagnostics.Recorder) -> tu
 
 
 def _figures(records: list[dict], corr: dict | None, out: Path, cfg) -> dict:
+    from ..analysis import diagnostics_plots as plots
     title = f"{cfg.data} / {cfg.model} / {cfg.algo}, C = {cfg.clip:g}"
     figures = {
         "norms": plots.norms(records, out / FIGURES["norms"], f"Gradient norms: {title}"),

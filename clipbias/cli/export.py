@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 
 from ..errors import ConfigError
-from ..run.training import export_weights
 from ._common import emit
 
 
 def _run(args: argparse.Namespace) -> int:
     from pathlib import Path
+
+    from ..run.training import export_weights
     if Path(args.file).resolve() == (Path(args.dir) / "checkpoint.pt").resolve():
         raise ConfigError("FILE must not be the private checkpoint itself; choose another file name")
     if Path(args.file).exists() and not args.overwrite:

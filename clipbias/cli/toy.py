@@ -11,12 +11,8 @@ import math
 import sys
 from pathlib import Path
 
-from .. import algorithms
-from ..analysis import toy
-from ..analysis import diagnostics_plots as plots
 from ..errors import ConfigError
-from ..privacy import DICE_ACCOUNTING
-from ..run.checkpoint import check_out_dir
+from ._choices import current
 from ._common import emit
 from .train import add_method_flags, method_settings
 
@@ -57,6 +53,9 @@ def _fmt(v) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from .. import algorithms
+    from ..analysis import toy
+    from ..run.checkpoint import check_out_dir
     problem = toy.get_problem(args.problem)
     if not args.no_figure:  # a file in the way of the figure's directory is refused now, not after the runs
         check_out_dir(Path(args.figure).parent if args.figure else Path(args.out))
@@ -125,6 +124,10 @@ def _run(args: argparse.Namespace) -> int:
 def _comparison(args: argparse.Namespace, problem, s, inst, main) -> tuple[str, dict, dict]:
     """Run the comparison algorithms and draw distance-to-optimum vs iteration: (figure, results, skipped)."""
     import torch
+
+    from .. import algorithms
+    from ..analysis import diagnostics_plots as plots
+    from ..analysis import toy
     names = ([a.strip() for a in args.compare.split(",") if a.strip()] if args.compare
              else list(problem.compare or algorithms.ALGORITHMS))
     for name in names:
@@ -153,7 +156,8 @@ def _comparison(args: argparse.Namespace, problem, s, inst, main) -> tuple[str, 
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    names = ", ".join(toy.PROBLEMS)
+    problems = current()["toy_problems"]
+    names = ", ".join(problems)
     p = sub.add_parser(
         "toy", help="the papers' toy problems (clipping bias and its removal), through the engine",
         description="Run one algorithm on one of the papers' small problems (deterministic, seconds) and "
@@ -161,7 +165,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     f"optimum vs iteration for every applicable algorithm. Problems: {names}. "
                     "Full batch unless --batch-size is given. Unset settings take the problem's defaults "
                     "(see docs/toy.md).")
-    p.add_argument("--problem", required=True, choices=list(toy.PROBLEMS), metavar="NAME",
+    p.add_argument("--problem", required=True, choices=problems, metavar="NAME",
                    help=f"one of {names}")
     p.add_argument("--algo", required=True, metavar="NAME",
                    help="algorithm, as in `clipbias train` (sgd, clip-sgd, ef-sgd, dpsgd, dice, perturb, ...)")
@@ -181,7 +185,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--x0", type=float, default=None, help="start, on every coordinate (default: the problem's)")
     p.add_argument("--seed", type=int, default=None, help="seed of sampling, noise and (chen-mixture) data")
     p.add_argument("--delta", type=float, default=None, help="delta of the reported epsilon (default 1e-5)")
-    p.add_argument("--dice-accounting", choices=DICE_ACCOUNTING, default=None,
+    p.add_argument("--dice-accounting", choices=current()["dice_accounting"], default=None,
                    help="DiceSGD basis (default sound; paper and authors are refuted, reproduction only)")
     p.add_argument("--momentum", type=float, default=None,
                    help="heavy-ball momentum of the base SGD optimizer (default: the problem's, usually 0)")

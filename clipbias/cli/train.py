@@ -9,16 +9,14 @@ import os
 import sys
 from pathlib import Path
 
-from ..data.datasets import DATASET_NAMES
+from typing import TYPE_CHECKING
+
 from ..errors import ConfigError
-from ..randomness.key import check_seed
-from ..privacy import ACCOUNTANTS, DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING
-from ..privacy.dice import DEFAULT_EF_RATIO
-from .. import algorithms
-from .. import distributed
-from ..config import boolean
-from ..run.training import CHECKPOINT, CURVES, RESULTS, TrainConfig, default_out, train
+from ._choices import current
 from ._common import emit, exit_code, tune_allocator, warn
+
+if TYPE_CHECKING:
+    from ..run.training import TrainConfig
 
 REFUTED = "false  (NOT a guarantee: a DiceSGD bound refuted by a canary attack; reproduction only)"
 PREPROCESSING = {"public": "public constants or fixed transforms only",
@@ -28,8 +26,8 @@ PREPROCESSING = {"public": "public constants or fixed transforms only",
 
 def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, defaults: dict | None = None) -> None:
     """The flags shared by ``train`` and ``compare`` (``compare`` takes ``--algos`` instead)."""
-    from ..models import MODEL_NAMES
-
+    choices = current()
+    DATASET_NAMES, MODEL_NAMES = choices["datasets"], choices["models"]
     d = {"data": None, "model": None, "epsilon": None, "delta": None, "epochs": None,
          "batch_size": None, "lr": None, "clip": 1.0, **(defaults or {})}
     req = {k: d[k] is None for k in d}
@@ -45,7 +43,7 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
     p.add_argument("--model", choices=MODEL_NAMES, default=d["model"], required=req["model"],
                    metavar="NAME", help=f"model: {', '.join(MODEL_NAMES)}")
     if algo:
-        names = sorted(algorithms.ALGORITHMS)
+        names = choices["algorithms"]
         p.add_argument("--algo", choices=names, required=True, metavar="NAME",
                        help=f"algorithm: {', '.join(names)}")
     _add_privacy_flags(p, d)
@@ -53,6 +51,9 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
 
 
 def _add_privacy_flags(p: argparse.ArgumentParser, d: dict) -> None:
+    c = current()
+    ACCOUNTANTS, DICE_ACCOUNTING, DEFAULT_DICE_ACCOUNTING = c["accountants"], c["dice_accounting"], \
+        c["default_dice_accounting"]
     g = p.add_argument_group("privacy")
     g.add_argument("--epsilon", type=float, default=d["epsilon"], metavar="E",
                    help="target epsilon; the noise multiplier is calibrated to reach at most E after "
@@ -77,6 +78,7 @@ def _add_privacy_flags(p: argparse.ArgumentParser, d: dict) -> None:
 
 
 def _add_training_group(p: argparse.ArgumentParser, d: dict, req: dict) -> None:
+    DEFAULT_EF_RATIO = current()["default_ef_ratio"]
     t = p.add_argument_group("training")
     t.add_argument("--epochs", type=int, default=d["epochs"], required=req["epochs"], metavar="K",
                    help="passes over the data: K * round(N/B) Poisson steps, all accounted"
@@ -133,27 +135,27 @@ def _add_training_group(p: argparse.ArgumentParser, d: dict, req: dict) -> None:
 def add_method_flags(group) -> None:
     """One flag per method ``Setting`` of the registered algorithms (a new method's settings appear
     here without a line of CLI code); each defaults to None, i.e. the method's own default."""
-    for s in algorithms.all_settings().values():
-        if not s.cli:
+    for s in current()["settings"]:
+        if not s["cli"]:
             continue
-        users = [a.name for a in algorithms.ALGORITHMS.values() if any(x.key == s.key for x in a.schema)]
-        default = "unset" if s.default is None else repr(s.default)
-        text = f"{s.help} (--algo {', '.join(users)}; default {default})"
-        if s.check is boolean:
-            group.add_argument(s.flag.split("/")[0], dest=s.dest, action=argparse.BooleanOptionalAction,
+        default = "unset" if s["default"] is None else repr(s["default"])
+        text = f"{s['help']} (--algo {', '.join(s['users'])}; default {default})"
+        if s["switch"]:
+            group.add_argument(s["flag"].split("/")[0], dest=s["dest"], action=argparse.BooleanOptionalAction,
                                default=None, help=text)
         else:
-            group.add_argument(s.flag, dest=s.dest, type=float if s.convert is float else int, default=None,
-                               metavar=s.dest.upper(), help=text)
+            group.add_argument(s["flag"], dest=s["dest"], type=float if s["type"] == "float" else int, default=None,
+                               metavar=s["dest"].upper(), help=text)
 
 
 def method_settings(args: argparse.Namespace) -> dict:
     """``AlgoConfig.extra`` from the method flags given (canonical setting keys)."""
-    return {s.key: getattr(args, s.dest) for s in algorithms.all_settings().values()
-            if s.cli and getattr(args, s.dest, None) is not None}
+    return {s["key"]: getattr(args, s["dest"]) for s in current()["settings"]
+            if s["cli"] and getattr(args, s["dest"], None) is not None}
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
+    from ..run.training import TrainConfig
     extra = method_settings(args)
     kw = dict(data=args.data, model=args.model, algo=getattr(args, "algo", "dpsgd"), epsilon=args.epsilon,
               delta=args.delta, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, clip=args.clip,
@@ -181,6 +183,7 @@ def fmt_eps(eps: float) -> str:
 
 def noise_seed(text: str) -> int:
     """``--reproducible-noise SEED``: an integer in [0, 2^256), decimal or 0x-hex."""
+    from ..randomness.key import check_seed
     try:
         return check_seed(int(text, 0))
     except (ValueError, ConfigError):
@@ -258,6 +261,8 @@ def set_threads(n: int | None) -> None:
 def _run(args: argparse.Namespace) -> int:
     """``clipbias train``; under torchrun (``WORLD_SIZE`` > 1) inside a process group it sets up
     itself (gloo on the CPU, nccl on CUDA), where rank 0 alone prints and writes."""
+    from .. import distributed
+    from ..run.training import default_out
     set_threads(args.threads)
     cfg = config_from_args(args, resume=args.resume, overwrite=args.overwrite)
     cfg = dataclasses.replace(cfg, out=args.out or default_out(cfg))
@@ -271,6 +276,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _train_and_report(args: argparse.Namespace, cfg: TrainConfig) -> int:
+    from .. import distributed
+    from ..run.training import CHECKPOINT, CURVES, RESULTS, train
     out_stream = sys.stderr if args.json else sys.stdout
     try:
         res = train(cfg, progress=not args.quiet, on_start=lambda h: print_header(h, out_stream))

@@ -318,8 +318,9 @@ def noise_multiplier_for(engine: DPEngine, epsilon: float | None, noise_multipli
         raise ConfigError(f"{engine.algo.name} is private: give --epsilon (calibrates the noise) or "
                           f"--noise-multiplier")
     spec = engine.algo.spec(engine.config, engine.sample_rate, 0.0, engine.expected_batch_size)
-    return privacy.calibrate(spec, epsilon, engine.delta, engine.total_steps, engine.accountant,
-                             engine.dice_accounting)
+    # in a process group rank 0 calibrates and every rank takes its answer (and its error, if any)
+    return distributed.from_rank0(lambda: privacy.calibrate(spec, epsilon, engine.delta, engine.total_steps,
+                                                            engine.accountant, engine.dice_accounting))
 
 
 SEEDED_CAVEAT = ("batches and noise derived from a user-given seed (a reproducible run): the guarantee holds only "

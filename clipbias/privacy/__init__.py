@@ -7,7 +7,11 @@ the noise multiplier for a target epsilon without overshooting.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
+import threading
+import time
 from dataclasses import asdict, dataclass, replace
 
 from dp_accounting import dp_event
@@ -106,7 +110,37 @@ def calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, ac
                            dice_accounting).epsilon <= epsilon
         except ClipbiasError:  # e.g. the paper's bound outside its conditions: recompute
             return False
-    return cache.cached(key, lambda: _calibrate(spec, epsilon, delta, steps, accountant, dice_accounting), verify)
+    what = f"epsilon {epsilon:g} (delta {delta:g}, {steps} steps at q = {spec.sample_rate:.4g}, {accountant})"
+    with _progress(what):
+        return cache.cached(key, lambda: _calibrate(spec, epsilon, delta, steps, accountant, dice_accounting),
+                            verify)
+
+
+PROGRESS_AFTER_S = 1.0  # a calibration still running after this long says so on stderr
+
+
+@contextlib.contextmanager
+def _progress(what: str):
+    """One line on stderr when the calibration inside takes longer than ``PROGRESS_AFTER_S``, and one
+    with its time when it ends; nothing for a quick one (a cached value, a cheap accountant)."""
+    lock, state, t0 = threading.Lock(), {"done": False, "said": False}, time.monotonic()
+
+    def say() -> None:
+        with lock:
+            if not state["done"]:
+                print(f"clipbias: calibrating the noise multiplier to {what} ...", file=sys.stderr, flush=True)
+                state["said"] = True
+    timer = threading.Timer(PROGRESS_AFTER_S, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        with lock:
+            state["done"] = True
+        timer.cancel()
+        if state["said"]:
+            print(f"clipbias: calibrated in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
 def _calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, accountant: str,

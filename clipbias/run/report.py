@@ -18,24 +18,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..files import atomic_write
+from ..files import atomic_write, jsonable
 from .config import TrainConfig
 
 RESULTS, CURVES = "results.json", "curves.png"
 COMPARE = "compare.json"  # written by `clipbias compare`
-
-
-def jsonable(obj: Any) -> Any:
-    """inf/nan -> strings (JSON has no infinity; epsilon = inf must never read as a number)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "inf" if obj > 0 else ("-inf" if obj < 0 else "nan")
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
 
 
 def write_json(data: dict, path: str | os.PathLike) -> None:

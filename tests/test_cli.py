@@ -392,3 +392,62 @@ def test_cache_command_shows_and_clears_only_its_own_files(tmp_path, monkeypatch
     assert main(["cache", "--clear", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["cleared"] == 3
     assert not any(f.exists() for f in mine) and other.read_text() == "keep me"
+
+
+def test_default_output_directories_are_new_for_every_run(capsys, tmp_path, monkeypatch):
+    """Without --out every train, compare, diagnose and toy run gets a directory of its own under
+    runs/ (printed at its start and its end), so the README's commands can follow one another; no
+    lock file stays behind; a refused run leaves no directory; --resume needs --out."""
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    dirs = []
+    for _ in range(2):
+        code, stdout, err = run(TRAIN, capsys)
+        assert code == 0, err
+        new = sorted(set(runs.iterdir()) - set(dirs))
+        assert len(new) == 1 and new[0].name.startswith("digits-logreg-dpsgd-eps3-s0-")
+        dirs += new
+        rel = f"runs/{new[0].name}"
+        assert stdout.splitlines()[0] == f"run directory: {rel}" and f"{rel}/results.json" in stdout.splitlines()[-2]
+        assert sorted(p.name for p in new[0].iterdir()) == ["checkpoint.pt", "curves.png", "results.json"]
+    code, _, err = run(_replace(TRAIN, "--algo", "batch-clip"), capsys)  # refused: --public-size missing
+    assert code == 2 and "--public-size" in err and sorted(runs.iterdir()) == dirs
+    code, _, err = run(TRAIN + ["--resume"], capsys)
+    assert code == 2 and "--resume needs --out DIR" in err and sorted(runs.iterdir()) == dirs
+    compare = ["compare", "--data", "digits", "--model", "logreg", "--algos", "dpsgd", "--seeds", "0", "--epochs",
+               "1", "--batch-size", "64", "--lr", "0.5", "--clip", "1", "--accountant", "rdp", "--quiet"]
+    for _ in range(2):
+        code, stdout, err = run(compare, capsys)
+        assert code == 0, err
+        new = sorted(set(runs.iterdir()) - set(dirs))
+        assert len(new) == 1 and new[0].name.startswith("compare-digits-logreg-eps3-")
+        dirs += new
+        assert f"-> runs/{new[0].name}" in stdout.splitlines()[0] and f"wrote runs/{new[0].name}/compare.json" in stdout
+        assert (new[0] / "compare.json").is_file() and not list(new[0].rglob(".clipbias.lock"))
+    for _ in range(2):
+        code, stdout, err = run(["toy", "--problem", "chen-ex2", "--algo", "sgd", "--steps", "20", "--compare", "sgd"],
+                                capsys)
+        assert code == 0, err
+        new = sorted(set(runs.iterdir()) - set(dirs))
+        assert len(new) == 1 and new[0].name.startswith("toy-chen-ex2-") and (new[0] / "toy-chen-ex2.png").is_file()
+        dirs += new
+        assert f"runs/{new[0].name}/toy-chen-ex2.png" in stdout
+
+
+def test_new_run_dir_never_reuses_a_directory(tmp_path, monkeypatch):
+    """Runs started in the same second get -2, -3, ...; a file in the way is a clear error."""
+    import time
+
+    from clipbias.errors import WriteError
+    from clipbias.files import new_run_dir, remove_if_empty
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20260101-120000")
+    made = [new_run_dir("train", tmp_path / "runs") for _ in range(3)]
+    assert [p.name for p in made] == ["train-20260101-120000", "train-20260101-120000-2", "train-20260101-120000-3"]
+    assert all(p.is_dir() for p in made)
+    (made[0] / "kept").write_text("x")
+    remove_if_empty(made[0])
+    remove_if_empty(made[1])
+    assert made[0].is_dir() and not made[1].exists()
+    (tmp_path / "blocker").write_text("x")
+    with pytest.raises(WriteError, match="cannot create a run directory under .*blocker.*--out DIR"):
+        new_run_dir("train", tmp_path / "blocker")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 from .. import algorithms
 from ..errors import ConfigError
 from ..privacy.dice import DEFAULT_EF_RATIO, check_basis
-from ..files import run_lock
+from ..files import new_run_dir, remove_if_empty, run_lock
 from ..run.checkpoint import CHECKPOINT, check_out_dir, finish_overwrite, set_aside
 from ..run.config import check_int
 from ..run.report import COMPARE, RESULTS
@@ -110,16 +109,21 @@ def _run(args: argparse.Namespace) -> int:
     variants, ratio = _variants(args, algos)
     for _, over in variants:
         dataclasses.replace(base, **over).validate()
-    out = Path(args.out or os.path.join(
-        "runs", f"compare-{base.data}-{base.model}-eps{base.epsilon:g}" if base.epsilon else
-        f"compare-{base.data}-{base.model}"))
-    check_out_dir(out)
-    with run_lock(out):  # a second compare (or train) on the same --out is refused
-        taken = _taken(out, [label for label, _ in variants], seeds)
-        if taken and not args.overwrite:
-            raise ConfigError(f"--out {out} already holds {', '.join(taken)} (an earlier compare or train run); "
-                              f"choose another --out, or replace it with --overwrite")
-        return _compare(args, base, variants, seeds, out, taken, ratio, t0)
+    if args.out:
+        out = Path(args.out)
+        check_out_dir(out)
+    else:  # a new directory for every run: a default compare never meets an earlier one
+        out = new_run_dir(f"compare-{base.data}-{base.model}" + (f"-eps{base.epsilon:g}" if base.epsilon else ""))
+    try:
+        with run_lock(out):  # a second compare (or train) on the same --out is refused
+            taken = _taken(out, [label for label, _ in variants], seeds)
+            if taken and not args.overwrite:
+                raise ConfigError(f"--out {out} already holds {', '.join(taken)} (an earlier compare or train "
+                                  f"run); choose another --out, or replace it with --overwrite")
+            return _compare(args, base, variants, seeds, out, taken, ratio, t0)
+    finally:
+        if not args.out:
+            remove_if_empty(out)
 
 
 def _compare(args: argparse.Namespace, base, variants: list[tuple[str, dict]], seeds: list[int], out: Path,
@@ -198,7 +202,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ef-ratio", type=float, default=None, metavar="R",
                    help=f"DiceSGD feedback clip C2 = R * C1 / B (default R = {DEFAULT_EF_RATIO:g}) unless --ef-clip is given")
     p.add_argument("--out", default=None, metavar="DIR",
-                   help="output directory (default runs/compare-<data>-<model>-eps<E>)")
+                   help="output directory (default: a new runs/compare-<data>-<model>-eps<E>-<date>-<time> for "
+                        "every run); earlier results in it are refused unless --overwrite")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier compare (or train run) in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -51,6 +51,16 @@ def test_account_published_values(capsys, acc, expected):
     assert d["epsilon"] == pytest.approx(expected, abs=1e-3) and d["certified"] is True
 
 
+def test_console_spells_booleans_as_the_json_does(capsys):
+    """true/false (never Python's True/False) and none for an empty list, as in results.json."""
+    code, out, _ = run(["account", *PUBLISHED, "--accountant", "rdp"], capsys)
+    lines = dict(line.split(None, 1) for line in out.splitlines())
+    assert code == 0 and lines["certified"] == "true" and lines["caveats"] == "none"
+    assert "True" not in out and "False" not in out and "[]" not in out
+    from clipbias.cli._common import plain
+    assert [plain(v) for v in (False, None, [], ["a", "b"], (True, 2))] == ["false", "none", "none", "a; b", "true; 2"]
+
+
 def test_calibrate_json_has_noise_multiplier(capsys):
     code, out, _ = run(["calibrate", "--epsilon", "2", "--sample-rate", "0.01", "--steps", "100",
                         "--delta", "1e-5", "--accountant", "rdp", "--json"], capsys)
@@ -229,7 +239,7 @@ def test_compare_table_and_files(capsys, tmp_path):
                              "--lr", "0.5", "--clip", "1", "--momentum", "0", "--accountant", "rdp",
                              "--out", out, "--quiet"], capsys)
     assert code == 0, err
-    assert "mean ± std" in stdout and "basis" in stdout
+    assert "mean ± std, 2 seeds" in stdout and "basis" in stdout
     rows = {line.split()[0]: line for line in stdout.splitlines() if line.startswith(("dpsgd ", "dice"))}
     assert "true" in rows["dice"] and "false (REFUTED bound)" in rows["dice:authors"]
     d = json.loads((out / "compare.json").read_text())
@@ -423,6 +433,7 @@ def test_default_output_directories_are_new_for_every_run(capsys, tmp_path, monk
         assert len(new) == 1 and new[0].name.startswith("compare-digits-logreg-eps3-")
         dirs += new
         assert f"-> runs/{new[0].name}" in stdout.splitlines()[0] and f"wrote runs/{new[0].name}/compare.json" in stdout
+        assert "test acc (1 seed)" in stdout and "±" not in stdout  # one seed has no spread to show
         assert (new[0] / "compare.json").is_file() and not list(new[0].rglob(".clipbias.lock"))
     for _ in range(2):
         code, stdout, err = run(["toy", "--problem", "chen-ex2", "--algo", "sgd", "--steps", "20", "--compare", "sgd"],

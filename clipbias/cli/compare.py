@@ -55,15 +55,17 @@ def parse_variant(spec: str) -> tuple[str, dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    head = ["algo", "accounting", "test acc (mean ± std)", "epsilon", "certified", "noise mult.",
-            "s/epoch"]
+    n = len(rows[0]["test_accuracies"]) if rows else 0  # every row ran the same seeds
+    head = ["algo", "accounting", "test acc (1 seed)" if n == 1 else f"test acc (mean ± std, {n} seeds)",
+            "epsilon", "certified", "noise mult.", "s/epoch"]
     body = []
     for r in rows:
         acct = r["dice_accounting"] or ("none" if math.isinf(r["epsilon"]) else r["accountant"])
         cert = ("true" if r["certified"] else "false (non-private)" if math.isinf(r["epsilon"]) else
                 "false (see caveats)" if r.get("caveats") else "false (REFUTED bound)")
         body.append([r["label"], acct,
-                     f"{100 * r['test_accuracy_mean']:.2f} ± {100 * r['test_accuracy_std']:.2f} %"
+                     (f"{100 * r['test_accuracy_mean']:.2f} %" if n == 1 else
+                      f"{100 * r['test_accuracy_mean']:.2f} ± {100 * r['test_accuracy_std']:.2f} %")
                      + (f"  (val {100 * r['val_accuracy_mean']:.2f})" if "val_accuracy_mean" in r else ""),
                      fmt_eps(r["epsilon"]), cert, f"{r['noise_multiplier']:.4g}",
                      f"{r['wall_time_per_epoch_s']:.1f}"])

@@ -14,7 +14,7 @@ PUBLISHED = ["--noise-multiplier", "1.1", "--sample-rate", "0.004266666666666667
 # digits (N = 1347), logreg: a whole training run takes about a second.
 TRAIN = ["train", "--data", "digits", "--model", "logreg", "--algo", "dpsgd", "--epsilon", "3",
          "--delta", "1e-5", "--epochs", "1", "--batch-size", "64", "--lr", "0.5", "--clip", "1",
-         "--accountant", "rdp", "--quiet"]
+         "--accountant", "rdp", "--threads", "1", "--quiet"]  # compare's tests keep the default --threads
 
 
 def run(argv, capsys):
@@ -426,23 +426,20 @@ def test_default_output_directories_are_new_for_every_run(capsys, tmp_path, monk
     assert code == 2 and "--resume needs --out DIR" in err and sorted(runs.iterdir()) == dirs
     compare = ["compare", "--data", "digits", "--model", "logreg", "--algos", "dpsgd", "--seeds", "0", "--epochs",
                "1", "--batch-size", "64", "--lr", "0.5", "--clip", "1", "--accountant", "rdp", "--quiet"]
-    for _ in range(2):
-        code, stdout, err = run(compare, capsys)
-        assert code == 0, err
-        new = sorted(set(runs.iterdir()) - set(dirs))
-        assert len(new) == 1 and new[0].name.startswith("compare-digits-logreg-eps3-")
-        dirs += new
-        assert f"-> runs/{new[0].name}" in stdout.splitlines()[0] and f"wrote runs/{new[0].name}/compare.json" in stdout
-        assert "test acc (1 seed)" in stdout and "±" not in stdout  # one seed has no spread to show
-        assert (new[0] / "compare.json").is_file() and not list(new[0].rglob(".clipbias.lock"))
-    for _ in range(2):
-        code, stdout, err = run(["toy", "--problem", "chen-ex2", "--algo", "sgd", "--steps", "20", "--compare", "sgd"],
-                                capsys)
-        assert code == 0, err
-        new = sorted(set(runs.iterdir()) - set(dirs))
-        assert len(new) == 1 and new[0].name.startswith("toy-chen-ex2-") and (new[0] / "toy-chen-ex2.png").is_file()
-        dirs += new
-        assert f"runs/{new[0].name}/toy-chen-ex2.png" in stdout
+    code, stdout, err = run(compare, capsys)  # right after the trains: a directory of its own
+    assert code == 0, err
+    new = sorted(set(runs.iterdir()) - set(dirs))
+    assert len(new) == 1 and new[0].name.startswith("compare-digits-logreg-eps3-")
+    dirs += new
+    assert f"-> runs/{new[0].name}" in stdout.splitlines()[0] and f"wrote runs/{new[0].name}/compare.json" in stdout
+    assert "test acc (1 seed)" in stdout and "±" not in stdout  # one seed has no spread to show
+    assert (new[0] / "compare.json").is_file() and not list(new[0].rglob(".clipbias.lock"))
+    code, stdout, err = run(["toy", "--problem", "chen-ex2", "--algo", "sgd", "--steps", "20", "--compare", "sgd"],
+                            capsys)
+    assert code == 0, err
+    new = sorted(set(runs.iterdir()) - set(dirs))
+    assert len(new) == 1 and new[0].name.startswith("toy-chen-ex2-") and (new[0] / "toy-chen-ex2.png").is_file()
+    assert f"runs/{new[0].name}/toy-chen-ex2.png" in stdout
 
 
 def test_new_run_dir_never_reuses_a_directory(tmp_path, monkeypatch):

@@ -1,12 +1,15 @@
-"""Files that are never half-written (``atomic_write``), JSON without infinities (``jsonable``) and run
-directories that one run at a time may use (``run_lock``)."""
+"""Files that are never half-written (``atomic_write``), JSON without infinities (``jsonable``), run
+directories that one run at a time may use (``run_lock``), and the fresh default output directory of
+each run (``new_run_dir``)."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -59,6 +62,34 @@ def atomic_write(path: Path, write: Callable[[Any], None], mode: int | None = No
         raise
 
 
+def new_run_dir(name: str, parent: str | os.PathLike = "runs") -> Path:
+    """Create and return ``parent/name-YYYYMMDD-HHMMSS`` (local time; ``-2``, ``-3``, ... appended when
+    that exists): the default output directory of a command, new for every run, so two runs never
+    write into one directory. Created atomically (``mkdir``), so two runs started in the same second
+    get different directories. ``remove_if_empty`` undoes it for a run that wrote nothing."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    try:
+        Path(parent).mkdir(parents=True, exist_ok=True)
+        for n in itertools.count(1):
+            path = Path(parent) / (f"{name}-{stamp}" + (f"-{n}" if n > 1 else ""))
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                if not path.is_dir():
+                    raise
+    except OSError as e:
+        raise WriteError(f"cannot create a run directory under {parent}: {e}. Make {parent} a writable "
+                         f"directory, or choose the output directory with --out DIR") from e
+    raise AssertionError("unreachable")
+
+
+def remove_if_empty(path: str | os.PathLike) -> None:
+    """Remove the directory ``path`` if nothing is in it (a default run directory of a refused run)."""
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
 class _Stream:
     """The file object ``atomic_write`` hands to the writer: it remembers the first exception a write
     raised, because torch.save turns any exception of the stream (a full disk's OSError, the
@@ -84,24 +115,22 @@ def run_lock(out: Path) -> Iterator[None]:
     """Hold an exclusive lock on the run directory ``out`` (created if needed) for the duration.
 
     A second run on the same directory is refused with a ConfigError instead of interleaving its
-    writes with the first. The lock is released when the process ends, however it ends. A run that
-    wrote nothing (refused) leaves the directory as it found it: a lock file it created is removed
-    (still locked, so a waiting run re-checks the inode and takes the new file), and so is a
-    directory it created.
+    writes with the first. The lock is released when the process ends, however it ends; the lock
+    file is removed when the run ends (finished, refused or interrupted: only a killed process leaves
+    it, and the next run takes it over). It is unlinked while still locked, so a run that opened the
+    old file meanwhile re-checks the inode and takes a new file. A run that wrote nothing (refused)
+    also removes a directory it created.
     """
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    had_lock = (out / LOCK).exists()
-    before = sorted(p.name for p in out.iterdir())
+    before = sorted(p.name for p in out.iterdir() if p.name != LOCK)
     fh = _acquire(out / LOCK)
     try:
         yield
     finally:
-        after = sorted(p.name for p in out.iterdir())
-        if not had_lock and [n for n in after if n != LOCK] == [n for n in before if n != LOCK]:
-            (out / LOCK).unlink(missing_ok=True)  # refused before writing anything
-            if created:
-                out.rmdir()
+        (out / LOCK).unlink(missing_ok=True)
+        if created and sorted(p.name for p in out.iterdir()) == before:  # refused before writing anything
+            remove_if_empty(out)
         fh.close()
 
 

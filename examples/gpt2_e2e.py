@@ -32,6 +32,7 @@ import torch
 from clipbias import algorithms
 from clipbias.config import AlgoConfig
 from clipbias.engine.core import DPEngine
+from clipbias.engine.loop import run_steps
 from clipbias.errors import ClipbiasError, ConfigError
 from clipbias.sampling.loader import PoissonLoader
 from clipbias.data.text import E2EDataset, LMCollate, byte_tokenizer, read_e2e, sequence_loss, token_count
@@ -75,7 +76,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                                                                      "(tests; the guarantee then needs it secret)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--quiet", action="store_true", help="no per-epoch lines")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no per-epoch lines")
     return p.parse_args(argv)
 
 
@@ -155,24 +156,46 @@ def run(args: argparse.Namespace) -> dict:
             "trainable": trainable, "train_sequences": n, "valid_sequences": len(valid), "algo": args.algo,
             "noise_multiplier": engine.noise_multiplier, "sample_rate": engine.sample_rate,
             "steps": engine.total_steps, "delta": delta, "grad_path": engine.grad_path_note}
-    if not args.quiet and not args.json:
-        print(" ".join(f"{k}={v}" for k, v in head.items()), flush=True)
+    log = None if args.quiet else sys.stderr if args.json else sys.stdout  # --json keeps stdout for the JSON
+    if log:
+        print(" ".join(f"{k}={v}" for k, v in head.items()), file=log, flush=True)
     history, t0 = [], time.perf_counter()
     _, ppl0 = perplexity(model, valid, LMCollate(pad), args.device)
     for epoch in range(args.epochs):
         t = time.perf_counter()
-        loss = engine.train_epoch(loader)
+        loss = _epoch(engine, loader, epoch, args.epochs, log)
         val_loss, ppl = perplexity(model, valid, LMCollate(pad), args.device)
         rep = engine.privacy()
         history.append({"epoch": epoch + 1, "train_loss_per_sequence": loss, "valid_loss_per_token": val_loss,
                         "valid_perplexity": ppl, "epsilon": rep.epsilon, "epoch_time_s": time.perf_counter() - t})
-        if not args.quiet and not args.json:
-            print(f"epoch {epoch + 1}: train loss/sequence {loss:.2f}, valid loss/token {val_loss:.3f}, "
-                  f"perplexity {ppl:.2f}, epsilon {rep.epsilon:.3f}", flush=True)
+        if log:
+            print(f"epoch {epoch + 1}/{args.epochs}: train loss/sequence {loss:.2f}, valid loss/token {val_loss:.3f}, "
+                  f"perplexity {ppl:.2f}, epsilon {rep.epsilon:.3f}, {time.perf_counter() - t:.1f} s", file=log,
+                  flush=True)
     rep = engine.privacy()
     return {**head, "initial_valid_perplexity": ppl0, "history": history, "valid_perplexity": history[-1]["valid_perplexity"],
             "epsilon": rep.epsilon, "certified": rep.certified, "caveats": list(rep.caveats),
             "accountant": rep.accountant, "basis": rep.basis, "wall_time_s": time.perf_counter() - t0}
+
+
+def _epoch(engine: DPEngine, loader: PoissonLoader, epoch: int, epochs: int, log) -> float:
+    """One epoch of Poisson steps (``engine.train_epoch``), with a progress bar of its steps on ``log``
+    (stderr when the lines go to stderr) unless ``log`` is None; returns the mean loss per sequence."""
+    if log is None:
+        return engine.train_epoch(loader)
+    from tqdm.auto import tqdm
+    bar = tqdm(total=len(engine.sampler), desc=f"epoch {epoch + 1}/{epochs}", unit="step", leave=False,
+               file=sys.stderr)
+
+    def after(_engine: DPEngine, losses: torch.Tensor) -> None:
+        bar.update(1)
+        if len(losses):
+            bar.set_postfix(loss=f"{float(losses.mean()):.3g}", refresh=False)
+    try:
+        total, count = run_steps(engine, loader, None, len(engine.sampler), after=after)  # as train_epoch
+    finally:
+        bar.close()
+    return total / max(count, 1)
 
 
 def main(argv: list[str] | None = None) -> int:

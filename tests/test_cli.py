@@ -14,7 +14,7 @@ PUBLISHED = ["--noise-multiplier", "1.1", "--sample-rate", "0.004266666666666667
 # digits (N = 1347), logreg: a whole training run takes about a second.
 TRAIN = ["train", "--data", "digits", "--model", "logreg", "--algo", "dpsgd", "--epsilon", "3",
          "--delta", "1e-5", "--epochs", "1", "--batch-size", "64", "--lr", "0.5", "--clip", "1",
-         "--accountant", "rdp", "--quiet"]
+         "--accountant", "rdp", "--threads", "1", "--quiet"]  # compare's tests keep the default --threads
 
 
 def run(argv, capsys):
@@ -49,6 +49,16 @@ def test_account_published_values(capsys, acc, expected):
     d = json.loads(out)
     assert {"epsilon", "delta", "accountant", "basis", "certified"} <= set(d)
     assert d["epsilon"] == pytest.approx(expected, abs=1e-3) and d["certified"] is True
+
+
+def test_console_spells_booleans_as_the_json_does(capsys):
+    """true/false (never Python's True/False) and none for an empty list, as in results.json."""
+    code, out, _ = run(["account", *PUBLISHED, "--accountant", "rdp"], capsys)
+    lines = dict(line.split(None, 1) for line in out.splitlines())
+    assert code == 0 and lines["certified"] == "true" and lines["caveats"] == "none"
+    assert "True" not in out and "False" not in out and "[]" not in out
+    from clipbias.cli._common import plain
+    assert [plain(v) for v in (False, None, [], ["a", "b"], (True, 2))] == ["false", "none", "none", "a; b", "true; 2"]
 
 
 def test_calibrate_json_has_noise_multiplier(capsys):
@@ -229,7 +239,7 @@ def test_compare_table_and_files(capsys, tmp_path):
                              "--lr", "0.5", "--clip", "1", "--momentum", "0", "--accountant", "rdp",
                              "--out", out, "--quiet"], capsys)
     assert code == 0, err
-    assert "mean ± std" in stdout and "basis" in stdout
+    assert "mean ± std, 2 seeds" in stdout and "basis" in stdout
     rows = {line.split()[0]: line for line in stdout.splitlines() if line.startswith(("dpsgd ", "dice"))}
     assert "true" in rows["dice"] and "false (REFUTED bound)" in rows["dice:authors"]
     d = json.loads((out / "compare.json").read_text())
@@ -402,3 +412,60 @@ def test_cache_command_shows_and_clears_only_its_own_files(tmp_path, monkeypatch
     assert main(["cache", "--clear", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["cleared"] == 3
     assert not any(f.exists() for f in mine) and other.read_text() == "keep me"
+
+
+def test_default_output_directories_are_new_for_every_run(capsys, tmp_path, monkeypatch):
+    """Without --out every train, compare, diagnose and toy run gets a directory of its own under
+    runs/ (printed at its start and its end), so the README's commands can follow one another; no
+    lock file stays behind; a refused run leaves no directory; --resume needs --out."""
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    dirs = []
+    for _ in range(2):
+        code, stdout, err = run(TRAIN, capsys)
+        assert code == 0, err
+        new = sorted(set(runs.iterdir()) - set(dirs))
+        assert len(new) == 1 and new[0].name.startswith("digits-logreg-dpsgd-eps3-s0-")
+        dirs += new
+        rel = f"runs/{new[0].name}"
+        assert stdout.splitlines()[0] == f"run directory: {rel}" and f"{rel}/results.json" in stdout.splitlines()[-2]
+        assert sorted(p.name for p in new[0].iterdir()) == ["checkpoint.pt", "curves.png", "results.json"]
+    code, _, err = run(_replace(TRAIN, "--algo", "batch-clip"), capsys)  # refused: --public-size missing
+    assert code == 2 and "--public-size" in err and sorted(runs.iterdir()) == dirs
+    code, _, err = run(TRAIN + ["--resume"], capsys)
+    assert code == 2 and "--resume needs --out DIR" in err and sorted(runs.iterdir()) == dirs
+    compare = ["compare", "--data", "digits", "--model", "logreg", "--algos", "dpsgd", "--seeds", "0", "--epochs",
+               "1", "--batch-size", "64", "--lr", "0.5", "--clip", "1", "--accountant", "rdp", "--quiet"]
+    code, stdout, err = run(compare, capsys)  # right after the trains: a directory of its own
+    assert code == 0, err
+    new = sorted(set(runs.iterdir()) - set(dirs))
+    assert len(new) == 1 and new[0].name.startswith("compare-digits-logreg-eps3-")
+    dirs += new
+    assert f"-> runs/{new[0].name}" in stdout.splitlines()[0] and f"wrote runs/{new[0].name}/compare.json" in stdout
+    assert "test acc (1 seed)" in stdout and "±" not in stdout  # one seed has no spread to show
+    assert (new[0] / "compare.json").is_file() and not list(new[0].rglob(".clipbias.lock"))
+    code, stdout, err = run(["toy", "--problem", "chen-ex2", "--algo", "sgd", "--steps", "20", "--compare", "sgd"],
+                            capsys)
+    assert code == 0, err
+    new = sorted(set(runs.iterdir()) - set(dirs))
+    assert len(new) == 1 and new[0].name.startswith("toy-chen-ex2-") and (new[0] / "toy-chen-ex2.png").is_file()
+    assert f"runs/{new[0].name}/toy-chen-ex2.png" in stdout
+
+
+def test_new_run_dir_never_reuses_a_directory(tmp_path, monkeypatch):
+    """Runs started in the same second get -2, -3, ...; a file in the way is a clear error."""
+    import time
+
+    from clipbias.errors import WriteError
+    from clipbias.files import new_run_dir, remove_if_empty
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20260101-120000")
+    made = [new_run_dir("train", tmp_path / "runs") for _ in range(3)]
+    assert [p.name for p in made] == ["train-20260101-120000", "train-20260101-120000-2", "train-20260101-120000-3"]
+    assert all(p.is_dir() for p in made)
+    (made[0] / "kept").write_text("x")
+    remove_if_empty(made[0])
+    remove_if_empty(made[1])
+    assert made[0].is_dir() and not made[1].exists()
+    (tmp_path / "blocker").write_text("x")
+    with pytest.raises(WriteError, match="cannot create a run directory under .*blocker.*--out DIR"):
+        new_run_dir("train", tmp_path / "blocker")

@@ -100,9 +100,11 @@ def test_env_var_and_argument_override_dir(tmp_path, monkeypatch):
     assert load_dataset("fashion-mnist", data_dir=tmp_path).y_train.tolist() == list(range(6))
 
 
-def test_fake_fashion_normalisation_and_cache_invalidation(tmp_path):
+def test_fake_fashion_normalisation_and_cache_invalidation(tmp_path, capsys):
     write_fake_fashion(tmp_path)
     d1 = load_dataset("fashion-mnist", data_dir=tmp_path)
+    (cache_file,) = cd.cache_dir().glob("fashion-mnist-*.pt")
+    assert f"Fashion-MNIST decoded once and cached in {cache_file} (0 MB; `clipbias cache --clear`" in capsys.readouterr().err
     raw = read_idx(tmp_path / "train-images-idx3-ubyte.gz").astype(np.float32)
     expected = (raw / 255.0 - cd.FASHION_MNIST_MEAN) / cd.FASHION_MNIST_STD
     np.testing.assert_allclose(d1.x_train[:, 0].numpy(), expected, rtol=1e-5, atol=1e-5)

@@ -207,18 +207,23 @@ def _refusals() -> str | None:
 
 # ---------------------------------------------------------------- the command line under torchrun
 def test_torchrun_module_entry_point_and_resume_at_another_world_size(tmp_path):
-    out = tmp_path / "run"
+    """Without --out rank 0 creates one new run directory and every rank uses it; with that --out a
+    second run is refused on every rank; resuming at another world size is refused."""
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "clipbias",
            "train", "--data", "digits", "--model", "logreg", "--algo", "dice", "--noise-multiplier", "1",
            "--epochs", "1", "--batch-size", "64", "--lr", "0.5", "--seed", "1", "--reproducible-noise",
-           "--quiet", "--threads", "1", "--out", str(out)]
+           "--quiet", "--threads", "1"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.count("test accuracy") == 1  # rank 0 alone reports
+    [out] = list((tmp_path / "runs").iterdir())  # one directory, shared by the ranks
+    assert p.stdout.count(f"run directory: runs/{out.name}") == 1
+    assert sorted(f.name for f in out.iterdir()) == ["checkpoint.pt", "curves.png", "results.json"]
     import json
     res = json.loads((out / "results.json").read_text())
     assert res["world_size"] == 2 and res["steps"] == 21
+    cmd += ["--out", str(out)]
     again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert again.returncode != 0  # rank 0 found a finished run in --out: every rank stops (none waits)
     assert again.stderr.count("clipbias train: error: --out") == 2 and "already holds" in again.stderr

@@ -113,7 +113,7 @@ def test_weight_standardisation():
     assert not any(isinstance(m, WSConv2d) for m in plain.modules())
 
 
-def test_scatter_features_shape_determinism_and_cache(tmp_path):
+def test_scatter_features_shape_determinism_and_cache(tmp_path, capsys):
     torch.manual_seed(0)
     x = torch.rand(5, *IMAGE)
     sf = ScatterFeatures((28, 28))
@@ -121,10 +121,16 @@ def test_scatter_features_shape_determinism_and_cache(tmp_path):
     assert a.shape == (5, 81, 7, 7) and sf.output_shape() == (81, 7, 7)
     assert torch.equal(a, b) and torch.isfinite(a).all()
     torch.testing.assert_close(ScatterFeatures((28, 28), chunk_size=2).compute(x), a)
+    capsys.readouterr()
     cached = sf.cached(x, "unit-test")
-    assert torch.equal(cached, a) and sf.cache_path(x, "unit-test").is_file()
+    path = sf.cache_path(x, "unit-test")
+    assert torch.equal(cached, a) and path.is_file()
+    # what is written, where, its size and how to clear it: said once, when written
+    err = capsys.readouterr().err
+    assert f"scattering features of 5 images (unit-test): cached in {path} (0 MB;" in err
+    assert "`clipbias cache --clear` deletes it" in err
     sf.compute = None  # a second call must be served from disk
-    assert torch.equal(sf.cached(x, "unit-test"), a)
+    assert torch.equal(sf.cached(x, "unit-test"), a) and capsys.readouterr().err == ""
 
 
 def test_scatter_models_preprocess_then_head():

@@ -122,8 +122,8 @@ def test_an_interrupted_overwrite_never_mixes_old_and_new_files(tmp_path, splits
     """--overwrite sets the old run aside (``.previous``) once the new run is built: interrupted after
     one epoch, the directory holds only the new run's checkpoint (no stale results.json or curves.png
     describing the old run) and the old run is whole in ``.previous``; a finished overwrite removes it."""
-    out = tmp_path / "o"
-    cfg = dataclasses.replace(BASE, epochs=2, out=str(out), reproducible_noise=True)
+    out = tmp_path / "o"  # a given noise multiplier: no calibration needed to test the files
+    cfg = dataclasses.replace(BASE, epochs=2, out=str(out), reproducible_noise=True, epsilon=None, noise_multiplier=2.0)
     old = train(cfg, splits=splits)
 
     def stop(rec):

@@ -7,7 +7,7 @@ import sys
 
 from ..files import jsonable
 
-__all__ = ["emit", "exit_code", "jsonable", "on_sigterm", "tune_allocator", "warn"]
+__all__ = ["emit", "exit_code", "jsonable", "on_sigterm", "plain", "tune_allocator", "warn"]
 
 
 def emit(data: dict, as_json: bool, stream=None) -> None:
@@ -17,7 +17,19 @@ def emit(data: dict, as_json: bool, stream=None) -> None:
         return
     width = max(len(k) for k in data)
     for k, v in data.items():
-        print(f"{k:<{width}}  {v}", file=stream)
+        print(f"{k:<{width}}  {plain(v)}", file=stream)
+
+
+def plain(v) -> str:
+    """A value as the console shows it, spelled as in the JSON files: true/false, none for None and for
+    an empty list, a list's items separated by "; "."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "none"
+    if isinstance(v, (list, tuple)):
+        return "; ".join(map(plain, v)) if v else "none"
+    return str(v)
 
 
 def warn(msg: str | None) -> None:

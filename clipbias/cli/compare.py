@@ -2,7 +2,7 @@
 
 With no arguments it runs the default comparison: DPSGD-GC vs DiceSGD (sound accounting, r = 0.01)
 on Fashion-MNIST at epsilon = 3, delta = 1e-5 (see ``DEFAULTS`` and docs/cli.md for why these
-settings; about 10 minutes on 2 CPU cores).
+settings and its measured time).
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ._choices import current
 from ._common import emit, jsonable
+from ..files import new_run_dir, remove_if_empty
 from .train import add_training_flags, config_from_args, fmt_eps, set_threads
 
 # The default comparison. scatter-linear trains ~13 s per epoch on the full 60k Fashion-MNIST on one
@@ -53,15 +53,17 @@ def parse_variant(spec: str) -> tuple[str, dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    head = ["algo", "accounting", "test acc (mean ± std)", "epsilon", "certified", "noise mult.",
-            "s/epoch"]
+    n = len(rows[0]["test_accuracies"]) if rows else 0  # every row ran the same seeds
+    head = ["algo", "accounting", "test acc (1 seed)" if n == 1 else f"test acc (mean ± std, {n} seeds)",
+            "epsilon", "certified", "noise mult.", "s/epoch"]
     body = []
     for r in rows:
         acct = r["dice_accounting"] or ("none" if math.isinf(r["epsilon"]) else r["accountant"])
         cert = ("true" if r["certified"] else "false (non-private)" if math.isinf(r["epsilon"]) else
                 "false (see caveats)" if r.get("caveats") else "false (REFUTED bound)")
         body.append([r["label"], acct,
-                     f"{100 * r['test_accuracy_mean']:.2f} ± {100 * r['test_accuracy_std']:.2f} %"
+                     (f"{100 * r['test_accuracy_mean']:.2f} %" if n == 1 else
+                      f"{100 * r['test_accuracy_mean']:.2f} ± {100 * r['test_accuracy_std']:.2f} %")
                      + (f"  (val {100 * r['val_accuracy_mean']:.2f})" if "val_accuracy_mean" in r else ""),
                      fmt_eps(r["epsilon"]), cert, f"{r['noise_multiplier']:.4g}",
                      f"{r['wall_time_per_epoch_s']:.1f}"])
@@ -115,16 +117,21 @@ def _run(args: argparse.Namespace) -> int:
     variants, ratio = _variants(args, algos)
     for _, over in variants:
         dataclasses.replace(base, **over)  # refuses what the variant cannot run
-    out = Path(args.out or os.path.join(
-        "runs", f"compare-{base.data}-{base.model}-eps{base.epsilon:g}" if base.epsilon else
-        f"compare-{base.data}-{base.model}"))
-    check_out_dir(out)
-    with run_lock(out):  # a second compare (or train) on the same --out is refused
-        taken = _taken(out, [label for label, _ in variants], seeds)
-        if taken and not args.overwrite:
-            raise ConfigError(f"--out {out} already holds {', '.join(taken)} (an earlier compare or train run); "
-                              f"choose another --out, or replace it with --overwrite")
-        return _compare(args, base, variants, seeds, out, taken, ratio, t0)
+    if args.out:
+        out = Path(args.out)
+        check_out_dir(out)
+    else:  # a new directory for every run: a default compare never meets an earlier one
+        out = new_run_dir(f"compare-{base.data}-{base.model}" + (f"-eps{base.epsilon:g}" if base.epsilon else ""))
+    try:
+        with run_lock(out):  # a second compare (or train) on the same --out is refused
+            taken = _taken(out, [label for label, _ in variants], seeds)
+            if taken and not args.overwrite:
+                raise ConfigError(f"--out {out} already holds {', '.join(taken)} (an earlier compare or train "
+                                  f"run); choose another --out, or replace it with --overwrite")
+            return _compare(args, base, variants, seeds, out, taken, ratio, t0)
+    finally:
+        if not args.out:
+            remove_if_empty(out)
 
 
 def _compare(args: argparse.Namespace, base, variants: list[tuple[str, dict]], seeds: list[int], out: Path,
@@ -224,7 +231,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "mean ± std test accuracy, epsilon, certified, noise multiplier and time per epoch. "
                     "With no arguments: DPSGD-GC vs DiceSGD (sound accounting, r = 0.01) on Fashion-MNIST, "
                     "epsilon = 3, delta = 1e-5, scatter-linear, 3 epochs, B = 2048, lr 26, momentum 0.9, "
-                    "clip 0.054 (chosen by clipbias tune), seeds 0 1 2, 1 thread (about 5-10 min on 2 CPU cores).")
+                    "clip 0.054 (chosen by clipbias tune), seeds 0 1 2, all available cores. Measured on 2 shared AMD EPYC cores: 74 s "
+                    "with the scattering features cached; the first run adds 60-70 s to compute and cache "
+                    "them (docs/cli.md).")
     p.add_argument("--algos", nargs="+", default=None, metavar="NAME[:ACCOUNTING]",
                    help="algorithms (default: dpsgd dice); NAME:ACCOUNTING picks DiceSGD's accounting "
                         "per row, e.g. dice:sound dice:paper (paper and authors are refuted: reproduction only)")
@@ -235,7 +244,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ef-ratio", type=float, default=None, metavar="R",
                    help=f"DiceSGD feedback clip C2 = R * C1 / B (default R = {current()['default_ef_ratio']:g}) unless --ef-clip is given")
     p.add_argument("--out", default=None, metavar="DIR",
-                   help="output directory (default runs/compare-<data>-<model>-eps<E>)")
+                   help="output directory (default: a new runs/compare-<data>-<model>-eps<E>-<date>-<time> for "
+                        "every run); earlier results in it are refused unless --overwrite")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier compare (or train run) in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -125,10 +125,8 @@ def _subset(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
 def _run(args: argparse.Namespace) -> int:
     from .. import algorithms
     from ..analysis import diagnostics
+    from ..files import new_run_dir, remove_if_empty
     from ..run.checkpoint import check_out_dir
-    from ..run.report import write_json
-    from ..run.build import build_run
-    from ..run.splits import splits_for
     from .train import config_from_args
 
     t0 = time.perf_counter()
@@ -138,9 +136,25 @@ def _run(args: argparse.Namespace) -> int:
     # diagnostics are not private: reproducible batches and noise, from --seed
     cfg = config_from_args(args, reproducible_noise=True)
     sizes = _check_sizes(args)
-    out = Path(args.out or args.run or "runs/diagnose")
-    check_out_dir(out)  # a file in the way is refused now, not after the recording; created at the first write
+    if args.out or args.run:
+        out = Path(args.out or args.run)
+        check_out_dir(out)  # a file in the way is refused now, not after the recording; created at the first write
+    else:
+        out = new_run_dir("diagnose")  # a new directory for every run
     print(f"clipbias diagnose: {diagnostics.PRIVACY_WARNING}", file=sys.stderr)
+    print(f"output directory: {out}", file=sys.stderr, flush=True)
+    try:
+        return _diagnose(args, cfg, sizes, out, t0)
+    finally:
+        if not (args.out or args.run):
+            remove_if_empty(out)
+
+
+def _diagnose(args: argparse.Namespace, cfg, sizes: tuple[list[int], list[int]], out: Path, t0: float) -> int:
+    from ..analysis import diagnostics
+    from ..run.build import build_run
+    from ..run.report import write_json
+    from ..run.splits import splits_for
     run = build_run(cfg, splits_for(cfg))  # exactly what `clipbias train` builds
     recorder, picked = _recorder(cfg, run, args, *sizes)
     steps_at, privacy = _record(args, run, recorder)
@@ -331,7 +345,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--ps", default="1,2,4,10", metavar="LIST", help="group sizes p for p-averaging")
     d.add_argument("--windows", default="1,2,4,8", metavar="LIST", help="sliding windows K0 (iterations)")
     d.add_argument("--out", default=None, metavar="DIR",
-                   help="output directory (default: the --run DIR, else runs/diagnose)")
+                   help="output directory (default: the --run DIR, else a new runs/diagnose-<date>-<time> "
+                        "for every run)")
     d.add_argument("--no-figures", action="store_true", help="write diagnostics.json only")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.add_argument("--json", action="store_true", help="print diagnostics.json on stdout")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ._choices import current
+from ..files import new_run_dir
 from ._common import emit
 from .train import add_method_flags, method_settings
 
@@ -58,7 +59,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..run.checkpoint import check_out_dir
     problem = toy.get_problem(args.problem)
     if not args.no_figure:  # a file in the way of the figure's directory is refused now, not after the runs
-        check_out_dir(Path(args.figure).parent if args.figure else Path(args.out))
+        check_out_dir(Path(args.figure).parent if args.figure else Path(args.out or "runs"))
     algorithms.get(args.algo)  # a clear error for an unknown name
     extra = method_settings(args)
     extra.update(_parse_extra(args.extra))
@@ -145,7 +146,10 @@ def _comparison(args: argparse.Namespace, problem, s, inst, main) -> tuple[str, 
             if d > 0:
                 pred.setdefault(f"{d:.6g}", []).append(name)
     pred_lines = {"/".join(v): float(k) for k, v in pred.items()}
-    figure = args.figure or str(Path(args.out) / f"toy-{args.problem}.png")
+    if not args.figure:  # without --out a new directory for every run: figures never replace earlier ones
+        figure = str((Path(args.out) if args.out else new_run_dir(f"toy-{args.problem}")) / f"toy-{args.problem}.png")
+    else:
+        figure = args.figure
     title = (f"{problem.title}\nlr {s.lr:g}, C {s.clip:g}, "
              f"{'full batch' if s.batch_size is None else f'B = {s.batch_size:g}'}, "
              f"noise multiplier {s.noise_multiplier:g} (private algorithms only), seed {s.seed}")
@@ -200,7 +204,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="algorithms drawn in the figure (default: every registered one that applies and "
                         f"runs in under {DEFAULT_BUDGET_S:g} s here; chen-mixture: sgd, clip-sgd, ef-sgd, "
                         f"dpsgd, dice)")
-    o.add_argument("--out", default="runs/toy", metavar="DIR", help="figure directory (default runs/toy)")
+    o.add_argument("--out", default=None, metavar="DIR",
+                   help="figure directory (default: a new runs/toy-PROBLEM-<date>-<time> for every run)")
     o.add_argument("--figure", default=None, metavar="PATH", help="figure file (default DIR/toy-PROBLEM.png)")
     o.add_argument("--no-figure", action="store_true", help="run --algo only, no figure")
     o.add_argument("--json", action="store_true",

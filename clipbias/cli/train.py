@@ -262,13 +262,23 @@ def _run(args: argparse.Namespace) -> int:
     """``clipbias train``; under torchrun (``WORLD_SIZE`` > 1) inside a process group it sets up
     itself (gloo on the CPU, nccl on CUDA), where rank 0 alone prints and writes."""
     from .. import distributed
+    from ..files import remove_if_empty
     from ..run.training import default_out
     set_threads(args.threads)
     cfg = config_from_args(args, resume=args.resume, overwrite=args.overwrite)
-    cfg = dataclasses.replace(cfg, out=args.out or default_out(cfg))
+    if args.resume and not args.out:
+        raise ConfigError("--resume needs --out DIR: the run directory to continue (without --out every run "
+                          "gets a new directory, printed at its start and end)")
     own_group = distributed.init_from_env(cfg.device)
     try:
-        return _train_and_report(args, cfg)
+        cfg = dataclasses.replace(cfg, out=args.out or distributed.from_rank0(lambda: default_out(cfg)))  # one new directory, every rank
+        if distributed.context()[0] == 0:
+            print(f"run directory: {cfg.out}", file=sys.stderr if args.json else sys.stdout, flush=True)
+        try:
+            return _train_and_report(args, cfg)
+        finally:
+            if not args.out and distributed.context()[0] == 0:
+                remove_if_empty(cfg.out)  # a refused run leaves no empty directory behind
     finally:
         if own_group:
             import torch.distributed as dist
@@ -285,7 +295,7 @@ def _train_and_report(args: argparse.Namespace, cfg: TrainConfig) -> int:
         what = "terminated (SIGTERM)" if exit_code(e) == 143 else "interrupted"
         if (Path(cfg.out) / CHECKPOINT).is_file():
             print(f"{what}; the last epoch-end checkpoint is in {cfg.out}/{CHECKPOINT}. Continue with "
-                  f"the same command plus --resume.", file=sys.stderr)
+                  f"the same command plus {'' if args.out else f'--out {cfg.out} '}--resume.", file=sys.stderr)
         else:
             print(f"{what} before the first epoch ended: no checkpoint was written in {cfg.out}; start the run "
                   f"again (nothing to resume).", file=sys.stderr)
@@ -318,13 +328,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "train", help="train one model privately, with checkpoints and a results report",
         description="Train one model with one algorithm. The noise multiplier is calibrated from "
                     "--epsilon for all --epochs; results.json, curves.png and a PRIVATE checkpoint go to "
-                    "--out (default runs/<data>-<model>-<algo>-eps<E>-s<seed>).")
+                    "--out (default: a new directory runs/<data>-<model>-<algo>-eps<E>-s<seed>-<date>-<time> "
+                    "for every run, printed at its start and end).")
     add_training_flags(p)
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the model initialisation (public); with --reproducible-noise also of the Poisson "
                         "batches, the noise and the methods' keyed draws, which otherwise come from the OS CSPRNG "
                         "(default 0)")
-    p.add_argument("--out", default=None, metavar="DIR", help="run directory")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="run directory (default: a new one per run under runs/); an existing run in it is "
+                        "refused unless --resume or --overwrite")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -162,4 +163,7 @@ def load_fashion_mnist(data_dir: str | os.PathLike | None = None, *,
             os.replace(tmp, cache_file)
         except OSError:  # read-only home etc.: caching is an optimisation only
             pass
+        else:
+            print(f"Fashion-MNIST decoded once and cached in {cache_file} ({cache_file.stat().st_size / 2**20:.0f} MB; "
+                  f"`clipbias cache --clear` deletes it)", file=sys.stderr, flush=True)
     return tensors

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -105,8 +106,12 @@ class ScatterFeatures:
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             torch.save(feats.cpu(), tmp)
             os.replace(tmp, path)
-        except OSError:
-            pass
+        except OSError as e:  # caching is an optimisation only
+            print(f"scattering features of {len(x)} images ({key}): not cached ({e})", file=sys.stderr)
+        else:
+            print(f"scattering features of {len(x)} images ({key}): cached in {path} "
+                  f"({path.stat().st_size / 2**20:.0f} MB; `clipbias cache` shows the cache, "
+                  f"`clipbias cache --clear` deletes it)", file=sys.stderr, flush=True)
         return feats
 
 

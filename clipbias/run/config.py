@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +14,7 @@ from .. import algorithms, privacy
 from ..config import AlgoConfig
 from ..data.datasets import DATASET_NAMES
 from ..errors import ConfigError
+from ..files import new_run_dir
 from ..privacy.report import check_delta, check_epsilon, check_nonnegative, check_positive
 from ..randomness import check_seed
 
@@ -185,7 +185,8 @@ def check_int(v: Any, flag: str, minimum: int) -> int:
 
 
 def default_out(cfg: TrainConfig) -> str:
-    """``runs/<data>-<model>-<algo>-eps<E>-s<seed>`` (``epsinf`` for non-private algorithms)."""
+    """A new run directory ``runs/<data>-<model>-<algo>-eps<E>-s<seed>-<date>-<time>``, created now
+    (``epsinf`` for non-private algorithms; ``files.new_run_dir``): runs without ``--out`` never share one."""
     eps = f"{cfg.epsilon:g}" if (cfg.private and cfg.epsilon is not None) else (
         f"z{cfg.noise_multiplier:g}" if cfg.private else "inf")
-    return os.path.join("runs", f"{cfg.data}-{cfg.model}-{cfg.algo}-eps{eps}-s{cfg.seed}")
+    return str(new_run_dir(f"{cfg.data}-{cfg.model}-{cfg.algo}-eps{eps}-s{cfg.seed}"))

@@ -36,6 +36,9 @@ def _run(args: argparse.Namespace) -> int:
     emit({"algo": args.algo, "method": res["method"],
           "epsilon lower bound": f"{res['epsilon_lower_bound']:.4g} (at {res['confidence']:.0%} confidence, "
                                  f"delta {res['delta']:g})",
+          **({"epsilon lower bound, f-DP": f"{res['epsilon_lower_bound_fdp']:.4g} (Gaussian trade-off curve with "
+                                           f"the claim's (eps, delta); does not decide the verdict)"}
+             if "epsilon_lower_bound_fdp" in res else {}),
           "epsilon claimed": f"{res['epsilon_claimed']:.4g}",
           "certified": str(res["certified"]).lower(), "basis": res["basis"],
           "verdict": verdict,
@@ -51,7 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "(Clopper-Pearson, Bonferroni-corrected) with the epsilon the library claims. "
                     "canary (default): white-box Monte-Carlo test, D = {} vs D' = {canary}, the "
                     "algorithm's own pipeline stages over --trials independent runs per world. "
-                    "one-run: Steinke, Nasr & Jagielski (2023), m canaries in one training run.")
+                    "one-run: Steinke, Nasr & Jagielski (2023), m canaries in one training run, also reporting the "
+                    "f-DP bound of Mahloujifar, Melis & Chaudhuri (2024).")
     p.add_argument("--algo", required=True, metavar="NAME", help="the algorithm to audit (e.g. dpsgd, dice)")
     p.add_argument("--mode", choices=("canary", "one-run"), default="canary",
                    help="canary (default): thousands of runs per world through the algorithm's own stages; "

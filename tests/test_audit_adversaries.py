@@ -6,7 +6,6 @@ survives every adversary; DiceSGD's paper bound stays refuted."""
 import pytest
 
 from clipbias import audit
-from clipbias.audit.canary import one_run_ideal
 from clipbias.errors import ConfigError
 
 DICE = dict(algo="dice", noise_multiplier=8.0, sample_rate=0.02, steps=300, batch_size=10.0, clip=1.0,
@@ -67,16 +66,34 @@ def test_the_likelihood_ratio_statistic_is_standardised_and_beats_the_sum_for_dp
     assert by_lr["refuted"] and by_lr["epsilon_lower_bound"] > 1.3 * by_sum["epsilon_lower_bound"]
 
 
-def test_one_run_ideal_dpsgd_full_batch():
-    """Full-batch DPSGD (q = 1, T = 4, z = 1: the Gaussian mechanism, mu = 2, claim 10.0): with 4000
-    Dirac canaries the f-DP bound reaches at least 35 % of the claim and stays below it; the plain
-    one-run bound is below the f-DP one."""
-    r = one_run_ideal(audit.CanaryAudit("dpsgd", 1.0, 1.0, 4, 10.0), canaries=4000)
-    assert r["epsilon_claimed"] == pytest.approx(9.997, abs=1e-3)
+def test_white_box_one_run_dpsgd_full_batch():
+    """Full-batch DPSGD (q = 1, T = 4, z = 1: the Gaussian mechanism, mu = 2, claim 10.0), one run of
+    the engine with 4000 Dirac canaries: the f-DP bound reaches at least 35 % of the claim and stays
+    below it, above the plain one-run bound; the score gap is mu; a run at z = 0.3 that claims z = 3
+    is refuted."""
+    r = audit.white_box_one_run(audit.CanaryAudit("dpsgd", 1.0, 1.0, 4, 10.0), canaries=4000)
+    assert r["epsilon_claimed"] == pytest.approx(9.997, abs=1e-3) and r["score_gap"] == pytest.approx(2.0, abs=0.1)
     assert 0 < r["epsilon_lower_bound"] < r["epsilon_lower_bound_fdp"] < r["epsilon_claimed"]
     assert r["epsilon_lower_bound_fdp"] > 0.35 * r["epsilon_claimed"] and not r["refuted"]
-    cheat = one_run_ideal(audit.CanaryAudit("dpsgd", 0.3, 1.0, 4, 10.0, claim_noise_multiplier=3.0), canaries=4000)
+    cheat = audit.white_box_one_run(audit.CanaryAudit("dpsgd", 0.3, 1.0, 4, 10.0, claim_noise_multiplier=3.0),
+                                    canaries=1000)
     assert cheat["refuted"] and cheat["epsilon_lower_bound"] > cheat["epsilon_claimed"]
+
+
+HIDDEN_STATE = [("dpgd-momentum", 1.0, 2.0, 8), ("inner-outer", 0.2, 1.0, 20), ("perturb", 0.2, 1.0, 20),
+                ("adaptive", 0.2, 1.0, 20), ("dice", 0.2, 1.0, 20), ("dice-auto", 0.2, 1.0, 20)]
+
+
+@pytest.mark.parametrize("algo,q,z,steps", HIDDEN_STATE)
+def test_white_box_one_run_every_hidden_state_claim_survives_crafted_canaries(algo, q, z, steps):
+    """Each algorithm's own engine (per-example or inner momentum, perturbation, the moving clip,
+    error feedback), 400 Dirac canaries with a constant and a charge-drain gradient, both statistics:
+    no bound passes the claim; the constant canaries are seen (the in-canaries score higher; the
+    charge-drain statistic weighs the second half by -1, which a momentum still pushing +C cancels)."""
+    for kw in ({}, {"schedule": "charge-drain", "statistic": "lr"}):
+        r = audit.white_box_one_run(audit.CanaryAudit(algo, z, q, steps, 10.0, **kw), canaries=400)
+        assert r["certified"] and r["epsilon_lower_bound"] <= r["epsilon_lower_bound_fdp"] < r["epsilon_claimed"]
+        assert r["score_gap"] > 0.2 or kw
 
 
 def test_refusals_name_the_problem():
@@ -86,5 +103,5 @@ def test_refusals_name_the_problem():
         audit.CanaryAudit("dpsgd", 1.0, 0.1, 10, 10.0, schedule="random")
     with pytest.raises(ConfigError, match="--anti-canary"):
         audit.CanaryAudit("dpsgd", 1.0, 0.1, 10, 10.0, anti_norm=-1.0)
-    with pytest.raises(ConfigError, match="error feedback"):
-        one_run_ideal(audit.CanaryAudit(**DICE))
+    with pytest.raises(ConfigError, match="anti-canary"):
+        audit.white_box_one_run(audit.CanaryAudit(**DICE, anti_norm=1.0))

@@ -171,6 +171,14 @@ def simulate(audit: CanaryAudit, with_canary: bool, *, progress: bool = False) -
     return score.value()
 
 
+def step_llr(u: torch.Tensor, c, sigma, q: float) -> torch.Tensor:
+    """log P(u | the canary's contribution c is in the step with probability q) / P(u | it is not),
+    for a release u = (contribution) + N(0, sigma^2): log(1 - q + q exp((c u - c^2 / 2) / sigma^2))."""
+    z = (c * u.double() - c * c / 2) / sigma ** 2
+    base = torch.full_like(z, math.log1p(-q) if q < 1 else -math.inf)
+    return torch.logaddexp(base, z + math.log(q))
+
+
 class _Statistic:
     """The adversary's test statistic over the released updates u_t, standardised so that it is about
     N(0, 1) under D without an anti-canary (the thresholds are a grid in those units).
@@ -197,10 +205,7 @@ class _Statistic:
             self.std = float(np.sqrt(w @ (llr - self.mean) ** 2))
 
     def _llr(self, u: torch.Tensor, sign: float) -> torch.Tensor:
-        c = sign * self.c
-        z = (c * u.double() - c * c / 2) / self.sigma ** 2
-        return torch.logaddexp(torch.full_like(z, math.log1p(-self.q)) if self.q < 1 else torch.full_like(z, -math.inf),
-                               z + math.log(self.q))
+        return step_llr(u, sign * self.c, self.sigma, self.q)
 
     def add(self, t: int, u: torch.Tensor) -> None:
         self.total += self.signs[t] * u.double() if self.kind == "sum" else self._llr(u, self.signs[t])
@@ -237,44 +242,3 @@ def canary_audit(audit: CanaryAudit, *, progress: bool = False) -> dict:
         "settings": {k: v for k, v in asdict(audit).items() if k != "extra"},
     }
 
-
-def one_run_ideal(audit: CanaryAudit, canaries: int = 1000) -> dict:
-    """The white-box one-run audit in its idealised form: one run of the mechanism on a model with one
-    coordinate per canary and no other data, canary j a Dirac gradient on coordinate j included with
-    probability 1/2, every released update observed, canary j scored by ``statistic`` on coordinate j.
-
-    For pipelines that clip or normalise each row and have no coupling state (no error feedback), the
-    coordinates of that run are independent one-parameter runs, which ``simulate`` draws: the in
-    canaries' scores are ``simulate`` with the canary, the out canaries' without. Both one-run bounds
-    (``estimators``) are returned with the claim.
-    """
-    import dataclasses
-
-    from .estimators import one_run_estimate
-
-    algo = check_batched(audit.algo)
-    parts = algo.parts(audit.algo_config())
-    if parts.error_feedback is not None or any(getattr(s, "bound", None) is None for s in parts.per_sample) \
-            or audit.anti_norm is not None:
-        raise ConfigError(f"--algo {audit.algo}: the idealised one-run audit needs rows that are only clipped or "
-                          f"normalised (no error feedback, no perturbation) and no anti-canary, so that the canaries' "
-                          f"coordinates are independent runs; use the canary audit")
-    if not (isinstance(canaries, int) and canaries >= 20):
-        raise ConfigError(f"--canaries must be an integer >= 20, got {canaries!r}")
-    gen = torch.Generator().manual_seed(audit.seed + (1 << 41))
-    n_in = int((torch.rand(canaries, generator=gen) < 0.5).sum())
-    if not 0 < n_in < canaries:
-        raise ConfigError(f"all {canaries} canaries fell on one side; use more canaries")
-    scores_in = simulate(dataclasses.replace(audit, trials=n_in), True)
-    scores_out = simulate(dataclasses.replace(audit, trials=canaries - n_in), False)
-    kw = dict(delta=audit.delta, significance=1 - audit.confidence)
-    plain = one_run_estimate(scores_in, scores_out, method="one-run", **kw)
-    fdp = one_run_estimate(scores_in, scores_out, method="one-run-fdp", **kw)
-    rep = claim(audit)
-    return {"epsilon_lower_bound": plain["epsilon_lower_bound"], "epsilon_lower_bound_fdp": fdp["epsilon_lower_bound"],
-            "epsilon_claimed": rep.epsilon, "certified": rep.certified, "basis": rep.basis,
-            "refuted": plain["epsilon_lower_bound"] > rep.epsilon, "confidence": audit.confidence,
-            "method": "one-run, idealised white-box (Dirac canaries on their own coordinates, every update seen)",
-            "canaries": canaries, "included": n_in, "delta": audit.delta, "guesses": plain["guesses"],
-            "correct": plain["correct"], "guesses_fdp": fdp["guesses"], "correct_fdp": fdp["correct"],
-            "settings": {k: v for k, v in dataclasses.asdict(audit).items() if k not in ("extra", "trials")}}

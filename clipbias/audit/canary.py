@@ -34,7 +34,7 @@ from ..errors import ConfigError
 from ..privacy.report import check_delta, check_positive, check_rate, check_steps
 from ..randomness import SecretKey
 from ..transforms import Pipeline, StepContext
-from .stats import epsilon_lower_bound
+from .stats import epsilon_lower_bound, gdp_epsilon_lower_bound
 
 STATISTICS = ("sum", "lr")
 SCHEDULES = ("constant", "charge-drain")
@@ -233,7 +233,7 @@ def canary_audit(audit: CanaryAudit, *, progress: bool = False) -> dict:
     lb = epsilon_lower_bound(null, alt, audit.delta, audit.confidence)
     refuted = lb["epsilon_lower_bound"] > rep.epsilon
     return {
-        **lb,
+        **lb, **gdp_epsilon_lower_bound(null, alt, audit.delta, audit.confidence),
         "epsilon_claimed": rep.epsilon, "certified": rep.certified, "basis": rep.basis,
         "refuted": refuted, "confidence": audit.confidence, "method": "canary",
         "trials": audit.trials, "delta": audit.delta,

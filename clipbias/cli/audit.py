@@ -43,6 +43,9 @@ def _run(args: argparse.Namespace) -> int:
           **({"epsilon lower bound, f-DP": f"{res['epsilon_lower_bound_fdp']:.4g} (Gaussian trade-off curve with "
                                            f"the claim's (eps, delta); does not decide the verdict)"}
              if "epsilon_lower_bound_fdp" in res else {}),
+          **({"epsilon lower bound, GDP": f"{res['epsilon_lower_bound_gdp']:.4g} (mu >= {res['mu_lower_bound']:.4g}: "
+                                          f"Gaussian trade-off curve; does not decide the verdict)"}
+             if "epsilon_lower_bound_gdp" in res else {}),
           "epsilon claimed": f"{res['epsilon_claimed']:.4g}",
           "certified": str(res["certified"]).lower(), "basis": res["basis"],
           "verdict": verdict,

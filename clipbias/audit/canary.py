@@ -161,7 +161,8 @@ def simulate(audit: CanaryAudit, with_canary: bool, *, progress: bool = False) -
             inc = (torch.rand(trials, 1, generator=gen, dtype=torch.float64) < audit.sample_rate).float()
             proc += p * inc
             ref = ref + (r * inc if r is not None else 0)
-        u = Pipeline.finish(pipe, proc, ref if pipe.error_feedback is not None else None)  # released (before post-processing)
+        # the released noisy update (before post-processing)
+        u = Pipeline.finish(pipe, proc, ref if pipe.error_feedback is not None else None)
         pipe.commit()
         score.add(t, u[:, 0])
         if bar is not None:

@@ -66,9 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--algo", required=True, metavar="NAME", help="the algorithm to audit (e.g. dpsgd, dice)")
     p.add_argument("--mode", choices=("canary", "one-run", "one-run-ideal"), default="canary",
                    help="canary (default): thousands of runs per world through the algorithm's own stages; "
-                        "one-run: canaries inside one real training run; one-run-ideal: one white-box training run of the "
-                        "algorithm's own engine on --canaries Dirac canaries (their own coordinates, no other data, "
-                        "B = q x the included canaries), every update seen, scored by --statistic")
+                        "one-run: canaries inside one real training run; one-run-ideal: one white-box training "
+                        "run of the algorithm's own engine on --canaries Dirac canaries (their own coordinates, "
+                        "no other data, B = q x the included canaries), every update seen, scored by --statistic")
     p.add_argument("--noise-multiplier", type=float, required=True, metavar="Z",
                    help="the noise multiplier the mechanism runs at")
     p.add_argument("--claim-noise-multiplier", type=float, default=None, metavar="Z2",

@@ -84,7 +84,8 @@ def test_white_box_one_run_dpsgd_full_batch():
 
 
 HIDDEN_STATE = [("dpgd-momentum", 1.0, 2.0, 8), ("inner-outer", 0.2, 1.0, 20), ("perturb", 0.2, 1.0, 20),
-                ("adaptive", 0.2, 1.0, 20), ("dice", 0.2, 1.0, 20), ("dice-auto", 0.2, 1.0, 20)]
+                ("adaptive", 0.2, 1.0, 20), ("dice", 0.2, 1.0, 20), ("dice-auto", 0.2, 1.0, 20),
+                ("dice-adam", 0.2, 1.0, 20), ("dice-perturb", 0.2, 1.0, 20)]
 
 
 @pytest.mark.parametrize("algo,q,z,steps", HIDDEN_STATE)

@@ -39,8 +39,11 @@ def main() -> int:
         basis = st.get("dice_accounting") if st["algo"].startswith("dice") else None
         algo = st["algo"] + (f" ({basis})" if basis else "")
         method = "canary" if d["method"] == "canary" else ("one-run, " + d["method"].split("(")[1].split(" ")[0])
+        lb = f"{d['epsilon_lower_bound']:.3g}"
+        if "epsilon_lower_bound_fdp" in d:
+            lb += f" (f-DP {d['epsilon_lower_bound_fdp']:.3g})"
         print(f"| {f.stem} | {algo} | {method} | {cfg} | {claimed} | {str(d['certified']).lower()} | "
-              f"{d['epsilon_lower_bound']:.3g} | {verdict} |")
+              f"{lb} | {verdict} |")
     return 0
 
 

@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 O=benchmarks/audits
 mkdir -p $O
-A=".venv/bin/clipbias audit --mode one-run --quiet --json"
+A="${PY:-.venv/bin/python} -m clipbias audit --mode one-run --quiet --json"
 if [ -z "${SKIP_CNN:-}" ]; then
   for cfg in "3 0.96630859375" "8 0.64794921875"; do
     set -- $cfg

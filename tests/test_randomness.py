@@ -292,6 +292,7 @@ SECRET_FREE = {  # modules whose seeded generators draw public or experimental r
     "cli/diagnose.py": "which examples the (non-private) diagnostics measure",
     "audit/canary.py": "the audit experiment's own inclusion draws",
     "audit/one_run.py": "the audit experiment's canaries and model initialisation",
+    "audit/white_box.py": "the audit experiment's canary inclusion draws",
     "algorithms/batchclip.py": "which public test images become public features",
     "run/build.py": "the public model initialisation",
     "sampling/loader.py": "DataLoader worker seeds (the user's dataset randomness, not the mechanism's), a ChaCha20 output",

@@ -10,9 +10,11 @@ above it is merely not refuted). Two experiments (docs/privacy.md, "Audits"):
 """
 
 from .canary import CanaryAudit, canary_audit, check_batched, claim, simulate
+from .estimators import epsilon_from_scores, one_run_estimate
 from .one_run import CanaryGradients, OneRunAudit, one_run_audit
 from .stats import epsilon_lower_bound, one_run_epsilon_lower_bound, one_run_p_value
+from .white_box import white_box_one_run
 
 __all__ = ["CanaryAudit", "canary_audit", "check_batched", "claim", "simulate", "CanaryGradients",
-           "OneRunAudit", "one_run_audit", "epsilon_lower_bound", "one_run_epsilon_lower_bound",
-           "one_run_p_value"]
+           "epsilon_from_scores", "one_run_estimate", "OneRunAudit", "one_run_audit", "epsilon_lower_bound",
+           "one_run_epsilon_lower_bound", "one_run_p_value", "white_box_one_run"]

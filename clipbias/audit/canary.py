@@ -8,8 +8,12 @@
 * the mechanism is the algorithm's own ``Pipeline`` (the same stage objects a ``DPEngine`` step
   runs), driven with a leading axis of independent trials: Poisson inclusion of the canary,
   per-example stages, aggregation by B, error feedback, Gaussian noise;
-* the adversary sees every released noisy update and thresholds the statistic
-  ``S = sum_t <u_t, canary direction> / (sigma sqrt(T))`` (N(0, 1) under D for a noise-only run);
+* the adversary sees every released noisy update and thresholds a statistic fixed in advance
+  (``_Statistic``): the summed projection ``S = sum_t s_t u_t / (sigma sqrt(T))`` (N(0, 1) under D for
+  a noise-only run) or the per-step likelihood ratio of the subsampled Gaussian (``statistic="lr"``);
+* crafted gradients (white-box): the canary's gradient sign per step follows ``schedule``
+  (``gradient_signs``), and an anti-canary (``anti_norm``), an example of both worlds whose gradient
+  opposes the canary's, drives hidden state (a clipped feedback buffer) the other way under D;
 * epsilon lower bound: for thresholds on a grid fixed in advance, Clopper-Pearson bounds on the
   false-positive and true-positive rates in both directions, Bonferroni-corrected for every bound
   used, ``eps >= ln((TPR_lo - delta) / FPR_hi)``; the best threshold is reported
@@ -30,7 +34,10 @@ from ..errors import ConfigError
 from ..privacy.report import check_delta, check_positive, check_rate, check_steps
 from ..randomness import SecretKey
 from ..transforms import Pipeline, StepContext
-from .stats import epsilon_lower_bound
+from .stats import epsilon_lower_bound, gdp_epsilon_lower_bound
+
+STATISTICS = ("sum", "lr")
+SCHEDULES = ("constant", "charge-drain")
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,9 @@ class CanaryAudit:
     confidence: float = 0.95
     seed: int = 0
     extra: dict = field(default_factory=dict)
+    statistic: str = "sum"                # sum | lr (see ``statistic``)
+    schedule: str = "constant"            # the canary's gradient per step (see ``gradient_signs``)
+    anti_norm: float | None = None        # an anti-canary in both worlds: gradient -anti_norm x the canary's
 
     def __post_init__(self) -> None:
         check_positive(self.noise_multiplier, "--noise-multiplier")
@@ -69,6 +79,12 @@ class CanaryAudit:
             raise ConfigError(f"--trials must be an integer >= 10, got {self.trials!r}")
         if not 0 < self.confidence < 1:
             raise ConfigError(f"--confidence must lie in (0, 1), got {self.confidence!r}")
+        if self.statistic not in STATISTICS:
+            raise ConfigError(f"--statistic must be one of {', '.join(STATISTICS)}, got {self.statistic!r}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.anti_norm is not None:
+            check_positive(self.anti_norm, "--anti-canary")
 
     def algo_config(self) -> AlgoConfig:
         ef_clip = self.ef_clip
@@ -101,8 +117,23 @@ def check_batched(name: str) -> algorithms.Algorithm:
     return algo
 
 
+def gradient_signs(audit: CanaryAudit) -> np.ndarray:
+    """The sign of the canary's gradient at each step, fixed before the runs (white-box: the adversary
+    crafts its gradient per step). ``constant``: +1 throughout; ``charge-drain``: +1 in the first half,
+    -1 in the second (it charges a hidden buffer or momentum, then pushes it the other way)."""
+    signs = np.ones(audit.steps)
+    if audit.schedule == "charge-drain":
+        signs[audit.steps // 2:] = -1.0
+    return signs
+
+
 def simulate(audit: CanaryAudit, with_canary: bool, *, progress: bool = False) -> np.ndarray:
-    """The statistic S of ``audit.trials`` independent runs, with or without the canary."""
+    """The statistic S of ``audit.trials`` independent runs, with or without the canary.
+
+    The canary's gradient at step t is ``gradient_signs(audit)[t] * norm`` (one parameter); an
+    anti-canary (``anti_norm``) is in both worlds with the opposite gradient. Each example is in a
+    step's batch independently with probability q, its rows through every per-example stage of a
+    ``DPEngine`` step, the sum through feedback and noise."""
     algo = check_batched(audit.algo)
     cfg = audit.algo_config()
     trials = audit.trials
@@ -113,28 +144,78 @@ def simulate(audit: CanaryAudit, with_canary: bool, *, progress: bool = False) -
         raise ConfigError(f"--algo {audit.algo}: its pipeline adds no noise")
     sigma = pipe.noise.std
     gen = torch.Generator().manual_seed(seed + (1 << 40))
-    canary = torch.full((trials, 1, 1), float(audit.norm))  # d = 1: a one-parameter model
-    total = torch.zeros(trials, 1)
+    signs = gradient_signs(audit)
+    members = ([float(audit.norm)] if with_canary else []) + \
+        ([-float(audit.anti_norm)] if audit.anti_norm is not None else [])
+    score = _Statistic(audit, pipe, sigma, signs)
     bar = None
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=audit.steps, unit="step", mininterval=1.0, leave=False,
                    desc=f"{'D' + chr(39) if with_canary else 'D'} ({trials} runs)")
     for t in range(audit.steps):
-        ref, proc = pipe.rows(canary, StepContext(None, t))  # every stage of a DPEngine step
-        if with_canary:
+        proc, ref = torch.zeros(trials, 1), torch.zeros(trials, 1)
+        # D = {anti-canary if any}; D' adds the canary: each in the batch with probability q
+        for g in members:
+            r, p = pipe.rows(torch.full((trials, 1, 1), g * signs[t]), StepContext(None, t))  # a DPEngine step's stages
             inc = (torch.rand(trials, 1, generator=gen, dtype=torch.float64) < audit.sample_rate).float()
-        else:
-            inc = torch.zeros(trials, 1)
-        # D = {} has no example at all; D' = {canary} has it in the batch with probability q
-        u = Pipeline.finish(pipe, proc * inc, None if ref is None else ref * inc)  # released noisy update (before post-processing)
+            proc += p * inc
+            ref = ref + (r * inc if r is not None else 0)
+        # the released noisy update (before post-processing)
+        u = Pipeline.finish(pipe, proc, ref if pipe.error_feedback is not None else None)
         pipe.commit()
-        total += u
+        score.add(t, u[:, 0])
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    return (total[:, 0] / (sigma * math.sqrt(audit.steps))).numpy().astype(np.float64)
+    return score.value()
+
+
+def step_llr(u: torch.Tensor, c, sigma, q: float) -> torch.Tensor:
+    """log P(u | the canary's contribution c is in the step with probability q) / P(u | it is not),
+    for a release u = (contribution) + N(0, sigma^2): log(1 - q + q exp((c u - c^2 / 2) / sigma^2))."""
+    z = (c * u.double() - c * c / 2) / sigma ** 2
+    base = torch.full_like(z, math.log1p(-q) if q < 1 else -math.inf)
+    return torch.logaddexp(base, z + math.log(q))
+
+
+class _Statistic:
+    """The adversary's test statistic over the released updates u_t, standardised so that it is about
+    N(0, 1) under D without an anti-canary (the thresholds are a grid in those units).
+
+    * ``sum``: ``sum_t s_t u_t / (sigma sqrt(T))``, s_t the canary's sign: the optimal test for a shift
+      that persists (an error-feedback buffer);
+    * ``lr``: ``sum_t log(1 - q + q exp((c_t u_t - c_t^2 / 2) / sigma^2))``, c_t = s_t b / divisor the
+      canary's clipped contribution: the log-likelihood ratio of a step of the subsampled Gaussian
+      (Neyman-Pearson optimal for DPSGD's Dirac canary); centred and scaled by its mean and standard
+      deviation under u_t ~ N(0, sigma^2) (Gauss-Hermite quadrature, not the runs).
+    """
+
+    def __init__(self, audit: CanaryAudit, pipe: Pipeline, sigma: float, signs: np.ndarray) -> None:
+        self.kind, self.q, self.sigma, self.signs = audit.statistic, audit.sample_rate, sigma, signs
+        self.total = torch.zeros(audit.trials, dtype=torch.float64)
+        last = pipe.per_sample[-1] if pipe.per_sample else None
+        bound = getattr(last, "bound", None)
+        self.c = min(float(audit.norm), float(bound) if bound else float(audit.norm)) / pipe.divisor
+        if self.kind == "lr":
+            x, w = np.polynomial.hermite_e.hermegauss(80)  # E f(Z), Z ~ N(0, 1)
+            llr = self._llr(torch.from_numpy(x * sigma), 1.0).numpy()
+            w = w / w.sum()
+            self.mean = float(w @ llr)
+            self.std = float(np.sqrt(w @ (llr - self.mean) ** 2))
+
+    def _llr(self, u: torch.Tensor, sign: float) -> torch.Tensor:
+        return step_llr(u, sign * self.c, self.sigma, self.q)
+
+    def add(self, t: int, u: torch.Tensor) -> None:
+        self.total += self.signs[t] * u.double() if self.kind == "sum" else self._llr(u, self.signs[t])
+
+    def value(self) -> np.ndarray:
+        T = len(self.signs)
+        if self.kind == "sum":
+            return (self.total / (self.sigma * math.sqrt(T))).numpy()
+        return ((self.total - T * self.mean) / (self.std * math.sqrt(T))).numpy()
 
 
 def claim(audit: CanaryAudit) -> privacy.PrivacyReport:
@@ -153,10 +234,12 @@ def canary_audit(audit: CanaryAudit, *, progress: bool = False) -> dict:
     lb = epsilon_lower_bound(null, alt, audit.delta, audit.confidence)
     refuted = lb["epsilon_lower_bound"] > rep.epsilon
     return {
-        **lb,
+        **lb, **gdp_epsilon_lower_bound(null, alt, audit.delta, audit.confidence),
         "epsilon_claimed": rep.epsilon, "certified": rep.certified, "basis": rep.basis,
         "refuted": refuted, "confidence": audit.confidence, "method": "canary",
         "trials": audit.trials, "delta": audit.delta,
-        "mean_shift": float(alt.mean() - null.mean()),
+        "mean_shift": float(alt.mean() - null.mean()), "statistic": audit.statistic, "schedule": audit.schedule,
+        "anti_norm": audit.anti_norm,
         "settings": {k: v for k, v in asdict(audit).items() if k != "extra"},
     }
+

@@ -2,9 +2,9 @@
 
 Each of ``m`` canaries is included in the training set independently with probability 1/2; one run
 of the algorithm (a real ``DPEngine`` on a real model and data set) trains on the real examples plus
-the included canaries; the auditor scores every canary, guesses "in" for the ``k`` highest scores and
-"out" for the ``k`` lowest, and the number of right guesses gives an epsilon lower bound
-(``stats.one_run_epsilon_lower_bound``; Bonferroni over the ``k`` tried).
+the included canaries; the auditor scores every canary, guesses "in" for the ``k`` highest scores,
+and the number of right guesses gives an epsilon lower bound (every ``k`` on the ROC hull tried,
+Bonferroni over them; ``estimators``).
 
 * ``gradient`` canaries (white-box): canary j's per-example gradient is ``norm * e_{c_j}`` on its own
   random coordinate c_j (a Dirac gradient, inserted in the engine's per-example rows by
@@ -28,9 +28,7 @@ from .. import algorithms, privacy
 from ..errors import ConfigError
 from ..grads.rows import FuncGradients, cross_entropy
 from ..privacy.report import check_delta, check_positive
-from .stats import one_run_epsilon_lower_bound
-
-GUESS_FRACTIONS = (0.02, 0.05, 0.1, 0.2)  # k / m tried (each side), fixed a priori
+from .estimators import one_run_estimate
 
 
 @dataclass(frozen=True)
@@ -138,14 +136,15 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
             scores = -torch.nn.functional.cross_entropy(logits(c["can_x"]), c["can_y"], reduction="none")
     acc, _ = evaluate(model, c["x_test"], c["y_test"],
                       predict=(lambda m, x: logits(x).argmax(1)) if algo.needs_public else None)
-    best = _best_guess(scores, inside, a)
+    best = _estimates(scores, inside, a)
     spec = algo.spec(engine.config, engine.sample_rate, a.claim_noise_multiplier or a.noise_multiplier,
                      engine.expected_batch_size)
     rep = privacy.account(spec, a.steps, a.delta, "pld", a.dice_accounting)
     m = a.canaries
     return {**best, "epsilon_claimed": rep.epsilon, "certified": rep.certified, "basis": rep.basis,
             "refuted": best["epsilon_lower_bound"] > rep.epsilon, "confidence": a.confidence,
-            "method": f"one-run ({a.canary_type} canaries; Steinke, Nasr & Jagielski 2023)",
+            "method": f"one-run ({a.canary_type} canaries; Steinke, Nasr & Jagielski 2023; "
+                      f"f-DP: Mahloujifar, Melis & Chaudhuri 2024)",
             "canaries": m, "included": int(inside.sum()), "delta": a.delta, "test_accuracy": acc,
             "settings": asdict(a), "sample_rate": engine.sample_rate,
             "score_gap": float(scores[inside].mean() - scores[~inside].mean())
@@ -188,20 +187,18 @@ def _canaries(a: OneRunAudit, splits, model, inside: Tensor, gen: torch.Generato
             "x_test": x_test[keep], "y_test": y_test[keep]}
 
 
-def _best_guess(scores: Tensor, inside: Tensor, a: OneRunAudit) -> dict:
-    """Guess "in" for the top-k scores and "out" for the bottom k, for each k of ``GUESS_FRACTIONS``;
-    the largest lower bound (confidence split over the fractions: Bonferroni)."""
-    m = a.canaries
-    order = torch.argsort(scores, descending=True)
-    best = {"epsilon_lower_bound": 0.0, "guesses": 0, "correct": 0}
-    level = 1 - (1 - a.confidence) / len(GUESS_FRACTIONS)
-    for frac in GUESS_FRACTIONS:
-        k = max(1, int(frac * m))
-        correct = int(inside[order[:k]].sum()) + int((~inside[order[-k:]]).sum())
-        eps = one_run_epsilon_lower_bound(m, 2 * k, correct, a.delta, level)
-        if eps > best["epsilon_lower_bound"]:
-            best = {"epsilon_lower_bound": eps, "guesses": 2 * k, "correct": correct}
-    return best
+def _estimates(scores: Tensor, inside: Tensor, a: OneRunAudit) -> dict:
+    """Both one-run bounds from the canaries' scores (one-sided guesses, every threshold)."""
+    s = scores.detach().double().cpu().numpy()
+    ins = inside.cpu().numpy()
+    if ins.all() or not ins.any():
+        return {"epsilon_lower_bound": 0.0, "epsilon_lower_bound_fdp": 0.0, "guesses": 0, "correct": 0}
+    kw = dict(delta=a.delta, significance=1 - a.confidence)
+    plain = one_run_estimate(s[ins], s[~ins], method="one-run", **kw)
+    fdp = one_run_estimate(s[ins], s[~ins], method="one-run-fdp", **kw)
+    return {"epsilon_lower_bound": plain["epsilon_lower_bound"], "guesses": plain["guesses"],
+            "correct": plain["correct"], "epsilon_lower_bound_fdp": fdp["epsilon_lower_bound"],
+            "guesses_fdp": fdp["guesses"], "correct_fdp": fdp["correct"]}
 
 
 def run_from_args(args) -> dict:

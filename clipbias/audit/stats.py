@@ -4,6 +4,12 @@
   with rejection region E, (eps, delta)-DP requires P_D'(E) <= e^eps P_D(E) + delta in both
   directions, so eps >= ln((P_D'(E) - delta) / P_D(E)); one-sided Clopper-Pearson bounds replace the
   two probabilities, Bonferroni-corrected for every bound used.
+* ``gdp_epsilon_lower_bound``: the same tests read through the Gaussian trade-off curve (Nasr et al.
+  2023, "Tight auditing of differentially private machine learning"): a mu-GDP mechanism has
+  TPR <= Phi(Phi^-1(FPR) + mu) for every test, so each threshold's Clopper-Pearson bounds give
+  mu >= Phi^-1(TPR_lo) - Phi^-1(FPR_hi), and epsilon at delta follows from mu. A lower bound on the
+  epsilon of mechanisms whose trade-off curve is Gaussian (full-batch DPSGD; approximately, many
+  subsampled steps); it extrapolates the tails that a distribution-free bound cannot see.
 * ``one_run_epsilon_lower_bound``: Steinke, Nasr & Jagielski (2023), "Privacy auditing with one (1)
   training run", Theorem 5.2: m canaries, each included independently with probability 1/2; an
   auditor that makes r guesses is right v times. Under (eps, delta)-DP,
@@ -55,6 +61,29 @@ def epsilon_lower_bound(null: np.ndarray, alt: np.ndarray, delta: float, confide
             best = {"epsilon_lower_bound": float(eps[i]), "threshold": float(thresholds[i]),
                     "direction": name, "tpr_lower": float(tp_lo[i]), "fpr_upper": float(fp_hi[i])}
     return best
+
+
+def gdp_epsilon_lower_bound(null: np.ndarray, alt: np.ndarray, delta: float, confidence: float = 0.95,
+                            thresholds: np.ndarray = THRESHOLDS) -> dict:
+    """Lower bounds on mu and on epsilon (at ``delta``) of a Gaussian trade-off curve, from samples of S
+    under D (``null``) and D' (``alt``); the same thresholds, directions and Bonferroni correction as
+    ``epsilon_lower_bound``."""
+    from scipy.stats import norm
+
+    from ..privacy.gaussian import gaussian_exact_epsilon
+
+    n0, n1 = len(null), len(alt)
+    alpha = (1 - confidence) / (4 * len(thresholds))
+    ge0 = (null[None, :] >= thresholds[:, None]).sum(1)
+    ge1 = (alt[None, :] >= thresholds[:, None]).sum(1)
+    mu = 0.0
+    for k_pos, n_pos, k_neg, n_neg in ((ge1, n1, ge0, n0), (n0 - ge0, n0, n1 - ge1, n1)):
+        tp_lo, fp_hi = _cp_lower(k_pos, n_pos, alpha), _cp_upper(k_neg, n_neg, alpha)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            m = np.where((tp_lo > 0) & (fp_hi < 1), norm.ppf(tp_lo) - norm.ppf(fp_hi), 0.0)
+        mu = max(mu, float(np.nanmax(m)))
+    eps = gaussian_exact_epsilon(1 / mu, 1, delta) if mu > 0 else 0.0
+    return {"mu_lower_bound": mu, "epsilon_lower_bound_gdp": eps}
 
 
 def one_run_p_value(m: int, r: int, v: int, eps: float, delta: float) -> float:

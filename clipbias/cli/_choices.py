@@ -1,5 +1,5 @@
 """What the argument parsers offer, without importing torch: the registered algorithms and their method
-settings, the models, data sets, accountants, DiceSGD bases and toy problems.
+settings, the models, data sets, accountants, DiceSGD bases, toy problems and the audit's statistics and schedules.
 
 The parsers are built for every command, including ``--help``; the modules these values live in import
 torch and dp-accounting (seconds). ``_snapshot.py`` holds them as plain literals, generated from the
@@ -23,6 +23,7 @@ def live() -> dict:
     """The values from the modules that define them (imports torch)."""
     from .. import algorithms, models
     from ..analysis import toy
+    from ..audit.canary import SCHEDULES, STATISTICS
     from ..config import boolean
     from ..data.datasets import DATASET_NAMES
     from ..privacy import ACCOUNTANTS
@@ -37,7 +38,8 @@ def live() -> dict:
     return {"algorithms": sorted(algorithms.ALGORITHMS), "settings": settings, "models": list(models.MODEL_NAMES),
             "datasets": list(DATASET_NAMES), "accountants": list(ACCOUNTANTS),
             "dice_accounting": list(DICE_ACCOUNTING), "default_dice_accounting": DEFAULT_DICE_ACCOUNTING,
-            "default_ef_ratio": DEFAULT_EF_RATIO, "toy_problems": list(toy.PROBLEMS)}
+            "default_ef_ratio": DEFAULT_EF_RATIO, "toy_problems": list(toy.PROBLEMS),
+            "audit_statistics": list(STATISTICS), "audit_schedules": list(SCHEDULES)}
 
 
 def current() -> dict:

@@ -178,4 +178,6 @@ SNAPSHOT = {'algorithms': ['adaptive',
  'dice_accounting': ['sound', 'conservative', 'paper', 'authors'],
  'default_dice_accounting': 'sound',
  'default_ef_ratio': 0.01,
- 'toy_problems': ['dice-b1', 'chen-ex2', 'chen-mixture', 'xiao-two-sample']}
+ 'toy_problems': ['dice-b1', 'chen-ex2', 'chen-mixture', 'xiao-two-sample'],
+ 'audit_statistics': ['sum', 'lr'],
+ 'audit_schedules': ['constant', 'charge-drain']}

@@ -16,12 +16,16 @@ def _canary(args: argparse.Namespace) -> dict:
         steps=args.steps, batch_size=args.batch_size, clip=args.clip, ef_clip=args.ef_clip,
         grad_bound=args.grad_bound, gamma=args.gamma, dice_accounting=args.dice_accounting,
         delta=args.delta, claim_noise_multiplier=args.claim_noise_multiplier, canary_norm=args.canary_norm,
-        trials=args.trials, confidence=args.confidence, seed=args.seed)
+        trials=args.trials, confidence=args.confidence, seed=args.seed, statistic=args.statistic,
+        schedule=args.schedule, anti_norm=args.anti_canary)
+    if args.mode == "one-run-ideal":
+        from ..audit.white_box import white_box_one_run
+        return white_box_one_run(a, args.canaries)
     return audit.canary_audit(a, progress=not args.quiet)
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.mode == "canary":
+    if args.mode in ("canary", "one-run-ideal"):
         if args.batch_size is None:
             raise ConfigError("--batch-size B (the expected batch size, the update's normaliser) is required")
         res = _canary(args)
@@ -36,6 +40,12 @@ def _run(args: argparse.Namespace) -> int:
     emit({"algo": args.algo, "method": res["method"],
           "epsilon lower bound": f"{res['epsilon_lower_bound']:.4g} (at {res['confidence']:.0%} confidence, "
                                  f"delta {res['delta']:g})",
+          **({"epsilon lower bound, f-DP": f"{res['epsilon_lower_bound_fdp']:.4g} (Gaussian trade-off curve with "
+                                           f"the claim's (eps, delta); does not decide the verdict)"}
+             if "epsilon_lower_bound_fdp" in res else {}),
+          **({"epsilon lower bound, GDP": f"{res['epsilon_lower_bound_gdp']:.4g} (mu >= {res['mu_lower_bound']:.4g}: "
+                                          f"Gaussian trade-off curve; does not decide the verdict)"}
+             if "epsilon_lower_bound_gdp" in res else {}),
           "epsilon claimed": f"{res['epsilon_claimed']:.4g}",
           "certified": str(res["certified"]).lower(), "basis": res["basis"],
           "verdict": verdict,
@@ -51,11 +61,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "(Clopper-Pearson, Bonferroni-corrected) with the epsilon the library claims. "
                     "canary (default): white-box Monte-Carlo test, D = {} vs D' = {canary}, the "
                     "algorithm's own pipeline stages over --trials independent runs per world. "
-                    "one-run: Steinke, Nasr & Jagielski (2023), m canaries in one training run.")
+                    "one-run: Steinke, Nasr & Jagielski (2023), m canaries in one training run, also reporting the "
+                    "f-DP bound of Mahloujifar, Melis & Chaudhuri (2024).")
     p.add_argument("--algo", required=True, metavar="NAME", help="the algorithm to audit (e.g. dpsgd, dice)")
-    p.add_argument("--mode", choices=("canary", "one-run"), default="canary",
+    p.add_argument("--mode", choices=("canary", "one-run", "one-run-ideal"), default="canary",
                    help="canary (default): thousands of runs per world through the algorithm's own stages; "
-                        "one-run: canaries inside one real training run")
+                        "one-run: canaries inside one real training run; one-run-ideal: one white-box training "
+                        "run of the algorithm's own engine on --canaries Dirac canaries (their own coordinates, "
+                        "no other data, B = q x the included canaries), every update seen, scored by --statistic")
     p.add_argument("--noise-multiplier", type=float, required=True, metavar="Z",
                    help="the noise multiplier the mechanism runs at")
     p.add_argument("--claim-noise-multiplier", type=float, default=None, metavar="Z2",
@@ -78,6 +91,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="canary mode: independent runs per world (default 4000)")
     p.add_argument("--canary-norm", type=float, default=None, metavar="G",
                    help="canary mode: the canary gradient's norm (default --grad-bound, else 1e4 C1)")
+    p.add_argument("--statistic", choices=current()["audit_statistics"], default="sum",
+                   help="canary mode: the test statistic over the released updates: sum (the summed projection, "
+                        "optimal for a persistent shift such as a feedback buffer) or lr (the per-step likelihood "
+                        "ratio of the subsampled Gaussian, optimal for DPSGD's canary)")
+    p.add_argument("--schedule", choices=current()["audit_schedules"], default="constant",
+                   help="canary mode: the canary's crafted gradient per step: constant, or charge-drain (+g in the "
+                        "first half of the steps, -g in the second)")
+    p.add_argument("--anti-canary", type=float, default=None, metavar="NORM",
+                   help="canary mode: add to both worlds an example whose gradient opposes the canary's, of this "
+                        "norm (it drives a clipped feedback buffer the other way under D)")
     p.add_argument("--canaries", type=int, default=1000, metavar="M",
                    help="one-run mode: number of canaries, each included with probability 1/2")
     p.add_argument("--canary-type", choices=("gradient", "input"), default="gradient",

@@ -39,13 +39,17 @@ DEFAULT_SEEDS = [0, 1, 2]
 
 def parse_variant(spec: str) -> tuple[str, dict]:
     """``NAME`` or ``NAME:ACCOUNTING`` (e.g. ``dice:authors``) -> (label, config overrides)."""
-    algos = algorithms.ALGORITHMS
     name, _, acc = spec.partition(":")
-    if name not in algos:
-        raise ConfigError(f"--algos: unknown algorithm {name!r}; choose from {', '.join(sorted(algos))}")
+    try:
+        algo = algorithms.get(name)  # a registered name or BASE+disk
+    except ConfigError as e:
+        if name in algorithms.ALGORITHMS or "+" in name and name.rpartition("+")[0] in algorithms.ALGORITHMS:
+            raise ConfigError(f"--algos {spec}: {e}") from None
+        raise ConfigError(f"--algos: unknown algorithm {name!r}; choose from "
+                          f"{', '.join(sorted(algorithms.ALGORITHMS))}, or BASE+disk (DiSK added to BASE)") from None
     over: dict = {"algo": name}
     if acc:
-        if algos[name].accounting != "dice":
+        if algo.accounting != "dice":
             raise ConfigError(f"--algos {spec}: ':{acc}' (DiceSGD accounting) applies only to DiceSGD "
                               f"algorithms")
         try:

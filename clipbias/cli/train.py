@@ -47,6 +47,9 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
         names = sorted(algorithms.ALGORITHMS)
         p.add_argument("--algo", choices=names, required=True, metavar="NAME",
                        help=f"algorithm: {', '.join(names)}")
+        p.add_argument("--kalman", action="store_true",
+                       help="add DiSK's Kalman filter (Zhang et al. 2025; --kappa, --disk-gamma) to --algo: "
+                            "runs NAME+disk, with NAME's accounting; --algo disk is dpsgd with it")
     _add_privacy_flags(p, d)
     _add_training_group(p, d, req)
 
@@ -154,7 +157,10 @@ def method_settings(args: argparse.Namespace) -> dict:
 
 def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
     extra = method_settings(args)
-    kw = dict(data=args.data, model=args.model, algo=getattr(args, "algo", "dpsgd"), epsilon=args.epsilon,
+    algo = getattr(args, "algo", "dpsgd")
+    if getattr(args, "kalman", False):
+        algo = algorithms.kalman_name(algo)
+    kw = dict(data=args.data, model=args.model, algo=algo, epsilon=args.epsilon,
               delta=args.delta, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, clip=args.clip,
               ef_clip=args.ef_clip, grad_bound=args.grad_bound, accountant=args.accountant,
               dice_accounting=args.dice_accounting, noise_multiplier=args.noise_multiplier,

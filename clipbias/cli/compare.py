@@ -69,7 +69,9 @@ def _table(rows: list[dict]) -> str:
                 "false (see caveats)" if r.get("caveats") else "false (REFUTED bound)")
         body.append([r["label"], acct,
                      f"{100 * r['test_accuracy_mean']:.2f} ± {100 * r['test_accuracy_std']:.2f} %"
-                     + (f"  (val {100 * r['val_accuracy_mean']:.2f})" if "val_accuracy_mean" in r else ""),
+                     + (f"  (val {100 * r['val_accuracy_mean']:.2f})" if "val_accuracy_mean" in r else "")
+                     + (f"  (ema {100 * r['ema_test_accuracy_mean']:.2f} ± {100 * r['ema_test_accuracy_std']:.2f})"
+                        if "ema_test_accuracy_mean" in r else ""),
                      fmt_eps(r["epsilon"]), cert, f"{r['noise_multiplier']:.4g}",
                      f"{r['wall_time_per_epoch_s']:.1f}"])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
@@ -160,7 +162,8 @@ def _compare(args: argparse.Namespace, base, variants: list[tuple[str, dict]], s
                "dataset": splits.info, "rows": result["summary"],
                "runs": {label: [{k: r[k] for k in ("test_accuracy", "val_accuracy", "epsilon", "certified",
                                                    "noise_multiplier", "history", "wall_time_s",
-                                                   "wall_time_per_epoch_s", "config")} for r in rs]
+                                                   "wall_time_per_epoch_s", "config", "ema_test_accuracy")
+                                 if k in r} for r in rs]
                         for label, rs in result["runs"].items()},
                "wall_time_s": time.perf_counter() - t0}
     write_json(summary, out / COMPARE)

@@ -161,3 +161,37 @@ def test_refusals():
     assert algorithms.kalman_name("dice") == "dice+disk"
     assert "dice+disk" not in algorithms.ALGORITHMS  # derived on demand, not listed
     assert math.isclose(combination(0.7, 3 / 7), 1.0)
+
+
+@pytest.mark.parametrize("algo,kind", [("disk", "conv"), ("dice+disk", "conv"), ("normalized+disk", "conv"),
+                                       ("disk", "embed")])
+def test_fast_path_and_summed_rows_equal_the_rows(algo, kind):
+    """float64 models (conv + linear; embedding + layer norm + linear over positions): the book-keeping
+    fast path (per-layer cross terms of the two points) and the per-parameter sums give the weights of
+    the rows through the pipeline to 1e-10 after a few steps."""
+    g = torch.Generator().manual_seed(1)
+    y = torch.randint(0, 3, (40,), generator=g)
+    if kind == "conv":
+        x = torch.randn(40, 2, 6, 6, generator=g, dtype=torch.float64)
+    else:
+        x = torch.randint(0, 7, (40, 5), generator=g)
+
+    def net():
+        torch.manual_seed(2)
+        if kind == "conv":
+            return nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(48, 3)).double()
+        return nn.Sequential(nn.Embedding(7, 4), nn.LayerNorm(4), nn.Linear(4, 4), nn.Tanh(), nn.Flatten(),
+                             nn.Linear(20, 3)).double()
+    out = {}
+    for path in ("rows", "fast", "pipeline"):
+        m = net()
+        e = DPEngine(m, algo, n=40, batch_size=10, epochs=1, noise_multiplier=0.5, noise_seed=9,
+                     grad_path="rows" if path == "pipeline" else path, max_physical_batch=7,
+                     config=AlgoConfig(lr=0.2, clip=0.3, momentum=0.5, extra={"kappa": 0.6, "disk_gamma": 0.7}))
+        assert (e.fast is not None) == (path == "fast") and "two points" in e.grad_path_note
+        if path == "pipeline":  # the rows themselves (TwoPointRows.iter_rows) through the pipeline
+            e._aggregate = None
+        e.train_epoch(x, y)
+        out[path] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    assert torch.allclose(out["fast"], out["pipeline"], rtol=0, atol=1e-10)
+    assert torch.allclose(out["rows"], out["pipeline"], rtol=0, atol=1e-10)

@@ -132,10 +132,14 @@ class TwoPointRows(RowSource):
                 for p, v in zip(self.params, saved):
                     p.copy_(v)
 
-    def iter_rows(self, x, y, indices: Tensor | None, step: int, max_physical_batch: int) -> Iterator:
+    def begin(self) -> list[Tensor] | None:
+        """Stage the iterate this step starts from; the extrapolated point (None: evaluate x_t only)."""
         now = [p.detach().clone() for p in self.params]
         self._pending = now
-        point = self.ahead(now)
+        return self.ahead(now)
+
+    def iter_rows(self, x, y, indices: Tensor | None, step: int, max_physical_batch: int) -> Iterator:
+        point = self.begin()
         if point is None:
             yield from self.base.iter_rows(x, y, indices, step, max_physical_batch)
             return

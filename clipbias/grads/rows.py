@@ -170,13 +170,21 @@ class ParamSums:
         self.grads, self.layout = grads, grads.layout
 
     def __call__(self, x: Batch, y: Batch, scale: Callable[[Tensor], Tensor],
-                 reference: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+                 reference: bool, at: tuple[Callable, float] | None = None) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         b = batch.size(x)
         if b == 0:
             dev = self.grads.device()
             z = torch.zeros(self.layout.dim, device=dev)
             return z, (z.clone() if reference else None), torch.zeros(0, device=dev), torch.zeros(0, device=dev)
-        grads, losses = guarded(self.grads.per_param, x, y, self.layout.dim)
+        if at is None:
+            grads, losses = guarded(self.grads.per_param, x, y, self.layout.dim)
+        else:  # DiSK: c g(point) + (1 - c) g(x_t), ``enter()`` holding the weights at the point
+            enter, c = at
+            with enter():
+                grads, losses = guarded(self.grads.per_param, x, y, self.layout.dim)
+            if c != 1.0:
+                near, losses = guarded(self.grads.per_param, x, y, self.layout.dim)
+                grads = [c * f + (1 - c) * n for f, n in zip(grads, near)]
         flat = [g.reshape(b, -1) for g in grads]
         norms = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat]), dim=0)
         s = scale(norms).to(flat[0].dtype)

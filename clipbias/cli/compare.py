@@ -148,7 +148,8 @@ def _compare(args: argparse.Namespace, base, variants: list[tuple[str, dict]], s
               f"certified={str(h['certified']).lower()}", file=log, flush=True)
 
     def on_run(label: str, seed: int, res: dict) -> None:
-        print(f"[{label} seed {seed}] test accuracy {res['test_accuracy']:.4f}, epsilon "
+        ema = f" (ema {res['ema_test_accuracy']:.4f})" if res.get("ema_test_accuracy") is not None else ""
+        print(f"[{label} seed {seed}] test accuracy {res['test_accuracy']:.4f}{ema}, epsilon "
               f"{fmt_eps(res['epsilon'])}, {res['wall_time_per_epoch_s']:.1f} s/epoch", file=log, flush=True)
 
     result = run_many(base, variants, seeds, out=out, splits=splits, progress=not args.quiet,

@@ -48,8 +48,10 @@ SUFFIX = "disk"
 
 
 def combination(kappa: float, gamma: float) -> float:
-    """c = (1 - kappa) / (kappa gamma): the weight of the extrapolated point's gradient in a row."""
-    return (1.0 - kappa) / (kappa * gamma)
+    """c = (1 - kappa) / (kappa gamma): the weight of the extrapolated point's gradient in a row (exactly 1,
+    one evaluation per example, when ``gamma`` is ``(1 - kappa) / kappa`` up to rounding)."""
+    c = (1.0 - kappa) / (kappa * gamma)
+    return 1.0 if math.isclose(c, 1.0, rel_tol=1e-12) else c
 
 
 class KalmanFilter(Stage):
@@ -155,7 +157,7 @@ class TwoPointRows(RowSource):
             if near is None:
                 yield far
             else:
-                yield self.c * far[0] + (1.0 - self.c) * near[0], near[1], near[2]
+                yield far[0].mul_(self.c).add_(near[0], alpha=1.0 - self.c), near[1], near[2]  # in place: no [b, d] copy
 
     def probe(self, x, y, max_physical_batch: int = 512) -> Tensor:
         near = self.base.probe(x, y, max_physical_batch)
@@ -218,7 +220,11 @@ def kalman(base: str, name: str | None = None) -> Algorithm:
 
     def note(cfg: AlgoConfig, s: dict) -> str:
         c = combination(s["kappa"], s["disk_gamma"])
-        what = b.note(base_cfg(cfg), split(s)) if b.note is not None else "the base's per-example sensitivity"
+        if b.note is not None:
+            what = b.note(base_cfg(cfg), split(s))
+        else:
+            last = b.build(cfg, split(s), 1.0, None).per_sample[-1]
+            what = f"per-example L2 sensitivity {last.bound:g} ({type(last).__name__})"
         return (f"{what}; DiSK: each row is {c:.4g} g_i(x_t + {s['disk_gamma']:g} (x_t - x_(t-1))) + {1 - c:.4g} "
                 f"g_i(x_t), one example's gradients at two released points, bounded by the base's stage before "
                 f"the one noise release; the Kalman filter (kappa {s['kappa']:g}) is post-processing")

@@ -158,6 +158,9 @@ def test_refusals():
     with pytest.raises(ConfigError, match="disk-gamma"):
         DPEngine(nn.Linear(3, 2), "dice+disk", n=100, batch_size=10, epochs=1, noise_multiplier=1.0,
                  config=AlgoConfig(extra={"disk_gamma": -1.0}))
+    from clipbias.run.config import TrainConfig
+    with pytest.raises(ConfigError, match="add --kalman"):
+        TrainConfig(data="digits", model="logreg", algo="dpsgd", epsilon=1.0, extra={"kappa": 0.5}).validate()
     assert algorithms.kalman_name("dice") == "dice+disk"
     assert "dice+disk" not in algorithms.ALGORITHMS  # derived on demand, not listed
     assert math.isclose(combination(0.7, 3 / 7), 1.0)

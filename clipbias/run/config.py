@@ -169,8 +169,10 @@ class TrainConfig:
         given = {k: v for k, v in self.extra.items() if v is not None}
         if given and not algo.schema:  # core algorithms read no method setting
             flags = ", ".join(algorithms.setting_flag(k) for k in given)
+            disk = " (--kappa and --disk-gamma are DiSK's: add --kalman, or use --algo disk)" if \
+                {"kappa", "disk_gamma", "kf_gamma"} & set(given) else ""
             raise ConfigError(f"{flags} {'does' if len(given) == 1 else 'do'} not apply to --algo {self.algo}; the method flags are for "
-                              f"the paper methods (perturb, p-avg, inner-outer, ...)")
+                              f"the paper methods (perturb, p-avg, inner-outer, ...){disk}")
         if "public_size" in given:
             check_int(given["public_size"], "--public-size", 1)
         if self.public_source not in ("test", "holdout"):

@@ -87,13 +87,15 @@ def test_kappa_one_is_the_base_algorithm(data, base, extra):
 
 @pytest.mark.parametrize("base", ["dpsgd", "dice", "adaptive", "p-avg"])
 def test_accounting_is_the_base_algorithms(base):
-    """The rows are clipped once by the base's stage: same sensitivity, same calibrated z, same epsilon."""
-    kw = dict(n=1000, batch_size=50, epochs=3, epsilon=2.0, delta=1e-5)
+    """The rows are clipped once by the base's stage: the same accounting spec (kind, rate, z, sensitivity,
+    DiceSGD parameters: what calibration and accounting read), the same epsilon and noise std."""
+    kw = dict(n=1000, batch_size=50, epochs=2, noise_multiplier=1.3, delta=1e-5)
     a = DPEngine(nn.Linear(3, 2), base, **kw)
     d = DPEngine(nn.Linear(3, 2), "disk" if base == "dpsgd" else f"{base}+disk", **kw,
                  config=AlgoConfig(extra={"kappa": 0.5, "disk_gamma": 0.3}))
-    assert d.noise_multiplier == a.noise_multiplier
-    assert d.spec.sensitivity == a.spec.sensitivity
+    for field in ("kind", "sample_rate", "noise_multiplier", "dice", "certifiable", "sensitivity"):
+        assert getattr(d.spec, field) == getattr(a.spec, field), field
+    assert "DiSK" in d.spec.note
     assert d.privacy(d.total_steps).epsilon == a.privacy(a.total_steps).epsilon
     assert d.pipeline.noise.std == a.pipeline.noise.std
 

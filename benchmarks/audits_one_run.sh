@@ -17,7 +17,7 @@ if [ -z "${SKIP_CNN:-}" ]; then
        --steps 145 --clip 0.1 --lr 4 --canaries 1000 > $O/one-run-dpsgd-cnn-eps$1.json 2> $O/one-run-dpsgd-cnn-eps$1.time
   done
 fi
-for algo in ${ALGOS:-self-aug p-avg inner-outer dice-self-aug batch-clip}; do
+for algo in ${ALGOS:-self-aug p-avg inner-outer dice-self-aug batch-clip disk}; do
   m=0.9; [ $algo = inner-outer ] && m=0  # inner-outer has its own outer momentum
   $A --algo $algo --data fashion-mnist --model cnn-gn --subset 2000 --noise-multiplier 1 --sample-rate 0.05 \
      --steps 200 --clip 1 --lr 0.5 --momentum $m --canaries 200 --canary-type input > $O/one-run-$algo-fmnist2000.json

@@ -298,3 +298,32 @@ class Pipeline:
             state = {k: state[str(i)] for i, (k, _) in enumerate(named)}
         for k, s in named:
             s.load_state_dict(state[k])
+
+
+class Chain(Stage):
+    """Post stages in sequence (each sees the previous one's output), with one checkpointable state."""
+
+    def __init__(self, *stages: Stage) -> None:
+        self.stages = tuple(stages)
+        refusals = [s.distributed_refusal for s in self.stages if s.distributed_refusal]
+        self.distributed_refusal = refusals[0] if refusals else None
+
+    def __call__(self, v: Tensor) -> Tensor:
+        for s in self.stages:
+            v = s(v)
+        return v
+
+    def commit(self) -> None:
+        for s in self.stages:
+            s.commit()
+
+    def rollback(self) -> None:
+        for s in self.stages:
+            s.rollback()
+
+    def state_dict(self) -> dict:
+        return {str(i): s.state_dict() for i, s in enumerate(self.stages)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for i, s in enumerate(self.stages):
+            s.load_state_dict(state[str(i)])

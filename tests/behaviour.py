@@ -34,6 +34,7 @@ CASES: dict[str, dict] = {
     "dpgd-momentum": {"batch_size": 1347.0, "epochs": 3}, "inner-outer": {"extra": {"K0": 1}},
     "p-avg": {"extra": {"p": 3}}, "batch-clip": {"data": "fashion-mnist", "subset": 600, "model": "cnn-gn", "epochs": 1, "extra": {"p": 2, "public_size": 40, "draws": 1}},
     "adaptive": {}, "dice-perturb": {"extra": {"k": 0.1}}, "dice-self-aug": {"data": "digits-image", "model": "mlp", "extra": {"K": 2, "flip": False}},
+    "disk": {"momentum": 0.5},
 }
 TIME_KEYS = {"wall_time_s", "wall_time_per_epoch_s", "epoch_time_s", "eval_time_s"}
 

@@ -136,7 +136,8 @@ def test_toy_runs_are_deterministic():
 # Xiao et al.'s two-sample problem: per-sample gradients 2 (w - 1) and 2 (w + 3); at C = 1 both are
 # clipped to -1 and +1 for every w in [-2.5, 0.5], so clipped methods never leave w0 = 0, while error
 # feedback and group averaging (p-avg: one group of both samples, whose mean is unbiased) reach x* = -1.
-XIAO_STUCK_AT_0 = {"clip-sgd", "dpsgd", "normalized", "dpgd-momentum", "inner-outer", "perturb"}
+# DiSK filters DPSGD's clipped update and evaluates it at w + gamma (w - w_prev): at w = 0 it is 0 too.
+XIAO_STUCK_AT_0 = {"clip-sgd", "dpsgd", "normalized", "dpgd-momentum", "inner-outer", "perturb", "disk"}
 XIAO_REACH_OPTIMUM = {"sgd", "ef-sgd", "dice", "dice-adam", "dice-auto", "dice-perturb", "p-avg"}
 # Adaptive clipping follows the median of the two norms, so one sample stays clipped: it leaves w = 0
 # but stops short of x* (a smaller bias, not none).

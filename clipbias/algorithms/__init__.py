@@ -19,6 +19,8 @@
 ``dice-perturb``     DiceSGD + pre-clipping perturbation                             DiceSGD's
 ``dice-self-aug``    DiceSGD + self-augmentation                                     DiceSGD's
 ``adaptive``         DPSGD with adaptive quantile clipping (Andrew et al. 2021)       Gaussian, joint z
+``disk``             DPSGD-GC + DiSK's Kalman filter (Zhang et al. 2025); ``X+disk``  DPSGD's (S = C)
+                     adds it to any base X (``--kalman``)                             (X's)
 ===================  ==============================================================  ==================
 
 Layout: ``base`` (the ``Algorithm`` type, ``Parts``, the registry) at the bottom; one module per
@@ -35,6 +37,7 @@ from . import momentum
 from . import p_avg
 from . import batchclip
 from . import adaptive
+from . import disk
 from . import compose as _compose
 from ..config import Setting
 from .augment import AugmentedGradients, CropFlip
@@ -42,16 +45,17 @@ from .base import ALGORITHMS, Algorithm, Parts, clip_or_normalize, get, make_opt
 from .batchclip import (BatchClipGradients, GroupBatchNorm, batchclip_logits, batchclip_predict,
                         batchnorm_variant, check_batchnorm_model, public_split)
 from .compose import BASES, COMPOSABLE, compose
+from .disk import KalmanFilter, TwoPointRows, kalman, kalman_name
 from .momentum import (InnerMomentumGradients, OuterMomentum, PerExampleMomentum, available_memory_bytes,
                        check_momentum_memory, momentum_memory_bytes)
 from .p_avg import GroupClip, GroupMeanGradients, noise_ratio_vs_dpsgd, num_groups
 from .perturb import Perturb
 
-REGISTRATION_ORDER = (core, momentum, p_avg, batchclip, _compose)
+REGISTRATION_ORDER = (core, momentum, p_avg, batchclip, _compose, disk)
 
 __all__ = [
     "ALGORITHMS", "Algorithm", "AugmentedGradients", "BASES", "BatchClipGradients", "COMPOSABLE", "CropFlip",
-    "GroupBatchNorm", "GroupClip", "GroupMeanGradients", "InnerMomentumGradients", "OuterMomentum", "Parts",
+    "GroupBatchNorm", "GroupClip", "KalmanFilter", "TwoPointRows", "kalman", "kalman_name", "GroupMeanGradients", "InnerMomentumGradients", "OuterMomentum", "Parts",
     "PerExampleMomentum", "Perturb", "available_memory_bytes", "batchclip_logits", "batchclip_predict",
     "batchnorm_variant", "check_batchnorm_model", "check_momentum_memory", "clip_or_normalize", "compose", "get",
     "all_settings", "make_optimizer", "momentum_memory_bytes", "setting_flag", "noise_ratio_vs_dpsgd", "num_groups", "public_split", "register",

@@ -138,6 +138,9 @@ class Algorithm:
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
+# "BASE+SUFFIX" names built on demand (not listed in ALGORITHMS): suffix -> builder from the base's name
+DERIVED: dict[str, Callable[[str], Algorithm]] = {}
+_derived: dict[str, Algorithm] = {}
 
 
 def register(algo: Algorithm) -> Algorithm:
@@ -148,9 +151,17 @@ def register(algo: Algorithm) -> Algorithm:
 
 
 def get(name: str) -> Algorithm:
-    if name not in ALGORITHMS:
-        raise ConfigError(f"--algo must be one of {', '.join(sorted(ALGORITHMS))}, got {name!r}")
-    return ALGORITHMS[name]
+    """The registered algorithm ``name``, or a derived one ``BASE+SUFFIX`` (e.g. ``dice+disk``: a
+    registered base with a stage of ``DERIVED``), built once and cached."""
+    if name in ALGORITHMS:
+        return ALGORITHMS[name]
+    base, _, suffix = name.rpartition("+") if isinstance(name, str) else ("", "", "")
+    if base and suffix in DERIVED:
+        if name not in _derived:
+            _derived[name] = DERIVED[suffix](base)
+        return _derived[name]
+    derived = "".join(f"; or BASE+{k} (e.g. dpsgd+{k})" for k in DERIVED)
+    raise ConfigError(f"--algo must be one of {', '.join(sorted(ALGORITHMS))}{derived}, got {name!r}")
 
 
 def clip_or_normalize(cfg: AlgoConfig, normalize: bool) -> PerSample:

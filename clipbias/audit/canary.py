@@ -108,7 +108,7 @@ def check_batched(name: str) -> algorithms.Algorithm:
         raise ConfigError(f"--algo {name} is not private (epsilon = inf): there is no claim to audit")
     if algo.source is not None:  # group means, momenta over past iterates, augmentations
         raise ConfigError(f"--algo {name} computes its rows with its own backend (groups, momentum over "
-                          f"past iterates or augmentations), which the batched canary simulation does not "
+                          f"past iterates, augmentations or DiSK's two points), which the batched canary simulation does not "
                           f"drive; audit it with --mode one-run")
     if getattr(algo.parts(AlgoConfig()).per_sample[-1], "dynamic", False):
         raise ConfigError(f"--algo {name} moves its clip with a released count of unclipped rows, one count per "

@@ -36,13 +36,17 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     """``NAME`` or ``NAME:ACCOUNTING`` (e.g. ``dice:authors``) -> (label, config overrides)."""
     from .. import algorithms
     from ..privacy.dice import check_basis
-    algos = algorithms.ALGORITHMS
     name, _, acc = spec.partition(":")
-    if name not in algos:
-        raise ConfigError(f"--algos: unknown algorithm {name!r}; choose from {', '.join(sorted(algos))}")
+    try:
+        algo = algorithms.get(name)  # a registered name or BASE+disk
+    except ConfigError as e:
+        if name in algorithms.ALGORITHMS or "+" in name and name.rpartition("+")[0] in algorithms.ALGORITHMS:
+            raise ConfigError(f"--algos {spec}: {e}") from None
+        raise ConfigError(f"--algos: unknown algorithm {name!r}; choose from "
+                          f"{', '.join(sorted(algorithms.ALGORITHMS))}, or BASE+disk (DiSK added to BASE)") from None
     over: dict = {"algo": name}
     if acc:
-        if algos[name].accounting != "dice":
+        if algo.accounting != "dice":
             raise ConfigError(f"--algos {spec}: ':{acc}' (DiceSGD accounting) applies only to DiceSGD "
                               f"algorithms")
         try:
@@ -64,7 +68,10 @@ def _table(rows: list[dict]) -> str:
         body.append([r["label"], acct,
                      (f"{100 * r['test_accuracy_mean']:.2f} %" if n == 1 else
                       f"{100 * r['test_accuracy_mean']:.2f} ± {100 * r['test_accuracy_std']:.2f} %")
-                     + (f"  (val {100 * r['val_accuracy_mean']:.2f})" if "val_accuracy_mean" in r else ""),
+                     + (f"  (val {100 * r['val_accuracy_mean']:.2f})" if "val_accuracy_mean" in r else "")
+                     + ((f"  (ema {100 * r['ema_test_accuracy_mean']:.2f})" if n == 1 else
+                         f"  (ema {100 * r['ema_test_accuracy_mean']:.2f} ± {100 * r['ema_test_accuracy_std']:.2f})")
+                        if "ema_test_accuracy_mean" in r else ""),
                      fmt_eps(r["epsilon"]), cert, f"{r['noise_multiplier']:.4g}",
                      f"{r['wall_time_per_epoch_s']:.1f}"])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
@@ -157,7 +164,8 @@ def _compare(args: argparse.Namespace, base, variants: list[tuple[str, dict]], s
               f"certified={str(h['certified']).lower()}", file=log, flush=True)
 
     def on_run(label: str, seed: int, res: dict) -> None:
-        print(f"[{label} seed {seed}] test accuracy {res['test_accuracy']:.4f}, epsilon "
+        ema = f" (ema {res['ema_test_accuracy']:.4f})" if res.get("ema_test_accuracy") is not None else ""
+        print(f"[{label} seed {seed}] test accuracy {res['test_accuracy']:.4f}{ema}, epsilon "
               f"{fmt_eps(res['epsilon'])}, {res['wall_time_per_epoch_s']:.1f} s/epoch", file=log, flush=True)
 
     result = run_many(base, variants, seeds, out=out, splits=splits, progress=not args.quiet,
@@ -171,7 +179,8 @@ def _compare(args: argparse.Namespace, base, variants: list[tuple[str, dict]], s
                "dataset": splits.info, "rows": result["summary"],
                "runs": {label: [{k: r[k] for k in ("test_accuracy", "val_accuracy", "epsilon", "certified",
                                                    "noise_multiplier", "history", "wall_time_s",
-                                                   "wall_time_per_epoch_s", "config")} for r in rs]
+                                                   "wall_time_per_epoch_s", "config", "ema_test_accuracy")
+                                 if k in r} for r in rs]
                         for label, rs in result["runs"].items()},
                "wall_time_s": time.perf_counter() - t0}
     best = best_sound(summary)

@@ -46,6 +46,9 @@ def add_training_flags(p: argparse.ArgumentParser, *, algo: bool = True, default
         names = choices["algorithms"]
         p.add_argument("--algo", choices=names, required=True, metavar="NAME",
                        help=f"algorithm: {', '.join(names)}")
+        p.add_argument("--kalman", action="store_true",
+                       help="add DiSK's Kalman filter (Zhang et al. 2025; --kappa, --disk-gamma) to --algo: "
+                            "runs NAME+disk, with NAME's accounting; --algo disk is dpsgd with it")
     _add_privacy_flags(p, d)
     _add_training_group(p, d, req)
 
@@ -106,6 +109,10 @@ def _add_training_group(p: argparse.ArgumentParser, d: dict, req: dict) -> None:
                    help="normalisation stability constant (normalized, dice-auto)")
     t.add_argument("--max-physical-batch", type=int, default=512, metavar="M",
                    help="micro-batch size for per-example gradients (memory only; math unchanged)")
+    t.add_argument("--ema", type=float, default=None, metavar="DECAY",
+                   help="also keep an exponential moving average of the weights, a = DECAY a + (1 - DECAY) w after "
+                        "every step (De et al. 2022; post-processing: no privacy cost), evaluated, reported and "
+                        "exported beside the raw weights (e.g. 0.9 for about 100 steps)")
     t.add_argument("--validation", type=int, default=0, metavar="N",
                    help="carve N validation examples out of the training split and report val accuracy "
                         "(tune on it, never on the test set)")
@@ -157,7 +164,11 @@ def method_settings(args: argparse.Namespace) -> dict:
 def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
     from ..run.training import TrainConfig
     extra = method_settings(args)
-    kw = dict(data=args.data, model=args.model, algo=getattr(args, "algo", "dpsgd"), epsilon=args.epsilon,
+    algo = getattr(args, "algo", "dpsgd")
+    if getattr(args, "kalman", False):
+        from .. import algorithms
+        algo = algorithms.kalman_name(algo)
+    kw = dict(data=args.data, model=args.model, algo=algo, epsilon=args.epsilon,
               delta=args.delta, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, clip=args.clip,
               ef_clip=args.ef_clip, grad_bound=args.grad_bound, accountant=args.accountant,
               dice_accounting=args.dice_accounting, noise_multiplier=args.noise_multiplier,
@@ -167,7 +178,7 @@ def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
               momentum=args.momentum, weight_decay=args.weight_decay, gamma=args.gamma,
               max_physical_batch=args.max_physical_batch, grad_path=args.grad_path, validation=args.validation,
               subset=args.subset, data_dir=args.data_dir, data_path=args.data_path,
-              public_source=args.public_source, extra=extra)
+              public_source=args.public_source, extra=extra, ema=getattr(args, "ema", None))
     kw.update(overrides)
     return TrainConfig(**kw)
 
@@ -309,6 +320,8 @@ def _train_and_report(args: argparse.Namespace, cfg: TrainConfig) -> int:
     summary = {
         "test accuracy": f"{res['test_accuracy']:.4f}",
         **({"val accuracy": f"{res['val_accuracy']:.4f}"} if res.get("val_accuracy") is not None else {}),
+        **({f"EMA test accuracy (decay {res['ema']:g})": f"{res['ema_test_accuracy']:.4f}"}
+           if res.get("ema_test_accuracy") is not None else {}),
         "epsilon": fmt_eps(res["epsilon"]),
         "delta": f"{res['delta']:g}",
         "accountant": res["accountant"],

@@ -11,13 +11,14 @@ from ..errors import ConfigError
 from ..grads.fast import BookKeeping, why_unsupported
 from ..grads.rows import FuncGradients, LossFn, ParamSums, PerExampleRows, RowSource
 from ..transforms import Pipeline, scales_by_norm
+from ..algorithms.disk import TwoPointRows
 
 AUTO_ROWS_BYTES = 2 * 2**30
 """``grad_path="auto"`` takes the fast path when one micro-batch of float32 rows would exceed this."""
 
 
 def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: LossFn, algo, pipeline: Pipeline,
-                     rows: RowSource, max_physical_batch: int, expected_batch_size: float):
+                     rows: RowSource, max_physical_batch: int, expected_batch_size: float, per_example: bool = False):
     """(the aggregate of a norm-scaling step or None, what the header says): the book-keeping fast
     path (``grads.fast.BookKeeping``: no rows), the rows summed per parameter (``grads.ParamSums``),
     or None (rows through the pipeline: stages that need rows). ``grad_path`` rows | fast | auto:
@@ -26,8 +27,17 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
     if grad_path not in ("rows", "fast", "auto"):
         raise ConfigError(f"--grad-path must be rows, fast or auto, got {grad_path!r}")
     p = pipeline
+    two = isinstance(rows, TwoPointRows) and isinstance(rows.base, PerExampleRows) and \
+        isinstance(rows.base.grads, FuncGradients)  # DiSK on per-example gradients: both points, then as usual
+    if two:
+        agg, note = choose_aggregate(grad_path, own_rows, model, loss_fn, algo, pipeline, rows.base, max_physical_batch,
+                                     expected_batch_size, per_example=True)
+        if agg is None:
+            return None, note
+        return TwoPoint(agg, rows), note.replace("per-example gradients", "DiSK: per-example gradients at two points", 1) \
+            .replace("fast (", "fast (DiSK: at two points; ", 1)
     why = ("a gradient backend was given" if not own_rows else
-           f"--algo {algo.name} computes its own rows" if algo.source is not None else
+           f"--algo {algo.name} computes its own rows" if algo.source is not None and not per_example else
            "--grad-bound clips the rows first" if p.reference else
            f"--algo {algo.name} transforms rows beyond a norm scaling" if len(p.per_sample) != 1
            or not scales_by_norm(p.per_sample[0]) else None)
@@ -47,3 +57,22 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
         raise ConfigError(f"--grad-path fast is not available: {why}; use --grad-path auto or rows")
     return None, "rows (per-example gradients, torch.func)" + (f"; the fast path does not apply: {why}"
                                                                 if grad_path == "auto" and why else "")
+
+
+class TwoPoint:
+    """DiSK's rows ``c g(x_t + gamma d_t) + (1 - c) g(x_t)`` (``algorithms.disk.TwoPointRows``) through a
+    norm-scaling aggregate (``ParamSums`` or ``BookKeeping``): it stages the step's iterate and gives the
+    aggregate the extrapolated point (None at the first step or c = 0: x_t alone). ``begin()`` once per
+    step, before its micro-batches (also an empty step's: the iterate is staged all the same)."""
+
+    def __init__(self, inner, rows: TwoPointRows) -> None:
+        self.inner, self.rows, self.point = inner, rows, None
+
+    def begin(self) -> None:
+        self.point = self.rows.begin()
+
+    def __call__(self, x, y, scale, reference: bool):
+        if self.point is None:
+            return self.inner(x, y, scale, reference)
+        point = self.point
+        return self.inner(x, y, scale, reference, at=(lambda: self.rows.at(point), self.rows.c))

@@ -197,7 +197,8 @@ class DPEngine:
     @property
     def fast(self) -> BookKeeping | None:
         """The book-keeping fast path when this engine runs it (``--grad-path``), else None."""
-        return self._aggregate if isinstance(self._aggregate, BookKeeping) else None
+        agg = getattr(self._aggregate, "inner", self._aggregate)  # DiSK's two points wrap it
+        return agg if isinstance(agg, BookKeeping) else None
 
     def local_share(self, indices: Tensor, step: int | None = None) -> Tensor:
         """This rank's share of the global sample ``indices`` (all of it with one process): the
@@ -219,6 +220,8 @@ class DPEngine:
             return
         scale = self.pipeline.per_sample[0].scale
         need_ref = self.pipeline.error_feedback is not None
+        if hasattr(self._aggregate, "begin"):  # a step-level preparation (DiSK stages the step's iterate)
+            self._aggregate.begin()
         for start in range(0, batch.size(x), self.max_physical_batch):
             sl = slice(start, start + self.max_physical_batch)
             p, r, loss, norms = self._aggregate(batch.take(x, sl), batch.take(y, sl), scale, need_ref)

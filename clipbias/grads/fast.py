@@ -137,6 +137,17 @@ class _Matrix:
         """Example i's gradient, one flat tensor per parameter."""
         return ([(self.g[i].t() @ self.a[i]).reshape(-1)] if self.w else []) + ([self.g[i].sum(0)] if self.bias else [])
 
+    def cross(self, o: "_Matrix") -> Tensor:
+        """``<G_i, G'_i>`` per example, ``o`` the same layer's rule on the same examples at other weights
+        (same shapes, so the same choice of ghost norm or per-example gradient as ``sq``)."""
+        if self.a.shape[1] == 1:
+            w = (self.a * o.a).sum((1, 2)) * (self.g * o.g).sum((1, 2))
+        elif self.pe is not None:
+            w = (self.pe * o.pe).sum((1, 2))
+        else:  # sum over position pairs of (a_l . a'_m)(g_l . g'_m)
+            w = (torch.bmm(self.a, o.a.transpose(1, 2)) * torch.bmm(self.g, o.g.transpose(1, 2))).sum((1, 2))
+        return w * self.w + ((self.g.sum(1) * o.g.sum(1)).sum(1) if self.bias else 0)
+
 
 class _Affine:
     """GroupNorm/LayerNorm: the per-example gradients of the affine weight and bias are small (one
@@ -163,6 +174,9 @@ class _Affine:
     def one(self, i: int) -> list[Tensor]:
         return [r[i] for r in self.rows]
 
+    def cross(self, o: "_Affine") -> Tensor:
+        return sum((r * s).sum(1) for r, s in zip(self.rows, o.rows))
+
 
 class _Embed:
     """Embedding: example i's weight gradient has one nonzero row per distinct token it holds (the
@@ -179,6 +193,10 @@ class _Embed:
         self.owner, self.token, self.shape = uniq // v, uniq % v, m.weight.shape
         self.sq = g.new_zeros(b).index_add_(0, self.owner, self.rows.square().sum(1))
 
+    def cross(self, o: "_Embed") -> Tensor:
+        """Per example, over its tokens (the same inputs at other weights: the same (example, token) rows)."""
+        return self.sq.new_zeros(self.sq.shape).index_add_(0, self.owner, (self.rows * o.rows).sum(1))
+
     def _place(self, token: Tensor, rows: Tensor) -> Tensor:
         return rows.new_zeros(self.shape).index_add_(0, token, rows).reshape(-1)
 
@@ -192,6 +210,22 @@ class _Embed:
 
 def _rule(m: nn.Module, a: Tensor, g: Tensor):
     return (_Affine if isinstance(m, _NORMS) else _Embed if isinstance(m, nn.Embedding) else _Matrix)(m, a, g)
+
+
+class _Combined:
+    """One layer's ``c G'_i + (1 - c) G_i`` from its rules at two points on the same examples (DiSK,
+    ``clipbias.algorithms.disk``): the squared norm through the cross term, the sums linear in both."""
+
+    def __init__(self, far, near, c: float) -> None:
+        self.far, self.near, self.c = far, near, c
+        sq = c * c * far.sq + (1 - c) ** 2 * near.sq + 2 * c * (1 - c) * far.cross(near)
+        self.sq = sq.clamp_min(0)  # rounding of a (near) zero norm
+
+    def sums(self, S: Tensor) -> list[Tensor]:
+        return [self.c * f + (1 - self.c) * n for f, n in zip(self.far.sums(S), self.near.sums(S))]
+
+    def one(self, i: int) -> list[Tensor]:
+        return [self.c * f + (1 - self.c) * n for f, n in zip(self.far.one(i), self.near.one(i))]
 
 
 class BookKeeping:
@@ -212,7 +246,30 @@ class BookKeeping:
         self._vector_loss: bool | None = None  # does loss_fn return per-example losses? (decided once)
 
     def __call__(self, x: Batch, y: Batch, scale: Callable[[Tensor], Tensor],
-                 reference: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+                 reference: bool, at: tuple[Callable, float] | None = None) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        """``at = (enter, c)``: the rows are ``c g(point) + (1 - c) g(x_t)`` (DiSK), ``enter()`` a context in
+        which the model's weights are at the point: every layer's rules at both points, each point's
+        checked as always, combined exactly (``_Combined``)."""
+        if at is None:
+            losses, rules = self._rules(x, y)
+        else:
+            enter, c = at
+            with enter():
+                losses, rules = self._rules(x, y)
+            if c != 1.0:
+                losses, near = self._rules(x, y)
+                rules = [_Combined(f, n, c) for f, n in zip(rules, near)]
+        norms = torch.sqrt(sum(r.sq for r in rules))
+        if not bool(torch.isfinite(norms).all()):  # the caller refuses the step, naming the examples
+            return torch.zeros(0), None, losses, norms
+        S = torch.stack([scale(norms)] + ([torch.ones_like(norms)] if reference else []))
+        pieces = [r.sums(S) for r in rules]
+        proc = self._assemble([[t[0] for t in lp] for lp in pieces])
+        ref = self._assemble([[t[1] for t in lp] for lp in pieces]) if reference else None
+        return proc, ref, losses, norms
+
+    def _rules(self, x: Batch, y: Batch) -> tuple[Tensor, list]:
+        """(losses, every layer's rule) at the model's current weights, the examples' attribution checked."""
         check_model(self.model)
         params = self.layout.params(self.model)
         dev = params[0].device
@@ -223,15 +280,9 @@ class BookKeeping:
             _check_buffers(self.model, buffers)
         stochastic = not _same_rng(rng, _rng_state(dev))  # dropout (or any other draw) in the forward
         rules = [_rule(m, acts[m], g) for m, g in zip(self.layers, grads)]
-        norms = torch.sqrt(sum(r.sq for r in rules))
-        if not bool(torch.isfinite(norms).all()):  # the caller refuses the step, naming the examples
-            return torch.zeros(0), None, losses, norms
-        self._check_examples(rules, x, y, params, rng if stochastic else None)
-        S = torch.stack([scale(norms)] + ([torch.ones_like(norms)] if reference else []))
-        pieces = [r.sums(S) for r in rules]
-        proc = self._assemble([[t[0] for t in lp] for lp in pieces])
-        ref = self._assemble([[t[1] for t in lp] for lp in pieces]) if reference else None
-        return proc, ref, losses, norms
+        if bool(torch.isfinite(sum(r.sq for r in rules)).all()):  # else the caller refuses the step
+            self._check_examples(rules, x, y, params, rng if stochastic else None)
+        return losses, rules
 
     def _losses(self, out, y: Batch, b: int) -> Tensor:
         """The ``[b]`` per-example losses: the loss function's own when it returns them, else it is

@@ -170,12 +170,14 @@ class ParamSums:
         self.grads, self.layout = grads, grads.layout
 
     def __call__(self, x: Batch, y: Batch, scale: Callable[[Tensor], Tensor],
-                 reference: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+                 reference: bool, at: tuple[Callable, float] | None = None) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         b = batch.size(x)
         if b == 0:
             dev = self.grads.device()
             z = torch.zeros(self.layout.dim, device=dev)
             return z, (z.clone() if reference else None), torch.zeros(0, device=dev), torch.zeros(0, device=dev)
+        if at is not None:
+            return self._two_points(x, y, scale, reference, *at)
         grads, losses = guarded(self.grads.per_param, x, y, self.layout.dim)
         flat = [g.reshape(b, -1) for g in grads]
         norms = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat]), dim=0)
@@ -184,6 +186,31 @@ class ParamSums:
             return torch.cat([s @ f for f in flat]), None, losses, norms
         both = [torch.stack([s, torch.ones_like(s)]) @ f for f in flat]  # one pass over the rows for both sums
         return torch.cat([t[0] for t in both]), torch.cat([t[1] for t in both]), losses, norms
+
+    def _two_points(self, x: Batch, y: Batch, scale: Callable[[Tensor], Tensor], reference: bool,
+                    enter: Callable, c: float) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        """DiSK's rows ``r_i = c f_i + (1 - c) n_i`` (``f`` at the point ``enter()`` sets, ``n`` at x_t) without
+        forming them: ``||r_i||^2 = c^2 ||f_i||^2 + (1 - c)^2 ||n_i||^2 + 2 c (1 - c) <f_i, n_i>`` and
+        ``sum_i s_i r_i = c S f + (1 - c) S n`` (batched products: no [b, d] temporary)."""
+        b = batch.size(x)
+        with enter():
+            far, losses = guarded(self.grads.per_param, x, y, self.layout.dim)
+        far = [g.reshape(b, -1) for g in far]
+        if c == 1.0:
+            near, w = far, (1.0, 0.0)
+            sq = sum(torch.linalg.vector_norm(f, dim=1).square() for f in far)
+        else:
+            near, losses = guarded(self.grads.per_param, x, y, self.layout.dim)
+            near, w = [g.reshape(b, -1) for g in near], (c, 1.0 - c)
+            sq = sum(c * c * torch.linalg.vector_norm(f, dim=1).square() + (1 - c) ** 2 *
+                     torch.linalg.vector_norm(n, dim=1).square() + 2 * c * (1 - c) *
+                     (f.unsqueeze(1) @ n.unsqueeze(2)).reshape(b) for f, n in zip(far, near))
+        norms = sq.clamp_min(0).sqrt()
+        s = scale(norms).to(far[0].dtype)
+        S = torch.stack([s, torch.ones_like(s)]) if reference else s.unsqueeze(0)
+        sums = [w[0] * (S @ f) + w[1] * (S @ n) for f, n in zip(far, near)]
+        return (torch.cat([t[0] for t in sums]), torch.cat([t[1] for t in sums]) if reference else None,
+                losses, norms)
 
 
 Rows = tuple[Tensor, Tensor, "Tensor | None"]  # (rows [r, d], per-example losses, example ids or None)

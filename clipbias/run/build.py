@@ -19,6 +19,7 @@ from ..config import AlgoConfig
 from ..engine.core import DPEngine
 from ..errors import ConfigError
 from ..randomness import SecretKey
+from .average import WeightAverage
 from .config import TrainConfig
 from .splits import Splits, build_model, device
 
@@ -36,6 +37,7 @@ class Run:
     algo: algorithms.Algorithm
     device: torch.device
     predict: Predict | None = None
+    ema: WeightAverage | None = None  # --ema: the average of the weights (post-processing)
 
     def evaluate(self, x: Tensor, y: Tensor) -> tuple[float, float | None]:
         return evaluate(self.model, x, y, self.cfg.eval_batch_size, self.predict)
@@ -57,7 +59,8 @@ def build_run(cfg: TrainConfig, splits: Splits, key: SecretKey | None = None) ->
                       delta=cfg.delta, accountant=cfg.accountant, dice_accounting=cfg.dice_accounting,
                       config=algo_cfg, max_physical_batch=cfg.max_physical_batch,
                       noise_seed=key if key is not None else cfg.key_seed, grad_path=cfg.grad_path)
-    return Run(cfg, splits, model, engine, algo, dev, predict)
+    ema = WeightAverage(model, cfg.ema) if cfg.ema is not None else None
+    return Run(cfg, splits, model, engine, algo, dev, predict, ema)
 
 
 def _batchclip(cfg: TrainConfig, splits: Splits, model: nn.Module, algo: algorithms.Algorithm,

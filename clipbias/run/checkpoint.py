@@ -149,6 +149,10 @@ def export_weights(run_dir: str | os.PathLike, file: str | os.PathLike) -> dict:
         # a run from before the refutation: its "certified" DiceSGD epsilon is the paper's bound
         meta.update(certified=False, basis=f"{meta['basis']}; {privacy.dice.REFUTED.format(basis='paper')}")
     out = {"state_dict": weights, "meta": jsonable(meta)}
+    if ckpt.get("ema_model") is not None:  # --ema: the averaged weights too (post-processing of the same run)
+        out["ema_state_dict"] = {k: v.detach().cpu().clone() for k, v in ckpt["ema_model"].items()}
+        meta.update(ema=ckpt["ema"]["decay"], ema_test_accuracy=last.get("ema_test_accuracy"))
+        out["meta"] = jsonable(meta)
     file = Path(file)
     atomic_write(file, lambda fh: torch.save(out, fh))
     return {"file": str(file), "tensors": len(weights), **out["meta"]}

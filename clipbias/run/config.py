@@ -35,6 +35,8 @@ class TrainConfig:
     hyper-parameters (the ``Setting`` keys of the algorithms: ``k``, ``p``, ``K``, ``K0``, ``gamma0``,
     ``gamma1``, ``public_size``, ...), only those given; the algorithm validates them. ``batch-clip`` takes ``public_size`` public features from the test split (removed from
     evaluation; ``public_source="test"``) or held out of the training split (``"holdout"``, N shrinks).
+    ``ema`` (a decay in (0, 1)) keeps an exponential moving average of the weights (post-processing,
+    ``run.average``), evaluated, reported and exported beside the raw weights.
     """
 
     data: str = "fashion-mnist"
@@ -72,6 +74,7 @@ class TrainConfig:
     eval_batch_size: int = 1024
     data_dir: str | None = None
     data_path: str | None = None
+    ema: float | None = None
 
     @property
     def private(self) -> bool:
@@ -159,13 +162,18 @@ class TrainConfig:
             raise ConfigError(f"--grad-path must be rows, fast or auto, got {self.grad_path!r}")
         check_int(self.eval_batch_size, "eval_batch_size", 1)
         check_int(self.validation, "--validation", 0)
+        if self.ema is not None:
+            from .average import check_decay
+            check_decay(self.ema)
         if self.subset is not None:
             check_int(self.subset, "--subset", 1)
         given = {k: v for k, v in self.extra.items() if v is not None}
         if given and not algo.schema:  # core algorithms read no method setting
             flags = ", ".join(algorithms.setting_flag(k) for k in given)
+            disk = " (--kappa and --disk-gamma are DiSK's: add --kalman, or use --algo disk)" if \
+                {"kappa", "disk_gamma", "kf_gamma"} & set(given) else ""
             raise ConfigError(f"{flags} {'does' if len(given) == 1 else 'do'} not apply to --algo {self.algo}; the method flags are for "
-                              f"the paper methods (perturb, p-avg, inner-outer, ...)")
+                              f"the paper methods (perturb, p-avg, inner-outer, ...){disk}")
         if "public_size" in given:
             check_int(given["public_size"], "--public-size", 1)
         if self.public_source not in ("test", "holdout"):

@@ -140,6 +140,8 @@ def results(run, cfg: TrainConfig, head: dict, history: list[dict], wall: float,
         "wall_time_s": wall,
         "wall_time_per_epoch_s": sum(epoch_times) / len(epoch_times) if epoch_times else None,
         "resumed": resumed, "world_size": engine.world_size,
+        **({"ema": cfg.ema, "ema_test_accuracy": history[-1].get("ema_test_accuracy") if history else None,
+            "ema_val_accuracy": history[-1].get("ema_val_accuracy") if history else None} if cfg.ema is not None else {}),
     }
 
 
@@ -168,5 +170,8 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
                "wall_time_s": sum(r["wall_time_s"] for r in rs)}
         if rs[0].get("val_accuracy") is not None:
             row["val_accuracy_mean"], row["val_accuracy_std"] = mean_std([r["val_accuracy"] for r in rs])
+        if rs[0].get("ema_test_accuracy") is not None:  # --ema: the averaged weights' accuracy
+            row["ema"] = rs[0]["ema"]
+            row["ema_test_accuracy_mean"], row["ema_test_accuracy_std"] = mean_std([r["ema_test_accuracy"] for r in rs])
         rows.append(row)
     return rows

@@ -132,6 +132,8 @@ def _restore(run: Run, ckpt: dict | None) -> tuple[list[dict], int, float]:
     torch.set_rng_state(ckpt["torch_rng_ranks"][rank] if "torch_rng_ranks" in ckpt else ckpt["torch_rng"])
     if run.device.type == "cuda" and ckpt.get("cuda_rng") is not None:
         torch.cuda.set_rng_state(ckpt["cuda_rng"], run.device)
+    if run.ema is not None:
+        run.ema.load_state_dict(ckpt["ema"])
     return list(ckpt["history"]), int(ckpt["epoch"]), float(ckpt.get("wall_time_s", 0.0))
 
 
@@ -139,14 +141,18 @@ def _epoch(run: Run, epoch: int, bar: "_Progress | None") -> dict:
     """One epoch of steps, then the test (and validation) accuracy and the epsilon spent so far."""
     engine, splits = run.engine, run.splits
     t0 = time.perf_counter()
-    total, count = run_steps(engine, splits.x_train, splits.y_train, len(engine.sampler),
-                             after=(lambda e, losses: bar.step(epoch, losses)) if bar is not None else None)
+    total, count = run_steps(engine, splits.x_train, splits.y_train, len(engine.sampler), after=_after(run, epoch, bar))
     train_time, t1 = time.perf_counter() - t0, time.perf_counter()
     acc, test_loss = run.evaluate(splits.x_test, splits.y_test)
     rec = {"epoch": epoch + 1, "steps": engine.steps_taken, "train_loss": total / max(count, 1),
            "test_accuracy": acc, "test_loss": test_loss}
     if splits.x_val is not None:
         rec["val_accuracy"], rec["val_loss"] = run.evaluate(splits.x_val, splits.y_val)
+    if run.ema is not None:  # the averaged weights, evaluated on the same splits
+        with run.ema.applied():
+            rec["ema_test_accuracy"], rec["ema_test_loss"] = run.evaluate(splits.x_test, splits.y_test)
+            if splits.x_val is not None:
+                rec["ema_val_accuracy"], rec["ema_val_loss"] = run.evaluate(splits.x_val, splits.y_val)
     rep = statement(run)
     rec.update(epsilon=rep.epsilon, accountant=rep.accountant, certified=rep.certified, basis=rep.basis,
                caveats=list(rep.caveats))
@@ -154,6 +160,19 @@ def _epoch(run: Run, epoch: int, bar: "_Progress | None") -> dict:
     if bar is not None:
         bar.epoch_end(rec)
     return rec
+
+
+def _after(run: Run, epoch: int, bar: "_Progress | None"):
+    """What runs after every step: the weight average's update, the progress bar."""
+    if run.ema is None and bar is None:
+        return None
+
+    def after(engine, losses: torch.Tensor) -> None:
+        if run.ema is not None:
+            run.ema.update()
+        if bar is not None:
+            bar.step(epoch, losses)
+    return after
 
 
 def _refuse_diverged(run: Run, rec: dict, history: list[dict], out: Path | None) -> None:
@@ -187,6 +206,7 @@ def _save(run: Run, out: Path, epoch: int, history: list[dict], wall: float) -> 
         "history": history, "config": run.cfg.to_dict(), "input_shape": list(info["input_shape"]),
         "num_classes": info["num_classes"], "wall_time_s": wall,
         "world_size": len(rngs), "torch_rng_ranks": rngs,
+        **({"ema": run.ema.state_dict(), "ema_model": run.ema.averaged_state_dict()} if run.ema is not None else {}),
     }, out / CHECKPOINT)
 
 

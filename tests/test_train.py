@@ -340,3 +340,14 @@ def test_a_finished_run_at_a_given_noise_extends_to_more_epochs_exactly(tmp_path
     train(TrainConfig(**cal, epochs=1, out=str(tmp_path / "c")), progress=False, plot=False)
     with pytest.raises(ResumeMismatchError, match="calibrated so that 1 epochs spend exactly --epsilon 2"):
         train(TrainConfig(**cal, epochs=2, out=str(tmp_path / "c"), resume=True), progress=False, plot=False)
+
+
+def test_run_many_refuses_a_variant_before_any_run_trains(tmp_path):
+    """A variant that its algorithm refuses (inner-outer with the base's SGD momentum) stops the
+    comparison before the first variant trains, not after it."""
+    base = TrainConfig(data="digits", model="logreg", algo="dpsgd", noise_multiplier=1.0, epochs=1,
+                       batch_size=64, lr=0.5, momentum=0.9)
+    with pytest.raises(ConfigError, match="set --momentum 0"):
+        run_many(base, [("dpsgd", {"algo": "dpsgd"}), ("inner-outer", {"algo": "inner-outer"})], [0],
+                 out=tmp_path / "cmp")
+    assert not (tmp_path / "cmp").exists() or not any((tmp_path / "cmp").iterdir())

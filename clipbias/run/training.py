@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import distributed
+from .. import algorithms, distributed
 from ..data.datasets import Dataset
 from ..engine.core import run_steps
 from ..errors import ConfigError, ResumeMismatchError, TrainingDivergedError
@@ -267,6 +267,11 @@ def run_many(base: TrainConfig, variants: list[tuple[str, dict]], seeds: list[in
     cfgs = {label: dataclasses.replace(base, **ov, resume=False) for label, ov in variants}
     if splits is None:
         splits = prepare_splits(next(iter(cfgs.values())))
+    for cfg in cfgs.values():  # each variant's checks that need the data size, before any run trains
+        algo = algorithms.get(cfg.algo)
+        if algo.validate is not None:
+            ac = cfg.algo_config_without_public() if algo.needs_public else cfg.algo_config()
+            algo.validate(ac, algo.settings(ac), min(1.0, cfg.batch_size / splits.n), cfg.batch_size)
     runs: dict[str, list[dict]] = {}
     for label, cfg in cfgs.items():
         runs[label] = []

@@ -207,7 +207,9 @@ def test_model_that_does_not_fit_the_data(capsys, tmp_path):
 # ----------------------------------------------------------------------------- export
 
 def test_export_writes_weights_only(capsys, tmp_path):
-    argv = _replace(TRAIN, "--algo", "dice") + ["--ef-clip", str(1 / 64), "--out", tmp_path / "r"]
+    # a given noise multiplier: export is tested, not DiceSGD's calibration (test_compare_table_and_files)
+    argv = _replace(_replace(TRAIN, "--algo", "dice"), "--epsilon", None) + [
+        "--noise-multiplier", "2", "--ef-clip", str(1 / 64), "--out", tmp_path / "r"]
     assert run(argv, capsys)[0] == 0
     code, out, err = run(["export", tmp_path / "r", tmp_path / "w.pt", "--json"], capsys)
     assert code == 0, err
@@ -248,10 +250,12 @@ def test_compare_table_and_files(capsys, tmp_path):
     assert by["dice"]["certified"] and not by["dice:authors"]["certified"]
     assert by["dice"]["ef_clip"] == pytest.approx(0.01 / 64)  # r = 0.01 by default
     assert by["dice"]["dice_accounting"] == "sound" and "REFUTED" in by["dice:authors"]["basis"]
-    # sound accounting (PLD) costs noise over DPSGD's under the same accountant: feedback is never amplified
+    # sound accounting (PLD) costs noise over DPSGD's under the same accountant: feedback is never amplified.
+    # DPSGD with 1% less noise than DiceSGD's would still spend less than 3: DiceSGD's z exceeds DPSGD's
+    # calibrated z (within 1% of the exact root), checked with one PLD evaluation instead of a bisection
     from clipbias.privacy import gaussian
-    z_dpsgd_pld = gaussian.calibrate(3.0, 1e-5, 64 / 1347, 21, "pld")
-    assert by["dice"]["noise_multiplier"] > z_dpsgd_pld and len(by["dpsgd"]["test_accuracies"]) == 2
+    assert gaussian.epsilon(0.99 * by["dice"]["noise_multiplier"], 64 / 1347, 21, 1e-5, "pld") < 3.0
+    assert len(by["dpsgd"]["test_accuracies"]) == 2
     assert (out / "curves.png").is_file()
     # the closing advice: the certified row with the best mean (never the refuted dice:authors), and a
     # train line that runs its settings
@@ -327,7 +331,8 @@ def test_sigterm_stops_a_run_cleanly_with_exit_143(tmp_path):
     import sys
     import time
     out = tmp_path / "r"
-    args = [str(a) for a in _replace(TRAIN, "--epochs", "400") + ["--out", out]]
+    args = [str(a) for a in _replace(_replace(TRAIN, "--epochs", "400"), "--epsilon", None)
+            + ["--noise-multiplier", "1", "--out", out]]  # no calibration before the first epoch
     proc = subprocess.Popen([sys.executable, "-c", "import sys; from clipbias.cli import main; "
                              "sys.exit(main(sys.argv[1:]))", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

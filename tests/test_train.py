@@ -21,6 +21,10 @@ BASE = TrainConfig(data="digits", model="mlp", algo="dice", epsilon=3.0, delta=1
                    batch_size=64, lr=0.5, clip=1.0, ef_clip=1.0 / 64, accountant="rdp")
 
 
+# one epoch at a given noise multiplier: the tests of files, refusals and export need no calibration
+ONE = dataclasses.replace(BASE, epochs=1, epsilon=None, noise_multiplier=2.0)
+
+
 @pytest.fixture(scope="module")
 def splits():
     return prepare_splits(BASE)
@@ -86,7 +90,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, splits):
 
 def test_resume_refuses_changed_settings(tmp_path, splits):
     out = str(tmp_path / "r")
-    cfg = dataclasses.replace(BASE, epochs=1, out=out)
+    cfg = dataclasses.replace(BASE, out=out)  # calibrated as in test_results_files_and_private_checkpoint
     train(cfg, splits=splits)
     for change, flag in [({"epsilon": 2.0}, "--epsilon"), ({"seed": 1}, "--seed"),
                          ({"epochs": 2}, "--epochs"), ({"model": "logreg"}, "--model"),
@@ -99,7 +103,7 @@ def test_resume_refuses_changed_settings(tmp_path, splits):
 def test_engine_refuses_mismatched_privacy_state(tmp_path, splits):
     """Even if the config check were bypassed, DPEngine.load_state_dict refuses."""
     out = tmp_path / "t"
-    cfg = dataclasses.replace(BASE, epochs=1, out=str(out))
+    cfg = dataclasses.replace(ONE, out=str(out))
     train(cfg, splits=splits)
     ck = torch.load(out / CHECKPOINT, weights_only=True)
     ck["engine"]["settings"]["delta"] = 1e-6
@@ -109,7 +113,7 @@ def test_engine_refuses_mismatched_privacy_state(tmp_path, splits):
 
 
 def test_existing_run_needs_resume_or_overwrite(tmp_path, splits):
-    cfg = dataclasses.replace(BASE, epochs=1, out=str(tmp_path / "x"))
+    cfg = dataclasses.replace(ONE, out=str(tmp_path / "x"))
     train(cfg, splits=splits)
     with pytest.raises(ConfigError, match="--resume"):
         train(cfg, splits=splits)
@@ -123,7 +127,7 @@ def test_an_interrupted_overwrite_never_mixes_old_and_new_files(tmp_path, splits
     one epoch, the directory holds only the new run's checkpoint (no stale results.json or curves.png
     describing the old run) and the old run is whole in ``.previous``; a finished overwrite removes it."""
     out = tmp_path / "o"  # a given noise multiplier: no calibration needed to test the files
-    cfg = dataclasses.replace(BASE, epochs=2, out=str(out), reproducible_noise=True, epsilon=None, noise_multiplier=2.0)
+    cfg = dataclasses.replace(ONE, epochs=2, out=str(out), reproducible_noise=True)
     old = train(cfg, splits=splits)
 
     def stop(rec):
@@ -146,7 +150,7 @@ def test_an_interrupted_overwrite_never_mixes_old_and_new_files(tmp_path, splits
 
 def test_export_has_weights_only(tmp_path, splits):
     out = tmp_path / "e"
-    train(dataclasses.replace(BASE, epochs=1, out=str(out)), splits=splits)
+    train(dataclasses.replace(ONE, out=str(out)), splits=splits)
     info = export_weights(out, tmp_path / "model.pt")
     assert info["certified"] is True
     exported = torch.load(tmp_path / "model.pt", weights_only=True)
@@ -236,8 +240,9 @@ def test_run_many_and_scatter_preprocess_once_per_split(tmp_path, monkeypatch):
     base = TrainConfig(data="digits-image", model="scatter-linear", epsilon=3.0, epochs=1, batch_size=32,
                        lr=0.5, accountant="rdp", subset=300)
     out = tmp_path / "cmp"
-    result = run_many(base, [("dpsgd", {"algo": "dpsgd"}),
-                             ("dice", {"algo": "dice", "ef_clip": 1 / 32})], [0, 1], out=out)
+    result = run_many(base, [("dpsgd", {"algo": "dpsgd"}),  # calibrated; dice at a given noise (no second calibration)
+                             ("dice", {"algo": "dice", "ef_clip": 1 / 32, "epsilon": None, "noise_multiplier": 2.0})],
+                      [0, 1], out=out)
     assert len(calls) == 2  # train and test, once for the whole comparison
     rows = {r["label"]: r for r in result["summary"]}
     assert set(rows) == {"dpsgd", "dice"} and rows["dice"]["certified"]
@@ -336,7 +341,7 @@ def test_a_finished_run_at_a_given_noise_extends_to_more_epochs_exactly(tmp_path
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
     assert extended["epsilon"] == direct["epsilon"] and extended["steps"] == direct["steps"] == 33
     assert len(extended["history"]) == 3
-    cal = dict(base, noise_multiplier=None, epsilon=2.0, algo="dpsgd")
+    cal = dict(base, noise_multiplier=None, epsilon=2.0, algo="dpsgd", accountant="rdp")  # rdp: a quick calibration
     train(TrainConfig(**cal, epochs=1, out=str(tmp_path / "c")), progress=False, plot=False)
     with pytest.raises(ResumeMismatchError, match="calibrated so that 1 epochs spend exactly --epsilon 2"):
         train(TrainConfig(**cal, epochs=2, out=str(tmp_path / "c"), resume=True), progress=False, plot=False)

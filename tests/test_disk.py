@@ -200,3 +200,36 @@ def test_fast_path_and_summed_rows_equal_the_rows(algo, kind):
         out[path] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
     assert torch.allclose(out["fast"], out["pipeline"], rtol=0, atol=1e-10)
     assert torch.allclose(out["rows"], out["pipeline"], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("path", ["rows", "fast"])
+def test_a_clipped_combination_stays_within_the_clip_in_float32(path):
+    """A small --disk-gamma makes c = (1 - kappa) / (kappa gamma) large (here 4286): the expansion
+    c^2 ||f||^2 + (1 - c)^2 ||n||^2 + 2 c (1 - c) <f, n> of a row's squared norm is then a difference of
+    terms c^2 times larger than the result, and in float32 it understated the norm so much that one
+    example's clipped contribution reached 37 C. Each example alone: its contribution's norm <= C."""
+    from contextlib import contextmanager
+    from clipbias.grads.fast import BookKeeping
+    from clipbias.grads.rows import FuncGradients, ParamSums, cross_entropy
+    from clipbias.transforms import clip_scale
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(20, 32), nn.Tanh(), nn.Linear(32, 5))
+    x, y = torch.randn(24, 20), torch.randint(0, 5, (24,))
+    gamma, clip = 1e-4, 0.1
+    c = combination(0.7, gamma)
+    far = [p.detach() + gamma * 1e-3 * torch.randn_like(p) for p in m.parameters()]
+
+    @contextmanager
+    def enter():
+        saved = [p.detach().clone() for p in m.parameters()]
+        with torch.no_grad():
+            for p, v in zip(m.parameters(), far):
+                p.copy_(v)
+        yield
+        with torch.no_grad():
+            for p, v in zip(m.parameters(), saved):
+                p.copy_(v)
+    agg = ParamSums(FuncGradients(m, cross_entropy)) if path == "rows" else BookKeeping(m, cross_entropy)
+    worst = max(float(agg(x[i:i + 1], y[i:i + 1], lambda n: clip_scale(n, clip), False, at=(enter, c))[0]
+                      .double().norm()) for i in range(len(y)))
+    assert worst <= clip * (1 + 1e-5)

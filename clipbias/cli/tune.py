@@ -46,8 +46,7 @@ def _run(args: argparse.Namespace) -> int:
           "epsilon": f"{res['epsilon']:.4g} (the whole search; delta {res['delta']:g})",
           "certified": fmt_certified(res["certified"], True, res["caveats"]), "basis": res["basis"],
           "not output": res["secret"],
-          "files": f"{out}/tune.json, {out}/model.pt (the best weights: releasable)" if out else "none (no --out)",
-          "wall time": f"{res['wall_time_s']:.1f} s"}, False)
+          "files": f"{out}/tune.json, {out}/model.pt (the best weights: releasable)" if out else "none (no --out)"}, False)
     return 0
 
 

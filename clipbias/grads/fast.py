@@ -249,16 +249,20 @@ class BookKeeping:
                  reference: bool, at: tuple[Callable, float] | None = None) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         """``at = (enter, c)``: the rows are ``c g(point) + (1 - c) g(x_t)`` (DiSK), ``enter()`` a context in
         which the model's weights are at the point: every layer's rules at both points, each point's
-        checked as always, combined exactly (``_Combined``)."""
+        checked as always, combined exactly (``_Combined``, its terms in float64: the expansion of the
+        combination's norm cancels, and float32 terms would understate it)."""
+        dtype = None
         if at is None:
             losses, rules = self._rules(x, y)
         else:
             enter, c = at
+            wide = c != 1.0
             with enter():
-                losses, rules = self._rules(x, y)
-            if c != 1.0:
-                losses, near = self._rules(x, y)
+                losses, rules = self._rules(x, y, wide)
+            if wide:
+                losses, near = self._rules(x, y, wide)
                 rules = [_Combined(f, n, c) for f, n in zip(rules, near)]
+                dtype = self.layout.params(self.model)[0].dtype
         norms = torch.sqrt(sum(r.sq for r in rules))
         if not bool(torch.isfinite(norms).all()):  # the caller refuses the step, naming the examples
             return torch.zeros(0), None, losses, norms
@@ -266,10 +270,13 @@ class BookKeeping:
         pieces = [r.sums(S) for r in rules]
         proc = self._assemble([[t[0] for t in lp] for lp in pieces])
         ref = self._assemble([[t[1] for t in lp] for lp in pieces]) if reference else None
+        if dtype is not None:  # the wide rules' sums back to the parameters' precision
+            proc, ref, norms = proc.to(dtype), None if ref is None else ref.to(dtype), norms.to(dtype)
         return proc, ref, losses, norms
 
-    def _rules(self, x: Batch, y: Batch) -> tuple[Tensor, list]:
-        """(losses, every layer's rule) at the model's current weights, the examples' attribution checked."""
+    def _rules(self, x: Batch, y: Batch, wide: bool = False) -> tuple[Tensor, list]:
+        """(losses, every layer's rule) at the model's current weights, the examples' attribution checked;
+        ``wide``: the rules computed in float64 from the layers' inputs and output gradients."""
         check_model(self.model)
         params = self.layout.params(self.model)
         dev = params[0].device
@@ -279,7 +286,7 @@ class BookKeeping:
         finally:  # a buffer changed by the forward is restored and refused, whatever else failed
             _check_buffers(self.model, buffers)
         stochastic = not _same_rng(rng, _rng_state(dev))  # dropout (or any other draw) in the forward
-        rules = [_rule(m, acts[m], g) for m, g in zip(self.layers, grads)]
+        rules = [_rule(m, _widen(acts[m], wide), _widen(g, wide)) for m, g in zip(self.layers, grads)]
         if bool(torch.isfinite(sum(r.sq for r in rules)).all()):  # else the caller refuses the step
             self._check_examples(rules, x, y, params, rng if stochastic else None)
         return losses, rules
@@ -430,6 +437,11 @@ class BookKeeping:
 
 PROBES = 4
 """Examples probed per step (deterministic forward)."""
+
+
+def _widen(t: Tensor, wide: bool) -> Tensor:
+    """``t`` in float64 where ``wide`` and it holds floating-point values (an embedding's indices stay)."""
+    return t.double() if wide and t.is_floating_point() else t
 
 
 def _rng_state(device: torch.device) -> tuple:

@@ -190,8 +190,10 @@ class ParamSums:
     def _two_points(self, x: Batch, y: Batch, scale: Callable[[Tensor], Tensor], reference: bool,
                     enter: Callable, c: float) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         """DiSK's rows ``r_i = c f_i + (1 - c) n_i`` (``f`` at the point ``enter()`` sets, ``n`` at x_t) without
-        forming them: ``||r_i||^2 = c^2 ||f_i||^2 + (1 - c)^2 ||n_i||^2 + 2 c (1 - c) <f_i, n_i>`` and
-        ``sum_i s_i r_i = c S f + (1 - c) S n`` (batched products: no [b, d] temporary)."""
+        the ``[b, d]`` matrix: ``||r_i||`` from each parameter's ``[b, numel]`` piece of the combination, formed
+        one parameter at a time (the expansion ``c^2 ||f_i||^2 + (1 - c)^2 ||n_i||^2 + 2 c (1 - c) <f_i, n_i>``
+        cancels: for c > 1 it is a difference of terms c^2 times the result, which float32 rounding turns
+        into a norm far below the row's, and a clipped row above C), and ``sum_i s_i r_i`` from the same pieces."""
         b = batch.size(x)
         with enter():
             far, losses = guarded(self.grads.per_param, x, y, self.layout.dim)
@@ -201,14 +203,15 @@ class ParamSums:
             sq = sum(torch.linalg.vector_norm(f, dim=1).square() for f in far)
         else:
             near, losses = guarded(self.grads.per_param, x, y, self.layout.dim)
-            near, w = [g.reshape(b, -1) for g in near], (c, 1.0 - c)
-            sq = sum(c * c * torch.linalg.vector_norm(f, dim=1).square() + (1 - c) ** 2 *
-                     torch.linalg.vector_norm(n, dim=1).square() + 2 * c * (1 - c) *
-                     (f.unsqueeze(1) @ n.unsqueeze(2)).reshape(b) for f, n in zip(far, near))
-        norms = sq.clamp_min(0).sqrt()
+            near = [g.reshape(b, -1) for g in near]
+            sq = sum(torch.linalg.vector_norm(torch.add(c * f, n, alpha=1 - c), dim=1).square()
+                     for f, n in zip(far, near))
+        norms = sq.sqrt()
         s = scale(norms).to(far[0].dtype)
         S = torch.stack([s, torch.ones_like(s)]) if reference else s.unsqueeze(0)
-        sums = [w[0] * (S @ f) + w[1] * (S @ n) for f, n in zip(far, near)]
+        # the sums of the very pieces whose norms were taken (c (S f) + (1 - c) (S n) would round apart from
+        # them by about c eps ||f_i||, not bounded by the clip when c is large)
+        sums = [S @ (f if c == 1.0 else torch.add(c * f, n, alpha=1 - c)) for f, n in zip(far, near)]
         return (torch.cat([t[0] for t in sums]), torch.cat([t[1] for t in sums]) if reference else None,
                 losses, norms)
 

@@ -431,3 +431,22 @@ def test_red_team_round_two_is_refused_before_any_change(make, match):
         eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="fast")
         eng.step(x[:8], y[:8], torch.arange(8))
     assert all(torch.equal(a, b) for a, b in zip(before, list(m.parameters()) + list(m.buffers())))
+
+
+def test_a_fast_path_run_reports_the_floating_point_caveat_and_rows_do_not():
+    """The fast path computes norms and the clipped sum without rows: an example whose per-position
+    terms cancel can exceed the clip in float32 (docs/privacy.md), so its runs are not certified;
+    the rows path clips each computed row and stays certified."""
+    from clipbias.config import AlgoConfig
+    from clipbias.engine import FAST_PATH_CAVEAT, DPEngine
+    torch.manual_seed(0)
+    reports = {}
+    for path in ("fast", "rows"):
+        model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+        engine = DPEngine(model, "dpsgd", n=64, batch_size=16, epochs=1, noise_multiplier=1.0, delta=1e-5,
+                          config=AlgoConfig(lr=0.1, clip=1.0), grad_path=path)
+        engine.train_epoch(torch.randn(64, 1, 8, 8), torch.randint(0, 3, (64,)))
+        reports[path] = engine.privacy()
+    assert reports["fast"].caveats == (FAST_PATH_CAVEAT,) and not reports["fast"].certified
+    assert reports["rows"].caveats == () and reports["rows"].certified
+    assert reports["fast"].epsilon == reports["rows"].epsilon  # the accounting itself is the same

@@ -197,7 +197,8 @@ class DPEngine:
     @property
     def fast(self) -> BookKeeping | None:
         """The book-keeping fast path when this engine runs it (``--grad-path``), else None."""
-        agg = getattr(self._aggregate, "inner", self._aggregate)  # DiSK's two points wrap it
+        agg = getattr(self, "_aggregate", None)  # None while the engine is being built
+        agg = getattr(agg, "inner", agg)  # DiSK's two points wrap it
         return agg if isinstance(agg, BookKeeping) else None
 
     def local_share(self, indices: Tensor, step: int | None = None) -> Tensor:
@@ -249,6 +250,8 @@ class DPEngine:
                                  self.accountant, self.dice_accounting)
         if self.algo.private and self.key.reproducible:
             report = report.with_caveat(SEEDED_CAVEAT)
+        if self.algo.private and self.fast is not None:
+            report = report.with_caveat(FAST_PATH_CAVEAT)
         return report
 
     # ------------------------------------------------------------------ checkpoints
@@ -326,6 +329,12 @@ def noise_multiplier_for(engine: DPEngine, epsilon: float | None, noise_multipli
                                                             engine.accountant, engine.dice_accounting))
 
 
+FAST_PATH_CAVEAT = ("per-example norms and the clipped sum computed by the book-keeping fast path (no per-example "
+                    "rows), in floating point: an example crafted so that its per-position terms cancel can push "
+                    "its computed norm below the true one, or round away other examples' terms, so its released "
+                    "contribution can exceed the clip (2.4 C measured); the guarantee holds only against data "
+                    "without such examples. --grad-path rows clips each computed row and has no such gap "
+                    "(docs/privacy.md, 'Floating point in the fast path')")
 SEEDED_CAVEAT = ("batches and noise derived from a user-given seed (a reproducible run): the guarantee holds only "
                  "while that seed stays secret and unguessable; anyone who has it can recompute the batches and "
                  "subtract the noise")

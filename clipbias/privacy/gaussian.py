@@ -212,4 +212,4 @@ def calibrate(target_epsilon: float, delta: float, sample_rate: float, steps: in
     return z
 
 
-smallest_noise = search.smallest_noise  # the plain bisection (DiceSGD's bounds)
+smallest_noise = search.smallest_noise  # the plain bisection (a reference for the secant searches)

@@ -12,7 +12,9 @@ Epsilon is monotone in z (more noise is never worse), and log epsilon is close t
    upper end: its final-accountant epsilon is <= target, so a calibration never overshoots, and no
    z smaller by more than ``rel_tol`` was seen to meet it. Typically two final evaluations.
 
-``smallest_noise`` is the plain bisection, for bounds with no cheap stand-in (DiceSGD's).
+DiceSGD's bounds use the same two phases (``clipbias/privacy/dice.py``): the sound bound aims on a
+coarser PLD grid, the paper's with its own closed form. ``smallest_noise`` is the plain bisection, kept
+as the reference those searches are measured against (``benchmarks/dice_calibration.py``, tests).
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def smallest_noise(ok: Callable[[float], bool], lo: float, hi: float, rel_tol: f
     to ``rel_tol`` relative tolerance. Returns the upper end of the bracket, so the answer always
     satisfies ``ok``: a calibration never overshoots its epsilon. When ``ok(hi)`` fails (a
     discretised bound can sit a hair above its analytic bracket) the bracket first moves up 1% at a
-    time. The bisection of the calibrators without a cheap stand-in accountant (DiceSGD's bounds)."""
+    time. The reference the secant searches are measured against (no calibrator uses it)."""
     while not ok(hi):
         lo, hi = hi, hi * 1.01
     while hi - lo > rel_tol * hi:

@@ -128,6 +128,45 @@ def test_normals_are_the_same_with_either_keystream_implementation():
                        normals(KEY, Purpose.NOISE, 2, 0, n, cipher="torch"))
 
 
+def test_keyed_normal_rows_are_the_normals_of_their_addresses():
+    """``keyed_normal`` draws many rows with one Box-Muller: row i is still exactly ``normals`` at
+    ``(purpose, step, keys[i])``, across its blocks of rows (2 rows a block at this d), repeated keys,
+    an odd d, float32 and float64, and one row longer than a chunk (drawn by ``normals`` itself)."""
+    from clipbias.randomness import keyed_normal
+    d, keys = 799_999, [9, 0, 9, 5, (1 << 40) - 1]
+    for dtype in (torch.float64, torch.float32):
+        z = keyed_normal(KEY, Purpose.PERTURB, 3, keys, d, dtype=dtype)
+        assert z.shape == (len(keys), d) and z.dtype == dtype
+        for row, k in zip(z, keys):
+            assert torch.equal(row, normals(KEY, Purpose.PERTURB, 3, k, d).to(dtype))
+    long = (1 << 21) + 3
+    assert torch.equal(keyed_normal(KEY, Purpose.PERTURB, 3, [2], long, dtype=torch.float64)[0],
+                       normals(KEY, Purpose.PERTURB, 3, 2, long))
+    assert keyed_normal(KEY, Purpose.PERTURB, 3, [], 7).shape == (0, 7)
+    assert keyed_normal(KEY, Purpose.PERTURB, 3, [1, 2], 0).shape == (2, 0)
+
+
+def test_the_fast_uint64_conversion_and_complement_path_equal_box_muller_of_numpys_conversion():
+    """``_normals_of`` converts uint64 by 32-bit halves and ~H, ~L only where u > 1 - 2^-20: the same
+    numbers as ``box_muller`` of numpy's conversion of all five, at the rounding edges of the
+    conversion and on both sides of the switch to log1p."""
+    from clipbias.randomness.draws import _float64, _normals_of, box_muller
+    g = np.random.default_rng(3)  # test inputs
+    edges = np.array([0, 1, 2 ** 32 - 1, 2 ** 32, 2 ** 53 - 1, 2 ** 53 + 1, 2 ** 53 + 3, 2 ** 63 - 1, 2 ** 63,
+                      2 ** 63 + 2 ** 10, 2 ** 64 - 2 ** 11, 2 ** 64 - 2 ** 10, 2 ** 64 - 2 ** 10 - 1, 2 ** 64 - 1],
+                     dtype=np.uint64)
+    v = np.concatenate([edges, g.integers(0, 2 ** 64, 10_000, dtype=np.uint64, endpoint=False)])
+    assert np.array_equal(_float64(v), v.astype(np.float64))
+    n = 4000
+    h, l, a = (g.integers(0, 2 ** 64, n, dtype=np.uint64) for _ in range(3))
+    h[:500] = np.uint64(2 ** 64 - 1) - g.integers(0, 2 ** 20, 500, dtype=np.uint64)  # u near 1
+    h[500:600] = np.uint64(2 ** 64 - 2 ** 44) + g.integers(0, 2 ** 36, 100, dtype=np.uint64)  # at the switch
+    h[600:700] = np.uint64(2 ** 64 - 2 ** 44) - g.integers(0, 2 ** 36, 100, dtype=np.uint64)
+    h[700:710], l[:len(edges)] = 0, edges
+    want = box_muller(torch.from_numpy(np.stack([x.astype(np.float64) for x in (h, l, a, ~h, ~l)])))
+    assert torch.equal(_normals_of(np.stack([h, l, a]), torch.device("cpu")), want)
+
+
 # ------------------------------------------------------------------ the release
 def test_snap_rounds_the_exact_sum_onto_the_grid():
     """round_g(x + s) of the exact real sum (computed here in rationals), ties included."""

@@ -48,13 +48,17 @@ class Perturb(PerSample):
         return z.view(g.shape).to(g.dtype)
 
     def __call__(self, g: Tensor, ctx: StepContext) -> Tensor:
-        return g + self.k * self.noise(g, ctx)
+        return self._plus(g, self.noise(g, ctx))
 
     def probe(self, g: Tensor, ctx: StepContext) -> Tensor:
         """Probe randomness (keyed at ``PROBE_STEP`` by index or position); the call count is untouched."""
         keys = batch_keys(ctx.indices, 0, len(g))
-        return g + self.k * keyed_normal(self._key(), Purpose.PERTURB, PROBE_STEP, keys, g.shape[-1], g.device,
-                                         g.dtype)
+        return self._plus(g, keyed_normal(self._key(), Purpose.PERTURB, PROBE_STEP, keys, g.shape[-1], g.device,
+                                          g.dtype))
+
+    def _plus(self, g: Tensor, z: Tensor) -> Tensor:
+        """``g + k z`` (z broadcast to g), in the buffer of a fresh ``z`` of g's shape: no [B, d] temporaries."""
+        return z.mul_(self.k).add_(g) if z.shape == g.shape else g + self.k * z
 
     def commit(self) -> None:
         self._calls = 0

@@ -26,11 +26,18 @@ _CHUNK = 1 << 22      # keystream is produced in 4 MiB pieces (bounded temporary
 _ZEROS = bytes(_CHUNK)
 
 
-def keystream(key: bytes, nonce: bytes, nbytes: int, counter: int = 0) -> np.ndarray:
-    """``nbytes`` bytes of the ChaCha20 keystream of (key, nonce) from block ``counter``, as uint8."""
+def keystream(key: bytes, nonce: bytes, nbytes: int, counter: int = 0, out: np.ndarray | None = None) -> np.ndarray:
+    """``nbytes`` bytes of the ChaCha20 keystream of (key, nonce) from block ``counter``, as uint8
+    (written into ``out``, a contiguous array of ``nbytes`` bytes, when given)."""
     _check(key, nonce, nbytes, counter)
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
-    out = np.empty(nbytes, dtype=np.uint8)
+    if out is None:
+        out = np.empty(nbytes, dtype=np.uint8)
+    else:
+        if not out.flags.c_contiguous or out.nbytes != nbytes:
+            raise ValueError(f"keystream: out must be a contiguous array of {nbytes} bytes, got {out.nbytes} bytes "
+                             f"(contiguous: {out.flags.c_contiguous})")
+        out = out.reshape(-1).view(np.uint8)
     # cryptography's ChaCha20 nonce is OpenSSL's 16-byte IV: the 32-bit little-endian block counter,
     # then RFC 8439's 96-bit nonce
     enc = Cipher(algorithms.ChaCha20(key, counter.to_bytes(4, "little") + nonce), mode=None).encryptor()

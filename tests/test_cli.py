@@ -477,3 +477,29 @@ def test_new_run_dir_never_reuses_a_directory(tmp_path, monkeypatch):
     (tmp_path / "blocker").write_text("x")
     with pytest.raises(WriteError, match="cannot create a run directory under .*blocker.*--out DIR"):
         new_run_dir("train", tmp_path / "blocker")
+
+
+@pytest.mark.parametrize("over", [
+    {"algo": "dpsgd", "momentum": 0.9, "ema": 0.9},
+    {"algo": "dice", "ef_clip": 0.001, "dice_accounting": "sound", "accountant": "rdp"},
+    {"algo": "inner-outer", "extra": {"K0": 3, "gamma1": 0.8, "normalize": True}},
+    {"algo": "dpsgd+disk", "extra": {"kappa": 0.6, "disk_gamma": 0.4}, "weight_decay": 0.01, "subset": 500},
+])
+def test_compare_best_line_runs_exactly_the_row_config(over):
+    """The train line compare prints for its best row parses back into the same TrainConfig (method
+    settings through their own flags, switches, DiSK through --kalman)."""
+    import dataclasses
+
+    from clipbias.cli import build_parser
+    from clipbias.cli.compare import train_command
+    from clipbias.cli.train import config_from_args
+    from clipbias.run import TrainConfig
+    cfg = TrainConfig(data="digits", model="mlp", epsilon=3.0, epochs=2, batch_size=64.0, lr=0.7, clip=0.3,
+                      **over)
+    cmd = train_command(cfg.to_dict())
+    args = build_parser().parse_args(cmd.split()[1:])
+    back = config_from_args(args)
+    ignore = {"out", "seed", "resume", "overwrite", "max_physical_batch", "eval_batch_size", "grad_path"}
+    a = {k: v for k, v in dataclasses.asdict(back).items() if k not in ignore}
+    b = {k: v for k, v in cfg.to_dict().items() if k not in ignore}
+    assert a == b, cmd

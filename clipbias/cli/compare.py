@@ -219,18 +219,40 @@ def best_sound(summary: dict) -> dict | None:
         return None
     r = max(rows, key=lambda r: r["test_accuracy_mean"])
     c = summary["runs"][r["label"]][0]["config"]
-    extra = "".join(f" --{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f" --{k.replace('_', '-')} {v}"
-                    for k, v in sorted(c.get("extra", {}).items()) if v is not None and not isinstance(v, bool))
-    cmd = (f"clipbias train --data {c['data']} --model {c['model']} --algo {c['algo']} --epsilon {c['epsilon']:g} "
-           f"--delta {c['delta']:g} --epochs {c['epochs']} --batch-size {c['batch_size']:g} --lr {c['lr']:g} "
-           f"--clip {c['clip']:g} --momentum {c['momentum']:g}"
-           + (f" --ef-clip {c['ef_clip']:g}" if c.get("ef_clip") is not None else "") + extra) \
-        if c.get("epsilon") is not None else None
+    cmd = train_command(c) if c.get("epsilon") is not None else None
     n = len(summary["runs"][r["label"]])
     line = (f"best sound configuration: {r['label']} ({100 * r['test_accuracy_mean']:.2f} % mean of {n} "
             f"seed{'s' if n > 1 else ''}, epsilon {fmt_eps(r['epsilon'])}, certified) with lr {c['lr']:g}, "
             f"clip {c['clip']:g}, momentum {c['momentum']:g}" + (f"\n  run it: {cmd}" if cmd else ""))
     return {"label": r["label"], "config": c, "command": cmd, "line": line}
+
+
+def train_command(c: dict) -> str:
+    """The ``clipbias train`` line of a run's config (``TrainConfig.to_dict``): every setting that
+    differs from train's default, method settings through their own flags."""
+    algo, kalman = (c["algo"][:-len("+disk")], True) if c["algo"].endswith("+disk") else (c["algo"], False)
+    parts = ["clipbias train", f"--data {c['data']}", f"--model {c['model']}", f"--algo {algo}"]
+    parts += ["--kalman"] if kalman else []
+    for key, flag in (("epsilon", "--epsilon"), ("delta", "--delta"), ("epochs", "--epochs"),
+                      ("batch_size", "--batch-size"), ("lr", "--lr"), ("clip", "--clip"), ("ef_clip", "--ef-clip"),
+                      ("grad_bound", "--grad-bound"), ("momentum", "--momentum"), ("weight_decay", "--weight-decay"),
+                      ("optimizer", "--optimizer"), ("gamma", "--gamma"), ("accountant", "--accountant"),
+                      ("dice_accounting", "--dice-accounting"), ("subset", "--subset"), ("ema", "--ema"),
+                      ("data_dir", "--data-dir"), ("data_path", "--data-path")):
+        v = c.get(key)
+        if v is not None and not (key in ("weight_decay",) and v == 0):
+            parts.append(f"{flag} {v:g}" if isinstance(v, float) else f"{flag} {v}")
+    flags = {st["key"]: st for st in current()["settings"]}
+    for key, v in sorted((c.get("extra") or {}).items()):
+        st = flags.get(key)
+        if v is None or st is None:
+            continue
+        if st["switch"]:
+            on, _, off = st["flag"].partition("/")
+            parts.append(on if v else off)
+        else:
+            parts.append(f"{st['flag']} {v:g}" if isinstance(v, float) else f"{st['flag']} {v}")
+    return " ".join(parts)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

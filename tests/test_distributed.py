@@ -85,18 +85,24 @@ def _initial(cfg: TrainConfig) -> dict:
             .model.state_dict().items()}
 
 
+def _one_and_two_processes(tmp_path, cases: list[dict]):
+    """Each case of ``BASE`` trained in this process and on 2 spawned ranks: (1-process configs,
+    2-process configs, 1-process results, each rank's results)."""
+    torch.set_num_threads(1)
+    ones = [dataclasses.replace(BASE, **m, out=str(tmp_path / f"{i}-1")) for i, m in enumerate(cases)]
+    twos = [dataclasses.replace(c, out=str(tmp_path / f"{i}-2")) for i, c in enumerate(ones)]
+    single = [train(c) for c in ones]
+    _spawn(_train_ranks, twos, str(tmp_path / "res"))
+    return ones, twos, single, [torch.load(tmp_path / f"res.{r}") for r in range(2)]
+
+
 @pytest.mark.slow
 def test_two_processes_give_the_single_process_run(tmp_path):
     """dpsgd, dice (error feedback), inner-outer (stored iterates, outer momentum), dpgd-momentum
     (per-example state), p-avg (group rows) and dpsgd on the fast path: the 2-process weights equal
     the 1-process ones up to float rounding and rare single steps of the noise grid
     (``_same_up_to_grid_steps``), epsilon is identical, and so is the private per-example state."""
-    torch.set_num_threads(1)
-    ones = [dataclasses.replace(BASE, **m, out=str(tmp_path / f"{i}-1")) for i, m in enumerate(METHODS)]
-    twos = [dataclasses.replace(c, out=str(tmp_path / f"{i}-2")) for i, c in enumerate(ones)]
-    single = [train(c) for c in ones]
-    _spawn(_train_ranks, twos, str(tmp_path / "res"))
-    ranks = [torch.load(tmp_path / f"res.{r}") for r in range(2)]
+    ones, twos, single, ranks = _one_and_two_processes(tmp_path, METHODS)
     for i, (one, two, res1) in enumerate(zip(ones, twos, single)):
         assert res1["world_size"] == 1 and all(r[i]["world_size"] == 2 for r in ranks)
         assert all(r[i]["epsilon"] == res1["epsilon"] and r[i]["steps"] == res1["steps"] > 1 for r in ranks)
@@ -115,14 +121,9 @@ def test_disk_on_two_processes_gives_the_single_process_run(tmp_path):
     """DiSK (the previous iterate and the filter, identical on every rank) on the summed rows, on the
     fast path, and chained with inner-outer's outer momentum over stored iterates: 2 processes give the
     1-process weights up to rounding and rare grid steps, the same epsilon and the same filter state."""
-    torch.set_num_threads(1)
     cases = [{"algo": "disk", "momentum": 0.5}, {"algo": "disk", "grad_path": "fast", "extra": {"kappa": 0.5}},
              {"algo": "inner-outer+disk", "extra": {"K0": 1}}]
-    ones = [dataclasses.replace(BASE, **m, out=str(tmp_path / f"{i}-1")) for i, m in enumerate(cases)]
-    twos = [dataclasses.replace(c, out=str(tmp_path / f"{i}-2")) for i, c in enumerate(ones)]
-    single = [train(c) for c in ones]
-    _spawn(_train_ranks, twos, str(tmp_path / "res"))
-    ranks = [torch.load(tmp_path / f"res.{r}") for r in range(2)]
+    ones, twos, single, ranks = _one_and_two_processes(tmp_path, cases)
     for i, (one, two, res1) in enumerate(zip(ones, twos, single)):
         assert all(r[i]["epsilon"] == res1["epsilon"] and r[i]["world_size"] == 2 for r in ranks)
         c1, c2 = load_checkpoint(one.out), load_checkpoint(two.out)

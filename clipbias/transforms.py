@@ -70,6 +70,34 @@ class Stage:
         """Drop the state staged during the step (the step failed)."""
 
 
+class Carried(Stage):
+    """A stage that carries one tensor from step to step (the attribute and ``state_dict`` key
+    ``KEY``): a step stages the next value in ``_pending``, which becomes the state only on ``commit``
+    (a failed step leaves it as it was). Error feedback, outer momentum and DiSK's filter."""
+
+    KEY = "state"
+
+    def __init__(self) -> None:
+        setattr(self, self.KEY, None)
+        self._pending: Tensor | None = None
+
+    def commit(self) -> None:
+        if self._pending is not None:
+            setattr(self, self.KEY, self._pending)
+            self._pending = None
+
+    def rollback(self) -> None:
+        self._pending = None
+
+    def state_dict(self) -> dict:
+        v = getattr(self, self.KEY)
+        return {self.KEY: None if v is None else v.detach().clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        setattr(self, self.KEY, state[self.KEY])
+        self._pending = None
+
+
 class PerSample(Stage):
     """Maps per-example rows ``[b, d] -> [b, d]``.
 
@@ -125,7 +153,7 @@ class Normalize(PerSample):
         return 1.0 / (norms + self.gamma)
 
 
-class ErrorFeedback(Stage):
+class ErrorFeedback(Carried):
     """DiceSGD's clipped error feedback (Zhang et al. Alg. 2, lines 5 and 7).
 
     ``v = aggregate + clip(e, C2)`` and ``e <- e + reference_mean - v`` where ``reference_mean`` is
@@ -134,14 +162,16 @@ class ErrorFeedback(Stage):
     ``e`` is a hidden state: it is in ``state_dict`` (checkpoints are private) but never released.
     """
 
+    KEY = "e"
+    e: Tensor | None
+
     def __init__(self, c2: float | None = None, normalize: float | None = None) -> None:
         if (c2 is None) == (normalize is None):
             raise ConfigError("ErrorFeedback needs exactly one of c2 (clip) or normalize (gamma)")
         if c2 is not None and not c2 > 0:
             raise ConfigError(f"--ef-clip must be > 0, got {c2!r}")
         self.c2, self.gamma = c2, normalize
-        self.e: Tensor | None = None
-        self._pending: Tensor | None = None
+        super().__init__()
 
     @property
     def bound(self) -> float:
@@ -159,19 +189,6 @@ class ErrorFeedback(Stage):
         v = aggregate + self.feedback(e)
         self._pending = e + reference_mean - v
         return v
-
-    def commit(self) -> None:
-        if self._pending is not None:
-            self.e, self._pending = self._pending, None
-
-    def rollback(self) -> None:
-        self._pending = None
-
-    def state_dict(self) -> dict:
-        return {"e": None if self.e is None else self.e.detach().clone()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.e = state["e"]
 
 
 class GaussianNoise(Stage):

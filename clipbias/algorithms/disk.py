@@ -34,9 +34,9 @@ from ..config import AlgoConfig, Setting, real
 from ..errors import ConfigError
 from ..grads.rows import LossFn, RowSource
 from ..randomness import SecretKey
-from ..transforms import Chain, Stage
+from ..transforms import Carried, Chain
 from . import base as registry
-from .base import ALGORITHMS, Algorithm, Parts, get, register
+from .base import Algorithm, Parts, get, register
 
 KAPPA = Setting("kappa", 0.7, "a number in (0, 1]", real(0, 1, lo_open=True), "--kappa", float,
                 "DiSK: Kalman gain kappa, g_t = (1 - kappa) g_(t-1) + kappa v_t; 1 = the base algorithm")
@@ -54,15 +54,17 @@ def combination(kappa: float, gamma: float) -> float:
     return 1.0 if math.isclose(c, 1.0, rel_tol=1e-12) else c
 
 
-class KalmanFilter(Stage):
+class KalmanFilter(Carried):
     """``g_t = (1 - kappa) g_{t-1} + kappa v_t`` on the noisy update ``v_t`` (``g_0 = v_0``): post-processing."""
+
+    KEY = "g"  # g_t
+    g: Tensor | None
 
     def __init__(self, kappa: float) -> None:
         if not 0 < kappa <= 1:
             raise ConfigError(f"--kappa (DiSK's Kalman gain) must lie in (0, 1], got {kappa!r}")
         self.kappa = float(kappa)
-        self.g: Tensor | None = None
-        self._pending: Tensor | None = None
+        super().__init__()
 
     def __call__(self, v: Tensor) -> Tensor:
         if self.kappa == 1.0:
@@ -70,19 +72,6 @@ class KalmanFilter(Stage):
         g = v if self.g is None else (1.0 - self.kappa) * self.g.to(v.device) + self.kappa * v
         self._pending = g
         return g
-
-    def commit(self) -> None:
-        if self._pending is not None:
-            self.g, self._pending = self._pending, None
-
-    def rollback(self) -> None:
-        self._pending = None
-
-    def state_dict(self) -> dict:
-        return {"g": None if self.g is None else self.g.clone()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.g, self._pending = state["g"], None
 
 
 class TwoPointRows(RowSource):

@@ -27,7 +27,7 @@ from .. import distributed
 from ..config import OPTIONAL, AlgoConfig, Setting, boolean, integer, real
 from ..errors import ConfigError
 from ..grads.rows import FuncGradients, LossFn, PerExampleRows, RowSource
-from ..transforms import PerSample, Stage, StepContext
+from ..transforms import Carried, PerSample, StepContext
 from .base import Algorithm, Parts, clip_or_normalize, register
 
 
@@ -236,33 +236,22 @@ class InnerMomentumGradients(RowSource):
         self._pending = None
 
 
-class OuterMomentum(Stage):
+class OuterMomentum(Carried):
     """Eq. (14): ``M_k = (1 - gamma1) M_{k-1} + v_k`` on the *noisy* update ``v_k`` (M_0 = 0)."""
+
+    KEY = "m"  # M_k
+    m: Tensor | None
 
     def __init__(self, gamma1: float) -> None:
         if not 0 < gamma1 <= 1:
             raise ConfigError(f"--gamma1 (outer momentum, eq. (14)) must lie in (0, 1], got {gamma1!r}")
         self.gamma1 = float(gamma1)
-        self.m: Tensor | None = None
-        self._pending: Tensor | None = None
+        super().__init__()
 
     def __call__(self, v: Tensor) -> Tensor:
         m = v if self.m is None else (1 - self.gamma1) * self.m.to(v.device) + v  # .to: CPU checkpoints
         self._pending = m
         return m
-
-    def commit(self) -> None:
-        if self._pending is not None:
-            self.m, self._pending = self._pending, None
-
-    def rollback(self) -> None:
-        self._pending = None
-
-    def state_dict(self) -> dict:
-        return {"m": None if self.m is None else self.m.clone()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.m = state["m"]
 
 
 # ---------------------------------------------------------------- registration

@@ -4,6 +4,7 @@ distribution, calibration never overshoots, and a tuning run outputs the best tr
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -97,3 +98,16 @@ def test_refusals(change, flag):
         TuneConfig(dataclasses.replace(BASE, **change), (0.1, 1.0), (0.1, 1.0))
     with pytest.raises(ConfigError, match="--lr-range"):
         TuneConfig(BASE, (1.0, 0.1), (0.1, 1.0))
+
+
+def test_the_command_line_takes_the_ranges_alone_and_refuses_a_fixed_lr(tmp_path, capsys):
+    from clipbias.cli import main
+    argv = ["tune", "--data", "digits", "--model", "logreg", "--algo", "dpsgd", "--epsilon", "3", "--epochs", "1",
+            "--batch-size", "64", "--lr-range", "0.05", "5", "--clip-range", "0.1", "10", "--trials", "1",
+            "--accountant", "rdp", "--threads", "1", "--out", str(tmp_path / "t"), "--json"]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert 0.05 <= res["best"]["lr"] <= 5.0 and 0.1 <= res["best"]["clip"] <= 10.0 and res["epsilon"] <= 3.0
+    assert (tmp_path / "t" / "tune.json").exists() and (tmp_path / "t" / "model.pt").exists()
+    assert main(argv[:-3] + ["--lr", "1", "--clip", "1"]) != 0
+    assert "drop --lr and --clip" in capsys.readouterr().err

@@ -19,13 +19,21 @@ def _run(args: argparse.Namespace) -> int:
     from ..run.tune import TuneConfig, tune
     from .train import config_from_args, fmt_certified, set_threads
 
+    from ..errors import ConfigError
+
     set_threads(args.threads)
-    base = config_from_args(args)
+    given = [f for f, v in (("--lr", args.lr), ("--clip", args.clip)) if v is not None]
+    if given:
+        raise ConfigError(f"tune draws every trial's learning rate and clip from --lr-range and --clip-range: "
+                          f"drop {' and '.join(given)}")
+    # the base configuration's lr and clip are placeholders (every trial draws its own): the ranges'
+    # geometric midpoints, so that the configuration is valid whenever the ranges are
+    mid = [(lo * hi) ** 0.5 if lo > 0 and hi > 0 else 1.0 for lo, hi in (args.lr_range, args.clip_range)]
+    base = config_from_args(args, lr=mid[0], clip=mid[1])
     tc = TuneConfig(base, tuple(args.lr_range), tuple(args.clip_range), trials=args.trials, shape=args.shape,
                     validation=args.validation_fraction, score_noise=args.score_noise)
     out = Path(args.out) if args.out else None
     if out is not None and (out / "tune.json").exists() and not args.overwrite:
-        from ..errors import ConfigError
         raise ConfigError(f"--out {out} holds a tuning already (tune.json); pass --overwrite or another --out")
     key = SecretKey.from_seed(base.key_seed) if base.key_seed is not None else None
     res = tune(tc, key)
@@ -58,6 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "and scored there with a noisy count; only the best trial is output. --epsilon is "
                                    "the budget of the whole search (Papernot & Steinke 2022; docs/privacy.md).")
     add_training_flags(p)
+    for action in p._actions:  # every trial draws lr and clip from the ranges below
+        if action.dest in ("lr", "clip"):
+            action.required, action.default, action.help = False, None, argparse.SUPPRESS
     p.add_argument("--lr-range", nargs=2, type=float, default=None, metavar=("LO", "HI"), required=True,
                    help="log-uniform learning-rate range")
     p.add_argument("--clip-range", nargs=2, type=float, default=None, metavar=("LO", "HI"), required=True,

@@ -381,6 +381,8 @@ CASES = [
       "lies under the file {tmp}/blocker"),
     C("toy-figure-under-a-file", ["toy", "--problem", "chen-ex2", "--algo", "dpsgd", "--steps", "10", "--out",
                                   "{tmp}/blocker"], 2, "--out {tmp}/blocker is a file"),
+    C("toy-figure-exists", ["toy", "--problem", "chen-ex2", "--algo", "dpsgd", "--steps", "10", "--figure",
+                            "{tmp}/blocker"], 2, "{tmp}/blocker exists (an earlier figure)", "--overwrite"),
     # accounting
     C("account-noise-1e-9-pld", [*ACCOUNT, "--noise-multiplier", "1e-9"], 2, "1e-09 < 0.1", "--accountant rdp"),
     C("account-sample-rate-above-one", [*ACCOUNT, "--noise-multiplier", "1", "--sample-rate", "1.5"], 2,

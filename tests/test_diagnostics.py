@@ -325,6 +325,9 @@ def test_diagnose_cli_writes_json_and_figures(tmp_path, capsys):
     for name in ("norms", "sampling_noise", "clipping_bias", "cosine_histogram", "projections",
                  "symmetry", "noise_correlation", "p_averaging"):
         assert (out / f"{name}.png").stat().st_size > 5000, name
+    again = ["diagnose", "--data", "digits", "--model", "logreg", "--algo", "clip-sgd", "--out", str(out), "--quiet"]
+    assert main(again) == 2  # an earlier diagnose is not replaced silently
+    assert "diagnostics.json exists" in capsys.readouterr().err and (out / "norms.png").exists()
 
 
 def test_diagnose_reads_a_saved_run_config_and_flags_win(tmp_path):

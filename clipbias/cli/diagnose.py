@@ -139,6 +139,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.out or args.run:
         out = Path(args.out or args.run)
         check_out_dir(out)  # a file in the way is refused now, not after the recording; created at the first write
+        if (out / "diagnostics.json").exists() and not args.overwrite:
+            raise ConfigError(f"{out / 'diagnostics.json'} exists (an earlier diagnose); pass --overwrite to replace "
+                              f"it and its figures, or another --out")
     else:
         out = new_run_dir("diagnose")  # a new directory for every run
     print(f"clipbias diagnose: {diagnostics.PRIVACY_WARNING}", file=sys.stderr)
@@ -347,6 +350,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--out", default=None, metavar="DIR",
                    help="output directory (default: the --run DIR, else a new runs/diagnose-<date>-<time> "
                         "for every run)")
+    d.add_argument("--overwrite", action="store_true",
+                   help="replace the diagnostics.json (and figures) of an earlier diagnose in the output directory")
     d.add_argument("--no-figures", action="store_true", help="write diagnostics.json only")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.add_argument("--json", action="store_true", help="print diagnostics.json on stdout")

@@ -60,6 +60,10 @@ def _run(args: argparse.Namespace) -> int:
     problem = toy.get_problem(args.problem)
     if not args.no_figure:  # a file in the way of the figure's directory is refused now, not after the runs
         check_out_dir(Path(args.figure).parent if args.figure else Path(args.out or "runs"))
+        given = Path(args.figure) if args.figure else Path(args.out) / f"toy-{args.problem}.png" if args.out else None
+        if given is not None and given.exists() and not args.overwrite:
+            raise ConfigError(f"{given} exists (an earlier figure); pass --overwrite to replace it, or another "
+                              f"{'--figure' if args.figure else '--out'}")
     algorithms.get(args.algo)  # a clear error for an unknown name
     extra = method_settings(args)
     extra.update(_parse_extra(args.extra))
@@ -207,6 +211,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--out", default=None, metavar="DIR",
                    help="figure directory (default: a new runs/toy-PROBLEM-<date>-<time> for every run)")
     o.add_argument("--figure", default=None, metavar="PATH", help="figure file (default DIR/toy-PROBLEM.png)")
+    o.add_argument("--overwrite", action="store_true", help="replace an existing figure at --out / --figure")
     o.add_argument("--no-figure", action="store_true", help="run --algo only, no figure")
     o.add_argument("--json", action="store_true",
                    help="print JSON: x_final, x_opt, distance, the settings, privacy, comparison")

@@ -503,3 +503,17 @@ def test_compare_best_line_runs_exactly_the_row_config(over):
     a = {k: v for k, v in dataclasses.asdict(back).items() if k not in ignore}
     b = {k: v for k, v in cfg.to_dict().items() if k not in ignore}
     assert a == b, cmd
+
+
+def test_compare_gives_each_algorithm_the_method_flags_it_reads():
+    """--kappa goes to disk and not to dpsgd beside it; a flag no listed algorithm reads is refused."""
+    from clipbias.cli import build_parser
+    from clipbias.cli.compare import _variants
+    from clipbias.errors import ConfigError
+    parse = build_parser().parse_args
+    args = parse(["compare", "--algos", "dpsgd", "disk", "inner-outer", "--kappa", "0.5", "--k0", "3"])
+    variants, _ = _variants(args, args.algos)
+    assert [over["extra"] for _, over in variants] == [{}, {"kappa": 0.5}, {"K0": 3}]
+    args = parse(["compare", "--algos", "dpsgd", "dice", "--kappa", "0.5"])
+    with pytest.raises(ConfigError, match="--kappa applies to none of --algos dpsgd dice"):
+        _variants(args, args.algos)

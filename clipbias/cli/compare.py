@@ -89,12 +89,22 @@ def _variants(args: argparse.Namespace, algos: list[str]) -> tuple[list[tuple[st
     ratio = DEFAULT_EF_RATIO if args.ef_ratio is None else args.ef_ratio
     if not (math.isfinite(ratio) and ratio > 0):
         raise ConfigError(f"--ef-ratio must be > 0, got {ratio!r}")
-    variants = []
+    from .train import method_settings
+    given, used, variants = method_settings(args), set(), []
     for spec in algos:
         label, over = parse_variant(spec)
-        if algorithms.get(over["algo"]).reads_ef_clip:
+        algo = algorithms.get(over["algo"])
+        if algo.reads_ef_clip:
             over["ef_clip"] = args.ef_clip if args.ef_clip is not None else ratio * args.clip / args.batch_size
+        # each algorithm gets the method flags it reads (--kappa goes to disk, not to dpsgd beside it)
+        keys = {k for s in algo.schema for k in (s.key, *s.aliases)}
+        over["extra"] = {k: v for k, v in given.items() if k in keys}
+        used |= over["extra"].keys()
         variants.append((label, over))
+    if set(given) - used:
+        flags = ", ".join(algorithms.setting_flag(k) for k in sorted(set(given) - used))
+        raise ConfigError(f"{flags} applies to none of --algos {' '.join(algos)}: add an algorithm that reads it "
+                          f"(`clipbias train --help` lists each method's flags) or drop it")
     return variants, ratio
 
 
@@ -120,7 +130,7 @@ def _run(args: argparse.Namespace) -> int:
     seeds = args.seeds if args.seeds is not None else DEFAULT_SEEDS
     for s in seeds:
         check_int(s, "--seeds", 0)
-    base = config_from_args(args, algo="dpsgd", seed=seeds[0] if seeds else 0, ef_clip=None)
+    base = config_from_args(args, algo="dpsgd", seed=seeds[0] if seeds else 0, ef_clip=None, extra={})
     variants, ratio = _variants(args, algos)
     for _, over in variants:
         dataclasses.replace(base, **over)  # refuses what the variant cannot run

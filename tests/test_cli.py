@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from clipbias.cli import main
-from clipbias.engine import FAST_PATH_CAVEAT
 
 PUBLISHED = ["--noise-multiplier", "1.1", "--sample-rate", "0.004266666666666667", "--steps", "14063",
              "--delta", "1e-5"]
@@ -376,7 +375,7 @@ def test_diagnose_builds_the_run_train_builds(tmp_path, capsys):
 
 def test_train_grad_path_fast_end_to_end(tmp_path, capsys):
     """``--grad-path fast`` through the CLI: the header says which path runs, the run trains and is
-    accounted like the rows path, with the fast path's floating-point caveat; where it does not apply it is refused with the reason."""
+    accounted and certified like the rows path; where it does not apply it is refused with the reason."""
     base = ["train", "--data", "digits", "--model", "mlp", "--epochs", "1", "--batch-size", "64", "--lr", "0.5",
             "--epsilon", "3", "--accountant", "rdp", "--quiet"]
     code, out, err = run(base + ["--algo", "dpsgd", "--grad-path", "fast", "--out", tmp_path / "f"], capsys)
@@ -384,8 +383,7 @@ def test_train_grad_path_fast_end_to_end(tmp_path, capsys):
     assert "fast (per-layer norms" in out
     res = json.loads((tmp_path / "f" / "results.json").read_text())
     assert res["config"]["grad_path"] == "fast" and 0 < res["epsilon"] <= 3
-    assert res["certified"] is False and res["caveats"] == [FAST_PATH_CAVEAT]  # float32 without rows
-    assert "FAST_PATH_CAVEAT" not in out and "crafted so that its per-position terms cancel" in out
+    assert res["certified"] is True and res["caveats"] == []  # it clips what it sums, as the rows path does
     assert res["test_accuracy"] > 0.5
     code, _, err = run(base + ["--algo", "p-avg", "--grad-path", "fast", "--out", tmp_path / "p"], capsys)
     assert code == 2 and "computes its own rows" in err

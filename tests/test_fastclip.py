@@ -101,10 +101,20 @@ def float64():
     torch.set_default_dtype(old)
 
 
+@pytest.fixture(params=["formed", "ghost"])
+def branch(request, monkeypatch):
+    """Layers over several positions as the fast path treats small ones (per-example gradients
+    formed) and as it treats large ones (the ghost norm with its rounding bound, float64 sums)."""
+    import clipbias.grads.fast as fc
+    if request.param == "ghost":
+        monkeypatch.setattr(fc, "GHOST_MIN_BYTES", -1)
+    return request.param
+
+
 @pytest.mark.parametrize("model_cls", [Net, Wide, Normed, Tokens])
 @pytest.mark.parametrize("algo,cfg", [("dpsgd", {}), ("normalized", {}), ("dice", {"ef_clip": 0.01}),
                                       ("clip-sgd", {}), ("ef-sgd", {"ef_clip": 0.05})])
-def test_fast_path_update_equals_the_rows_path(model_cls, algo, cfg, float64):
+def test_fast_path_update_equals_the_rows_path(model_cls, algo, cfg, float64, branch):
     """In float64 the two paths agree to 1e-10 (float32 rounding alone reaches ~4e-5 after three
     non-private ef-sgd steps on the GroupNorm model, which is why the comparison is made here)."""
     rows, e_rows = _run(model_cls, algo, "rows", **cfg)
@@ -117,7 +127,7 @@ def test_fast_path_update_equals_the_rows_path(model_cls, algo, cfg, float64):
 
 
 @pytest.mark.parametrize("algo", ["dpsgd", "dice"])
-def test_fast_path_in_float32_is_within_1e5_after_one_step(algo):
+def test_fast_path_in_float32_is_within_1e5_after_one_step(algo, branch):
     rows, _ = _run(Net, algo, "rows", steps=1)
     fast, _ = _run(Net, algo, "fast", steps=1)
     torch.testing.assert_close(fast, rows, rtol=1e-5, atol=1e-6)
@@ -339,7 +349,7 @@ def test_rows_summed_per_parameter_equal_the_pipeline_on_rows(model_cls, algo, c
 
 
 @pytest.mark.parametrize("algo,cfg", [("dpsgd", {}), ("dice", {"ef_clip": 0.01})])
-def test_gpt_language_model_fast_path_equals_the_rows_path(algo, cfg, float64):
+def test_gpt_language_model_fast_path_equals_the_rows_path(algo, cfg, float64, branch):
     """The GPT-2-style LM (embeddings, fused q/k/v, causal attention, LayerNorm, an untied head) with
     the per-sequence token loss and padding: the fast path's update equals the rows path's."""
     from clipbias.models.gpt import GPT, lm_loss
@@ -433,12 +443,76 @@ def test_red_team_round_two_is_refused_before_any_change(make, match):
     assert all(torch.equal(a, b) for a, b in zip(before, list(m.parameters()) + list(m.buffers())))
 
 
-def test_a_fast_path_run_reports_the_floating_point_caveat_and_rows_do_not():
-    """The fast path computes norms and the clipped sum without rows: an example whose per-position
-    terms cancel can exceed the clip in float32 (docs/privacy.md), so its runs are not certified;
-    the rows path clips each computed row and stays certified."""
+class _SumPositions(nn.Module):
+    def forward(self, h):
+        return h.sum(1)
+
+
+def _positions_model(L: int) -> tuple[nn.Module, "BookKeeping"]:
+    from clipbias.grads.fast import BookKeeping
+    m = nn.Sequential(nn.Linear(64, 8), _SumPositions(), nn.Linear(8, 3))  # the first layer over L positions
+    return m, BookKeeping(m)
+
+
+def test_an_input_whose_positions_cancel_cannot_beat_the_clip(monkeypatch):
+    """Red team: positions alternating in sign with a small residual make the float32 ghost norm far
+    smaller than the true one (the unbounded ghost norm let a clipped contribution reach 2.42 C).
+    With the rounding bound every contribution, measured in float64, stays within C."""
+    import clipbias.grads.fast as fc
+    from clipbias.transforms import clip_scale
+    monkeypatch.setattr(fc, "GHOST_MIN_BYTES", -1)
+    torch.manual_seed(0)
+    _, bk = _positions_model(4)
+    C, a, sign = 0.1, torch.randn(64), torch.tensor([1.0, -1.0, 1.0, -1.0]).unsqueeze(1)
+    worst = 0.0
+    for residual in (1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 0.0):
+        for _ in range(10):
+            x = (sign * a * 1e3 + 1e3 * residual * torch.randn(4, 64)).unsqueeze(0)
+            proc = bk(x, torch.randint(0, 3, (1,)), lambda n: clip_scale(n, C), False)[0]
+            worst = max(worst, float(proc.double().norm()) / C)
+    assert worst <= 1.0 + 1e-6
+
+
+def test_a_large_cancelling_example_cannot_round_the_others_away(monkeypatch):
+    """Red team: an example whose two positions cancel exactly (gradient 0 in the first layer) but
+    are huge entered the batch's float32 sum and rounded the others' terms away (8.15 C at 1e8).
+    Its norm bound now scales it down with its terms, and the sum is float64: adding it moves the
+    released sum by at most C."""
+    import clipbias.grads.fast as fc
+    from clipbias.transforms import clip_scale
+    monkeypatch.setattr(fc, "GHOST_MIN_BYTES", -1)
+    torch.manual_seed(0)
+    _, bk = _positions_model(2)
+    C, x, y = 0.1, torch.randn(8, 2, 64), torch.randint(0, 3, (8,))
+    without = bk(x, y, lambda n: clip_scale(n, C), False)[0].double()
+    for magnitude in (1e2, 1e4, 1e6, 1e8, 1e12):
+        a = magnitude * torch.randn(64)
+        proc = bk(torch.cat([x, torch.stack([a, -a]).unsqueeze(0)]), torch.cat([y, torch.tensor([0])]),
+                  lambda n: clip_scale(n, C), False)[0].double()
+        assert float((proc - without).norm()) <= C * (1 + 1e-4), magnitude
+
+
+def test_the_ghost_norm_bound_holds_and_is_tight_on_ordinary_data():
+    """``ghost_norm_bound`` is at least the float64 norm of the formed per-example gradient, and on
+    random (non-cancelling) data within 1e-3 of it in float32 (the bound grows with (k + o) u L)."""
+    from clipbias.grads.fast import ghost_norm_bound
+    torch.manual_seed(0)
+    a, g = torch.randn(16, 12, 40), torch.randn(16, 12, 30)
+    exact = torch.bmm(g.double().transpose(1, 2), a.double()).square().sum((1, 2))
+    bound = ghost_norm_bound(a, g)
+    assert bool((bound >= exact).all()) and float((bound / exact - 1).max()) < 1e-3  # (k + o) u L: 1.1e-4
+    sign = torch.tensor([1.0, -1.0]).repeat(6).view(1, 12, 1)
+    a = a[:1] * 0 + torch.randn(1, 1, 40) * sign + 1e-6 * torch.randn(1, 12, 40)  # cancelling positions
+    g = torch.randn(1, 1, 30).expand(1, 12, 30).contiguous()
+    exact = torch.bmm(g.double().transpose(1, 2), a.double()).square().sum((1, 2))
+    assert float(ghost_norm_bound(a, g)[0]) >= float(exact[0])
+
+
+def test_a_fast_path_run_is_certified_like_the_rows_path():
+    """With the ghost norm bounded and its sums in float64 the fast path clips what it sums, as the
+    rows path does: both certified, the same accounting."""
     from clipbias.config import AlgoConfig
-    from clipbias.engine import FAST_PATH_CAVEAT, DPEngine
+    from clipbias.engine import DPEngine
     torch.manual_seed(0)
     reports = {}
     for path in ("fast", "rows"):
@@ -447,6 +521,5 @@ def test_a_fast_path_run_reports_the_floating_point_caveat_and_rows_do_not():
                           config=AlgoConfig(lr=0.1, clip=1.0), grad_path=path)
         engine.train_epoch(torch.randn(64, 1, 8, 8), torch.randint(0, 3, (64,)))
         reports[path] = engine.privacy()
-    assert reports["fast"].caveats == (FAST_PATH_CAVEAT,) and not reports["fast"].certified
-    assert reports["rows"].caveats == () and reports["rows"].certified
-    assert reports["fast"].epsilon == reports["rows"].epsilon  # the accounting itself is the same
+    assert reports["fast"].caveats == reports["rows"].caveats == () and reports["fast"].certified
+    assert reports["fast"].epsilon == reports["rows"].epsilon

@@ -250,8 +250,6 @@ class DPEngine:
                                  self.accountant, self.dice_accounting)
         if self.algo.private and self.key.reproducible:
             report = report.with_caveat(SEEDED_CAVEAT)
-        if self.algo.private and self.fast is not None:
-            report = report.with_caveat(FAST_PATH_CAVEAT)
         return report
 
     # ------------------------------------------------------------------ checkpoints
@@ -329,12 +327,6 @@ def noise_multiplier_for(engine: DPEngine, epsilon: float | None, noise_multipli
                                                             engine.accountant, engine.dice_accounting))
 
 
-FAST_PATH_CAVEAT = ("per-example norms and the clipped sum computed by the book-keeping fast path (no per-example "
-                    "rows), in floating point: an example crafted so that its per-position terms cancel can push "
-                    "its computed norm below the true one, or round away other examples' terms, so its released "
-                    "contribution can exceed the clip (2.4 C measured); the guarantee holds only against data "
-                    "without such examples. --grad-path rows clips each computed row and has no such gap "
-                    "(docs/privacy.md, 'Floating point in the fast path')")
 SEEDED_CAVEAT = ("batches and noise derived from a user-given seed (a reproducible run): the guarantee holds only "
                  "while that seed stays secret and unguessable; anyone who has it can recompute the batches and "
                  "subtract the noise")

@@ -91,10 +91,74 @@ def _trainable(m: nn.Module) -> list[nn.Parameter]:
     return [p for p in (getattr(m, "weight", None), getattr(m, "bias", None)) if p is not None and p.requires_grad]
 
 
+GHOST_MIN_BYTES = 16 * 2**20
+"""A layer over several positions takes the ghost norm only where its per-example weight gradients
+(``b o k`` floats for a micro-batch) would exceed this and ``L^2 <= o k``; below it they are formed:
+fewer operations than the ghost norm's float64 bound and sum, and exact rows."""
+
+
+def unit_roundoff(t: Tensor) -> float:
+    """The unit roundoff of matrix products on ``t``'s dtype and device as torch is set to compute
+    them: float32 products may run in TF32 (CUDA ``allow_tf32``) or bfloat16 passes
+    (``torch.set_float32_matmul_precision``), so the bound takes the coarsest that may apply."""
+    if t.dtype == torch.float64:
+        return 2.0 ** -53
+    if t.dtype != torch.float32:
+        return 2.0 ** -8  # bfloat16 (half precision: 2^-11): the coarser
+    u = {"highest": 2.0 ** -24, "high": 2.0 ** -11}.get(torch.get_float32_matmul_precision(), 2.0 ** -8)
+    if t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+        u = max(u, 2.0 ** -11)
+    return u
+
+
+def _gamma(n: int, u: float) -> float:
+    """Higham's ``gamma_n = n u / (1 - n u)``: a sum of n products computed in any order (blocked,
+    pairwise, FMA) is within ``gamma_n`` times the sum of the products' magnitudes."""
+    if n * u >= 0.5:
+        raise ConfigError(f"--grad-path fast: a sum of {n} products at unit roundoff {u:g} has no useful "
+                          f"rounding bound; use --grad-path rows")
+    return n * u / (1 - n * u)
+
+
+def ghost_norm_bound(a: Tensor, g: Tensor) -> Tensor:
+    """An upper bound on ``||g_i^T a_i||^2`` per example, from the ghost norm (rows ``a [b, L, k]``,
+    ``g [b, L, o]``): ``<A A^T, G G^T>`` with the Gram matrices in ``a``'s precision and their
+    elementwise products summed in float64, plus a bound on every rounding error.
+
+    The ghost norm is a sum over position pairs whose terms cancel when an example's positions
+    contribute opposite gradients; the computed value can then be far below the true norm (an input
+    crafted so got a clipped contribution of 2.42 C in float32), so clipping by it is unsound. With
+    ``u`` the unit roundoff of the Gram products (``unit_roundoff``), every Gram entry is within
+    ``gamma_k |a_l||a_m|`` (resp. ``gamma_o |g_l||g_m|``) of the true one; their products are exact in
+    float64 and the float64 sum of ``L^2`` of them adds ``gamma64_{L^2}`` of the magnitudes; so with
+    ``U_i = sum_l |a_l||g_l|`` the true squared norm is at most the computed one plus
+    ``(gamma_k + gamma_o + gamma_k gamma_o + 2 gamma64_{L^2}) U_i^2``. Products below the smallest
+    normal float (flushed to zero where the hardware does) add at most ``2^-126`` each, i.e.
+    ``2^-126 (k (sum_l |g_l|)^2 + o (sum_l |a_l|)^2)``. ``U_i`` and those sums are computed from
+    float32 norms (relative error below ``gamma_{k+2}``, ``gamma_{o+2}``) and enlarged by that. The
+    bound is taken twice over: a margin for the terms of second order."""
+    L, k, o = a.shape[1], a.shape[2], g.shape[2]
+    u = unit_roundoff(a)
+    sq = (torch.bmm(a, a.transpose(1, 2)).double() * torch.bmm(g, g.transpose(1, 2)).double()).sum((1, 2))
+    na, ng = torch.linalg.vector_norm(a, dim=2).double(), torch.linalg.vector_norm(g, dim=2).double()
+    grow = (1 + _gamma(k + 2, u)) * (1 + _gamma(o + 2, u)) * (1 + _gamma(L + 1, 2.0 ** -53))
+    U, sa, sg = (na * ng).sum(1) * grow, na.sum(1) * grow, ng.sum(1) * grow
+    gk, go = _gamma(k, u), _gamma(o, u)
+    coef = gk + go + gk * go + 2 * _gamma(L * L + 1, 2.0 ** -53)
+    tiny = 2.0 ** -126 if a.dtype == torch.float32 else 2.0 ** -1022
+    return sq.clamp_min(0) + 2 * (coef * U.square() + tiny * (k * sg.square() + o * sa.square()))
+
+
 class _Matrix:
     """Linear/Conv: example i's weight gradient is ``g_i^T a_i`` over its L positions (rows
-    ``a [b, L, k]``, ``g [b, L, o]``); the squared norm by the cheaper of the ghost norm (``L^2``)
-    and the per-example gradient (``o k``), kept for the sums when it is the one computed."""
+    ``a [b, L, k]``, ``g [b, L, o]``). L = 1: ``||a_i||^2 ||g_i||^2``. Otherwise the per-example
+    gradient ``G_i`` formed, its norm taken and the sums made from it (what the rows path does), or,
+    where ``G_i`` for the micro-batch would be large (``GHOST_MIN_BYTES``) and ``L^2 <= o k``, the ghost
+    norm with its rounding bound (``ghost_norm_bound``: an upper bound on the true norm, so a
+    clipped contribution is at most C however its positions cancel) and the sums as one float64
+    product ``(s * g)^T a`` over (example, position) pairs: float64, so that an example whose
+    position terms are large and cancel (bounded by the clip: ``s_i U_i <= C / sqrt(coef)``) cannot
+    round other examples' terms away (in float32 one changed the released sum by 8.15 C)."""
 
     def __init__(self, m: nn.Module, a: Tensor, g: Tensor) -> None:
         b = g.shape[0]
@@ -109,28 +173,34 @@ class _Matrix:
         self.a, self.g, self.pe = a, g, None
         L, k, o = a.shape[1], a.shape[2], g.shape[2]
         self.w, self.bias = m.weight.requires_grad, m.bias is not None and m.bias.requires_grad
+        self.ghost = L > 1 and L * L <= o * k and b * o * k * a.element_size() > GHOST_MIN_BYTES
         if L == 1:
             sq = a.square().sum((1, 2)) * g.square().sum((1, 2))
-        elif L * L <= o * k:  # ghost norm: <a_i a_i^T, g_i g_i^T> over positions
-            sq = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
-        else:  # the per-example weight gradient is the smaller object: keep it for the sums
+        elif self.ghost:  # an upper bound on the true norm, whatever the rounding
+            sq = ghost_norm_bound(a, g)
+        else:  # the per-example weight gradient, kept for the sums
             self.pe = torch.bmm(g.transpose(1, 2), a)
             sq = self.pe.square().sum((1, 2))
         self.sq = (sq * self.w) + (g.sum(1).square().sum(1) if self.bias else 0)
 
     def sums(self, S: Tensor) -> list[Tensor]:
         """``[n, numel]`` per parameter: ``sum_i S[j, i] grad_i`` for every row j of ``S [n, b]``."""
-        out = []
+        out, dt = [], self.g.dtype
         if self.w:
             if self.pe is not None:
-                out.append(S @ self.pe.flatten(1))
-            else:
+                out.append(S.to(dt) @ self.pe.flatten(1))
+            elif self.ghost:  # float64: see the class docstring
+                b, L, k = self.a.shape
+                gt, a = self.g.reshape(b * L, -1).t().double(), self.a.double()
+                out.append(torch.stack([(gt @ (a * s.double().view(-1, 1, 1)).reshape(b * L, k)).reshape(-1)
+                                        for s in S]).to(dt))
+            else:  # L = 1: one product per example, no positions to cancel
                 b, L, k = self.a.shape
                 gt = self.g.reshape(b * L, -1).t()
-                out.append(torch.stack([(gt @ (self.a * s.view(-1, 1, 1)).reshape(b * L, k)).reshape(-1)
+                out.append(torch.stack([(gt @ (self.a * s.to(dt).view(-1, 1, 1)).reshape(b * L, k)).reshape(-1)
                                         for s in S]))
         if self.bias:
-            out.append(S @ self.g.sum(1))
+            out.append(S.to(dt) @ self.g.sum(1))
         return out
 
     def one(self, i: int) -> list[Tensor]:
@@ -144,7 +214,7 @@ class _Matrix:
             w = (self.a * o.a).sum((1, 2)) * (self.g * o.g).sum((1, 2))
         elif self.pe is not None:
             w = (self.pe * o.pe).sum((1, 2))
-        else:  # sum over position pairs of (a_l . a'_m)(g_l . g'_m)
+        else:  # sum over position pairs of (a_l . a'_m)(g_l . g'_m): DiSK's rules are float64 throughout
             w = (torch.bmm(self.a, o.a.transpose(1, 2)) * torch.bmm(self.g, o.g.transpose(1, 2))).sum((1, 2))
         return w * self.w + ((self.g.sum(1) * o.g.sum(1)).sum(1) if self.bias else 0)
 
@@ -169,7 +239,7 @@ class _Affine:
         self.sq = sum(r.square().sum(1) for r in parts)
 
     def sums(self, S: Tensor) -> list[Tensor]:
-        return [S @ r for r in self.rows]
+        return [S.to(r.dtype) @ r for r in self.rows]
 
     def one(self, i: int) -> list[Tensor]:
         return [r[i] for r in self.rows]
@@ -201,6 +271,7 @@ class _Embed:
         return rows.new_zeros(self.shape).index_add_(0, token, rows).reshape(-1)
 
     def sums(self, S: Tensor) -> list[Tensor]:
+        S = S.to(self.rows.dtype)
         return [torch.stack([self._place(self.token, self.rows * s[self.owner].unsqueeze(1)) for s in S])]
 
     def one(self, i: int) -> list[Tensor]:
@@ -271,8 +342,8 @@ class BookKeeping:
         proc = self._assemble([[t[0] for t in lp] for lp in pieces])
         ref = self._assemble([[t[1] for t in lp] for lp in pieces]) if reference else None
         if dtype is not None:  # the wide rules' sums back to the parameters' precision
-            proc, ref, norms = proc.to(dtype), None if ref is None else ref.to(dtype), norms.to(dtype)
-        return proc, ref, losses, norms
+            proc, ref = proc.to(dtype), None if ref is None else ref.to(dtype)
+        return proc, ref, losses, norms.to(proc.dtype)  # float64 where a ghost norm's bound took part
 
     def _rules(self, x: Batch, y: Batch, wide: bool = False) -> tuple[Tensor, list]:
         """(losses, every layer's rule) at the model's current weights, the examples' attribution checked;

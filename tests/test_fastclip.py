@@ -523,3 +523,17 @@ def test_a_fast_path_run_is_certified_like_the_rows_path():
         reports[path] = engine.privacy()
     assert reports["fast"].caveats == reports["rows"].caveats == () and reports["fast"].certified
     assert reports["fast"].epsilon == reports["rows"].epsilon
+
+
+def test_the_ghost_sums_in_blocks_equal_one_float64_product(monkeypatch):
+    """A ghost layer's float64 sums, a block of output rows at a time (WIDE_BLOCK_BYTES), equal the
+    whole product ``sum_i s_i g_i^T a_i`` computed in float64 at once."""
+    import clipbias.grads.fast as fc
+    monkeypatch.setattr(fc, "GHOST_MIN_BYTES", -1)
+    torch.manual_seed(0)
+    a, g, s = torch.randn(5, 4, 7), torch.randn(5, 4, 300), torch.rand(5, dtype=torch.float64)
+    rule = fc._Matrix(nn.Linear(7, 300), a, g)
+    want = torch.einsum("blo,blk->ok", g.double() * s.view(-1, 1, 1), a.double()).reshape(-1)
+    for block in (8 * 20, 8 * 20 * 7, 2**26):  # one output row, seven, all
+        monkeypatch.setattr(fc, "WIDE_BLOCK_BYTES", block)
+        torch.testing.assert_close(rule._wide_sum(s), want, rtol=1e-13, atol=1e-13)

@@ -97,6 +97,10 @@ GHOST_MIN_BYTES = 16 * 2**20
 fewer operations than the ghost norm's float64 bound and sum, and exact rows."""
 
 
+WIDE_BLOCK_BYTES = 64 * 2**20
+"""The float64 sums of a ghost layer convert this much of its output gradients at a time."""
+
+
 def unit_roundoff(t: Tensor) -> float:
     """The unit roundoff of matrix products on ``t``'s dtype and device as torch is set to compute
     them: float32 products may run in TF32 (CUDA ``allow_tf32``) or bfloat16 passes
@@ -190,10 +194,7 @@ class _Matrix:
             if self.pe is not None:
                 out.append(S.to(dt) @ self.pe.flatten(1))
             elif self.ghost:  # float64: see the class docstring
-                b, L, k = self.a.shape
-                gt, a = self.g.reshape(b * L, -1).t().double(), self.a.double()
-                out.append(torch.stack([(gt @ (a * s.double().view(-1, 1, 1)).reshape(b * L, k)).reshape(-1)
-                                        for s in S]).to(dt))
+                out.append(torch.stack([self._wide_sum(s) for s in S]).to(dt))
             else:  # L = 1: one product per example, no positions to cancel
                 b, L, k = self.a.shape
                 gt = self.g.reshape(b * L, -1).t()
@@ -202,6 +203,19 @@ class _Matrix:
         if self.bias:
             out.append(S.to(dt) @ self.g.sum(1))
         return out
+
+    def _wide_sum(self, s: Tensor) -> Tensor:
+        """``sum_i s_i g_i^T a_i`` flat, in float64, a block of output rows at a time so that the
+        float64 copy of ``g`` stays within ``WIDE_BLOCK_BYTES`` (a language model's head has ``b L``
+        x vocabulary output gradients)."""
+        b, L, k = self.a.shape
+        g = self.g.reshape(b * L, -1)
+        sa = (self.a.double() * s.double().view(-1, 1, 1)).reshape(b * L, k)
+        step = max(1, WIDE_BLOCK_BYTES // (8 * b * L))
+        out = sa.new_empty(g.shape[1], k)
+        for j in range(0, g.shape[1], step):
+            out[j:j + step] = g[:, j:j + step].t().double() @ sa
+        return out.reshape(-1)
 
     def one(self, i: int) -> list[Tensor]:
         """Example i's gradient, one flat tensor per parameter."""

@@ -233,3 +233,41 @@ def test_a_clipped_combination_stays_within_the_clip_in_float32(path):
     worst = max(float(agg(x[i:i + 1], y[i:i + 1], lambda n: clip_scale(n, clip), False, at=(enter, c))[0]
                       .double().norm()) for i in range(len(y)))
     assert worst <= clip * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("kappa,gamma", [(0.7, 0.5), (0.5, 0.5), (0.9, 0.01)])
+def test_a_combination_that_cancels_cannot_beat_the_clip_on_the_fast_path(kappa, gamma):
+    """Red team: an example whose two-point combination c g' + (1 - c) g cancels in one coordinate and
+    leaves 1e-6 in another lost the remainder to float64 rounding of the norm's expansion: computed
+    norm 0, contribution 9424 C at DiSK's defaults. With the rounding margin of ``_Combined`` every
+    contribution stays within C."""
+    import contextlib
+
+    from clipbias.grads.fast import BookKeeping
+    from clipbias.transforms import clip_scale
+    c = combination(kappa, gamma)
+    worst = 0.0
+    for A in (2.0 ** 10, 2.0 ** 16, 2.0 ** 20):
+        for d in (1e-6, 1e-8, 1e-10):
+            m = nn.Linear(4, 2, bias=False)
+            W, Wp = torch.zeros(2, 4), torch.zeros(2, 4)
+            W[0, 0], Wp[0, 0], Wp[1, 0] = 6.0, float(torch.tensor(-(1 - c) / c * 6.0)), d
+            with torch.no_grad():
+                m.weight.copy_(W)
+
+            @contextlib.contextmanager
+            def enter(m=m, Wp=Wp):
+                saved = m.weight.detach().clone()
+                with torch.no_grad():
+                    m.weight.copy_(Wp)
+                try:
+                    yield
+                finally:
+                    with torch.no_grad():
+                        m.weight.copy_(saved)
+            x = torch.zeros(1, 4)
+            x[0, 0] = A
+            bk = BookKeeping(m, lambda out, y: 0.5 * (out - y).square().sum(1))
+            proc = bk(x, torch.zeros(1, 2), lambda n: clip_scale(n, 1.0), False, at=(enter, c))[0]
+            worst = max(worst, float(proc.double().norm()))
+    assert worst <= 1.0 + 1e-6

@@ -537,3 +537,20 @@ def test_the_ghost_sums_in_blocks_equal_one_float64_product(monkeypatch):
     for block in (8 * 20, 8 * 20 * 7, 2**26):  # one output row, seven, all
         monkeypatch.setattr(fc, "WIDE_BLOCK_BYTES", block)
         torch.testing.assert_close(rule._wide_sum(s), want, rtol=1e-13, atol=1e-13)
+
+
+def test_tiny_inputs_times_huge_output_gradients_cannot_hide_a_norm():
+    """Red team: a plain Linear's norm ||a||^2 ||g||^2 in float32 underflowed to 0 for |a_j| <= 2^-75
+    while g a^T (|g_j| ~ 1e18) did not: 2.98 C released at C = 0.01. In float64 it holds; float16
+    activations (squares underflow at 2^-12) are refused."""
+    from clipbias.grads.fast import BookKeeping
+    from clipbias.transforms import clip_scale
+    m = nn.Linear(4096, 256, bias=False)
+    bk = BookKeeping(m, lambda out, y: (out * y).sum(1))
+    x, y, C = torch.full((1, 4096), 2.0 ** -75), torch.full((1, 256), 1.1e18), 0.01
+    proc, _, _, norms = bk(x, y, lambda n: clip_scale(n, C), False)
+    assert float(norms[0]) > 0.029 and float(proc.double().norm()) <= C * (1 + 1e-6)  # true norm 0.0298
+    half = nn.Linear(8, 4).half()
+    with pytest.raises(ConfigError, match="float16 activations"):
+        BookKeeping(half, lambda out, y: (out * y).sum(1))(torch.ones(2, 8).half(), torch.ones(2, 4).half(),
+                                                          lambda n: clip_scale(n, C), False)

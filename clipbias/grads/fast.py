@@ -149,7 +149,7 @@ def ghost_norm_bound(a: Tensor, g: Tensor) -> Tensor:
     U, sa, sg = (na * ng).sum(1) * grow, na.sum(1) * grow, ng.sum(1) * grow
     gk, go = _gamma(k, u), _gamma(o, u)
     coef = gk + go + gk * go + 2 * _gamma(L * L + 1, 2.0 ** -53)
-    tiny = 2.0 ** -126 if a.dtype == torch.float32 else 2.0 ** -1022
+    tiny = 2.0 ** -1022 if a.dtype == torch.float64 else 2.0 ** -126  # bfloat16 has float32's range
     return sq.clamp_min(0) + 2 * (coef * U.square() + tiny * (k * sg.square() + o * sa.square()))
 
 
@@ -178,8 +178,10 @@ class _Matrix:
         L, k, o = a.shape[1], a.shape[2], g.shape[2]
         self.w, self.bias = m.weight.requires_grad, m.bias is not None and m.bias.requires_grad
         self.ghost = L > 1 and L * L <= o * k and b * o * k * a.element_size() > GHOST_MIN_BYTES
-        if L == 1:
-            sq = a.square().sum((1, 2)) * g.square().sum((1, 2))
+        # the longest float64 sum behind sq and cross (DiSK's combination bounds its rounding with it)
+        self.terms = (k + o if L == 1 else L * L + k + o if self.ghost else o * k) + o + 1
+        if L == 1:  # in float64: in float32 ||a||^2 underflows for |a_j| <= 2^-75 while g a^T does not
+            sq = a.double().square().sum((1, 2)) * g.double().square().sum((1, 2))
         elif self.ghost:  # an upper bound on the true norm, whatever the rounding
             sq = ghost_norm_bound(a, g)
         else:  # the per-example weight gradient, kept for the sums
@@ -251,6 +253,7 @@ class _Affine:
             parts.append((g.sum(dims) if dims else g).reshape(b, -1))
         self.rows = parts
         self.sq = sum(r.square().sum(1) for r in parts)
+        self.terms = sum(r.shape[1] for r in parts) + 1
 
     def sums(self, S: Tensor) -> list[Tensor]:
         return [S.to(r.dtype) @ r for r in self.rows]
@@ -275,6 +278,7 @@ class _Embed:
         uniq, inv = torch.unique(key, return_inverse=True)
         self.rows = g.new_zeros(len(uniq), g.shape[-1]).index_add_(0, inv, g.reshape(-1, g.shape[-1]))
         self.owner, self.token, self.shape = uniq // v, uniq % v, m.weight.shape
+        self.terms = g.shape[1] * g.shape[2] + 1  # an example's positions x width
         self.sq = g.new_zeros(b).index_add_(0, self.owner, self.rows.square().sum(1))
 
     def cross(self, o: "_Embed") -> Tensor:
@@ -294,17 +298,36 @@ class _Embed:
 
 
 def _rule(m: nn.Module, a: Tensor, g: Tensor):
+    if torch.float16 in (a.dtype, g.dtype):
+        raise ConfigError("--grad-path fast: float16 activations or output gradients (half precision or "
+                          "float16 autocast): their squares underflow and the norms could understate an example's "
+                          "gradient; use float32 or bfloat16, or --grad-path rows")
     return (_Affine if isinstance(m, _NORMS) else _Embed if isinstance(m, nn.Embedding) else _Matrix)(m, a, g)
 
 
 class _Combined:
     """One layer's ``c G'_i + (1 - c) G_i`` from its rules at two points on the same examples (DiSK,
-    ``clipbias.algorithms.disk``): the squared norm through the cross term, the sums linear in both."""
+    ``clipbias.algorithms.disk``): the squared norm through the cross term, the sums linear in both.
+
+    The expansion ``c^2 ||F||^2 + (1 - c)^2 ||N||^2 + 2 c (1 - c) <F, N>`` cancels when the two
+    gradients nearly cancel, and then its rounding can exceed the true norm: an example whose
+    combination cancels in one coordinate and leaves 1e-8 of it in another got a computed norm of 0
+    and a contribution of 9424 C at DiSK's defaults. Every term is a float64 sum of at most n
+    products (``terms``: the longest of either rule), within ``gamma_n`` of the sum of their
+    magnitudes, i.e. of ``||F||^2``, ``||N||^2`` and ``||F|| ||N||`` (Cauchy-Schwarz), and the
+    combination adds a few roundings more; so the true squared norm is at most the computed one plus
+    ``(gamma_n + gamma_8) (|c| ||F|| + |1 - c| ||N||)^2``, with the norms from ``far.sq``, ``near.sq``
+    (sums of squares, or a ghost norm's upper bound) and the margin doubled for second-order terms.
+    (A ghost rule's own bound already covers its cross term: ``2 coef (c^2 U^2 + (1 - c)^2 U'^2) >=
+    4 |c (1 - c)| coef U U'``.)"""
 
     def __init__(self, far, near, c: float) -> None:
         self.far, self.near, self.c = far, near, c
         sq = c * c * far.sq + (1 - c) ** 2 * near.sq + 2 * c * (1 - c) * far.cross(near)
-        self.sq = sq.clamp_min(0)  # rounding of a (near) zero norm
+        n, u = max(far.terms, near.terms), unit_roundoff(far.sq)
+        spread = (abs(c) * far.sq.clamp_min(0).sqrt() + abs(1 - c) * near.sq.clamp_min(0).sqrt()).square()
+        self.sq = sq.clamp_min(0) + 2 * (_gamma(n, u) + _gamma(8, u)) * spread
+        self.terms = n
 
     def sums(self, S: Tensor) -> list[Tensor]:
         return [self.c * f + (1 - self.c) * n for f, n in zip(self.far.sums(S), self.near.sums(S))]

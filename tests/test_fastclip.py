@@ -448,9 +448,10 @@ class _SumPositions(nn.Module):
         return h.sum(1)
 
 
-def _positions_model(L: int) -> tuple[nn.Module, "BookKeeping"]:
+def _positions_model():
+    """(model, its BookKeeping): the first Linear runs over the input's positions, then they are summed."""
     from clipbias.grads.fast import BookKeeping
-    m = nn.Sequential(nn.Linear(64, 8), _SumPositions(), nn.Linear(8, 3))  # the first layer over L positions
+    m = nn.Sequential(nn.Linear(64, 8), _SumPositions(), nn.Linear(8, 3))
     return m, BookKeeping(m)
 
 
@@ -462,7 +463,7 @@ def test_an_input_whose_positions_cancel_cannot_beat_the_clip(monkeypatch):
     from clipbias.transforms import clip_scale
     monkeypatch.setattr(fc, "GHOST_MIN_BYTES", -1)
     torch.manual_seed(0)
-    _, bk = _positions_model(4)
+    _, bk = _positions_model()
     C, a, sign = 0.1, torch.randn(64), torch.tensor([1.0, -1.0, 1.0, -1.0]).unsqueeze(1)
     worst = 0.0
     for residual in (1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 0.0):
@@ -482,7 +483,7 @@ def test_a_large_cancelling_example_cannot_round_the_others_away(monkeypatch):
     from clipbias.transforms import clip_scale
     monkeypatch.setattr(fc, "GHOST_MIN_BYTES", -1)
     torch.manual_seed(0)
-    _, bk = _positions_model(2)
+    _, bk = _positions_model()
     C, x, y = 0.1, torch.randn(8, 2, 64), torch.randint(0, 3, (8,))
     without = bk(x, y, lambda n: clip_scale(n, C), False)[0].double()
     for magnitude in (1e2, 1e4, 1e6, 1e8, 1e12):

@@ -537,7 +537,7 @@ def test_the_ghost_sums_in_blocks_equal_one_float64_product(monkeypatch):
     want = torch.einsum("blo,blk->ok", g.double() * s.view(-1, 1, 1), a.double()).reshape(-1)
     for block in (8 * 20, 8 * 20 * 7, 2**26):  # one output row, seven, all
         monkeypatch.setattr(fc, "WIDE_BLOCK_BYTES", block)
-        torch.testing.assert_close(rule._wide_sum(s), want, rtol=1e-13, atol=1e-13)
+        torch.testing.assert_close(rule._wide_sum(s), want.float())  # float64, rounded once to float32
 
 
 def test_tiny_inputs_times_huge_output_gradients_cannot_hide_a_norm():

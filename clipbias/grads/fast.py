@@ -196,7 +196,7 @@ class _Matrix:
             if self.pe is not None:
                 out.append(S.to(dt) @ self.pe.flatten(1))
             elif self.ghost:  # float64: see the class docstring
-                out.append(torch.stack([self._wide_sum(s) for s in S]).to(dt))
+                out.append(torch.stack([self._wide_sum(s) for s in S]))
             else:  # L = 1: one product per example, no positions to cancel
                 b, L, k = self.a.shape
                 gt = self.g.reshape(b * L, -1).t()
@@ -207,16 +207,16 @@ class _Matrix:
         return out
 
     def _wide_sum(self, s: Tensor) -> Tensor:
-        """``sum_i s_i g_i^T a_i`` flat, in float64, a block of output rows at a time so that the
-        float64 copy of ``g`` stays within ``WIDE_BLOCK_BYTES`` (a language model's head has ``b L``
-        x vocabulary output gradients)."""
+        """``sum_i s_i g_i^T a_i`` flat, computed in float64 and rounded to the layer's dtype, a block
+        of output rows at a time so that the float64 copy of ``g`` stays within ``WIDE_BLOCK_BYTES`` (a
+        language model's head has ``b L`` x vocabulary output gradients)."""
         b, L, k = self.a.shape
         g = self.g.reshape(b * L, -1)
         sa = (self.a.double() * s.double().view(-1, 1, 1)).reshape(b * L, k)
         step = max(1, WIDE_BLOCK_BYTES // (8 * b * L))
-        out = sa.new_empty(g.shape[1], k)
+        out = self.g.new_empty(g.shape[1], k)
         for j in range(0, g.shape[1], step):
-            out[j:j + step] = g[:, j:j + step].t().double() @ sa
+            out[j:j + step] = g[:, j:j + step].t().double() @ sa  # rounded once, on assignment
         return out.reshape(-1)
 
     def one(self, i: int) -> list[Tensor]:

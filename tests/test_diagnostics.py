@@ -371,7 +371,7 @@ def test_diagnose_at_a_saved_checkpoint(tmp_path):
     # the same examples recorded on the run's initial model (same config and seed, before any step):
     # the checkpoint's weights were loaded, so its gradients differ from the initial model's
     rc = main(["diagnose", "--run", str(run), "--steps-at", "0", "--record-size", "40", "--track-size", "0",
-               "--no-figures", "--quiet"])
+               "--no-figures", "--quiet", "--overwrite"])  # replaces the first diagnose's file
     assert rc == 0
     init = json.loads((run / "diagnostics.json").read_text())["records"][0]
     assert init["step"] == 0 and not json.loads((run / "diagnostics.json").read_text())["at_checkpoint"]

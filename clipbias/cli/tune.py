@@ -13,13 +13,12 @@ def _run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from ..errors import ConfigError
     from ..files import atomic_write
     from ..randomness import SecretKey
     from ..run.report import write_json
     from ..run.tune import TuneConfig, tune
     from .train import config_from_args, fmt_certified, set_threads
-
-    from ..errors import ConfigError
 
     set_threads(args.threads)
     given = [f for f, v in (("--lr", args.lr), ("--clip", args.clip)) if v is not None]

@@ -555,3 +555,24 @@ def test_tiny_inputs_times_huge_output_gradients_cannot_hide_a_norm():
     with pytest.raises(ConfigError, match="float16 activations"):
         BookKeeping(half, lambda out, y: (out * y).sum(1))(torch.ones(2, 8).half(), torch.ones(2, 4).half(),
                                                           lambda n: clip_scale(n, C), False)
+
+
+def test_the_ghost_norm_bound_holds_under_reduced_matmul_precision():
+    """With ``torch.set_float32_matmul_precision("medium")`` (bfloat16 passes) a Gram of 512 features
+    would have no useful bound; the Grams run at float32's own precision inside and the setting is
+    restored after. bfloat16 activations widen to float32 first."""
+    from clipbias.grads.fast import ghost_norm_bound
+    torch.manual_seed(0)
+    a, g = torch.randn(4, 6, 512), torch.randn(4, 6, 300)
+    exact = torch.bmm(g.double().transpose(1, 2), a.double()).square().sum((1, 2))
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        bound = ghost_norm_bound(a, g)
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(old)
+    assert bool((bound >= exact).all()) and float((bound / exact - 1).max()) < 1e-3
+    ab, gb = a.bfloat16(), g.bfloat16()
+    exact = torch.bmm(gb.double().transpose(1, 2), ab.double()).square().sum((1, 2))
+    assert bool((ghost_norm_bound(ab, gb) >= exact).all())

@@ -41,6 +41,7 @@ affected) / b per step. Two red-team sessions' cases are in ``tests/test_fastcli
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from typing import Callable
 
@@ -102,17 +103,23 @@ WIDE_BLOCK_BYTES = 64 * 2**20
 
 
 def unit_roundoff(t: Tensor) -> float:
-    """The unit roundoff of matrix products on ``t``'s dtype and device as torch is set to compute
-    them: float32 products may run in TF32 (CUDA ``allow_tf32``) or bfloat16 passes
-    (``torch.set_float32_matmul_precision``), so the bound takes the coarsest that may apply."""
-    if t.dtype == torch.float64:
-        return 2.0 ** -53
-    if t.dtype != torch.float32:
-        return 2.0 ** -8  # bfloat16 (half precision: 2^-11): the coarser
-    u = {"highest": 2.0 ** -24, "high": 2.0 ** -11}.get(torch.get_float32_matmul_precision(), 2.0 ** -8)
-    if t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
-        u = max(u, 2.0 ** -11)
-    return u
+    """The unit roundoff of ``t``'s dtype: 2^-53 for float64, 2^-24 for float32 (the products the
+    bounds rest on run at float32's own precision: ``_full_float32``)."""
+    return 2.0 ** -53 if t.dtype == torch.float64 else 2.0 ** -24
+
+
+@contextlib.contextmanager
+def _full_float32():
+    """float32 matrix products at float32's own unit roundoff (2^-24): TF32 and reduced-precision
+    passes (``torch.set_float32_matmul_precision("high" | "medium")``, which also sets CUDA's TF32) off
+    inside, the setting restored after. At 2^-11 a Gram of k = 2048 features would have no useful
+    worst-case bound (``gamma_k`` near 1)."""
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
 def _gamma(n: int, u: float) -> float:
@@ -142,8 +149,11 @@ def ghost_norm_bound(a: Tensor, g: Tensor) -> Tensor:
     float32 norms (relative error below ``gamma_{k+2}``, ``gamma_{o+2}``) and enlarged by that. The
     bound is taken twice over: a margin for the terms of second order."""
     L, k, o = a.shape[1], a.shape[2], g.shape[2]
+    if a.dtype != torch.float64:  # bfloat16 activations (autocast) widen exactly to float32
+        a, g = a.float(), g.float()
     u = unit_roundoff(a)
-    sq = (torch.bmm(a, a.transpose(1, 2)).double() * torch.bmm(g, g.transpose(1, 2)).double()).sum((1, 2))
+    with _full_float32():  # the Grams at float32's own precision whatever TF32 / matmul precision say
+        sq = (torch.bmm(a, a.transpose(1, 2)).double() * torch.bmm(g, g.transpose(1, 2)).double()).sum((1, 2))
     na, ng = torch.linalg.vector_norm(a, dim=2).double(), torch.linalg.vector_norm(g, dim=2).double()
     grow = (1 + _gamma(k + 2, u)) * (1 + _gamma(o + 2, u)) * (1 + _gamma(L + 1, 2.0 ** -53))
     U, sa, sg = (na * ng).sum(1) * grow, na.sum(1) * grow, ng.sum(1) * grow

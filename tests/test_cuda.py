@@ -27,6 +27,7 @@ from clipbias.randomness import Purpose, SecretKey, keyed_normal, normals, snapp
 from clipbias.randomness.chacha import chacha20_words, keystream, words_of
 from clipbias.models import build_model
 from clipbias.run.training import TrainConfig, load_checkpoint, prepare_splits, train
+from tests.interrupt import interrupt_after_first_epoch
 
 from test_methods import CLASSES, D_IN, N, tiny_cnn  # the same tiny model and data shape
 
@@ -154,9 +155,6 @@ BASE = TrainConfig(data="digits", model="mlp", algo="dice", epsilon=3.0, delta=1
                    reproducible_noise=True)
 
 
-class Stop(Exception):
-    pass
-
 
 def test_cuda_run_interrupted_and_resumed_equals_uninterrupted(tmp_path):
     """The checkpoint is written on the CPU and read back onto the GPU (error feedback, noise stream)."""
@@ -165,13 +163,8 @@ def test_cuda_run_interrupted_and_resumed_equals_uninterrupted(tmp_path):
     full = train(dataclasses.replace(BASE, out=str(tmp_path / "a")), splits=splits)
     assert full["certified"] and 0 < full["epsilon"] <= 3 and full["test_accuracy"] > 0.2  # 10 classes
 
-    def stop_after_first(rec):
-        if rec["epoch"] == 1:
-            raise Stop
-
     cfg_b = dataclasses.replace(BASE, out=str(tmp_path / "b"))
-    with pytest.raises(Stop):
-        train(cfg_b, splits=splits, on_epoch_end=stop_after_first)
+    interrupt_after_first_epoch(cfg_b, splits)
     resumed = train(dataclasses.replace(cfg_b, resume=True), splits=splits)
     a, b = load_checkpoint(tmp_path / "a"), load_checkpoint(tmp_path / "b")
     for k in a["model"]:

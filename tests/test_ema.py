@@ -14,6 +14,7 @@ from clipbias.cli import main
 from clipbias.errors import ConfigError, ResumeMismatchError
 from clipbias.run.average import WeightAverage
 from clipbias.run.training import RESULTS, TrainConfig, evaluate, export_weights, load_checkpoint, prepare_splits, train
+from tests.interrupt import interrupt_after_first_epoch
 
 # digits, logreg, B = 64: 21 steps per epoch
 BASE = TrainConfig(data="digits", model="logreg", algo="disk", noise_multiplier=1.0, delta=1e-5, epochs=2,
@@ -24,9 +25,6 @@ BASE = TrainConfig(data="digits", model="logreg", algo="disk", noise_multiplier=
 def splits():
     return prepare_splits(BASE)
 
-
-class Stop(Exception):
-    pass
 
 
 def test_average_equals_the_recursion_and_restores_the_weights():
@@ -71,13 +69,8 @@ def test_reported_exported_and_resumed_exactly(tmp_path, splits):
     model.load_state_dict(w["ema_state_dict"])
     assert evaluate(model, splits.x_test, splits.y_test)[0] == full["ema_test_accuracy"]
 
-    def stop_after_first(rec):
-        if rec["epoch"] == 1:
-            raise Stop
-
     cfg = dataclasses.replace(BASE, out=str(tmp_path / "b"))
-    with pytest.raises(Stop):
-        train(cfg, splits=splits, on_epoch_end=stop_after_first)
+    interrupt_after_first_epoch(cfg, splits)
     resumed = train(dataclasses.replace(cfg, resume=True), splits=splits)
     b = load_checkpoint(tmp_path / "b")
     for k in ck["ema"]["avg"]:

@@ -14,7 +14,8 @@ import torch
 from clipbias.engine.core import SEEDED_CAVEAT
 from clipbias.errors import ConfigError, ResumeMismatchError
 from clipbias.run.training import (CHECKPOINT, CURVES, PRIVATE_NOTE, RESULTS, TrainConfig, evaluate,
-                            export_weights, load_checkpoint, prepare_splits, run_many, train)
+                                   export_weights, load_checkpoint, prepare_splits, run_many, train)
+from tests.interrupt import Stop, interrupt_after_first_epoch
 
 # digits: 1347 training examples, 64 features; B = 64 -> 21 steps per epoch, ~0.1 s per epoch.
 BASE = TrainConfig(data="digits", model="mlp", algo="dice", epsilon=3.0, delta=1e-5, epochs=3,
@@ -29,9 +30,6 @@ ONE = dataclasses.replace(BASE, epochs=1, epsilon=None, noise_multiplier=2.0)
 def splits():
     return prepare_splits(BASE)
 
-
-class Stop(Exception):
-    pass
 
 
 def _params(model_state: dict) -> dict:
@@ -67,13 +65,8 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, splits):
     assert "user-given seed" in full["privacy_note"] and "secret" in full["privacy_note"]
     assert full["certified"] is False and full["caveats"] == [SEEDED_CAVEAT]
 
-    def stop_after_first(rec):
-        if rec["epoch"] == 1:
-            raise Stop
-
     cfg_b = dataclasses.replace(BASE, reproducible_noise=True, out=str(tmp_path / "b"))
-    with pytest.raises(Stop):
-        train(cfg_b, splits=splits, on_epoch_end=stop_after_first)
+    interrupt_after_first_epoch(cfg_b, splits)
     assert load_checkpoint(tmp_path / "b")["epoch"] == 1
     resumed = train(dataclasses.replace(cfg_b, resume=True), splits=splits)
     assert resumed["resumed"] is True

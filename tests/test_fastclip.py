@@ -576,3 +576,87 @@ def test_the_ghost_norm_bound_holds_under_reduced_matmul_precision():
     ab, gb = a.bfloat16(), g.bfloat16()
     exact = torch.bmm(gb.double().transpose(1, 2), ab.double()).square().sum((1, 2))
     assert bool((ghost_norm_bound(ab, gb) >= exact).all())
+
+
+@pytest.mark.parametrize("layer, shape", [
+    (nn.Conv2d(3, 5, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2)), (6, 3, 9, 8)),
+    (nn.Conv2d(1, 16, 8, stride=2, padding=3), (4, 1, 28, 28)),   # the Tramer & Boneh cnn's first layer
+    (nn.Conv1d(4, 6, 3, stride=3, padding=2, dilation=2), (5, 4, 17)),
+])
+def test_every_conv_kernel_gives_the_per_example_weight_gradients(layer, shape):
+    """Each of the three kernels the fast path chooses between equals per-example gradients taken
+    one example at a time in float64 (so the choice by speed cannot change what is clipped)."""
+    from clipbias.grads.conv_rows import KERNELS
+    layer = layer.double()
+    a = torch.randn(*shape, dtype=torch.float64)
+    out = layer(a)
+    g = torch.randn_like(out)
+    want = torch.stack([torch.autograd.grad((layer(a[i:i + 1]) * g[i:i + 1]).sum(), layer.weight)[0].reshape(
+        layer.out_channels, -1) for i in range(shape[0])])
+    for name, kernel in KERNELS.items():
+        got = kernel(layer, a, g)
+        assert got.shape == want.shape, name
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), name
+
+
+def test_a_conv_kernel_that_disagrees_is_never_chosen(monkeypatch):
+    """The kernel is chosen by speed only among those that agree with im2col's result: a backend
+    returning something else (here: a faster wrong one) is skipped."""
+    from clipbias.grads import conv_rows
+    wrong = lambda m, a, g: conv_rows._unfold(m, a, g) * 1.001  # noqa: E731
+    monkeypatch.setattr(conv_rows, "KERNELS", {"unfold": conv_rows._unfold, "wrong": wrong})
+    monkeypatch.setattr(conv_rows, "_CHOICE", {})
+    monkeypatch.setattr(conv_rows, "_time", lambda f, m, a, g: 1.0 if f is conv_rows._unfold else 0.0)
+    layer = nn.Conv2d(2, 3, 3)
+    a = torch.randn(4, 2, 7, 7)
+    assert conv_rows._choose(layer, a, torch.randn(4, 3, 5, 5)) == "unfold"
+    right = lambda m, a, g: conv_rows._unfold(m, a, g).clone()  # noqa: E731
+    monkeypatch.setattr(conv_rows, "KERNELS", {"unfold": conv_rows._unfold, "right": right})
+    assert conv_rows._choose(layer, a, torch.randn(4, 3, 5, 5)) == "right"
+
+
+def test_a_float32_mismatch_without_mixing_is_decided_in_float64(monkeypatch):
+    """Two float32 computations of one ill-conditioned example's gradient (in the batch, alone) can
+    differ by 1e-3 (resnet20-gn on Fashion-MNIST: the probe refused honest runs). A float32 mismatch
+    is decided in float64: here every float32 "alone" gradient is off by 1e-3 and the run goes on,
+    its update unchanged."""
+    import clipbias.grads.fast as fc
+    want, _ = _run(Normed, "dpsgd", "fast", steps=2)
+    own, rechecks = fc.BookKeeping._own, []
+
+    def noisy(self, x, y, probes, params, call=None):
+        got = own(self, x, y, probes, params, call)
+        return got if params[0].dtype == torch.float64 else [g * (1 + 1e-3) for g in got]
+
+    def counted(self, x, y, i):
+        rechecks.append(i)
+        return agree(self, x, y, i)
+    agree = fc.BookKeeping._agree_in_float64
+    monkeypatch.setattr(fc.BookKeeping, "_own", noisy)
+    monkeypatch.setattr(fc.BookKeeping, "_agree_in_float64", counted)
+    got, _ = _run(Normed, "dpsgd", "fast", steps=2)
+    assert len(rechecks) == 2 * fc.PROBES * 2  # two steps, two micro-batches of at most 7, every probe
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class _SlightMix(nn.Module):
+    """Each example's output moved by 1e-3 of the batch mean: a mixing after the layer, invisible
+    to the graph check, small enough to pass for rounding."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 3)
+
+    def forward(self, x):
+        h = self.lin(x.flatten(1))
+        return h + 1e-3 * h.mean(0, keepdim=True)
+
+
+def test_a_slight_mixing_is_refused_in_float64_too():
+    torch.manual_seed(0)
+    m = _SlightMix()
+    eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="fast")
+    x, y = _data(10)
+    with pytest.raises(ConfigError, match="lets examples see each other"):
+        eng.step(x, y, torch.arange(10))
+    assert eng.steps_taken == 0

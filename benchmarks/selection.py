@@ -18,8 +18,9 @@ Stage 2: the chosen configuration trains on all 60 000 images with each seed (``
 under its own secret key, certified at epsilon 3; test accuracy mean ± std of the chosen weights.
 
 Runs are ``clipbias train`` processes, ``--jobs`` at a time with one thread each; finished runs
-(``OUT/runs/<label>/results.json``) are skipped on a re-run. Writes ``OUT/selection.json`` and prints
-a markdown table::
+(``OUT/runs/<label>/results.json``) are skipped on a re-run. An algorithm may carry its own settings,
+``NAME:flag=value,...`` (``disk:kappa=0.9,disk-gamma=1``): one more row with the same grid. Writes
+``OUT/selection.json`` and prints a markdown table::
 
     python benchmarks/selection.py --protocol long --out benchmarks/results-long          # ~45 min on 2 cores
     python benchmarks/selection.py --protocol compare --algos dpsgd dice disk normalized adaptive \\
@@ -49,19 +50,29 @@ OWN = {"inner-outer": ["--momentum", "0"]}  # its outer momentum replaces the ba
 def grid(algo: str, steps: list[float], clips: list[float]) -> list[tuple[float, float]]:
     """(lr, clip) points: lr = step / clip, or for ``normalized`` (bound 1) as many learning rates
     log-spaced over the same steps, at the middle clip (which it does not read)."""
-    if algo != "normalized":
+    if variant(algo)[0] != "normalized":
         return [(s / c, c) for s in steps for c in clips]
     n, lo, hi = len(steps) * len(clips), min(steps) / 2 ** 0.5, max(steps) * 2 ** 0.5
     return [(lo * (hi / lo) ** (i / (n - 1)), clips[len(clips) // 2]) for i in range(n)]
 
 
+def variant(algo: str) -> tuple[str, list[str]]:
+    """``"disk:kappa=0.9,disk-gamma=1"`` -> ``("disk", ["--kappa", "0.9", "--disk-gamma", "1"])``: an
+    algorithm with some of its own settings fixed (a variant is one more entry of the table, with
+    the same grid budget as the others)."""
+    name, _, flags = algo.partition(":")
+    return name, [t for kv in flags.split(",") if kv for t in (f"--{kv.split('=')[0]}", kv.split("=", 1)[1])]
+
+
 def run(out: Path, proto: list[str], algo: str, lr: float, clip: float, ema: float, stage: str, seed: int) -> dict:
-    d = out / "runs" / f"{stage}-{algo}-lr{lr:.4g}-clip{clip:g}-s{seed}"
+    label = algo.replace(":", "-").replace(",", "-").replace("=", "")
+    d = out / "runs" / f"{stage}-{label}-lr{lr:.4g}-clip{clip:g}-s{seed}"
     if (d / "results.json").exists():
         return json.loads((d / "results.json").read_text())
-    argv = [sys.executable, "-m", "clipbias", "train", *COMMON, *proto, "--algo", algo, "--lr", f"{lr:.6g}",
+    name, flags = variant(algo)
+    argv = [sys.executable, "-m", "clipbias", "train", *COMMON, *proto, "--algo", name, "--lr", f"{lr:.6g}",
             "--clip", f"{clip:g}", "--ema", f"{ema:g}", "--seed", str(seed), "--out", str(d), "--overwrite",
-            *OWN.get(algo, []), *(["--validation", "10000"] if stage == "select" else [])]
+            *OWN.get(name, []), *flags, *(["--validation", "10000"] if stage == "select" else [])]
     print(" ".join(argv[1:]), file=sys.stderr, flush=True)
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
     return json.loads((d / "results.json").read_text())

@@ -86,6 +86,7 @@ def main() -> None:
     ap.add_argument("--clips", nargs="+", type=float, default=[0.025, 0.05, 0.1])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--select-only", action="store_true", help="stop after the validation grid (no test runs)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     proto, ema, steps = PROTOCOLS[a.protocol]
@@ -103,6 +104,14 @@ def main() -> None:
             "grid": [{"lr": lr, "clip": c, "val_accuracy": r["val_accuracy"], "ema_val_accuracy": r["ema_val_accuracy"]}
                      for _, _, lr, c, r in pts],
             "chosen": {"lr": best[2], "clip": best[3], "weights": "ema" if best[1] else "raw", "val_accuracy": best[0]}}
+    if a.select_only:  # the validation table alone (a search before the equal-budget table)
+        print("| algorithm | lr | clip | val raw | val EMA |\n| --- | --- | --- | --- | --- |")
+        for algo in a.algos:
+            for g in summary["algos"][algo]["grid"]:
+                print(f"| {algo} | {g['lr']:.4g} | {g['clip']:g} | {100 * g['val_accuracy']:.2f} | "
+                      f"{100 * g['ema_val_accuracy']:.2f} |")
+        (a.out / "selection.json").write_text(json.dumps(summary, indent=1))
+        return
     finals = [(algo, chosen[algo][2], chosen[algo][3], s) for algo in a.algos for s in a.seeds]
     with ThreadPoolExecutor(a.jobs) as pool:
         fin = list(pool.map(lambda f: run(a.out, proto, *f[:3], ema, "final", f[3]), finals))

@@ -525,11 +525,9 @@ class BookKeeping:
         (examples probed) x (examples affected) / b per step (docs/results.md)."""
         b = batch.size(x)
         probes = self._check_rng.sample(range(b), min(b, 1 if rng is not None else PROBES))
-        if rng is None:
-            own = self._own(x, y, probes, params)
-        for j, i in enumerate(probes):
+        for i in probes:  # one at a time: a probe's two full gradients are all that is held (GPT: 2 x 256 MB)
             fast = self._ordered([r.one(i) for r in rules])
-            mine = [g[j] for g in own] if rng is None else self._counterfactual(x, y, i, rng)
+            mine = [g[0] for g in self._own(x, y, [i], params)] if rng is None else self._counterfactual(x, y, i, rng)
             if not _close(fast, mine, params, 1e-4) and not (rng is None and self._agree_in_float64(x, y, i)):
                 raise ConfigError(
                     f"--grad-path fast: example {i}'s gradient as the per-layer rules attribute it differs from its "

@@ -660,3 +660,24 @@ def test_a_slight_mixing_is_refused_in_float64_too():
     with pytest.raises(ConfigError, match="lets examples see each other"):
         eng.step(x, y, torch.arange(10))
     assert eng.steps_taken == 0
+
+
+def test_the_conv_kernel_is_chosen_without_the_private_batch(monkeypatch):
+    """The choice (and with it the rounding of the result) is made on public stand-ins at the batch
+    size rounded up to a power of two: the batch itself never reaches the timed kernels, and Poisson
+    batches of 200-256 examples share one choice."""
+    from clipbias.grads import conv_rows
+    seen = []
+
+    def spy(m, a, g):
+        seen.append(a)
+        return conv_rows._unfold(m, a, g)
+    monkeypatch.setattr(conv_rows, "KERNELS", {"unfold": conv_rows._unfold, "spy": spy})
+    monkeypatch.setattr(conv_rows, "_CHOICE", {})
+    layer = nn.Conv2d(2, 3, 3)
+    a, g = torch.randn(200, 2, 7, 7), torch.randn(200, 3, 5, 5)
+    conv_rows.conv_weight_rows(layer, a, g)
+    assert seen and all(t.shape[0] == 256 and not torch.equal(t[:200], a) for t in seen)
+    assert len(conv_rows._CHOICE) == 1
+    conv_rows.conv_weight_rows(layer, a[:129], g[:129])
+    assert len(conv_rows._CHOICE) == 1  # 129-256: one bucket

@@ -12,9 +12,10 @@ layer, 1.0-10.6 ms for its second):
 * ``dilated``: a forward convolution of the input (channels as batch) with the output gradients as
   the kernel, dilated by the stride, ``groups = b`` (the stride becomes the dilation and back).
 
-``conv_weight_rows`` times each once per layer shape, dtype, device and thread count (the first
-call; a few milliseconds) and keeps the fastest whose result agrees with ``unfold``'s to 1e-4
-relative: a backend that computed something else is never used. The result is the per-example
+``conv_weight_rows`` times each once per layer shape, batch size (to a power of two), dtype, device
+and thread count (the first call; a few milliseconds), on public stand-in data, and keeps the
+fastest whose result agrees with ``unfold``'s to 1e-4 relative: a backend that computed something
+else is never used, and the private batch plays no part in the choice. The result is the per-example
 gradient itself, from which the fast path takes both the norm and the clipped sum, so which kernel
 ran does not enter the clipping bound.
 """
@@ -70,9 +71,15 @@ KERNELS: dict[str, Callable[[nn.Module, Tensor, Tensor], Tensor]] = {
 _CHOICE: dict[tuple, str] = {}
 
 
+def _bucket(b: int) -> int:
+    """The batch size rounded up to a power of two: Poisson batches vary in size every step, and the
+    fastest kernel does not change within a factor of two."""
+    return 1 << max(0, (b - 1).bit_length())
+
+
 def _key(m: nn.Module, a: Tensor, g: Tensor) -> tuple:
-    return (type(m), tuple(a.shape), tuple(g.shape), tuple(m.kernel_size), tuple(m.stride), tuple(m.padding),
-            tuple(m.dilation), a.dtype, a.device, torch.get_num_threads())
+    return (type(m), _bucket(a.shape[0]), tuple(a.shape[1:]), tuple(g.shape[1:]), tuple(m.kernel_size),
+            tuple(m.stride), tuple(m.padding), tuple(m.dilation), a.dtype, a.device, torch.get_num_threads())
 
 
 def _time(f: Callable[[nn.Module, Tensor, Tensor], Tensor], m: nn.Module, a: Tensor, g: Tensor) -> float:
@@ -99,7 +106,14 @@ def conv_weight_rows(m: nn.Module, a: Tensor, g: Tensor) -> Tensor:
 
 
 def _choose(m: nn.Module, a: Tensor, g: Tensor) -> str:
-    """The fastest kernel on these shapes whose result agrees with ``unfold``'s."""
+    """The fastest kernel on these shapes whose result agrees with ``unfold``'s, timed on public
+    stand-ins (normal draws of a fixed seed at the bucketed batch size), not on the batch: which
+    kernel runs, and so the rounding of the result, must not depend on the private data (a
+    subnormal input can slow a kernel down)."""
+    gen = torch.Generator(a.device).manual_seed(0)
+    b = _bucket(a.shape[0])
+    a = torch.randn((b, *a.shape[1:]), generator=gen, device=a.device, dtype=a.dtype)
+    g = torch.randn((b, *g.shape[1:]), generator=gen, device=g.device, dtype=g.dtype)
     ref = _unfold(m, a, g)
     scale = float(torch.linalg.vector_norm(ref.float())) + 1e-30
     best, best_t = "unfold", _time(_unfold, m, a, g)

@@ -628,9 +628,9 @@ def test_a_float32_mismatch_without_mixing_is_decided_in_float64(monkeypatch):
         got = own(self, x, y, probes, params, call)
         return got if params[0].dtype == torch.float64 else [g * (1 + 1e-3) for g in got]
 
-    def counted(self, x, y, i):
+    def counted(self, x, y, i, attributed32):
         rechecks.append(i)
-        return agree(self, x, y, i)
+        return agree(self, x, y, i, attributed32)
     agree = fc.BookKeeping._agree_in_float64
     monkeypatch.setattr(fc.BookKeeping, "_own", noisy)
     monkeypatch.setattr(fc.BookKeeping, "_agree_in_float64", counted)
@@ -675,9 +675,32 @@ def test_the_conv_kernel_is_chosen_without_the_private_batch(monkeypatch):
     monkeypatch.setattr(conv_rows, "KERNELS", {"unfold": conv_rows._unfold, "spy": spy})
     monkeypatch.setattr(conv_rows, "_CHOICE", {})
     layer = nn.Conv2d(2, 3, 3)
-    a, g = torch.randn(200, 2, 7, 7), torch.randn(200, 3, 5, 5)
+    a, g = torch.full((200, 2, 7, 7), 3.0), torch.full((200, 3, 5, 5), -2.0)  # nothing like the stand-ins
+    conv_rows._choose(layer, a, g)
+    assert seen and all(t.shape[0] == 256 and not bool((t[:200] == a).any()) for t in seen)
     conv_rows.conv_weight_rows(layer, a, g)
-    assert seen and all(t.shape[0] == 256 and not torch.equal(t[:200], a) for t in seen)
     assert len(conv_rows._CHOICE) == 1
     conv_rows.conv_weight_rows(layer, a[:129], g[:129])
     assert len(conv_rows._CHOICE) == 1  # 129-256: one bucket
+
+
+class _MixesInFloat32Only(nn.Module):
+    """Mixes examples (batch standardisation after the layer) in float32 and not in float64: written
+    to pass a float64 recheck."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 3)
+
+    def forward(self, x):
+        h = self.lin(x.flatten(1))
+        return (h - h.mean(0, keepdim=True)) if h.dtype == torch.float32 else h
+
+
+def test_a_model_that_mixes_in_float32_only_is_refused():
+    torch.manual_seed(0)
+    eng = DPEngine(_MixesInFloat32Only(), "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0,
+                   grad_path="fast")
+    x, y = _data(10)
+    with pytest.raises(ConfigError, match="lets examples see each other"):
+        eng.step(x, y, torch.arange(10))

@@ -336,6 +336,7 @@ SECRET_FREE = {  # modules whose seeded generators draw public or experimental r
     "run/build.py": "the public model initialisation",
     "sampling/loader.py": "DataLoader worker seeds (the user's dataset randomness, not the mechanism's), a ChaCha20 output",
     "models/gpt.py": "the public model initialisation",
+    "grads/conv_rows.py": "stand-in data on which the conv kernels are timed (never the model's input or output)",
 }
 
 

@@ -280,19 +280,23 @@ def _run(args: argparse.Namespace) -> int:
     if args.resume and not args.out:
         raise ConfigError("--resume needs --out DIR: the run directory to continue (without --out every run "
                           "gets a new directory, printed at its start and end)")
-    own_group = distributed.init_from_env(cfg.device)
+    own_group, finished = distributed.init_from_env(cfg.device), False
     try:
         cfg = dataclasses.replace(cfg, out=args.out or distributed.from_rank0(lambda: default_out(cfg)))  # one new directory, every rank
         if distributed.context()[0] == 0:
             print(f"run directory: {cfg.out}", file=sys.stderr if args.json else sys.stdout, flush=True)
         try:
-            return _train_and_report(args, cfg)
+            code = _train_and_report(args, cfg)
+            finished = code == 0  # not an interrupted run (whose ranks may stop at different points)
+            return code
         finally:
             if not args.out and distributed.context()[0] == 0:
                 remove_if_empty(cfg.out)  # a refused run leaves no empty directory behind
     finally:
         if own_group:
             import torch.distributed as dist
+            if finished:  # leave together: a rank tearing gloo down while another still uses it can abort
+                dist.barrier()
             dist.destroy_process_group()
 
 

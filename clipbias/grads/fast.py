@@ -528,7 +528,7 @@ class BookKeeping:
         for i in probes:  # one at a time: a probe's two full gradients are all that is held (GPT: 2 x 256 MB)
             fast = self._ordered([r.one(i) for r in rules])
             mine = [g[0] for g in self._own(x, y, [i], params)] if rng is None else self._counterfactual(x, y, i, rng)
-            if not _close(fast, mine, params, 1e-4) and not (rng is None and self._agree_in_float64(x, y, i)):
+            if not _close(fast, mine, params, 1e-4) and not (rng is None and self._agree_in_float64(x, y, i, fast)):
                 raise ConfigError(
                     f"--grad-path fast: example {i}'s gradient as the per-layer rules attribute it differs from its "
                     f"own gradient (the example {'alone' if rng is None else 'among copies of itself'}): the model "
@@ -547,14 +547,17 @@ class BookKeeping:
         return [torch.stack([g if g is not None else torch.zeros_like(p) for g in col])
                 for col, p in zip(zip(*each), params)]
 
-    def _agree_in_float64(self, x: Batch, y: Batch, i: int) -> bool:
+    def _agree_in_float64(self, x: Batch, y: Batch, i: int, attributed32: list[Tensor]) -> bool:
         """Example i's attribution in the batch and its gradient alone, both recomputed in float64
         (the model's parameters, buffers and floating inputs widened; the model itself unchanged),
-        agree to 1e-4 relative. Decides a float32 mismatch: an ill-conditioned example (a GroupNorm
-        group of nearly equal values, a ReLU at its kink) can make two float32 computations of the
-        same gradient differ by 1e-3 (resnet20-gn on Fashion-MNIST), while float64 rounding is
-        ~1e-12 of that and a real mixing of examples stays. False when the model cannot run in
-        float64 (the float32 mismatch then stands)."""
+        agree to 1e-4 relative, and the float32 attribution ``attributed32`` is within 5e-2 of the
+        float64 one. Decides a float32 mismatch: an ill-conditioned example (a GroupNorm group of
+        nearly equal values, a ReLU at its kink) can make two float32 computations of the same
+        gradient differ by 1e-3 (up to 6e-3 seen on resnet20-gn trained on Fashion-MNIST), while
+        float64 rounding is ~1e-12 of that and a real mixing of examples stays. The second condition
+        catches a model that mixes examples in float32 only, as far as 5e-2 of the gradient; below
+        that such a model, written to evade the check, passes (docs/results.md). False when the
+        model cannot run in float64 (the float32 mismatch then stands)."""
         wide = {n: t.detach().double() if t.is_floating_point() else t
                 for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]}
         leaves = [wide[n].requires_grad_() for n in self.layout.names]
@@ -568,7 +571,8 @@ class BookKeeping:
             alone = [g[0] for g in self._own(xw, y, [i], leaves, call=call)]
         except (RuntimeError, ConfigError):  # an op without float64 support, a dtype clash inside the model
             return False
-        return _close(attributed, alone, leaves, 1e-4)
+        return _close(attributed, alone, leaves, 1e-4) and _close([t.to(a.dtype) for t, a in zip(
+            attributed32, attributed)], [a.reshape(-1) for a in attributed], leaves, 5e-2)
 
     def _counterfactual(self, x: Batch, y: Batch, i: int, rng: tuple) -> list[Tensor]:
         """Example i's attributed gradient in the batch whose every row is example i, under the

@@ -704,3 +704,57 @@ def test_a_model_that_mixes_in_float32_only_is_refused():
     x, y = _data(10)
     with pytest.raises(ConfigError, match="lets examples see each other"):
         eng.step(x, y, torch.arange(10))
+
+
+class _TinyMix(nn.Module):
+    """Every example sees the batch mean, at an output scale of 1e-9 (per-example gradients ~4e-9)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = 1e-9 * self.lin(x)
+        return h + 3 * h.mean(0, keepdim=True)
+
+
+def test_mixing_is_refused_however_small_the_gradients():
+    """The probe's comparison is relative: an absolute slack of 1e-7 let this model through, and one
+    example then moved the clipped sum by 1.40 C with the clip at the median norm (red team)."""
+    from clipbias.grads.fast import BookKeeping
+    from clipbias.transforms import clip_scale
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 16), torch.randint(0, 3, (16,))
+    with pytest.raises(ConfigError, match="lets examples see each other"):
+        BookKeeping(_TinyMix())(x, y, lambda n: clip_scale(n, 1e-9), False)
+
+
+def test_steps_in_16_bit_floats_are_refused_before_any_change():
+    """Under autocast, or with bfloat16 parameters, the clipped sum rounds at 2^-8 and one example moved
+    it by 1.2 C at B = 256 (red team): refused, on both paths, with what to do."""
+    x, y = _data(10)
+    for path in ("rows", "fast"):
+        m = Wide()
+        eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=2, noise_multiplier=1.0, grad_path=path)
+        before = [p.detach().clone() for p in m.parameters()]
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ConfigError, match="outside autocast"):
+            eng.step(x, y, torch.arange(10))
+        assert eng.steps_taken == 0 and all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+        m16 = Wide().bfloat16()
+        eng = DPEngine(m16, "dpsgd", n=40, batch_size=10, steps=2, noise_multiplier=1.0, grad_path=path)
+        with pytest.raises(ConfigError, match="model.float"):
+            eng.step(x.bfloat16(), y, torch.arange(10))
+
+
+def test_a_conv_with_mixed_input_and_gradient_dtypes_widens_both():
+    """A float32 input with a bfloat16 output gradient: both exactly widened to float32, whatever
+    kernel was chosen for float32 before (the grouped kernel raised on the mixed pair)."""
+    from clipbias.grads import conv_rows
+    layer = nn.Conv2d(3, 4, 3, padding=1)
+    a, g = torch.randn(8, 3, 6, 6), torch.randn(8, 4, 6, 6).bfloat16()
+    for name in conv_rows.KERNELS:
+        conv_rows._CHOICE.clear()
+        conv_rows._CHOICE[conv_rows._key(layer, a, g.float())] = name
+        got = conv_rows.conv_weight_rows(layer, a, g)
+        torch.testing.assert_close(got, conv_rows._unfold(layer, a, g.float()), rtol=1e-5, atol=1e-5)
+    conv_rows._CHOICE.clear()

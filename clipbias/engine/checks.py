@@ -45,11 +45,31 @@ def check_step(engine, x: Batch, y: Batch, indices: Tensor | None) -> None:
         raise ConfigError(f"--algo {engine.algo.name} computes its rows from image tensors and takes tensor "
                           f"inputs and labels, got {type(x).__name__} and {type(y).__name__}; use an "
                           f"algorithm with per-example rows (dpsgd, dice, ...) for structured batches")
+    check_precision(engine.params)
     check_batch(x, y, indices, engine.loss_fn is cross_entropy, engine.own_rows)
     if engine.world_size > 1 and indices is None:
         raise ConfigError(f"in a process group of {engine.world_size} ranks, step needs the example indices of "
                           f"this rank's share (engine.local_share(engine.sampler.sample())): the keyed "
                           f"per-example draws and the shares are defined by them")
+
+
+def check_precision(params: list[Tensor]) -> None:
+    """Refuse a step whose clipped sum would be computed in 16-bit floats: under ``torch.autocast`` or
+    with bfloat16/float16 parameters the per-example gradients, their norms and the weighted sum
+    round at 2^-8 (bfloat16), and over a batch of aligned clipped gradients that rounding is a
+    fraction of B C: removing one example moved the released sum by 1.2 C at B = 256 and 1.7 C at
+    B = 512 (rows and fast path alike), where the sensitivity is C."""
+    import torch
+    on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    if on:
+        raise ConfigError(f"step runs under torch.autocast ({on[0]}): the clipped sum would be rounded in 16-bit "
+                          f"floats, so one example could move it by more than the clip (1.2 C measured at B = 256). "
+                          f"Call engine.step outside autocast")
+    low = sorted({str(p.dtype) for p in params if p.dtype in (torch.float16, torch.bfloat16)})
+    if low:
+        raise ConfigError(f"the model's parameters are {', '.join(low)}: the clipped sum would be rounded in 16-bit "
+                          f"floats, so one example could move it by more than the clip; convert the model with "
+                          f"model.float() (or .double())")
 
 
 def check_batch(x: Batch, y: Batch, indices: Tensor | None, class_labels: bool, own_rows: bool) -> None:

@@ -98,6 +98,9 @@ def _time(f: Callable[[nn.Module, Tensor, Tensor], Tensor], m: nn.Module, a: Ten
 def conv_weight_rows(m: nn.Module, a: Tensor, g: Tensor) -> Tensor:
     """``[b, o, c * prod(kernel)]``: example i's gradient of ``m.weight`` (flattened as ``m.weight[o]``),
     from the layer's input ``a`` and output gradient ``g``, by the fastest agreeing kernel."""
+    if a.dtype != g.dtype:  # e.g. a float32 input and a bfloat16 output gradient: one dtype, exactly widened
+        dt = torch.promote_types(a.dtype, g.dtype)
+        a, g = a.to(dt), g.to(dt)
     key = _key(m, a, g)
     name = _CHOICE.get(key)
     if name is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -86,6 +87,25 @@ def _opacus(model: nn.Module, n: int, b: int, lr: float, mode: str):
     return step
 
 
+def cpu_description() -> dict:
+    """The CPU the table was measured on: its name, the vector extensions that change the ratios
+    (AVX2 / AVX-512 / AMX), the kernel level torch dispatches to, and the cores this process may use."""
+    name, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name == "unknown":
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:  # not Linux
+        import platform
+        name = platform.processor() or platform.machine()
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"name": name, "flags": isa, "torch_capability": torch.backends.cpu.get_cpu_capability(), "cores": cores}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="cnn")
@@ -134,8 +154,11 @@ def main(argv: list[str] | None = None) -> dict:
     ref = rows.get("opacus-hooks", {}).get("median_ms")
     for r in rows.values():
         r["vs_opacus_hooks"] = r["median_ms"] / ref if ref else None
+    cpu = cpu_description()
     out = {"model": a.model, "batch_size": b, "threads": a.threads, "reps": a.reps, "allocator_tuned": tuned,
-           "torch": torch.__version__, "rows": rows}
+           "torch": torch.__version__, "cpu": cpu, "load_1min": os.getloadavg()[0], "rows": rows}
+    print(f"CPU: {cpu['name']} ({', '.join(cpu['flags']) or 'no AVX2'}; torch kernels {cpu['torch_capability']}; "
+          f"{cpu['cores']} cores), load {out['load_1min']:.2f}")
     print(f"{a.model}, B = {b}, {a.threads} threads, {a.reps} reps (medians, min-max), allocator tuned: {tuned}")
     print(f"{'arm':<14} {'ms/step':>9} {'min-max':>15} {'x non-private':>14} {'x opacus hooks':>15}")
     for arm, r in rows.items():

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-__all__ = ["conv_weight_rows", "KERNELS"]
+__all__ = ["conv_weight_rows", "unfold_input", "KERNELS"]
 
 
 def _as_2d(m: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, tuple, tuple, tuple, tuple]:
@@ -40,9 +40,14 @@ def _as_2d(m: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, tuple, t
     return a, g, tuple(m.kernel_size), tuple(m.stride), tuple(m.padding), tuple(m.dilation)
 
 
+def unfold_input(m: nn.Module, a: Tensor) -> Tensor:
+    """A convolution's input as ``[b, c * prod(kernel), L]`` columns (im2col; a Conv1d as a Conv2d of height 1)."""
+    a, _, k, s, p, d = _as_2d(m, a, a)
+    return F.unfold(a, k, d, p, s)
+
+
 def _unfold(m: nn.Module, a: Tensor, g: Tensor) -> Tensor:
-    a, g, k, s, p, d = _as_2d(m, a, g)
-    return torch.bmm(g.flatten(2), F.unfold(a, k, d, p, s).transpose(1, 2))
+    return torch.bmm(g.flatten(2), unfold_input(m, a).transpose(1, 2))
 
 
 def _grouped(m: nn.Module, a: Tensor, g: Tensor) -> Tensor:

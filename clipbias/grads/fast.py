@@ -52,7 +52,7 @@ from torch.nn import functional as F
 from ..data import batch
 from ..data.batch import Batch
 from ..errors import ConfigError
-from .conv_rows import conv_weight_rows
+from .conv_rows import conv_weight_rows, unfold_input
 from .rows import LossFn, ParamLayout, check_model, cross_entropy
 
 _SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.GroupNorm, nn.LayerNorm)
@@ -194,7 +194,7 @@ class _Matrix:
             sq = self.pe.square().sum((1, 2))
         else:
             if conv:
-                a, g = _unfold(m, a).transpose(1, 2), g.flatten(2).transpose(1, 2)
+                a, g = unfold_input(m, a).transpose(1, 2), g.flatten(2).transpose(1, 2)
             if L == 1:  # in float64: in float32 ||a||^2 underflows for |a_j| <= 2^-75 while g a^T does not
                 sq = a.double().square().sum((1, 2)) * g.double().square().sum((1, 2))
             else:  # the ghost norm: an upper bound on the true norm, whatever the rounding
@@ -309,13 +309,6 @@ class _Embed:
     def one(self, i: int) -> list[Tensor]:
         mine = self.owner == i
         return [self._place(self.token[mine], self.rows[mine])]
-
-
-def _unfold(m: nn.Module, a: Tensor) -> Tensor:
-    """A convolution's input as ``[b, k, L]`` columns (im2col; a Conv1d as a Conv2d of height 1)."""
-    if isinstance(m, nn.Conv1d):
-        return F.unfold(a.unsqueeze(2), (1, *m.kernel_size), (1, *m.dilation), (0, *m.padding), (1, *m.stride))
-    return F.unfold(a, m.kernel_size, m.dilation, m.padding, m.stride)
 
 
 def _rule(m: nn.Module, a: Tensor, g: Tensor):

@@ -372,16 +372,17 @@ class BookKeeping:
         which the model's weights are at the point: every layer's rules at both points, each point's
         checked as always, combined exactly (``_Combined``, its terms in float64: the expansion of the
         combination's norm cancels, and float32 terms would understate it)."""
-        dtype = None
-        if at is None:
-            losses, rules = self._rules(x, y)
+        dtype, ref = None, None
+        if at is None:  # the reference sum is autograd's own gradient of the summed loss (below)
+            losses, rules, ref = self._rules(x, y, reference=reference)
+            reference = False
         else:
             enter, c = at
             wide = c != 1.0
             with enter():
-                losses, rules = self._rules(x, y, wide)
+                losses, rules, _ = self._rules(x, y, wide)
             if wide:
-                losses, near = self._rules(x, y, wide)
+                losses, near, _ = self._rules(x, y, wide)
                 rules = [_Combined(f, n, c) for f, n in zip(rules, near)]
                 dtype = self.layout.params(self.model)[0].dtype
         norms = torch.sqrt(sum(r.sq for r in rules))
@@ -390,27 +391,35 @@ class BookKeeping:
         S = torch.stack([scale(norms)] + ([torch.ones_like(norms)] if reference else []))
         pieces = [r.sums(S) for r in rules]
         proc = self._assemble([[t[0] for t in lp] for lp in pieces])
-        ref = self._assemble([[t[1] for t in lp] for lp in pieces]) if reference else None
+        if reference:
+            ref = self._assemble([[t[1] for t in lp] for lp in pieces])
         if dtype is not None:  # the wide rules' sums back to the parameters' precision
             proc, ref = proc.to(dtype), None if ref is None else ref.to(dtype)
         return proc, ref, losses, norms.to(proc.dtype)  # float64 where a ghost norm's bound took part
 
-    def _rules(self, x: Batch, y: Batch, wide: bool = False) -> tuple[Tensor, list]:
-        """(losses, every layer's rule) at the model's current weights, the examples' attribution checked;
-        ``wide``: the rules computed in float64 from the layers' inputs and output gradients."""
+    def _rules(self, x: Batch, y: Batch, wide: bool = False,
+               reference: bool = False) -> tuple[Tensor, list, Tensor | None]:
+        """(losses, every layer's rule, reference sum or None) at the model's current weights, the
+        examples' attribution checked; ``wide``: the rules computed in float64 from the layers' inputs
+        and output gradients. ``reference``: the unclipped sum ``sum_i g_i`` comes from the same
+        backward, as autograd's gradient of the summed loss (one float32 weight-gradient product per
+        layer instead of a second book-keeping sum, which on a ghost layer runs in float64). It feeds
+        only error feedback's hidden buffer, which the sound DiceSGD bound allows to be anything
+        (docs/privacy.md), so its rounding does not enter the guarantee."""
         check_model(self.model)
         params = self.layout.params(self.model)
         dev = params[0].device
         rng, buffers = _rng_state(dev), [(b, b._version, b.detach().clone()) for b in self.model.buffers()]
         try:
-            losses, acts, grads = self._backward(x, y)
+            losses, acts, grads = self._backward(x, y, params=params if reference else None)
         finally:  # a buffer changed by the forward is restored and refused, whatever else failed
             _check_buffers(self.model, buffers)
         stochastic = not _same_rng(rng, _rng_state(dev))  # dropout (or any other draw) in the forward
         rules = [_rule(m, _widen(acts[m], wide), _widen(g, wide)) for m, g in zip(self.layers, grads)]
         if bool(torch.isfinite(sum(r.sq for r in rules)).all()):  # else the caller refuses the step
             self._check_examples(rules, x, y, params, rng if stochastic else None)
-        return losses, rules
+        ref = torch.cat([g.reshape(-1) for g in grads[len(self.layers):]]) if reference else None
+        return losses, rules, ref
 
     def _losses(self, out, y: Batch, b: int) -> Tensor:
         """The ``[b]`` per-example losses: the loss function's own when it returns them, else it is
@@ -428,11 +437,13 @@ class BookKeeping:
                 return losses
         return torch.vmap(lambda o, t: self.loss_fn(batch.unsqueeze(o), batch.unsqueeze(t)).sum())(out, y)
 
-    def _backward(self, x: Batch, y: Batch, call: Callable | None = None, check_graph: bool = True) -> tuple:
+    def _backward(self, x: Batch, y: Batch, call: Callable | None = None, check_graph: bool = True,
+                  params: list | None = None) -> tuple:
         """One forward and one backward of the summed loss, to the layer outputs only (no parameter
-        gradients): the per-example losses (detached), every layer's input and output gradient.
-        Refuses, before anything changes, a model the rules would misread. ``call`` runs the model
-        (default: the model itself; the float64 recheck passes it widened weights)."""
+        gradients unless ``params`` are given: then their gradients follow the layers' in the list):
+        the per-example losses (detached), every layer's input and output gradient. Refuses, before
+        anything changes, a model the rules would misread. ``call`` runs the model (default: the
+        model itself; the float64 recheck passes it widened weights)."""
         acts: dict[nn.Module, Tensor] = {}
         outs: dict[nn.Module, Tensor] = {}
         ins: dict[nn.Module, object] = {}
@@ -459,7 +470,7 @@ class BookKeeping:
                                       f"use the out-of-place operation, or --grad-path rows")
                 if check_graph:  # off only for the float64 recheck, whose leaves are copies
                     self._check_graph(losses, outs, ins)
-                grads = torch.autograd.grad(losses.sum(), [outs[m] for m in self.layers])
+                grads = torch.autograd.grad(losses.sum(), [outs[m] for m in self.layers] + (params or []))
         finally:
             for h in handles:
                 h.remove()

@@ -150,6 +150,42 @@ def test_per_example_gradients_agree_with_the_cpu(name):
     assert torch.allclose(g_cpu, g_gpu.cpu(), rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("layer, shape", [
+    (nn.Conv2d(3, 5, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2)), (6, 3, 9, 8)),
+    (nn.Conv2d(1, 16, 8, stride=2, padding=3), (4, 1, 28, 28)),
+    (nn.Conv1d(4, 6, 3, stride=3, padding=2, dilation=2), (5, 4, 17)),
+])
+def test_every_conv_kernel_on_cuda_equals_the_cpu(layer, shape):
+    """The fast path's three per-example conv kernels (cuDNN's grouped weight gradient, a dilated
+    forward convolution, im2col) give the CPU's im2col result on the GPU, in float64."""
+    from clipbias.grads.conv_rows import KERNELS
+    layer = layer.double()
+    a = torch.randn(*shape, dtype=torch.float64)
+    g = torch.randn_like(layer(a))
+    want = KERNELS["unfold"](layer, a, g)
+    layer = layer.to(CUDA)
+    for name, kernel in KERNELS.items():
+        got = kernel(layer, a.to(CUDA), g.to(CUDA)).cpu()
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), name
+
+
+@pytest.mark.parametrize("algo", ["dpsgd", "dice"])
+def test_fast_path_update_on_cuda_equals_the_cpu(algo):
+    """The book-keeping fast path (kernel choice, probes, float64 bounds) makes the CPU's update on the GPU."""
+    def run(device):
+        g = torch.Generator().manual_seed(1)
+        x = (3 * torch.randn(N, 1, D_IN, D_IN, generator=g)).to(device)
+        y = torch.randint(0, CLASSES, (N,), generator=g).to(device)
+        model = tiny_cnn().to(device)
+        eng = DPEngine(model, algo, n=N, batch_size=8.0, steps=3, noise_multiplier=5.0, accountant="rdp",
+                       noise_seed=0, grad_path="fast", config=AlgoConfig(lr=0.1, clip=0.5))
+        for _ in range(3):
+            idx = eng.sampler.sample()
+            eng.step(x[idx.to(device)], y[idx.to(device)], idx)
+        return params_of(model)
+    assert torch.allclose(run(CUDA), run(torch.device("cpu")), rtol=1e-4, atol=1e-5)
+
+
 BASE = TrainConfig(data="digits", model="mlp", algo="dice", epsilon=3.0, delta=1e-5, epochs=3,
                    batch_size=64, lr=0.5, clip=1.0, ef_clip=1.0 / 64, accountant="rdp", device="cuda",
                    reproducible_noise=True)

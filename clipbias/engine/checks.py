@@ -7,6 +7,7 @@ import math
 import numbers
 from collections.abc import Mapping
 
+import torch
 from torch import Tensor, nn
 
 from .. import distributed
@@ -59,7 +60,6 @@ def check_precision(params: list[Tensor]) -> None:
     round at 2^-8 (bfloat16), and over a batch of aligned clipped gradients that rounding is a
     fraction of B C: removing one example moved the released sum by 1.2 C at B = 256 and 1.7 C at
     B = 512 (rows and fast path alike), where the sensitivity is C."""
-    import torch
     on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
     if on:
         raise ConfigError(f"step runs under torch.autocast ({on[0]}): the clipped sum would be rounded in 16-bit "

@@ -758,3 +758,47 @@ def test_a_conv_with_mixed_input_and_gradient_dtypes_widens_both():
         got = conv_rows.conv_weight_rows(layer, a, g)
         torch.testing.assert_close(got, conv_rows._unfold(layer, a, g.float()), rtol=1e-5, atol=1e-5)
     conv_rows._CHOICE.clear()
+
+
+class _InnerAutocast(nn.Module):
+    """Enters bfloat16 autocast inside its own forward: the caller's autocast check cannot see it."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(64, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.l2(torch.tanh(self.l1(x.flatten(1)))).float()
+
+
+def test_bfloat16_inside_the_model_is_refused_on_the_fast_path_and_exact_on_rows():
+    """bfloat16 activations made the fast path's sums bfloat16 (1.27 C at B = 256, red team): refused
+    before any change. The rows path's per-example gradients come back in float32: it runs."""
+    x, y = _data(10)
+    m = _InnerAutocast()
+    eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=2, noise_multiplier=1.0, grad_path="fast")
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(ConfigError, match="bfloat16 activations"):
+        eng.step(x, y, torch.arange(10))
+    assert eng.steps_taken == 0 and all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=2, noise_multiplier=1.0, grad_path="rows")
+    eng.step(x, y, torch.arange(10))
+    assert eng.steps_taken == 1 and all(torch.isfinite(p).all() for p in m.parameters())
+
+
+@pytest.mark.parametrize("path", ["rows", "fast"])
+def test_an_overflowing_feedback_buffer_cannot_make_the_release_nan(path):
+    """Every example's gradient finite (norm 1.7e38) but their float32 sum infinite: the hidden buffer
+    overflowed, clip(inf) was NaN and every later release NaN (whether the examples were sampled,
+    released). The buffer restarts from zero; the release stays finite (red team)."""
+    torch.manual_seed(0)
+    m = nn.Linear(1, 1, bias=False)
+    eng = DPEngine(m, "dice", n=8, batch_size=4.0, steps=3, noise_multiplier=1.0, grad_path=path,
+                   loss_fn=lambda out, y: (out * y).sum(1), config=AlgoConfig(lr=0.1, clip=1.0, ef_clip=0.01),
+                   max_physical_batch=8)
+    x = y = torch.full((3, 1), 1.3e19)
+    eng.step(x, y, torch.arange(3))
+    before = m.weight.detach().clone()
+    eng.step(x[:0], y[:0], torch.arange(0))
+    assert torch.isfinite(m.weight).all() and float((m.weight - before).abs()) < 1.0

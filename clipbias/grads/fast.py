@@ -315,7 +315,12 @@ def _rule(m: nn.Module, a: Tensor, g: Tensor):
     if torch.float16 in (a.dtype, g.dtype):
         raise ConfigError("--grad-path fast: float16 activations or output gradients (half precision or "
                           "float16 autocast): their squares underflow and the norms could understate an example's "
-                          "gradient; use float32 or bfloat16, or --grad-path rows")
+                          "gradient; use float32, or --grad-path rows")
+    if torch.bfloat16 in (a.dtype, g.dtype):  # e.g. autocast entered inside the model's forward
+        raise ConfigError("--grad-path fast: bfloat16 activations or output gradients (autocast inside the model, "
+                          "or a bfloat16 layer): the per-layer sums would be rounded in bfloat16, and one example "
+                          "moved the clipped sum by 1.27 C at B = 256; run the model in float32, or use "
+                          "--grad-path rows (its per-example gradients come back in the parameters' float32)")
     return (_Affine if isinstance(m, _NORMS) else _Embed if isinstance(m, nn.Embedding) else _Matrix)(m, a, g)
 
 

@@ -186,12 +186,11 @@ class ErrorFeedback(Carried):
     def __call__(self, aggregate: Tensor, reference_mean: Tensor) -> Tensor:
         # .to: a checkpoint saved on the CPU may be resumed on CUDA (no-op when already there)
         e = self.e.to(aggregate.device) if self.e is not None else torch.zeros_like(aggregate)
-        if not bool(torch.isfinite(e).all()):
-            # the unclipped sum can overflow while every example's gradient is finite (three examples of
-            # norm 1.7e38 in float32); clip(inf) is NaN, and a NaN release would tell whether they were
-            # sampled. The sound bound allows the buffer to be anything, so it restarts from zero: the
-            # feedback term stays within its bound (docs/privacy.md, the DiceSGD proof, step 2).
-            e = torch.zeros_like(e)
+        # the unclipped sum can overflow while every example's gradient is finite (three examples of norm
+        # 1.7e38 in float32); clip(inf) is NaN, and a NaN release would tell whether they were sampled. The
+        # sound bound allows the buffer to be anything, so a non-finite one restarts from zero: the feedback
+        # term stays within its bound (docs/privacy.md, the DiceSGD proof, step 2). No host sync.
+        e = torch.where(torch.isfinite(e).all(), e, torch.zeros_like(e))
         v = aggregate + self.feedback(e)
         self._pending = e + reference_mean - v
         return v

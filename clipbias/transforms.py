@@ -34,21 +34,54 @@ class StepContext:
     norms: Tensor | None = None
 
 
+def safe_factor(norms: Tensor, factor: Tensor) -> Tensor:
+    """A per-row factor as the rows may use it: 0 where it is below float32's smallest normal number
+    or the row's norm is not finite.
+
+    A subnormal float32 factor carries up to 100 % rounding (a row of norm 1 contributed 1.96 C at
+    C = 0.51 * 2^-149, adaptive clipping drove C there; a single-parameter row of norm 3.4e38 at
+    C = 1e-6 contributed 1.20 C); a normal one at most 2^-24. A factor of 0 is always within the
+    bound (the row contributes nothing), and so is the zero row a non-finite norm gets (``inf * 0``
+    would be NaN). Both cases are data-dependent roundings below the bound, not refusals."""
+    ok = torch.isfinite(norms) & (factor >= torch.finfo(torch.float32).tiny)
+    return torch.where(ok, factor, torch.zeros_like(factor))
+
+
+TINY_CLIP = 1e-30
+"""Below this clip a clipped row's entries would be float32 subnormals, whose rounding (2^-149 each,
+not relative) can exceed the clip itself: clipped rows then contribute 0, rows within the clip
+themselves (adaptive clipping can drive its clip there when every gradient is 0)."""
+
+
 def clip_scale(norms: Tensor, c: float) -> Tensor:
-    """min(1, C / ||g_i||): the factor ``clip_rows`` multiplies each row by."""
-    return torch.clamp(c / norms.clamp_min(1e-30), max=1.0)
+    """min(1, C / ||g_i||): the factor ``clip_rows`` multiplies each row by (``safe_factor``)."""
+    factor = torch.clamp(c / norms.clamp_min(1e-30), max=1.0)
+    if c < TINY_CLIP:
+        factor = (factor >= 1).to(factor.dtype)
+    return safe_factor(norms, factor)
+
+
+def normalize_scale(norms: Tensor, gamma: float) -> Tensor:
+    """1 / (||g_i|| + gamma): the factor ``normalize_rows`` multiplies each row by (``safe_factor``)."""
+    return safe_factor(norms, 1.0 / (norms + gamma))
+
+
+def scale_rows(g: Tensor, norms: Tensor, factor: Tensor) -> Tensor:
+    """``g * factor`` per row, a row with a non-finite norm (an infinite entry) giving zeros, not NaN."""
+    return torch.where(torch.isfinite(norms), g * factor, torch.zeros_like(g))
 
 
 def clip_rows(g: Tensor, c: float) -> Tensor:
     """clip(g_i, C) = g_i * min(1, C / ||g_i||) along the last axis (global L2 norm over all
     parameters): each row of ``[..., b, d]``, or one vector ``[d]``."""
     norms = g.norm(dim=-1, keepdim=True)
-    return g * torch.clamp(c / norms.clamp_min(1e-30), max=1.0)
+    return scale_rows(g, norms, clip_scale(norms, c))
 
 
 def normalize_rows(g: Tensor, gamma: float) -> Tensor:
     """g_i / (||g_i|| + gamma): automatic clipping (Bu et al. 2022); every row has norm < 1."""
-    return g / (g.norm(dim=-1, keepdim=True) + gamma)
+    norms = g.norm(dim=-1, keepdim=True)
+    return torch.where(torch.isfinite(norms), g / (norms + gamma), torch.zeros_like(g))
 
 
 class Stage:
@@ -150,7 +183,7 @@ class Normalize(PerSample):
         return normalize_rows(g, self.gamma)
 
     def scale(self, norms: Tensor) -> Tensor:
-        return 1.0 / (norms + self.gamma)
+        return normalize_scale(norms, self.gamma)
 
 
 class ErrorFeedback(Carried):
@@ -181,7 +214,7 @@ class ErrorFeedback(Carried):
     def feedback(self, e: Tensor) -> Tensor:
         if self.c2 is not None:
             return clip_rows(e, self.c2)
-        return e / (e.norm(dim=-1, keepdim=True) + self.gamma)
+        return e / (e.norm(dim=-1, keepdim=True) + self.gamma)  # e is finite here (__call__)
 
     def __call__(self, aggregate: Tensor, reference_mean: Tensor) -> Tensor:
         # .to: a checkpoint saved on the CPU may be resumed on CUDA (no-op when already there)
@@ -282,10 +315,14 @@ class Pipeline:
             g, known = s(g, ctx), None
         last = self.per_sample[-1] if self.per_sample else None
         if last is not None:
-            factors = last.scale(known if known is not None else torch.linalg.vector_norm(g, dim=-1))
+            norms = known if known is not None else torch.linalg.vector_norm(g, dim=-1)
+            factors = last.scale(norms)
             if factors is None:
                 g = last(g, ctx)
             else:  # clip/normalise and sum in one pass: sum_i s_i g_i
+                bad = ~torch.isfinite(norms)
+                if bool(bad.any()):  # a row an earlier stage overflowed (a perturbation): zero, not 0 * inf = NaN
+                    g = torch.where(bad.unsqueeze(-1), torch.zeros_like(g), g)
                 return ref, (factors.unsqueeze(-2) @ g).squeeze(-2)
         return ref, g.sum(-2)
 

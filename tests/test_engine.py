@@ -431,3 +431,54 @@ def test_calibration_cache_is_keyed_verified_and_survives_corruption(tmp_path, m
     assert privacy.calibrate(spec, 2.0, 1e-5, 300, "rdp") == z and len(calls) == 3
     (tmp_path / "calibrations.json").write_text("{not json")
     assert privacy.calibrate(spec, 2.0, 1e-5, 300, "rdp") == z and len(calls) == 4
+
+
+def test_clip_and_normalize_factors_never_round_above_the_bound():
+    """A subnormal float32 factor rounds by up to 100 % (red team: a norm-1 row contributed 1.96 C at
+    C = 0.51 * 2^-149, which adaptive clipping reached; a one-parameter row of norm 1.7e38 contributed
+    1.20 C at C = 1e-6): such factors are 0, a non-finite row contributes 0 (not NaN), and every
+    contribution stays within the bound across the float32 range."""
+    from clipbias.transforms import clip_scale, normalize_rows
+    tiny = torch.finfo(torch.float32).tiny
+    for c in (0.51 * 2.0 ** -149, 2.0 ** -140, 1e-30, 1e-6, 1e-3, 1.0):
+        for v in (2.0 ** -30, 1.0, 3.0, 1e20, 1.7e38):
+            g = torch.tensor([[v]])
+            out = clip_rows(g, c)
+            assert torch.isfinite(out).all() and float(out.double().norm()) <= c * (1 + 2 ** -23), (c, v)
+    assert float(clip_scale(torch.tensor([1.0]), tiny / 4)) == 0.0
+    rows = torch.tensor([[float("inf"), 1.0], [3e38, 3e38], [1.0, 0.0]])
+    for out in (clip_rows(rows, 1.0), normalize_rows(rows, 0.01)):
+        assert torch.isfinite(out).all() and torch.equal(out[:2], torch.zeros(2, 2)) and float(out[2].norm()) <= 1
+
+
+@pytest.mark.parametrize("algo", ["perturb", "dice-perturb"])
+def test_a_row_the_perturbation_overflows_contributes_nothing(algo):
+    """Finite rows of +-3.4e38 pass the finiteness check, then g + k zeta overflows: the Clip made
+    0 * inf = NaN and every later release NaN (red team). The row now contributes 0."""
+    m = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        m.weight.zero_()
+    eng = DPEngine(m, algo, n=8, batch_size=4.0, steps=3, noise_multiplier=1.0, accountant="rdp",
+                   loss_fn=lambda out, y: (out * y).sum(1), config=AlgoConfig(lr=1.0, clip=1.0, extra={"k": 1e32}))
+    big = float(torch.finfo(torch.float32).max)
+    eng.step(torch.ones(4, 1), torch.tensor([[big], [big], [-big], [-big]]), torch.arange(4))
+    eng.step(torch.ones(4, 1), torch.full((4, 1), 0.1), torch.arange(4, 8))
+    assert torch.isfinite(m.weight).all()
+
+
+def test_the_fast_path_one_position_sum_cannot_round_up_through_the_subnormals():
+    """Linear on [b, k]: a_j s_i rounded in float32 could land in the subnormals before meeting output
+    gradients near float32's maximum (red team: 1.96 C released). The sum runs in float64 and the
+    factor is 0 below float32's smallest normal number: the contribution stays within C."""
+    from clipbias.grads.fast import BookKeeping
+    from clipbias.transforms import clip_scale
+    k = o = 256
+    big = float(torch.finfo(torch.float32).max)
+    m = nn.Linear(k, o, bias=False)
+    bk = BookKeeping(m, lambda out, y: (out * y).sum(1))
+    for ulps in (0.51, 1.5, 2.0 ** 30):
+        c = ulps * 2.0 ** -149 * big * (o * k) ** 0.5 * 4  # a_j s_i = ulps * 2^-149 for a = 2^-12 below
+        x, y = torch.full((2, k), 2.0 ** -12), torch.full((2, o), big)
+        x[1], y[1] = 0, 0
+        proc, _, _, _ = bk(x, y, lambda n, c=c: clip_scale(n, c), False)
+        assert torch.isfinite(proc).all() and float(proc.double().norm()) <= c * (1 + 1e-6), ulps

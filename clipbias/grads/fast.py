@@ -210,10 +210,11 @@ class _Matrix:
                 out.append(S.to(dt) @ self.pe.flatten(1))
             elif self.ghost:  # float64: see the class docstring
                 out.append(torch.stack([self._wide_sum(s) for s in S]))
-            else:  # L = 1: one product per example, no positions to cancel
+            else:  # L = 1: one product per example, in float64 and rounded once: in float32 a_ij s_i could
+                # round into the subnormals (up to 100 %) before meeting a huge g_i (1.96 C was released)
                 b, L, k = self.a.shape
-                gt = self.g.reshape(b * L, -1).t()
-                out.append(torch.stack([(gt @ (self.a * s.to(dt).view(-1, 1, 1)).reshape(b * L, k)).reshape(-1)
+                gt, a = self.g.reshape(b * L, -1).t().double(), self.a.double()
+                out.append(torch.stack([(gt @ (a * s.double().view(-1, 1, 1)).reshape(b * L, k)).reshape(-1).to(dt)
                                         for s in S]))
         if self.bias:
             out.append(S.to(dt) @ self.g.sum(1))

@@ -482,3 +482,30 @@ def test_the_fast_path_one_position_sum_cannot_round_up_through_the_subnormals()
         x[1], y[1] = 0, 0
         proc, _, _, _ = bk(x, y, lambda n, c=c: clip_scale(n, c), False)
         assert torch.isfinite(proc).all() and float(proc.double().norm()) <= c * (1 + 1e-6), ulps
+
+
+def test_a_step_that_raises_anything_leaves_nothing_staged():
+    """An out-of-memory error (not a clipbias refusal) in the middle of a step used to leave adaptive
+    clipping's partial count behind: the next step's noisy count held the failed step's examples
+    too, twice the sensitivity of one example (red team). Every exception now drops what was staged."""
+    class Flaky(nn.Module):  # the second micro-batch runs out of memory, after the first was counted
+        def __init__(self):
+            super().__init__()
+            self.lin, self.calls, self.fail_at = nn.Linear(4, 3), 0, 2
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise MemoryError("simulated out of memory")
+            return self.lin(x)
+
+    m = Flaky()
+    eng = DPEngine(m, "adaptive", n=40, batch_size=8.0, steps=3, noise_multiplier=0.5, accountant="rdp",
+                   config=AlgoConfig(lr=0.1, clip=1.0), max_physical_batch=4)
+    stage = eng.pipeline.per_sample[-1]
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with pytest.raises(MemoryError):
+        eng.step(x, y, torch.arange(8))
+    assert m.calls == 2 and stage._partial == 0.0 and eng.steps_taken == 0
+    eng.step(x, y, torch.arange(8))
+    assert eng.steps_taken == 1 and stage.releases == 1

@@ -174,17 +174,22 @@ class DPEngine:
                 losses.append(loss)
         except ClipbiasError as err:  # a micro-batch failed (NaN, bad shape)
             failure = err
+        except BaseException:  # out of memory, an interrupt: nothing staged may reach the next step
+            self._drop_staged(torch_rng)  # (adaptive clipping's count would hold these examples twice)
+            raise
         mine = torch.cat(losses) if losses else torch.zeros(0, device=dev)
         self.last_loss = (float(mine.sum()), len(mine))
         if self.world_size > 1:  # the one all-reduce of the step: global sums, and did any rank fail
             proc_sum, ref_sum, loss_sum, count, failure = distributed.reduce_step(proc_sum, ref_sum, mine, failure)
             self.last_loss = (loss_sum, count)
         if failure is not None:  # every stage drops what it staged, on every rank
-            torch.set_rng_state(torch_rng)
-            self.rows.rollback()
-            self.pipeline.rollback()
+            self._drop_staged(torch_rng)
             raise failure
-        update = self.pipeline.finish(proc_sum, ref_sum)
+        try:
+            update = self.pipeline.finish(proc_sum, ref_sum)
+        except BaseException:
+            self._drop_staged(torch_rng)
+            raise
         for param, u in zip(self.params, self.rows.layout.unflatten(update)):
             param.grad = u.to(param.dtype)
         self.optimizer.step()
@@ -193,6 +198,12 @@ class DPEngine:
         self.rows.commit()
         self.steps_taken += 1
         return mine
+
+    def _drop_staged(self, torch_rng: Tensor) -> None:
+        """Undo a step that did not complete: the model's RNG as before it, every stage's staged state dropped."""
+        torch.set_rng_state(torch_rng)
+        self.rows.rollback()
+        self.pipeline.rollback()
 
     @property
     def fast(self) -> BookKeeping | None:

@@ -509,3 +509,30 @@ def test_a_step_that_raises_anything_leaves_nothing_staged():
     assert m.calls == 2 and stage._partial == 0.0 and eng.steps_taken == 0
     eng.step(x, y, torch.arange(8))
     assert eng.steps_taken == 1 and stage.releases == 1
+
+
+def test_a_noisy_update_the_optimizer_failed_on_is_never_drawn_again(monkeypatch):
+    """The optimizer failing (out of memory) after the noise was drawn left the draw uncommitted and the
+    noisy update in param.grad: the next step drew the same noise, and the two releases' difference
+    was noise-free (red team). The failed step now counts as released: its draws advance, it is
+    accounted, and the gradients are cleared."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3)
+    eng = DPEngine(m, "dpsgd", n=40, batch_size=8.0, steps=3, noise_multiplier=50.0, accountant="rdp",
+                   config=AlgoConfig(lr=1.0, clip=0.1))
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    real = eng.optimizer.step
+    seen = []
+
+    def fails(*a, **k):
+        seen.append(torch.cat([p.grad.flatten() for p in m.parameters()]).clone())
+        raise MemoryError("simulated out of memory")
+    monkeypatch.setattr(eng.optimizer, "step", fails)
+    with pytest.raises(MemoryError):
+        eng.step(x, y, torch.arange(8))
+    assert eng.steps_taken == 1 and all(p.grad is None for p in m.parameters())
+    monkeypatch.setattr(eng.optimizer, "step", lambda *a, **k: (seen.append(torch.cat(
+        [p.grad.flatten() for p in m.parameters()]).clone()), real(*a, **k)))
+    eng.step(x, y, torch.arange(8))
+    # the same batch: with the same noise the two updates would agree to within the clipped sums' scale
+    assert float((seen[1] - seen[0]).norm()) > 10 * 0.1 * 2 / 8

@@ -111,3 +111,16 @@ def test_the_command_line_takes_the_ranges_alone_and_refuses_a_fixed_lr(tmp_path
     assert (tmp_path / "t" / "tune.json").exists() and (tmp_path / "t" / "model.pt").exists()
     assert main(argv[:-3] + ["--lr", "1", "--clip", "1"]) != 0
     assert "drop --lr and --clip" in capsys.readouterr().err
+
+
+def test_a_refused_trial_stops_the_search_without_naming_examples():
+    """A trial refused on a non-finite gradient named the example's position in the secret training
+    part (revealing the split and that a trial ran; red team): the search stops with no position."""
+    from clipbias.errors import ConfigError
+    from clipbias.run.splits import prepare_splits
+    splits = prepare_splits(BASE)
+    splits.x_train[123] = float("inf")
+    with pytest.raises(ConfigError, match="tune stopped") as err:
+        tune(TuneConfig(BASE, (0.05, 5.0), (0.1, 10.0), trials=1.0), splits=splits)
+    assert not any(ch.isdigit() for ch in str(err.value).split("(docs")[0].replace("NonFinite", ""))
+    assert err.value.__cause__ is None and err.value.__suppress_context__

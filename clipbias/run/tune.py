@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import algorithms
-from ..errors import ConfigError
+from ..errors import ClipbiasError, ConfigError
 from ..privacy import tuning
 from ..privacy.report import check_epsilon, check_positive
 from ..randomness import Purpose, SecretKey, poisson_indices, snapped_gaussian, stream, uint64s
@@ -109,7 +109,14 @@ def tune(tc: TuneConfig, key: SecretKey | None = None, splits: Splits | None = N
         cfg = _trial_config(tc, key, trial, z)
         trial_key = SecretKey(stream(key, Purpose.TUNE, 1 + trial, 2, 32).tobytes(), key.reproducible)
         run = build_run(cfg, part, trial_key)
-        run_steps(run.engine, part.x_train, part.y_train)
+        try:
+            run_steps(run.engine, part.x_train, part.y_train)
+        except ClipbiasError as err:  # a data-dependent refusal: its message would name positions in the secret split
+            raise ConfigError(f"clipbias tune stopped: a trial's step was refused ({type(err).__name__}); the "
+                              f"examples it names are not shown, since their positions in the secret training "
+                              f"part would reveal the split and that a trial ran. Find them with `clipbias "
+                              f"train` on the same data (outside the search), fix the data, and tune again. "
+                              f"A refusal is outside the guarantee (docs/privacy.md)") from None
         acc, _ = run.evaluate(x_val, y_val)
         count = torch.tensor([round(acc * len(y_val))], dtype=torch.float64)
         score = float(snapped_gaussian(count, score_std, key, trial, Purpose.TUNE_SCORE)) / len(y_val)

@@ -66,22 +66,23 @@ def normalize_scale(norms: Tensor, gamma: float) -> Tensor:
     return safe_factor(norms, 1.0 / (norms + gamma))
 
 
-def scale_rows(g: Tensor, norms: Tensor, factor: Tensor) -> Tensor:
-    """``g * factor`` per row, a row with a non-finite norm (an infinite entry) giving zeros, not NaN."""
-    return torch.where(torch.isfinite(norms), g * factor, torch.zeros_like(g))
+def scale_rows(g: Tensor, factor: Tensor) -> Tensor:
+    """``g * factor`` per row (factors from ``clip_scale``/``normalize_scale``): a row with a non-finite
+    norm has factor 0, and its infinite entries' ``inf * 0 = NaN`` become 0 (one pass, in place)."""
+    return (g * factor).nan_to_num_(nan=0.0)
 
 
 def clip_rows(g: Tensor, c: float) -> Tensor:
     """clip(g_i, C) = g_i * min(1, C / ||g_i||) along the last axis (global L2 norm over all
     parameters): each row of ``[..., b, d]``, or one vector ``[d]``."""
     norms = g.norm(dim=-1, keepdim=True)
-    return scale_rows(g, norms, clip_scale(norms, c))
+    return scale_rows(g, clip_scale(norms, c))
 
 
 def normalize_rows(g: Tensor, gamma: float) -> Tensor:
     """g_i / (||g_i|| + gamma): automatic clipping (Bu et al. 2022); every row has norm < 1."""
     norms = g.norm(dim=-1, keepdim=True)
-    return torch.where(torch.isfinite(norms), g / (norms + gamma), torch.zeros_like(g))
+    return (g / (norms + gamma)).nan_to_num_(nan=0.0)  # an infinite entry: inf / inf = NaN -> 0
 
 
 class Stage:
@@ -320,9 +321,10 @@ class Pipeline:
             if factors is None:
                 g = last(g, ctx)
             else:  # clip/normalise and sum in one pass: sum_i s_i g_i
-                bad = ~torch.isfinite(norms)
-                if bool(bad.any()):  # a row an earlier stage overflowed (a perturbation): zero, not 0 * inf = NaN
-                    g = torch.where(bad.unsqueeze(-1), torch.zeros_like(g), g)
+                if known is None and not bool(torch.isfinite(norms).all()):
+                    # a row an earlier stage overflowed (a perturbation; the received rows were checked
+                    # finite): zero, not 0 * inf = NaN in the product
+                    g = g.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
                 return ref, (factors.unsqueeze(-2) @ g).squeeze(-2)
         return ref, g.sum(-2)
 

@@ -29,7 +29,7 @@ from .. import distributed
 from ..config import OPTIONAL, AlgoConfig, Setting, real
 from ..errors import ConfigError
 from ..randomness import Purpose, SecretKey, snapped_gaussian
-from ..transforms import Clip, StepContext, clip_scale, scale_rows
+from ..transforms import Clip, StepContext, clip_rows, clip_scale, scale_rows
 from .base import Algorithm, Parts, register
 
 
@@ -56,15 +56,14 @@ class QuantileClip(Clip):
     def __call__(self, g: Tensor, ctx: StepContext) -> Tensor:
         norms = torch.linalg.vector_norm(g, dim=-1)
         self._count(norms)
-        return scale_rows(g, norms.unsqueeze(-1), clip_scale(norms, self.c).unsqueeze(-1))
+        return scale_rows(g, clip_scale(norms, self.c).unsqueeze(-1))
 
     def scale(self, norms: Tensor) -> Tensor:
         self._count(norms)
         return clip_scale(norms, self.c)
 
     def probe(self, g: Tensor, ctx: StepContext) -> Tensor:
-        norms = torch.linalg.vector_norm(g, dim=-1)
-        return scale_rows(g, norms.unsqueeze(-1), clip_scale(norms, self.c).unsqueeze(-1))
+        return clip_rows(g, self.c)
 
     def release(self, device: torch.device | str = "cpu") -> float:
         """The noisy count ``r_t`` of this step (every rank's share summed) and the staged next clip."""

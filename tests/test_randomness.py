@@ -45,8 +45,9 @@ def test_openssl_and_torch_keystreams_agree():
     """The two implementations (OpenSSL through cryptography; torch integer ops, the GPU path) give
     the same words for any key, nonce and starting block."""
     g = np.random.default_rng(0)  # test inputs only
-    for blocks, counter in ((1, 0), (37, 5), (300, (1 << 32) - 300)):
-        key, nonce = g.bytes(32), g.bytes(12)
+    cases = [(g.bytes(32), g.bytes(12), b, c) for b, c in ((1, 0), (37, 5), (300, (1 << 32) - 300))]
+    cases.append((b"\xff" * 32, b"\xff" * 12, 40, (1 << 31) - 20))  # every word's top bit set (int32 state)
+    for key, nonce, blocks, counter in cases:
         a = words_of(keystream(key, nonce, 64 * blocks, counter)).astype(np.int64)
         assert np.array_equal(a, chacha20_words(key, nonce, blocks, counter).numpy())
     with pytest.raises(ValueError, match="blocks"):
@@ -122,8 +123,10 @@ def test_box_muller_is_accurate_to_2_to_the_minus_44_against_200_bit_arithmetic(
 
 def test_normals_are_the_same_with_either_keystream_implementation():
     """The GPU path makes the keystream with torch integer ops on the device: the same numbers (here
-    both on the CPU, across a chunk boundary of the stream layout)."""
-    n = (1 << 21) + 10
+    both on the CPU): two whole chunks of the stream layout made by one torch call, then a partial one."""
+    from clipbias.randomness import draws
+    assert draws._TORCH_BLOCKS // (3 * draws._CHUNK_PAIRS * 8 // 64) == 2  # whole chunks per torch call
+    n = (1 << 22) + 10
     assert torch.equal(normals(KEY, Purpose.NOISE, 2, 0, n, cipher="openssl"),
                        normals(KEY, Purpose.NOISE, 2, 0, n, cipher="torch"))
 

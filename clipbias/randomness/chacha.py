@@ -58,46 +58,56 @@ def _check(key: bytes, nonce: bytes, nbytes: int, counter: int) -> None:
 
 _M32 = 0xFFFFFFFF
 _SIGMA = (0x61707865, 0x3320646E, 0x79622D32, 0x6B206574)  # "expand 32-byte k"
-# the quarter rounds of a double round act on columns, then on diagonals: rows of the 4x4 state
-_COLUMNS = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]])
-_DIAGONALS = torch.tensor([[0, 1, 2, 3], [5, 6, 7, 4], [10, 11, 8, 9], [15, 12, 13, 14]])
 
 
-def _rotl(x: Tensor, n: int) -> Tensor:
-    return ((x << n) | (x >> (32 - n))) & _M32
+def _signed(w: int) -> int:
+    """A 32-bit word as the int32 with the same bits."""
+    return w - (1 << 32) if w >= 1 << 31 else w
 
 
-def _quarter_rounds(x: Tensor, rows: Tensor) -> None:
-    """Four quarter rounds at once on the rows ``rows`` of the state ``x [16, blocks]`` (int64 words)."""
-    a, b, c, d = (x[r] for r in rows)
-    a = (a + b) & _M32
-    d = _rotl(d ^ a, 16)
-    c = (c + d) & _M32
-    b = _rotl(b ^ c, 12)
-    a = (a + b) & _M32
-    d = _rotl(d ^ a, 8)
-    c = (c + d) & _M32
-    b = _rotl(b ^ c, 7)
-    for r, v in zip(rows, (a, b, c, d)):
-        x[r] = v
+def _rotl_(x: Tensor, n: int, spill: Tensor) -> None:
+    """``x <<<= n`` on 32-bit words held in int32 (two's complement: additions wrap, ``<<`` drops the
+    high bits; ``>>`` copies the sign bit, which the mask removes), in place; ``spill``: scratch."""
+    torch.bitwise_right_shift(x, 32 - n, out=spill).bitwise_and_((1 << n) - 1)
+    x.bitwise_left_shift_(n).bitwise_or_(spill)
+
+
+def _quarter_rounds(a: Tensor, b: Tensor, c: Tensor, d: Tensor, spill: Tensor) -> None:
+    """Four quarter rounds at once, in place: word j of rows a, b, c, d (``[4, blocks]`` views of the
+    state) is one quarter round's (a, b, c, d), for every block (RFC 8439, 2.1)."""
+    for x, y, z, n in ((a, b, d, 16), (c, d, b, 12), (a, b, d, 8), (c, d, b, 7)):  # x += y; z ^= x; z <<<= n
+        x.add_(y)
+        z.bitwise_xor_(x)
+        _rotl_(z, n, spill)
 
 
 def chacha20_words(key: bytes, nonce: bytes, blocks: int, counter: int = 0,
                    device: torch.device | str = "cpu") -> Tensor:
     """The same keystream as ``keystream`` as 32-bit words ``[blocks * 16]`` (int64 holding values in
-    [0, 2^32), little-endian word order), computed on ``device`` with torch integer operations."""
+    [0, 2^32), little-endian word order), computed on ``device`` with torch integer operations.
+
+    The state is ``[4, 4, blocks]`` int32: its rows are the quarter rounds' a, b, c, d for the four
+    columns, so a column round is 24 in-place operations on ``[4, blocks]`` views, and a diagonal
+    round the same after rotating rows b, c, d by 1, 2, 3 words (and back): ~600 kernel launches per
+    call whatever ``blocks`` (on a GPU the cost is launches and memory traffic, hence int32)."""
     _check(key, nonce, blocks * BLOCK_BYTES, counter)
     kw = [int.from_bytes(key[i:i + 4], "little") for i in range(0, 32, 4)]
     nw = [int.from_bytes(nonce[i:i + 4], "little") for i in range(0, 12, 4)]
-    init = torch.tensor([*_SIGMA, *kw, 0, *nw], dtype=torch.int64, device=device)
-    state = init.unsqueeze(1).repeat(1, blocks)
-    state[12] = counter + torch.arange(blocks, dtype=torch.int64, device=device)
+    init = torch.tensor([_signed(w) for w in (*_SIGMA, *kw, 0, *nw)], dtype=torch.int32, device=device)
+    state = init.view(4, 4, 1).repeat(1, 1, blocks)
+    ctr = counter + torch.arange(blocks, dtype=torch.int64, device=device)  # < 2^32 (``_check``)
+    state[3, 0] = torch.where(ctr >= 1 << 31, ctr - (1 << 32), ctr).to(torch.int32)
     x = state.clone()
-    cols, diags = _COLUMNS.to(device), _DIAGONALS.to(device)
-    for _ in range(10):  # 20 rounds
-        _quarter_rounds(x, cols)
-        _quarter_rounds(x, diags)
-    return ((x + state) & _M32).t().reshape(-1)
+    a, b, c, d = x.unbind(0)
+    spill = torch.empty_like(a)
+    for _ in range(10):  # 20 rounds: a column round, then a diagonal round
+        _quarter_rounds(a, b, c, d, spill)
+        for row, k in ((b, 1), (c, 2), (d, 3)):
+            row.copy_(row.roll(-k, 0))
+        _quarter_rounds(a, b, c, d, spill)
+        for row, k in ((b, 1), (c, 2), (d, 3)):
+            row.copy_(row.roll(k, 0))
+    return x.add_(state).view(16, blocks).t().reshape(-1).to(torch.int64).bitwise_and_(_M32)
 
 
 def words_of(stream: np.ndarray) -> np.ndarray:

@@ -27,6 +27,7 @@ from .key import SecretKey, nonce
 PAIR_BYTES = 24                    # three 64-bit integers per pair of normals
 _CHUNK_PAIRS = 1 << 20             # normals are made 2^21 at a time (bounded temporary memory)
 _GPU_KEYSTREAM_PAIRS = 1 << 18     # on a GPU, larger draws compute the keystream there
+_TORCH_BLOCKS = 1 << 20            # keystream blocks per torch ChaCha20 call (~300 MB of temporaries)
 _T32, _T64 = 2.0 ** 32, 2.0 ** -64
 _M32 = float(0xFFFFFFFF)
 
@@ -75,18 +76,27 @@ def normals(key: SecretKey, purpose: int, step: int, index: int, count: int,
 
 def normal_chunks(key: SecretKey, purpose: int, step: int, index: int, count: int,
                   device: torch.device | str = "cpu", cipher: str = "auto") -> Iterator[tuple[int, Tensor]]:
-    """The normals of ``normals`` as ``(start, values)`` pieces of at most 2^21 (bounded memory: a
-    caller can use each piece while it is in cache)."""
+    """The normals of ``normals`` as ``(start, values)`` pieces (bounded memory: a caller can use each
+    piece while it is in cache): 2^21 normals, or on the torch keystream path as many whole chunks of
+    2^21 as one call of ``chacha20_words`` makes (``_TORCH_BLOCKS``: its cost is mostly ~700 kernel
+    launches per call on a GPU, whatever the size)."""
     device = torch.device(device)
     if cipher not in ("auto", "openssl", "torch"):
         raise ValueError(f"cipher must be auto, openssl or torch, got {cipher!r}")
     address, pairs = nonce(purpose, step, index), math.ceil(count / 2)
-    for chunk, first in enumerate(range(0, pairs, _CHUNK_PAIRS)):
+    per_call = max(1, _TORCH_BLOCKS // (3 * _CHUNK_PAIRS * 8 // BLOCK_BYTES))  # whole chunks per call
+    chunk = 0
+    while chunk * _CHUNK_PAIRS < pairs:
+        first = chunk * _CHUNK_PAIRS
         m = min(_CHUNK_PAIRS, pairs - first)
         if cipher == "torch" or (cipher == "auto" and device.type != "cpu" and m >= _GPU_KEYSTREAM_PAIRS):
-            z = box_muller(_pair_words(key, address, chunk, m, device))
+            whole = min(per_call, (pairs - first) // _CHUNK_PAIRS)
+            z = box_muller(_pair_words(key, address, chunk, whole, device) if whole else
+                           _pair_words_part(key, address, chunk, m, device))
+            chunk += max(whole, 1)
         else:
             z = _normals_of(_stream_runs(key, address, chunk, m), device)
+            chunk += 1
         yield 2 * first, z[:count - 2 * first]
 
 
@@ -128,19 +138,33 @@ def _float64(v: np.ndarray) -> np.ndarray:
     return f
 
 
-def _pair_words(key: SecretKey, address: bytes, chunk: int, pairs: int, device: torch.device) -> tuple[Tensor, ...]:
-    """What ``_stream_runs`` holds, made by ``chacha20_words`` on ``device``, as five float64 vectors:
-    the 64-bit integers H, L, A of each pair and the complements ~H, ~L, each converted to float64
-    with one rounding (the input of ``box_muller``)."""
-    runs = []
-    for part in range(3):
-        block = 8 * (3 * chunk + part) * _CHUNK_PAIRS // BLOCK_BYTES
-        w = chacha20_words(key.bytes, address, -(-8 * pairs // BLOCK_BYTES), block, device)
-        w = w[:2 * pairs].view(pairs, 2).to(torch.float64)  # low word first
-        runs.append(w[:, 1] * _T32 + w[:, 0])  # one rounding of the exact integer
+def _pair_words(key: SecretKey, address: bytes, chunk: int, chunks: int, device: torch.device) -> tuple[Tensor, ...]:
+    """What ``_stream_runs`` holds for ``chunks`` whole chunks from ``chunk`` on, made by one call of
+    ``chacha20_words`` on ``device`` (whole chunks lie back to back in the stream: chunk c's H, L, A,
+    then chunk c + 1's), as the five float64 vectors of ``box_muller``."""
+    per_part = 8 * _CHUNK_PAIRS // BLOCK_BYTES
+    w = chacha20_words(key.bytes, address, 3 * chunks * per_part, 3 * chunk * per_part, device)
+    return _float_words(w.view(chunks, 3, _CHUNK_PAIRS, 2).unbind(1))
+
+
+def _pair_words_part(key: SecretKey, address: bytes, chunk: int, pairs: int, device: torch.device) -> tuple[Tensor, ...]:
+    """``_pair_words`` of the first ``pairs`` pairs of one (last, partial) chunk: its H, L, A runs
+    are not adjacent in the stream, one call each."""
+    per_part = 8 * _CHUNK_PAIRS // BLOCK_BYTES
+    return _float_words([chacha20_words(key.bytes, address, -(-8 * pairs // BLOCK_BYTES), (3 * chunk + part) * per_part,
+                                        device)[:2 * pairs].view(pairs, 2) for part in range(3)])
+
+
+def _float_words(runs) -> tuple[Tensor, ...]:
+    """H, L, A (each ``[..., 2]`` 32-bit words, low word first) -> H, L, A, ~H, ~L as float64 vectors,
+    each the exact 64-bit integer rounded once."""
+    out = []
+    for part, w in enumerate(runs):
+        w = w.reshape(-1, 2).to(torch.float64)
+        out.append(w[:, 1] * _T32 + w[:, 0])
         if part < 2:
-            runs.append((_M32 - w[:, 1]) * _T32 + (_M32 - w[:, 0]))  # the complement, likewise
-    h, hc, l, lc, a = runs
+            out.append((_M32 - w[:, 1]) * _T32 + (_M32 - w[:, 0]))  # the complement, likewise
+    h, hc, l, lc, a = out
     return h, l, a, hc, lc
 
 

@@ -578,6 +578,35 @@ def test_the_ghost_norm_bound_holds_under_reduced_matmul_precision():
     assert bool((ghost_norm_bound(ab, gb) >= exact).all())
 
 
+def test_the_fast_path_runs_at_full_float32_and_restores_the_settings():
+    """TF32 (matmul precision "high", cuDNN's allow_tf32, on by default) would round rows to 2^-11
+    before the clip factors meet them and make the probe's two float32 gradients differ by ~1e-3
+    (a float64 recheck on every GPU step): inside the fast path's forward, backward, probes and
+    sums both are off; the user's settings come back after the step."""
+    seen = []
+
+    class Spy(nn.Module):
+        def forward(self, h):
+            seen.append((torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32))
+            return torch.tanh(h)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), Spy(), nn.Linear(5, 3))
+    eng = DPEngine(model, "dpsgd", n=40, batch_size=8.0, steps=2, noise_multiplier=1.0, accountant="rdp",
+                   grad_path="fast", config=AlgoConfig(lr=0.1, clip=0.5))
+    old = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cudnn.allow_tf32 = True
+        eng.step(torch.randn(8, 6), torch.randint(0, 3, (8,)), torch.arange(8))
+        after = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    finally:
+        torch.set_float32_matmul_precision(old[0])
+        torch.backends.cudnn.allow_tf32 = old[1]
+    assert len(seen) >= 2 and set(seen) == {("highest", False)}  # the batch and the probes
+    assert after == ("high", True)
+
+
 @pytest.mark.parametrize("layer, shape", [
     (nn.Conv2d(3, 5, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2)), (6, 3, 9, 8)),
     (nn.Conv2d(1, 16, 8, stride=2, padding=3), (4, 1, 28, 28)),   # the Tramer & Boneh cnn's first layer

@@ -111,16 +111,20 @@ def unit_roundoff(t: Tensor) -> float:
 
 @contextlib.contextmanager
 def _full_float32():
-    """float32 matrix products at float32's own unit roundoff (2^-24): TF32 and reduced-precision
-    passes (``torch.set_float32_matmul_precision("high" | "medium")``, which also sets CUDA's TF32) off
-    inside, the setting restored after. At 2^-11 a Gram of k = 2048 features would have no useful
-    worst-case bound (``gamma_k`` near 1)."""
-    precision = torch.get_float32_matmul_precision()
+    """float32 matrix products and convolutions at float32's own unit roundoff (2^-24): TF32 and
+    reduced-precision passes (``torch.set_float32_matmul_precision("high" | "medium")``, which also
+    sets CUDA's TF32, and cuDNN's TF32 convolutions, on by default) off inside, the settings restored
+    after. At 2^-11 a Gram of k = 2048 features would have no useful worst-case bound (``gamma_k``
+    near 1), and the per-step probe, which compares two float32 computations of a gradient to 1e-4,
+    would send nearly every step of a GPU convolutional network to its float64 recheck."""
+    precision, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
     try:
         yield
     finally:
         torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = cudnn
 
 
 def _gamma(n: int, u: float) -> float:
@@ -395,7 +399,8 @@ class BookKeeping:
         if not bool(torch.isfinite(norms).all()):  # the caller refuses the step, naming the examples
             return torch.zeros(0), None, losses, norms
         S = torch.stack([scale(norms)] + ([torch.ones_like(norms)] if reference else []))
-        pieces = [r.sums(S) for r in rules]
+        with _full_float32():  # TF32 would round the rows to 2^-11 before the clip factors meet them
+            pieces = [r.sums(S) for r in rules]
         proc = self._assemble([[t[0] for t in lp] for lp in pieces])
         if reference:
             ref = self._assemble([[t[1] for t in lp] for lp in pieces])
@@ -416,14 +421,15 @@ class BookKeeping:
         params = self.layout.params(self.model)
         dev = params[0].device
         rng, buffers = _rng_state(dev), [(b, b._version, b.detach().clone()) for b in self.model.buffers()]
-        try:
-            losses, acts, grads = self._backward(x, y, params=params if reference else None)
-        finally:  # a buffer changed by the forward is restored and refused, whatever else failed
-            _check_buffers(self.model, buffers)
-        stochastic = not _same_rng(rng, _rng_state(dev))  # dropout (or any other draw) in the forward
-        rules = [_rule(m, _widen(acts[m], wide), _widen(g, wide)) for m, g in zip(self.layers, grads)]
-        if bool(torch.isfinite(sum(r.sq for r in rules)).all()):  # else the caller refuses the step
-            self._check_examples(rules, x, y, params, rng if stochastic else None)
+        with _full_float32():  # the batch and the probes in the same (full) float32 arithmetic
+            try:
+                losses, acts, grads = self._backward(x, y, params=params if reference else None)
+            finally:  # a buffer changed by the forward is restored and refused, whatever else failed
+                _check_buffers(self.model, buffers)
+            stochastic = not _same_rng(rng, _rng_state(dev))  # dropout (or any other draw) in the forward
+            rules = [_rule(m, _widen(acts[m], wide), _widen(g, wide)) for m, g in zip(self.layers, grads)]
+            if bool(torch.isfinite(sum(r.sq for r in rules)).all()):  # else the caller refuses the step
+                self._check_examples(rules, x, y, params, rng if stochastic else None)
         ref = torch.cat([g.reshape(-1) for g in grads[len(self.layers):]]) if reference else None
         return losses, rules, ref
 
@@ -667,9 +673,10 @@ def _close(got: list[Tensor], want: tuple, params: list, rtol: float) -> bool:
     parameter by parameter: no concatenated copy. Relative: an absolute slack (it was 1e-7) let a
     model that mixes every example through when its gradients were ~1e-9, with the clip at that
     scale (one example moved the sum by 1.40 C)."""
-    diff = ref = 0.0
+    diffs, refs = [], []
     for g, t, p in zip(got, want, params):
         t = t.reshape(-1) if t is not None else torch.zeros(p.numel(), dtype=g.dtype, device=g.device)
-        diff += float(torch.linalg.vector_norm(g - t)) ** 2
-        ref += float(torch.linalg.vector_norm(t)) ** 2
-    return diff ** 0.5 <= rtol * ref ** 0.5 + 1e-30
+        diffs.append(torch.linalg.vector_norm(g - t, dtype=torch.float64))
+        refs.append(torch.linalg.vector_norm(t, dtype=torch.float64))
+    diff, ref = torch.linalg.vector_norm(torch.stack(diffs + refs).view(2, -1), dim=1).tolist()  # one sync
+    return diff <= rtol * ref + 1e-30

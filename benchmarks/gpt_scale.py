@@ -6,9 +6,12 @@ expected Poisson batch B = 128 sequences of 64 tokens: B x d = 8.2e9, so the row
 [B, d] float32 matrix of 33 GB. ``dpsgd`` and ``dice`` run with the default ``--grad-path auto``
 (which picks the fast path here: one micro-batch of rows would exceed 2 GiB), a non-private step
 (plain autograd, mean loss) is the baseline. Each arm runs in a fresh process (peak RSS is per
-process); the first step is a warm-up, the median of the rest is reported. Usage::
+process); the first step is a warm-up, the median of the rest is reported. With ``--device cuda``
+the memory is the GPU's peak allocation (``torch.cuda.max_memory_allocated``) and the table has
+Opacus' ghost clipping (``opacus-ghost``, when ``import opacus`` works) as a reference. Usage::
 
     python benchmarks/gpt_scale.py --steps 3 --batch-size 128 --out benchmarks/results/gpt_scale.json
+    python benchmarks/gpt_scale.py --device cuda --steps 6 --arms nonprivate,dpsgd,dice,opacus-ghost
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import sys
 import time
 
 
-def one(arm: str, b: int, steps: int, threads: int) -> dict:
+def one(arm: str, b: int, steps: int, threads: int, device: str = "cpu") -> dict:
     import torch
 
     from clipbias.cli._common import tune_allocator
@@ -32,11 +35,12 @@ def one(arm: str, b: int, steps: int, threads: int) -> dict:
     tune_allocator()  # as the CLI does
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = GPT()
+    dev = torch.device(device)
+    model = GPT().to(dev)
     d = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, model.vocab, (b, model.context + 1), generator=g)
-    x, y, idx = tokens[:, :-1], tokens[:, 1:], torch.arange(b)
+    tokens = torch.randint(0, model.vocab, (b, model.context + 1), generator=g).to(dev)
+    x, y, idx = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), torch.arange(b)
     if arm == "nonprivate":
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -47,6 +51,23 @@ def one(arm: str, b: int, steps: int, threads: int) -> dict:
             opt.step()
             return float(loss)
         path = "autograd"
+    elif arm == "opacus-ghost":  # Opacus' fast gradient clipping (double backward), the reference on a GPU
+        from opacus import PrivacyEngine
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.utils.data.TensorDataset(torch.zeros(50_000, 1))
+        loader = torch.utils.data.DataLoader(data, batch_size=b)
+        m, opt, crit, _ = PrivacyEngine().make_private(
+            module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+            poisson_sampling=False, criterion=torch.nn.CrossEntropyLoss(), grad_sample_mode="ghost")
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            logits = m(x)
+            loss = crit(logits.flatten(0, 1), y.flatten(), shape=(b, model.context))
+            loss.backward()
+            opt.step()
+            return loss.item()
+        path = "opacus ghost"
     else:
         eng = DPEngine(model, arm, n=50_000, batch_size=float(b), steps=steps, noise_multiplier=1.0,
                        accountant="rdp", loss_fn=lm_loss, config=AlgoConfig(lr=0.1, clip=1.0), max_physical_batch=b)
@@ -54,14 +75,20 @@ def one(arm: str, b: int, steps: int, threads: int) -> dict:
 
         def step():
             return float(eng.step(x, y, idx).mean())
+    cuda = dev.type == "cuda"
     times, losses = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        losses.append(step())
+        losses.append(step())  # float(...) / .item() synchronises a GPU step
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return {"arm": arm, "path": path, "B": b, "d": d, "B_x_d": b * d, "tokens_per_step": b * model.context,
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
             "step_s": statistics.median(times[1:] or times), "step_s_all": times, "mean_loss": losses,
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+            "peak_gb": peak, "peak_rss_gb": peak}
 
 
 def main() -> None:
@@ -70,17 +97,18 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (memory: peak RSS on the CPU, peak allocation on a GPU)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.one:
-        print(json.dumps(one(a.one, a.batch_size, a.steps, a.threads)))
+        print(json.dumps(one(a.one, a.batch_size, a.steps, a.threads, a.device)))
         return
     rows = []
-    print(f"{'arm':<11} {'B x d':>8} {'s/step':>7} {'x non-private':>14} {'peak RSS GB':>12}  path")
+    print(f"{'arm':<11} {'B x d':>8} {'s/step':>7} {'x non-private':>14} {'peak GB':>12}  path ({a.device}; peak {'GPU allocation' if a.device != 'cpu' else 'RSS'})")
     for arm in a.arms.split(","):
         r = subprocess.run([sys.executable, __file__, "--one", arm, "--batch-size", str(a.batch_size), "--steps",
-                            str(a.steps), "--threads", str(a.threads)], capture_output=True, text=True)
+                            str(a.steps), "--threads", str(a.threads), "--device", a.device], capture_output=True, text=True)
         if r.returncode:
             print(f"{arm:<11} failed: {(r.stderr.strip().splitlines() or ['killed: out of memory'])[-1]}")
             continue
@@ -88,7 +116,7 @@ def main() -> None:
         rows.append(x)
         base = rows[0]["step_s"] if rows[0]["arm"] == "nonprivate" else None
         ratio = f"{x['step_s'] / base:.2f}" if base else "-"
-        print(f"{arm:<11} {x['B_x_d']:>8.2g} {x['step_s']:>7.1f} {ratio:>14} {x['peak_rss_gb']:>12.2f}  {x['path']}")
+        print(f"{arm:<11} {x['B_x_d']:>8.2g} {x['step_s']:>7.1f} {ratio:>14} {x['peak_gb']:>12.2f}  {x['path']}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)

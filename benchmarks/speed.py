@@ -16,6 +16,7 @@ Usage (docs/results.md, "Speed and memory")::
 
     python benchmarks/speed.py --model cnn --batch-size 256 --threads 2 --reps 15
     python benchmarks/speed.py --model resnet20-gn --batch-size 64 --threads 2 --reps 7
+    python benchmarks/speed.py --model cnn --batch-size 256 --device cuda --reps 30   # GPU: synchronised steps
 """
 
 from __future__ import annotations
@@ -114,17 +115,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--arms", default="nonprivate,dpsgd,dpsgd-fast,dice,dice-fast,normalized,opacus-hooks,opacus-ghost,opacus-ew")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (each timed step ends with a synchronisation)")
     p.add_argument("--no-tune", action="store_true", help="skip the allocator tuning of the CLI")
     p.add_argument("--out", default=None, help="write the table as JSON here")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     tuned = False if a.no_tune else tune_allocator()
     ds = load_dataset("fashion-mnist")
+    dev = torch.device(a.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     n, b, lr = ds.num_train, a.batch_size, 0.1
     steps = {}
     for arm in a.arms.split(","):
         torch.manual_seed(0)
-        model = build_model(a.model, ds.input_shape, ds.num_classes)
+        model = build_model(a.model, ds.input_shape, ds.num_classes).to(dev)
         if arm == "nonprivate":
             steps[arm] = _nonprivate(model, lr)
         elif arm.startswith("opacus-"):
@@ -139,10 +143,12 @@ def main(argv: list[str] | None = None) -> dict:
     times: dict[str, list[float]] = {k: [] for k in steps}
     for rep in range(a.warmup + a.reps):
         idx = torch.randperm(n, generator=gen)[:b]
-        x, y = ds.x_train[idx], ds.y_train[idx]
+        x, y = ds.x_train[idx].to(dev), ds.y_train[idx].to(dev)
         for arm, step in steps.items():
+            sync()
             t0 = time.perf_counter()
             step(x, y, idx)
+            sync()
             if rep >= a.warmup:
                 times[arm].append(time.perf_counter() - t0)
     base = statistics.median(times["nonprivate"]) if "nonprivate" in times else None
@@ -155,10 +161,13 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows.values():
         r["vs_opacus_hooks"] = r["median_ms"] / ref if ref else None
     cpu = cpu_description()
-    out = {"model": a.model, "batch_size": b, "threads": a.threads, "reps": a.reps, "allocator_tuned": tuned,
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+    out = {"model": a.model, "batch_size": b, "device": gpu or "cpu", "threads": a.threads, "reps": a.reps, "allocator_tuned": tuned,
            "torch": torch.__version__, "cpu": cpu, "load_1min": os.getloadavg()[0], "rows": rows}
     print(f"CPU: {cpu['name']} ({', '.join(cpu['flags']) or 'no AVX2'}; torch kernels {cpu['torch_capability']}; "
           f"{cpu['cores']} cores), load {out['load_1min']:.2f}")
+    if gpu:
+        print(f"GPU: {gpu} (torch {torch.__version__}, TF32 matmul {torch.backends.cuda.matmul.allow_tf32})")
     print(f"{a.model}, B = {b}, {a.threads} threads, {a.reps} reps (medians, min-max), allocator tuned: {tuned}")
     print(f"{'arm':<14} {'ms/step':>9} {'min-max':>15} {'x non-private':>14} {'x opacus hooks':>15}")
     for arm, r in rows.items():

@@ -20,7 +20,7 @@ from torch import nn
 from clipbias.analysis import diagnostics
 from clipbias.config import AlgoConfig
 from clipbias.cli import main
-from clipbias.engine.core import DPEngine
+from clipbias.engine.core import SEEDED_CAVEAT, DPEngine
 from clipbias.grads.rows import FuncGradients
 from clipbias.algorithms import batchnorm_variant
 from clipbias.randomness import Purpose, SecretKey, keyed_normal, normals, snapped_gaussian
@@ -121,7 +121,7 @@ def test_gpu_keystream_and_noise_equal_the_cpu_ones():
     key, nonce = bytes(range(32)), bytes(range(12))
     assert torch.equal(chacha20_words(key, nonce, 4096, 7, CUDA).cpu(),
                        torch.from_numpy(words_of(keystream(key, nonce, 64 * 4096, 7)).astype("int64")))
-    k, n = SecretKey.from_seed(11), (1 << 20) + 3  # above the GPU keystream threshold
+    k, n = SecretKey.from_seed(11), (1 << 22) + 3  # two whole chunks in one torch call, then a partial one
     gpu, cpu = normals(k, Purpose.NOISE, 4, 0, n, CUDA), normals(k, Purpose.NOISE, 4, 0, n)
     assert torch.allclose(gpu.cpu(), cpu, rtol=1e-12, atol=1e-12)
     x = torch.linspace(-3, 3, n, dtype=torch.float64)
@@ -197,7 +197,9 @@ def test_cuda_run_interrupted_and_resumed_equals_uninterrupted(tmp_path):
     splits = prepare_splits(BASE)
     assert splits.x_train.device.type == "cuda"
     full = train(dataclasses.replace(BASE, out=str(tmp_path / "a")), splits=splits)
-    assert full["certified"] and 0 < full["epsilon"] <= 3 and full["test_accuracy"] > 0.2  # 10 classes
+    # seeded noise (so that two runs can be compared) is never certified; the epsilon is still computed
+    assert full["certified"] is False and full["caveats"] == [SEEDED_CAVEAT]
+    assert 0 < full["epsilon"] <= 3  # (DiceSGD's sound bound needs z = 22.6 here: ~12 % accuracy, on the CPU too)
 
     cfg_b = dataclasses.replace(BASE, out=str(tmp_path / "b"))
     interrupt_after_first_epoch(cfg_b, splits)

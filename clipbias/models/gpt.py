@@ -64,7 +64,7 @@ class GPT(nn.Module):
         b, t = tokens.shape
         if t > self.context:
             raise ValueError(f"sequence of {t} tokens is longer than the context of {self.context}")
-        pos = torch.arange(t, device=tokens.device).expand(b, t)
+        pos = torch.arange(t, device=tokens.device).repeat(b, 1)  # contiguous: hook libraries (Opacus) view it
         return self.head(self.ln_f(self.blocks(self.wte(tokens) + self.wpe(pos))))
 
 

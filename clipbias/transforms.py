@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .errors import ConfigError
+from .grads.precision import full_float32, last_norms
 from .randomness import SecretKey, snapped_gaussian
 
 
@@ -69,20 +70,18 @@ def normalize_scale(norms: Tensor, gamma: float) -> Tensor:
 def scale_rows(g: Tensor, factor: Tensor) -> Tensor:
     """``g * factor`` per row (factors from ``clip_scale``/``normalize_scale``): a row with a non-finite
     norm has factor 0, and its infinite entries' ``inf * 0 = NaN`` become 0 (one pass, in place)."""
-    return (g * factor).nan_to_num_(nan=0.0)
+    return (g * factor.to(g.dtype)).nan_to_num_(nan=0.0)
 
 
 def clip_rows(g: Tensor, c: float) -> Tensor:
     """clip(g_i, C) = g_i * min(1, C / ||g_i||) along the last axis (global L2 norm over all
     parameters): each row of ``[..., b, d]``, or one vector ``[d]``."""
-    norms = g.norm(dim=-1, keepdim=True)
-    return scale_rows(g, clip_scale(norms, c))
+    return scale_rows(g, clip_scale(last_norms(g, keepdim=True), c))
 
 
 def normalize_rows(g: Tensor, gamma: float) -> Tensor:
     """g_i / (||g_i|| + gamma): automatic clipping (Bu et al. 2022); every row has norm < 1."""
-    norms = g.norm(dim=-1, keepdim=True)
-    return (g / (norms + gamma)).nan_to_num_(nan=0.0)  # an infinite entry: inf / inf = NaN -> 0
+    return (g / (last_norms(g, keepdim=True) + gamma).to(g.dtype)).nan_to_num_(nan=0.0)  # an infinite entry: inf / inf = NaN -> 0
 
 
 class Stage:
@@ -215,7 +214,7 @@ class ErrorFeedback(Carried):
     def feedback(self, e: Tensor) -> Tensor:
         if self.c2 is not None:
             return clip_rows(e, self.c2)
-        return e / (e.norm(dim=-1, keepdim=True) + self.gamma)  # e is finite here (__call__)
+        return e / (last_norms(e, keepdim=True) + self.gamma).to(e.dtype)  # e is finite here (__call__)
 
     def __call__(self, aggregate: Tensor, reference_mean: Tensor) -> Tensor:
         # .to: a checkpoint saved on the CPU may be resumed on CUDA (no-op when already there)
@@ -316,7 +315,7 @@ class Pipeline:
             g, known = s(g, ctx), None
         last = self.per_sample[-1] if self.per_sample else None
         if last is not None:
-            norms = known if known is not None else torch.linalg.vector_norm(g, dim=-1)
+            norms = known if known is not None else last_norms(g)
             factors = last.scale(norms)
             if factors is None:
                 g = last(g, ctx)
@@ -325,7 +324,8 @@ class Pipeline:
                     # a row an earlier stage overflowed (a perturbation; the received rows were checked
                     # finite): zero, not 0 * inf = NaN in the product
                     g = g.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-                return ref, (factors.unsqueeze(-2) @ g).squeeze(-2)
+                with full_float32():  # TF32 would round the rows before their factors (grads/precision.py)
+                    return ref, (factors.to(g.dtype).unsqueeze(-2) @ g).squeeze(-2)
         return ref, g.sum(-2)
 
     def finish(self, processed_sum: Tensor, reference_sum: Tensor | None) -> Tensor:

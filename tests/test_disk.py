@@ -69,7 +69,8 @@ def test_filter_equals_a_hand_computation(data):
         prev, new = now, now - lr * filt
         w, b = new[:DIN * K].view(K, DIN).clone(), new[DIN * K:].clone()
         got = torch.cat([m.weight.detach().reshape(-1), m.bias.detach()]).double()
-        assert torch.allclose(got, new, rtol=1e-5, atol=1e-6), (t, (got - new).abs().max())
+        # (float32 norms are upper bounds 1.5e-5 above the true ones: grads/precision.py)
+        assert torch.allclose(got, new, rtol=1e-4, atol=1e-5), (t, (got - new).abs().max())
     assert e.pipeline.post.g is not None and e.rows.prev is not None
 
 

@@ -100,8 +100,8 @@ def test_dicesgd_two_steps_against_hand_values():
         e = e + g.sum(0) / B - v
         w = w - lr * v
         eng.step(x, y)
-        assert torch.allclose(m.w.detach(), w, atol=1e-6)
-        assert torch.allclose(eng.pipeline.error_feedback.e, e, atol=1e-6)
+        assert torch.allclose(m.w.detach(), w, rtol=1e-4, atol=2e-5)  # norms are upper bounds, 1.5e-5 above (grads/precision.py)
+        assert torch.allclose(eng.pipeline.error_feedback.e, e, rtol=1e-4, atol=2e-5)
 
 
 def test_feedback_decays_by_quarter_on_empty_batch():
@@ -111,8 +111,8 @@ def test_feedback_decays_by_quarter_on_empty_batch():
     e0 = torch.tensor([1.2, 1.6])  # norm 2 = 4 * 0.5
     eng.pipeline.error_feedback.e = e0.clone()
     eng.step(torch.zeros(0, 2), torch.zeros(0))
-    assert torch.allclose(eng.pipeline.error_feedback.e, 0.75 * e0)
-    assert torch.allclose(m.w.detach(), -0.1 * e0 / 4)
+    assert torch.allclose(eng.pipeline.error_feedback.e, 0.75 * e0, rtol=1e-4)  # norms are upper bounds, 1.5e-5 above (grads/precision.py)
+    assert torch.allclose(m.w.detach(), -0.1 * e0 / 4, rtol=1e-4)
 
 
 class Scalar(nn.Module):
@@ -301,8 +301,8 @@ def test_dice_adam_one_step_against_hand_adam():
     m1, m2 = (1 - b1) * u, (1 - b2) * u**2
     expected = w - lr * (m1 / (1 - b1)) / ((m2 / (1 - b2)).sqrt() + eps)
     eng.step(x, y)
-    assert torch.allclose(m.w.detach(), expected, atol=1e-6)
-    assert torch.allclose(eng.pipeline.error_feedback.e, g.sum(0) / 2.0 - v, atol=1e-6)
+    assert torch.allclose(m.w.detach(), expected, rtol=1e-4, atol=2e-5)  # norms are upper bounds, 1.5e-5 above (grads/precision.py)
+    assert torch.allclose(eng.pipeline.error_feedback.e, g.sum(0) / 2.0 - v, rtol=1e-4, atol=2e-5)
 
 
 def test_resume_with_changed_method_setting_is_refused():

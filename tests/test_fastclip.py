@@ -284,7 +284,8 @@ def test_embedding_rule_counts_a_repeated_token_once_per_example():
     idx = torch.tensor([[3, 3, 1], [0, 2, 4]])
     g = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [0.0, 2.0]], [[9.0, 9.0], [0.0, 1.0], [3.0, 0.0]]])
     r = _Embed(m, idx, g)
-    torch.testing.assert_close(r.sq, torch.tensor([4.0 + 4.0, 1.0 + 9.0]))
+    torch.testing.assert_close(r.sq, torch.tensor([4.0 + 4.0, 1.0 + 9.0], dtype=torch.float64), rtol=1e-4, atol=0)
+    assert bool((r.sq >= torch.tensor([8.0, 10.0], dtype=torch.float64)).all())  # an upper bound
     (w,) = r.sums(torch.tensor([[1.0, 10.0]]))
     want = torch.zeros(5, 2)
     want[3], want[1], want[2], want[4] = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 2.0]), \
@@ -578,33 +579,105 @@ def test_the_ghost_norm_bound_holds_under_reduced_matmul_precision():
     assert bool((ghost_norm_bound(ab, gb) >= exact).all())
 
 
-def test_the_fast_path_runs_at_full_float32_and_restores_the_settings():
-    """TF32 (matmul precision "high", cuDNN's allow_tf32, on by default) would round rows to 2^-11
-    before the clip factors meet them and make the probe's two float32 gradients differ by ~1e-3
-    (a float64 recheck on every GPU step): inside the fast path's forward, backward, probes and
-    sums both are off; the user's settings come back after the step."""
+def test_a_probe_whose_own_gradient_is_infinite_is_not_a_match():
+    """A model that mixes examples (the batch mean added to a layer's input) scaled by b / (b - 1),
+    infinite for the probe's batch of one: ``||got - want|| <= 1e-4 ||want||`` was inf <= inf, true,
+    and the step was accepted. Non-finite comparisons are mismatches now: refused."""
+    class Mixer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 3, bias=False)
+
+        def forward(self, x):
+            b = x.shape[0]
+            return self.lin(x + 2.0 * x.mean(0, keepdim=True)) * (torch.tensor(float(b)) / (b - 1.0))
+
+    torch.manual_seed(0)
+    eng = DPEngine(Mixer(), "dpsgd", n=40, batch_size=8.0, steps=1, noise_multiplier=1.0, accountant="rdp",
+                   grad_path="fast", loss_fn=lambda out, y: (out ** 2).sum(1), config=AlgoConfig(lr=0.1, clip=0.5))
+    with pytest.raises(ConfigError, match="differs from its own gradient"):
+        eng.step(torch.rand(8, 6) + 0.5, torch.zeros(8, dtype=torch.long), torch.arange(8))
+
+
+def _float32_settings() -> tuple:
+    """What decides float32 products and convolutions: torch >= 2.9's per-backend settings (the
+    legacy flags can raise once they differ), else the legacy ones."""
+    from clipbias.grads.precision import _precision_leaves
+    leaves = _precision_leaves()
+    if leaves:
+        return tuple(x.fp32_precision for x in leaves)
+    return torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+
+
+FULL = ("ieee",) * 4
+
+
+@pytest.fixture
+def reduced_precision():
+    """TF32 everywhere and bfloat16 passes on the CPU, as a user may set them; restored after."""
+    old = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("medium")
+    torch.backends.cudnn.allow_tf32 = True
+    yield _float32_settings()
+    torch.set_float32_matmul_precision(old[0])
+    torch.backends.cudnn.allow_tf32 = old[1]
+
+
+def test_full_float32_restores_the_settings_after_an_error_and_when_nested(reduced_precision):
+    from clipbias.grads.precision import _precision_leaves, full_float32
+    inside = FULL if _precision_leaves() else ("highest", False)
+    assert reduced_precision != inside
+    with pytest.raises(ZeroDivisionError):
+        with full_float32():
+            with full_float32():
+                assert _float32_settings() == inside
+            assert _float32_settings() == inside
+            1 / 0
+    assert _float32_settings() == reduced_precision
+    assert torch.get_float32_matmul_precision() == "medium"  # the legacy getter still answers
+
+
+def test_full_float32_leaves_new_style_settings_readable():
+    """With torch >= 2.9's settings (cuDNN conv and RNN set apart), reading the legacy cuDNN flag
+    raises: the fast path must neither read it nor fail."""
+    from clipbias.grads.precision import _precision_leaves
+    if not _precision_leaves():
+        pytest.skip("torch < 2.9 has no per-backend float32 precision")
+    conv = torch.backends.cudnn.conv.fp32_precision
+    try:
+        torch.backends.cudnn.conv.fp32_precision = "ieee" if torch.backends.cudnn.rnn.fp32_precision != "ieee" else "tf32"
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+        eng = DPEngine(model, "dpsgd", n=40, batch_size=8.0, steps=2, noise_multiplier=1.0, accountant="rdp",
+                       grad_path="fast", config=AlgoConfig(lr=0.1, clip=0.5))
+        before = _float32_settings()
+        eng.step(torch.randn(8, 6), torch.randint(0, 3, (8,)), torch.arange(8))
+        assert _float32_settings() == before
+    finally:
+        torch.backends.cudnn.conv.fp32_precision = conv
+
+
+def test_the_fast_path_runs_at_full_float32_and_restores_the_settings(reduced_precision):
+    """TF32 (matmul precision "high", cuDNN's TF32 convolutions, on by default) or bfloat16 passes
+    would round rows before the clip factors meet them and make the probe's two float32 gradients
+    differ by ~1e-3 (a float64 recheck on every GPU step): inside the fast path's forward, backward,
+    probes and sums all are at float32's own precision; the user's settings come back after the step."""
+    from clipbias.grads.precision import _precision_leaves
+    inside = FULL if _precision_leaves() else ("highest", False)
     seen = []
 
     class Spy(nn.Module):
         def forward(self, h):
-            seen.append((torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32))
+            seen.append(_float32_settings())
             return torch.tanh(h)
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), Spy(), nn.Linear(5, 3))
     eng = DPEngine(model, "dpsgd", n=40, batch_size=8.0, steps=2, noise_multiplier=1.0, accountant="rdp",
                    grad_path="fast", config=AlgoConfig(lr=0.1, clip=0.5))
-    old = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    try:
-        torch.set_float32_matmul_precision("high")
-        torch.backends.cudnn.allow_tf32 = True
-        eng.step(torch.randn(8, 6), torch.randint(0, 3, (8,)), torch.arange(8))
-        after = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    finally:
-        torch.set_float32_matmul_precision(old[0])
-        torch.backends.cudnn.allow_tf32 = old[1]
-    assert len(seen) >= 2 and set(seen) == {("highest", False)}  # the batch and the probes
-    assert after == ("high", True)
+    eng.step(torch.randn(8, 6), torch.randint(0, 3, (8,)), torch.arange(8))
+    assert len(seen) >= 2 and set(seen) == {inside}  # the batch and the probes
+    assert _float32_settings() == reduced_precision
 
 
 @pytest.mark.parametrize("layer, shape", [

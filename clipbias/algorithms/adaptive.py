@@ -28,6 +28,7 @@ from torch import Tensor
 from .. import distributed
 from ..config import OPTIONAL, AlgoConfig, Setting, real
 from ..errors import ConfigError
+from ..grads.precision import last_norms
 from ..randomness import Purpose, SecretKey, snapped_gaussian
 from ..transforms import Clip, StepContext, clip_rows, clip_scale, scale_rows
 from .base import Algorithm, Parts, register
@@ -54,7 +55,7 @@ class QuantileClip(Clip):
         self._partial += float((norms <= self.c).sum()) - 0.5 * len(norms)
 
     def __call__(self, g: Tensor, ctx: StepContext) -> Tensor:
-        norms = torch.linalg.vector_norm(g, dim=-1)
+        norms = last_norms(g)
         self._count(norms)
         return scale_rows(g, clip_scale(norms, self.c).unsqueeze(-1))
 

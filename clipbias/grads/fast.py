@@ -41,7 +41,7 @@ affected) / b per step. Two red-team sessions' cases are in ``tests/test_fastcli
 
 from __future__ import annotations
 
-import contextlib
+import math
 import secrets
 from typing import Callable
 
@@ -52,6 +52,7 @@ from torch.nn import functional as F
 from ..data import batch
 from ..data.batch import Batch
 from ..errors import ConfigError
+from .precision import full_float32, sq_norms
 from .conv_rows import conv_weight_rows, unfold_input
 from .rows import LossFn, ParamLayout, check_model, cross_entropy
 
@@ -105,26 +106,8 @@ WIDE_BLOCK_BYTES = 64 * 2**20
 
 def unit_roundoff(t: Tensor) -> float:
     """The unit roundoff of ``t``'s dtype: 2^-53 for float64, 2^-24 for float32 (the products the
-    bounds rest on run at float32's own precision: ``_full_float32``)."""
+    bounds rest on run at float32's own precision: ``full_float32``)."""
     return 2.0 ** -53 if t.dtype == torch.float64 else 2.0 ** -24
-
-
-@contextlib.contextmanager
-def _full_float32():
-    """float32 matrix products and convolutions at float32's own unit roundoff (2^-24): TF32 and
-    reduced-precision passes (``torch.set_float32_matmul_precision("high" | "medium")``, which also
-    sets CUDA's TF32, and cuDNN's TF32 convolutions, on by default) off inside, the settings restored
-    after. At 2^-11 a Gram of k = 2048 features would have no useful worst-case bound (``gamma_k``
-    near 1), and the per-step probe, which compares two float32 computations of a gradient to 1e-4,
-    would send nearly every step of a GPU convolutional network to its float64 recheck."""
-    precision, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("highest")
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(precision)
-        torch.backends.cudnn.allow_tf32 = cudnn
 
 
 def _gamma(n: int, u: float) -> float:
@@ -157,7 +140,7 @@ def ghost_norm_bound(a: Tensor, g: Tensor) -> Tensor:
     if a.dtype != torch.float64:  # bfloat16 activations (autocast) widen exactly to float32
         a, g = a.float(), g.float()
     u = unit_roundoff(a)
-    with _full_float32():  # the Grams at float32's own precision whatever TF32 / matmul precision say
+    with full_float32():  # the Grams at float32's own precision whatever TF32 / matmul precision say
         sq = (torch.bmm(a, a.transpose(1, 2)).double() * torch.bmm(g, g.transpose(1, 2)).double()).sum((1, 2))
     na, ng = torch.linalg.vector_norm(a, dim=2).double(), torch.linalg.vector_norm(g, dim=2).double()
     grow = (1 + _gamma(k + 2, u)) * (1 + _gamma(o + 2, u)) * (1 + _gamma(L + 1, 2.0 ** -53))
@@ -195,7 +178,7 @@ class _Matrix:
             self.pe = conv_weight_rows(m, a, g) if conv else torch.bmm(g.transpose(1, 2), a)
             if conv:
                 a, g = None, g.flatten(2).transpose(1, 2)
-            sq = self.pe.square().sum((1, 2))
+            sq = sq_norms(self.pe)
         else:
             if conv:
                 a, g = unfold_input(m, a).transpose(1, 2), g.flatten(2).transpose(1, 2)
@@ -204,7 +187,7 @@ class _Matrix:
             else:  # the ghost norm: an upper bound on the true norm, whatever the rounding
                 sq = ghost_norm_bound(a, g)
         self.a, self.g = a, g
-        self.sq = (sq * self.w) + (g.sum(1).square().sum(1) if self.bias else 0)
+        self.sq = (sq * self.w) + (sq_norms(g.sum(1)) if self.bias else 0)
 
     def sums(self, S: Tensor) -> list[Tensor]:
         """``[n, numel]`` per parameter: ``sum_i S[j, i] grad_i`` for every row j of ``S [n, b]``."""
@@ -271,7 +254,7 @@ class _Affine:
         if m.bias is not None and m.bias.requires_grad:
             parts.append((g.sum(dims) if dims else g).reshape(b, -1))
         self.rows = parts
-        self.sq = sum(r.square().sum(1) for r in parts)
+        self.sq = sum(sq_norms(r) for r in parts)
         self.terms = sum(r.shape[1] for r in parts) + 1
 
     def sums(self, S: Tensor) -> list[Tensor]:
@@ -298,11 +281,11 @@ class _Embed:
         self.rows = g.new_zeros(len(uniq), g.shape[-1]).index_add_(0, inv, g.reshape(-1, g.shape[-1]))
         self.owner, self.token, self.shape = uniq // v, uniq % v, m.weight.shape
         self.terms = g.shape[1] * g.shape[2] + 1  # an example's positions x width
-        self.sq = g.new_zeros(b).index_add_(0, self.owner, self.rows.square().sum(1))
+        self.sq = torch.zeros(b, dtype=torch.float64, device=g.device).index_add_(0, self.owner, sq_norms(self.rows))
 
     def cross(self, o: "_Embed") -> Tensor:
         """Per example, over its tokens (the same inputs at other weights: the same (example, token) rows)."""
-        return self.sq.new_zeros(self.sq.shape).index_add_(0, self.owner, (self.rows * o.rows).sum(1))
+        return self.sq.new_zeros(self.sq.shape).index_add_(0, self.owner, (self.rows * o.rows).sum(1).double())
 
     def _place(self, token: Tensor, rows: Tensor) -> Tensor:
         return rows.new_zeros(self.shape).index_add_(0, token, rows).reshape(-1)
@@ -399,7 +382,7 @@ class BookKeeping:
         if not bool(torch.isfinite(norms).all()):  # the caller refuses the step, naming the examples
             return torch.zeros(0), None, losses, norms
         S = torch.stack([scale(norms)] + ([torch.ones_like(norms)] if reference else []))
-        with _full_float32():  # TF32 would round the rows to 2^-11 before the clip factors meet them
+        with full_float32():  # TF32 would round the rows to 2^-11 before the clip factors meet them
             pieces = [r.sums(S) for r in rules]
         proc = self._assemble([[t[0] for t in lp] for lp in pieces])
         if reference:
@@ -421,7 +404,7 @@ class BookKeeping:
         params = self.layout.params(self.model)
         dev = params[0].device
         rng, buffers = _rng_state(dev), [(b, b._version, b.detach().clone()) for b in self.model.buffers()]
-        with _full_float32():  # the batch and the probes in the same (full) float32 arithmetic
+        with full_float32():  # the batch and the probes in the same (full) float32 arithmetic
             try:
                 losses, acts, grads = self._backward(x, y, params=params if reference else None)
             finally:  # a buffer changed by the forward is restored and refused, whatever else failed
@@ -679,4 +662,6 @@ def _close(got: list[Tensor], want: tuple, params: list, rtol: float) -> bool:
         diffs.append(torch.linalg.vector_norm(g - t, dtype=torch.float64))
         refs.append(torch.linalg.vector_norm(t, dtype=torch.float64))
     diff, ref = torch.linalg.vector_norm(torch.stack(diffs + refs).view(2, -1), dim=1).tolist()  # one sync
-    return diff <= rtol * ref + 1e-30
+    # finite both: an infinite own gradient made inf <= 1e-4 inf true, and a model that mixes examples
+    # through a factor b / (b - 1) (infinite for the probe's batch of one) passed
+    return math.isfinite(diff) and math.isfinite(ref) and diff <= rtol * ref + 1e-30

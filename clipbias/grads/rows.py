@@ -24,6 +24,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from ..data import batch
 from ..data.batch import Batch
 from ..errors import ConfigError, NonFiniteGradientError, UnsupportedModelError
+from .precision import full_float32, last_norms, sq_norms
 from ..randomness import PROBE_STEP, SecretKey
 
 LossFn = Callable[..., Tensor]
@@ -180,11 +181,12 @@ class ParamSums:
             return self._two_points(x, y, scale, reference, *at)
         grads, losses = guarded(self.grads.per_param, x, y, self.layout.dim)
         flat = [g.reshape(b, -1) for g in grads]
-        norms = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat]), dim=0)
+        norms = torch.stack([sq_norms(f) for f in flat]).sum(0).sqrt()  # upper bounds (precision.py)
         s = scale(norms).to(flat[0].dtype)
-        if not reference:
-            return torch.cat([s @ f for f in flat]), None, losses, norms
-        both = [torch.stack([s, torch.ones_like(s)]) @ f for f in flat]  # one pass over the rows for both sums
+        with full_float32():  # TF32 would round the rows before their factors (grads/precision.py)
+            if not reference:
+                return torch.cat([s @ f for f in flat]), None, losses, norms
+            both = [torch.stack([s, torch.ones_like(s)]) @ f for f in flat]  # one pass over the rows for both sums
         return torch.cat([t[0] for t in both]), torch.cat([t[1] for t in both]), losses, norms
 
     def _two_points(self, x: Batch, y: Batch, scale: Callable[[Tensor], Tensor], reference: bool,
@@ -199,19 +201,19 @@ class ParamSums:
             far, losses = guarded(self.grads.per_param, x, y, self.layout.dim)
         far = [g.reshape(b, -1) for g in far]
         if c == 1.0:
-            near, w = far, (1.0, 0.0)
-            sq = sum(torch.linalg.vector_norm(f, dim=1).square() for f in far)
+            near = far
+            sq = sum(sq_norms(f) for f in far)
         else:
             near, losses = guarded(self.grads.per_param, x, y, self.layout.dim)
             near = [g.reshape(b, -1) for g in near]
-            sq = sum(torch.linalg.vector_norm(torch.add(c * f, n, alpha=1 - c), dim=1).square()
-                     for f, n in zip(far, near))
+            sq = sum(sq_norms(torch.add(c * f, n, alpha=1 - c)) for f, n in zip(far, near))
         norms = sq.sqrt()
         s = scale(norms).to(far[0].dtype)
         S = torch.stack([s, torch.ones_like(s)]) if reference else s.unsqueeze(0)
         # the sums of the very pieces whose norms were taken (c (S f) + (1 - c) (S n) would round apart from
         # them by about c eps ||f_i||, not bounded by the clip when c is large)
-        sums = [S @ (f if c == 1.0 else torch.add(c * f, n, alpha=1 - c)) for f, n in zip(far, near)]
+        with full_float32():
+            sums = [S @ (f if c == 1.0 else torch.add(c * f, n, alpha=1 - c)) for f, n in zip(far, near)]
         return (torch.cat([t[0] for t in sums]), torch.cat([t[1] for t in sums]) if reference else None,
                 losses, norms)
 
@@ -316,7 +318,7 @@ def check_finite(g: Tensor, indices: Tensor | None = None) -> Tensor:
     Returns the row norms (the pipeline's clip reuses them)."""
     # a row holds NaN/Inf iff its norm does (one reduction, no [b, d] boolean matrix): NaN and +-Inf
     # propagate through the sum of squares; finite rows whose norm overflows float are refused too
-    return check_finite_norms(torch.linalg.vector_norm(g, dim=-1), indices)
+    return check_finite_norms(last_norms(g), indices)
 
 
 def check_finite_norms(norms: Tensor, indices: Tensor | None = None) -> Tensor:

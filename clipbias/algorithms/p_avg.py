@@ -80,8 +80,9 @@ class GroupMeanGradients(RowSource):
         groups = groups or self.groups
         gid = self.assign(batch_keys(indices, 0, b), step, groups)
         d, dev = self.layout.dim, self.fg.device()
-        sums = torch.zeros(groups, d, device=dev)
-        counts = torch.zeros(groups, device=dev)
+        dt = next(self.fg.model.parameters()).dtype  # a float64 model's group means in float64
+        sums = torch.zeros(groups, d, device=dev, dtype=dt)
+        counts = torch.zeros(groups, device=dev, dtype=dt)
         losses = []
         for start in range(0, b, max_physical_batch):
             sl = slice(start, start + max_physical_batch)

@@ -161,9 +161,9 @@ class DPEngine:
         """
         check_step(self, x, y, indices)
         d = self.rows.layout.dim
-        dev = self.params[0].device
-        ref_sum = torch.zeros(d, device=dev) if self.pipeline.error_feedback is not None else None
-        proc_sum = torch.zeros(d, device=dev)
+        dev, dt = self.params[0].device, self.params[0].dtype  # a float64 model sums in float64
+        ref_sum = torch.zeros(d, device=dev, dtype=dt) if self.pipeline.error_feedback is not None else None
+        proc_sum = torch.zeros(d, device=dev, dtype=dt)
         losses, failure = [], None
         torch_rng = torch.get_rng_state()  # dropout draws of the model (randomness="different")
         try:

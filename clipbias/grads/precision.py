@@ -20,37 +20,48 @@ from torch import Tensor
 
 def _precision_leaves() -> list:
     """torch >= 2.9's per-backend float32 precision settings that decide float32 matrix products and
-    convolutions (``fp32_precision``: "ieee", "tf32", "bf16" or "none" = inherit); [] before 2.9.
-    Reading the legacy flags after a user set these can raise, so only these are touched then."""
+    convolutions (``fp32_precision``: "ieee", "tf32", "bf16" or "none" = inherit); [] before 2.9."""
     b = torch.backends
     leaves = [b.cuda.matmul, b.cudnn.conv, b.mkldnn.matmul, b.mkldnn.conv]
     return leaves if all(hasattr(x, "fp32_precision") for x in leaves) else []
+
+
+def _legacy() -> tuple | None:
+    """The legacy settings (matmul precision, cuDNN's allow_tf32), or None where torch refuses to
+    read them (torch >= 2.9 after a mix of legacy and per-backend settings)."""
+    try:
+        return torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    except RuntimeError:
+        return None
 
 
 @contextlib.contextmanager
 def full_float32() -> Iterator[None]:
     """float32 matrix products and convolutions at float32's own unit roundoff (2^-24) inside (CUDA
     and cuDNN without TF32, oneDNN on the CPU without bfloat16 passes); the caller's settings
-    restored after, whatever happens inside."""
-    leaves = _precision_leaves()
-    if leaves:
-        saved = [x.fp32_precision for x in leaves]
-        try:
-            for x in leaves:
-                x.fp32_precision = "ieee"
-            yield
-        finally:
-            for x, v in zip(leaves, saved):
-                x.fp32_precision = v
-        return
-    precision, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("highest")
-    torch.backends.cudnn.allow_tf32 = False
+    restored after, whatever happens inside.
+
+    Through the legacy setters where torch can read them, so that code inside (a model, a loss,
+    ``torch.backends.cudnn.flags``) can still read them: per-backend settings ("ieee") make torch
+    >= 2.9 refuse legacy reads. A per-backend leaf still reduced after that (inherited from a global
+    "tf32"/"bf16", or the legacy settings unreadable to begin with) is set to "ieee" itself."""
+    legacy, leaves = _legacy(), _precision_leaves()
+    saved = [x.fp32_precision for x in leaves]
     try:
+        if legacy is not None:
+            torch.set_float32_matmul_precision("highest")
+            torch.backends.cudnn.allow_tf32 = False
+        for x in leaves:
+            if x.fp32_precision not in ("ieee", "none"):
+                x.fp32_precision = "ieee"
         yield
     finally:
-        torch.set_float32_matmul_precision(precision)
-        torch.backends.cudnn.allow_tf32 = cudnn
+        for x, v in zip(leaves, saved):
+            if x.fp32_precision != v:
+                x.fp32_precision = v
+        if legacy is not None:
+            torch.set_float32_matmul_precision(legacy[0])
+            torch.backends.cudnn.allow_tf32 = legacy[1]
 
 
 NORM_BLOCK = 256

@@ -84,10 +84,10 @@ def sq_norms(t: Tensor) -> Tensor:
     the example contributes more than C. Here each block of ``NORM_BLOCK`` entries is summed in
     float32 (relative error below ``gamma_{NORM_BLOCK + 1}`` in any summation order, the square root
     adding u / 2), the blocks' squares in float64 (exact products, error ``gamma64_{d / NORM_BLOCK}``),
-    and the result is enlarged by ``1 + 2 gamma_{NORM_BLOCK + 2}`` (1.5e-5 in float32, 3e-14 in
-    float64) plus ``d 2^-126`` for squares that underflow (flushed to zero on some hardware). The
-    bound is what the rounding allows in the worst case; the cost is a clip smaller by a few parts
-    in 10^5."""
+    and the result is enlarged by ``1 + 2 gamma_{NORM_BLOCK + 2} + 2 gamma64_{blocks + 1}`` (3.1e-5 in
+    float32, 6e-14 in float64 for rows up to 2^16 blocks) plus ``d 2^-126`` for squares that
+    underflow (flushed to zero on some hardware). The bound is what the rounding allows in the worst
+    case; the cost is a clip smaller by a few parts in 10^5."""
     b = t.shape[0]
     f = t.reshape(b, math.prod(t.shape[1:]))  # (b, -1) is ambiguous for b = 0
     if not f.is_floating_point() or f.element_size() < 4:
@@ -101,7 +101,8 @@ def sq_norms(t: Tensor) -> Tensor:
             .square().sum(1)
     if d > main:
         sq += torch.linalg.vector_norm(f[:, main:], dim=1).double().square()
-    return sq * (1 + 2 * _gamma(NORM_BLOCK + 2, u)) + d * tiny
+    blocks = -(-d // NORM_BLOCK)  # the float64 sum of the blocks' squares adds gamma64_{blocks + 1}
+    return sq * (1 + 2 * _gamma(NORM_BLOCK + 2, u) + 2 * _gamma(blocks + 1, 2.0 ** -53)) + d * tiny
 
 
 def row_norms(t: Tensor) -> Tensor:

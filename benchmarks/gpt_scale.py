@@ -72,6 +72,7 @@ def one(arm: str, b: int, steps: int, threads: int, device: str = "cpu") -> dict
         eng = DPEngine(model, arm, n=50_000, batch_size=float(b), steps=steps, noise_multiplier=1.0,
                        accountant="rdp", loss_fn=lm_loss, config=AlgoConfig(lr=0.1, clip=1.0), max_physical_batch=b)
         path = eng.grad_path_note
+        tune_allocator(eng.fast is None)  # as `clipbias train` does once the engine is built
 
         def step():
             return float(eng.step(x, y, idx).mean())

@@ -349,3 +349,13 @@ def test_run_many_refuses_a_variant_before_any_run_trains(tmp_path):
         run_many(base, [("dpsgd", {"algo": "dpsgd"}), ("inner-outer", {"algo": "inner-outer"})], [0],
                  out=tmp_path / "cmp")
     assert not (tmp_path / "cmp").exists() or not any((tmp_path / "cmp").iterdir())
+
+
+def test_on_engine_gets_the_engine_before_the_first_step(splits):
+    """``train(on_engine=...)`` hands the built engine to the caller before any step (the CLI sets the
+    allocator by its gradient path there, on every rank)."""
+    from clipbias.engine.core import DPEngine
+    seen = []
+    train(dataclasses.replace(ONE, algo="dpsgd", ef_clip=None),
+          splits=splits, on_engine=lambda e: seen.append((type(e), e.steps_taken, e.fast is None)))
+    assert seen == [(DPEngine, 0, True)]  # digits' MLP takes the rows path

@@ -305,7 +305,8 @@ def _train_and_report(args: argparse.Namespace, cfg: TrainConfig) -> int:
     from ..run.training import CHECKPOINT, CURVES, RESULTS, train
     out_stream = sys.stderr if args.json else sys.stdout
     try:
-        res = train(cfg, progress=not args.quiet, on_start=lambda h: print_header(h, out_stream))
+        res = train(cfg, progress=not args.quiet, on_start=lambda h: print_header(h, out_stream),
+                    on_engine=lambda engine: tune_allocator(engine.fast is None))  # rows path: keep memory
     except KeyboardInterrupt as e:
         what = "terminated (SIGTERM)" if exit_code(e) == 143 else "interrupted"
         if (Path(cfg.out) / CHECKPOINT).is_file():

@@ -465,7 +465,11 @@ class BookKeeping:
                                       f"use the out-of-place operation, or --grad-path rows")
                 if check_graph:  # off only for the float64 recheck, whose leaves are copies
                     self._check_graph(losses, outs, ins)
-                grads = torch.autograd.grad(losses.sum(), [outs[m] for m in self.layers] + (params or []))
+                # the outputs' graph edges, not the outputs: a language model's logits (the head's output,
+                # 1.65 GB for a 64M GPT at B = 128) are then freed once the loss has read them, as in a
+                # non-private step, instead of being held through the backward
+                targets = [_edge(outs.pop(m)) for m in self.layers]
+                grads = torch.autograd.grad(losses.sum(), targets + (params or []))
         finally:
             for h in handles:
                 h.remove()
@@ -586,6 +590,13 @@ class BookKeeping:
 
 PROBES = 4
 """Examples probed per step (deterministic forward)."""
+
+
+def _edge(t: Tensor):
+    """What ``torch.autograd.grad`` needs to return the gradient with respect to ``t`` without
+    keeping ``t`` alive: its gradient edge (torch >= 2.2), else ``t`` itself."""
+    get = getattr(torch.autograd.graph, "get_gradient_edge", None)
+    return get(t) if get is not None else t
 
 
 def _widen(t: Tensor, wide: bool) -> Tensor:

@@ -54,7 +54,7 @@ def train(config: TrainConfig, **kwargs: Any) -> dict:
 
     Keyword arguments: ``splits`` (from :func:`prepare_splits`) or ``dataset`` avoid reloading the
     data. ``on_start`` gets the header dict (dataset, N, q, B, steps, noise multiplier, privacy basis,
-    ...) before the first step; ``on_epoch_end`` gets each epoch's record after the checkpoint is
+    ...) before the first step (rank 0), ``on_engine`` the built ``DPEngine`` (every rank); ``on_epoch_end`` gets each epoch's record after the checkpoint is
     written (raising from it interrupts the run, which ``resume=True`` continues). ``progress`` shows
     a tqdm bar; ``checkpoint`` and ``plot`` (default True) write ``checkpoint.pt`` and ``curves.png``.
     ``out`` is locked for the run: a second run on the same directory is refused.
@@ -81,11 +81,13 @@ def _open(config: TrainConfig, held: contextlib.ExitStack) -> dict | None:
 def _train(config: TrainConfig, ckpt: dict | None, *, dataset: Dataset | None = None, splits: Splits | None = None,
            progress: bool = False, on_start: Callable[[dict], None] | None = None,
            on_epoch_end: Callable[[dict], None] | None = None, checkpoint: bool = True,
-           plot: bool = True) -> dict:
+           plot: bool = True, on_engine: Callable[[Any], None] | None = None) -> dict:
     t_start = time.perf_counter()
     cfg = config
     out = Path(cfg.out) if cfg.out else None
     run = build_run(cfg, splits_for(cfg, splits, dataset))
+    if on_engine is not None:
+        on_engine(run.engine)
     history, start_epoch, prior_time = _restore(run, ckpt)
     lead = distributed.context()[0] == 0  # rank 0 writes the files; every rank trains
     if out is not None and ckpt is None and lead:  # --overwrite: the old run is set aside only now, once built

@@ -81,7 +81,8 @@ def clip_rows(g: Tensor, c: float) -> Tensor:
 
 def normalize_rows(g: Tensor, gamma: float) -> Tensor:
     """g_i / (||g_i|| + gamma): automatic clipping (Bu et al. 2022); every row has norm < 1."""
-    return (g / (last_norms(g, keepdim=True) + gamma).to(g.dtype)).nan_to_num_(nan=0.0)  # an infinite entry: inf / inf = NaN -> 0
+    # an infinite entry: inf / inf = NaN -> 0
+    return (g / (last_norms(g, keepdim=True) + gamma).to(g.dtype)).nan_to_num_(nan=0.0)
 
 
 class Stage:

@@ -24,8 +24,8 @@ from torch.func import functional_call, grad_and_value, vmap
 from ..data import batch
 from ..data.batch import Batch
 from ..errors import ConfigError, NonFiniteGradientError, UnsupportedModelError
-from .precision import full_float32, last_norms, sq_norms
 from ..randomness import PROBE_STEP, SecretKey
+from .precision import full_float32, last_norms, sq_norms
 
 LossFn = Callable[..., Tensor]
 """``loss_fn(model output, targets) -> loss``: either the sum of the batch's per-example losses (a
@@ -317,7 +317,8 @@ def check_finite(g: Tensor, indices: Tensor | None = None) -> Tensor:
     """Raise ``NonFiniteGradientError`` naming the offending examples; callers do it before any update.
     Returns the row norms (the pipeline's clip reuses them)."""
     # a row holds NaN/Inf iff its norm does (one reduction, no [b, d] boolean matrix): NaN and +-Inf
-    # propagate through the sum of squares; finite rows whose norm overflows float are refused too
+    # propagate through the sum of squares; finite rows with a block of 256 whose squares overflow
+    # float32 are refused too (grads/precision.py)
     return check_finite_norms(last_norms(g), indices)
 
 

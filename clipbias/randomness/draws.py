@@ -29,6 +29,7 @@ _CHUNK_PAIRS = 1 << 20             # normals are made 2^21 at a time (bounded te
 _GPU_KEYSTREAM_PAIRS = 1 << 18     # on a GPU, larger draws compute the keystream there
 _TORCH_BLOCKS = 1 << 20            # keystream blocks per torch ChaCha20 call (~300 MB of temporaries)
 _T32, _T64 = 2.0 ** 32, 2.0 ** -64
+assert _CHUNK_PAIRS % 8 == 0, "a chunk's H, L, A runs must each start on a 64-byte keystream block"
 _M32 = float(0xFFFFFFFF)
 
 
@@ -78,7 +79,7 @@ def normal_chunks(key: SecretKey, purpose: int, step: int, index: int, count: in
                   device: torch.device | str = "cpu", cipher: str = "auto") -> Iterator[tuple[int, Tensor]]:
     """The normals of ``normals`` as ``(start, values)`` pieces (bounded memory: a caller can use each
     piece while it is in cache): 2^21 normals, or on the torch keystream path as many whole chunks of
-    2^21 as one call of ``chacha20_words`` makes (``_TORCH_BLOCKS``: its cost is mostly ~700 kernel
+    2^21 as one call of ``chacha20_words`` makes (``_TORCH_BLOCKS``: its cost is mostly ~600 kernel
     launches per call on a GPU, whatever the size)."""
     device = torch.device(device)
     if cipher not in ("auto", "openssl", "torch"):

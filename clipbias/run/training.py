@@ -54,8 +54,8 @@ def train(config: TrainConfig, **kwargs: Any) -> dict:
 
     Keyword arguments: ``splits`` (from :func:`prepare_splits`) or ``dataset`` avoid reloading the
     data. ``on_start`` gets the header dict (dataset, N, q, B, steps, noise multiplier, privacy basis,
-    ...) before the first step (rank 0), ``on_engine`` the built ``DPEngine`` (every rank); ``on_epoch_end`` gets each epoch's record after the checkpoint is
-    written (raising from it interrupts the run, which ``resume=True`` continues). ``progress`` shows
+    ...) before the first step (rank 0), ``on_engine`` the built ``DPEngine`` (every rank);
+    ``on_epoch_end`` gets each epoch's record after the checkpoint is written (raising from it interrupts the run, which ``resume=True`` continues). ``progress`` shows
     a tqdm bar; ``checkpoint`` and ``plot`` (default True) write ``checkpoint.pt`` and ``curves.png``.
     ``out`` is locked for the run: a second run on the same directory is refused.
 

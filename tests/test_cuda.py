@@ -238,26 +238,35 @@ def test_diagnose_cli_on_cuda(tmp_path, capsys):
 @pytest.mark.parametrize("path", ["rows", "fast"])
 def test_clipped_sums_are_full_float32_under_tf32(path):
     """With TF32 allowed for matrix products (what ``torch.set_float32_matmul_precision("high")``
-    does on a GPU) the clipped sum ``s @ rows`` would round each row to 10 bits before its factor:
-    one example's contribution must still be its clipped gradient to float32 accuracy (TF32 errs by
-    ~1e-3)."""
+    does on a GPU) the clipped sum ``s @ rows`` would round each row to 10 bits before its factor.
+    Rows path: the rows themselves may be TF32 products (their norms are taken from the same rows),
+    but one example's contribution must be exactly its row times its factor (to float32 rounding;
+    TF32 errs by ~1e-4). Fast path: its forward, backward and sums run at full float32, so the
+    contribution is the float64 clipped gradient to float32 accuracy."""
     from clipbias.grads.rows import FuncGradients, ParamSums
     from clipbias.grads.fast import BookKeeping
     from clipbias.transforms import clip_scale
     torch.manual_seed(0)
     model = nn.Linear(256, 512).to(CUDA)
     x, y = torch.randn(1, 256, device=CUDA), torch.tensor([3], device=CUDA)
-    agg = ParamSums(FuncGradients(model)) if path == "rows" else BookKeeping(model)
+    fg = FuncGradients(model)
+    agg = ParamSums(fg) if path == "rows" else BookKeeping(model)
     old = torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = True
         got, _, _, norms = agg(x, y, lambda n: clip_scale(n, 0.5), False)
         assert torch.backends.cuda.matmul.allow_tf32  # restored
+        rows, _ = fg.per_param(x, y)  # the same (TF32) rows the rows path summed
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
-    m64 = nn.Linear(256, 512).double()
-    m64.load_state_dict({k: v.double().cpu() for k, v in model.state_dict().items()})
-    nn.functional.cross_entropy(m64(x.double().cpu()), y.cpu()).backward()
-    want = torch.cat([m64.weight.grad.flatten(), m64.bias.grad.flatten()])
-    want = want * min(1.0, 0.5 / float(want.norm()))
+    if path == "rows":
+        row = torch.cat([r.reshape(-1) for r in rows])
+        want = (row * clip_scale(norms, 0.5).to(row.dtype)).double().cpu()
+    else:
+        m64 = nn.Linear(256, 512).double()
+        m64.load_state_dict({k: v.double().cpu() for k, v in model.state_dict().items()})
+        nn.functional.cross_entropy(m64(x.double().cpu()), y.cpu()).backward()
+        want = torch.cat([m64.weight.grad.flatten(), m64.bias.grad.flatten()])
+        want = want * min(1.0, 0.5 / float(want.norm()))
     assert float((got.double().cpu() - want).norm() / want.norm()) < 1e-5
+    assert float(got.double().norm()) <= 0.5 * (1 + 1e-6)

@@ -215,7 +215,7 @@ class ErrorFeedback(Carried):
     def feedback(self, e: Tensor) -> Tensor:
         if self.c2 is not None:
             return clip_rows(e, self.c2)
-        return e / (last_norms(e, keepdim=True) + self.gamma).to(e.dtype)  # e is finite here (__call__)
+        return normalize_rows(e, self.gamma)  # e is finite here (__call__)
 
     def __call__(self, aggregate: Tensor, reference_mean: Tensor) -> Tensor:
         # .to: a checkpoint saved on the CPU may be resumed on CUDA (no-op when already there)

@@ -52,7 +52,8 @@ from torch.nn import functional as F
 from ..data import batch
 from ..data.batch import Batch
 from ..errors import ConfigError
-from .precision import full_float32, sq_norms
+from .precision import full_float32, sq_norms, unit_roundoff
+from .precision import gamma as _gamma
 from .conv_rows import conv_weight_rows, unfold_input
 from .rows import LossFn, ParamLayout, check_model, cross_entropy
 
@@ -102,21 +103,6 @@ fewer operations than the ghost norm's float64 bound and sum, and exact rows."""
 
 WIDE_BLOCK_BYTES = 64 * 2**20
 """The float64 sums of a ghost layer convert this much of its output gradients at a time."""
-
-
-def unit_roundoff(t: Tensor) -> float:
-    """The unit roundoff of ``t``'s dtype: 2^-53 for float64, 2^-24 for float32 (the products the
-    bounds rest on run at float32's own precision: ``full_float32``)."""
-    return 2.0 ** -53 if t.dtype == torch.float64 else 2.0 ** -24
-
-
-def _gamma(n: int, u: float) -> float:
-    """Higham's ``gamma_n = n u / (1 - n u)``: a sum of n products computed in any order (blocked,
-    pairwise, FMA) is within ``gamma_n`` times the sum of the products' magnitudes."""
-    if n * u >= 0.5:
-        raise ConfigError(f"--grad-path fast: a sum of {n} products at unit roundoff {u:g} has no useful "
-                          f"rounding bound; use --grad-path rows")
-    return n * u / (1 - n * u)
 
 
 def ghost_norm_bound(a: Tensor, g: Tensor) -> Tensor:

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from ..errors import ConfigError
+
 
 def _precision_leaves() -> list:
     """torch >= 2.9's per-backend float32 precision settings that decide float32 matrix products and
@@ -68,9 +70,18 @@ NORM_BLOCK = 256
 """Squared norms are summed in float32 over blocks of this many entries, then in float64."""
 
 
-def _gamma(n: int, u: float) -> float:
-    """Higham's ``gamma_n = n u / (1 - n u)``: a sum of n products in any order is within ``gamma_n``
-    of the sum of their magnitudes."""
+def unit_roundoff(t: Tensor) -> float:
+    """The unit roundoff of ``t``'s dtype: 2^-53 for float64, 2^-24 for float32 (products computed
+    inside ``full_float32`` run at float32's own precision)."""
+    return 2.0 ** -53 if t.dtype == torch.float64 else 2.0 ** -24
+
+
+def gamma(n: int, u: float) -> float:
+    """Higham's ``gamma_n = n u / (1 - n u)``: a sum of n products computed in any order (blocked,
+    pairwise, FMA) is within ``gamma_n`` times the sum of the products' magnitudes."""
+    if n * u >= 0.5:
+        raise ConfigError(f"--grad-path fast: a sum of {n} products at unit roundoff {u:g} has no useful "
+                          f"rounding bound; use --grad-path rows")
     return n * u / (1 - n * u)
 
 
@@ -93,7 +104,7 @@ def sq_norms(t: Tensor) -> Tensor:
     if not f.is_floating_point() or f.element_size() < 4:
         f = f.float()
     d = f.shape[1]
-    u, tiny = (2.0 ** -53, 2.0 ** -1022) if f.dtype == torch.float64 else (2.0 ** -24, 2.0 ** -126)
+    u, tiny = unit_roundoff(f), (2.0 ** -1022 if f.dtype == torch.float64 else 2.0 ** -126)
     main = d - d % NORM_BLOCK
     sq = torch.zeros(b, dtype=torch.float64, device=f.device)
     if main:
@@ -102,7 +113,7 @@ def sq_norms(t: Tensor) -> Tensor:
     if d > main:
         sq += torch.linalg.vector_norm(f[:, main:], dim=1).double().square()
     blocks = -(-d // NORM_BLOCK)  # the float64 sum of the blocks' squares adds gamma64_{blocks + 1}
-    return sq * (1 + 2 * _gamma(NORM_BLOCK + 2, u) + 2 * _gamma(blocks + 1, 2.0 ** -53)) + d * tiny
+    return sq * (1 + 2 * gamma(NORM_BLOCK + 2, u) + 2 * gamma(blocks + 1, 2.0 ** -53)) + d * tiny
 
 
 def row_norms(t: Tensor) -> Tensor:

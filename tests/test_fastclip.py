@@ -421,7 +421,7 @@ def _inplace():
 
 
 @pytest.mark.parametrize("make,match", [
-    (_Mixup, "batch of their own.*lets examples see each other"),
+    (_Mixup, "each run alone.*lets examples see each other"),
     (lambda: _Mixup(dropout=0.3), "copies of itself.*lets examples see each other"),
     (_RunningMean, r"updates buffer\(s\) \['mu'\]"),
     (lambda: nn.Sequential(nn.Flatten(), nn.BatchNorm1d(64, affine=False, track_running_stats=False).eval(),
@@ -939,3 +939,48 @@ def test_an_overflowing_feedback_buffer_cannot_make_the_release_nan(path):
     before = m.weight.detach().clone()
     eng.step(x[:0], y[:0], torch.arange(0))
     assert torch.isfinite(m.weight).all() and float((m.weight.detach() - before).abs()) < 1.0
+
+
+class _Canary(nn.Module):
+    """Every row's input is shifted by 50 e_1 when the batch holds a canary (an input whose first
+    feature exceeds 5): a statistic of one example, the same in any sub-batch that holds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 3)
+
+    def forward(self, x):
+        shift = torch.zeros_like(x[0])
+        shift[1] = 50.0
+        return self.lin(x + (x[:, 0].max() > 5).to(x.dtype) * shift)
+
+
+def _canary_batch(b):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(b, 16, generator=g), torch.randint(0, 3, (b,), generator=g)
+    x[0, 0] = 10.0
+    return x, y
+
+
+@pytest.mark.parametrize("b", [2, 5, 8])
+def test_a_mixing_driven_by_one_example_is_refused_whichever_examples_are_probed(b, monkeypatch):
+    """With the probes run as one batch of their own, the batch reproduced the shift whenever it held
+    the canary: accepted in 1 step of 2 at b = 2, 4 of 5 at b = 5, 4 of 8 at b = 8 (400 steps each),
+    with the clipped sum moved by 2.0, 4.0 and 7.6 C by removing the canary. Each probe alone: refused
+    every time; the rows path (each example's own gradient) moves the sum by at most C."""
+    from clipbias.grads import fast as fc
+    from clipbias.transforms import clip_scale
+    torch.manual_seed(0)
+    m, (x, y) = _Canary(), _canary_batch(b)
+    bk = fc.BookKeeping(m)
+    for _ in range(30):
+        with pytest.raises(ConfigError, match="each run alone.*lets examples see each other"):
+            bk(x, y, lambda n: clip_scale(n, 1.0), False)
+    eng = DPEngine(m, "dpsgd", n=40, batch_size=b, steps=1, noise_multiplier=1.0, grad_path="fast")
+    with pytest.raises(ConfigError, match="lets examples see each other"):
+        eng.step(x, y, torch.arange(b))
+    assert eng.steps_taken == 0
+    monkeypatch.setattr(fc.BookKeeping, "_check_examples", lambda *a, **k: None)
+    moved = (bk(x, y, lambda n: clip_scale(n, 1.0), False)[0] - bk(x[1:], y[1:], lambda n: clip_scale(n, 1.0),
+                                                                      False)[0]).norm()
+    assert moved > 1.9  # what the unchecked fast path would release: the sensitivity is C = 1

@@ -964,10 +964,10 @@ def _canary_batch(b):
 
 @pytest.mark.parametrize("b", [2, 5, 8])
 def test_a_mixing_driven_by_one_example_is_refused_whichever_examples_are_probed(b, monkeypatch):
-    """With the probes run as one batch of their own, the batch reproduced the shift whenever it held
-    the canary: accepted in 1 step of 2 at b = 2, 4 of 5 at b = 5, 4 of 8 at b = 8 (400 steps each),
-    with the clipped sum moved by 2.0, 4.0 and 7.6 C by removing the canary. Each probe alone: refused
-    every time; the rows path (each example's own gradient) moves the sum by at most C."""
+    """Probes run as one batch of their own reproduce the shift whenever they hold the canary: such a
+    probe accepted 1 step in 2 at b = 2 (one of the two probed), 4 in 5 at b = 5, 4 in 8 at b = 8 (400
+    steps each), and removing the canary moved the clipped sum by 2.0, 4.0 and 7.6 C (C = 1). Each
+    probe alone: refused every time."""
     from clipbias.grads import fast as fc
     from clipbias.transforms import clip_scale
     torch.manual_seed(0)

@@ -549,8 +549,11 @@ class BookKeeping:
         largest input) computes the same rows in any sub-batch that holds those examples, and with
         ``PROBES`` of b examples probed it passed 4 steps in b (4 in 5 at b = 5) with the clipped sum
         moved by up to 7.6 C. Where the model cannot run under ``vmap`` (data-dependent Python
-        control flow, an op without a batching rule) the probes run one at a time. ``call`` runs
-        the model (default: itself)."""
+        control flow, an op without a batching rule) the probes run one at a time. A forward that
+        unwraps ``vmap``'s batched tensor (private functorch API) sees the other probes, as in one
+        batch of them; it is no stronger than a forward that keeps a batch statistic in a Python
+        attribute for the probe's forward, which no probe catches. ``call`` runs the model (default:
+        itself)."""
         dev, call = params[0].device, call or self.model
         idx = torch.tensor(probes, device=dev)
         xs, ys = batch.take(x, idx), batch.take(y, idx)

@@ -562,7 +562,9 @@ class BookKeeping:
                 out = torch.vmap(lambda xi: batch.call(call, batch.unsqueeze(xi)))(xs)
                 out = batch.tree_map(lambda t: t.flatten(0, 1), out)  # [k, 1, ...] -> [k, ...]
                 losses = self._losses(out, ys, len(probes))
-            except RuntimeError:  # no vmap for this forward: the probes one at a time
+            except Exception:  # no vmap for this forward (a RuntimeError), or an output vmap cannot return
+                # (a ValueError: e.g. a dict subclass such as Hugging Face's ModelOutput): the probes one at a
+                # time, where a real error of the model surfaces again
                 losses = torch.cat([self._losses(batch.call(call, batch.take(xs, slice(k, k + 1))),
                                                  batch.take(ys, slice(k, k + 1)), 1) for k in range(len(probes))])
             weights = torch.tensor(w, dtype=losses.dtype, device=losses.device)

@@ -2,9 +2,17 @@
 combined gradient with each example alone in one vmapped forward and one backward (what
 `BookKeeping._own` does), as one batch of the 4 (cheaper, but a model whose rows depend on one
 example of the batch reproduces them in any sub-batch holding it), and 4 batches of one in a loop.
-Min and median of 100 interleaved repeats.
-    PYTHONPATH=$PWD python benchmarks/probe_cost.py"""
-import time, torch
+Min and median of 100 interleaved repeats. Usage::
+
+    PYTHONPATH=$PWD python benchmarks/probe_cost.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
 from clipbias.models import build_model
 from clipbias.grads.fast import BookKeeping
 torch.manual_seed(0)

@@ -152,13 +152,11 @@ class _Matrix:
 
     def __init__(self, m: nn.Module, a: Tensor, g: Tensor) -> None:
         b, conv = g.shape[0], isinstance(m, _CONV)
-        if conv:  # positions, features, outputs without unfolding (the formed rows need no im2col)
-            L, k, o = g[0, 0].numel(), m.weight[0].numel(), g.shape[1]
-        else:
+        L, k, o = _sizes(m, a, g)
+        if not conv:
             a, g = a.reshape(b, -1, a.shape[-1]), g.reshape(b, -1, g.shape[-1])
-            L, k, o = a.shape[1], a.shape[2], g.shape[2]
         self.w, self.bias = m.weight.requires_grad, m.bias is not None and m.bias.requires_grad
-        self.ghost = L > 1 and L * L <= o * k and b * o * k * a.element_size() > GHOST_MIN_BYTES
+        self.ghost = _ghost(L, k, o, b, a.element_size())
         # the longest float64 sum behind sq and cross (DiSK's combination bounds its rounding with it)
         self.terms = (k + o if L == 1 else L * L + k + o if self.ghost else o * k) + o + 1
         self.pe: Tensor | None = None
@@ -287,6 +285,27 @@ class _Embed:
         return [self._place(self.token[mine], self.rows[mine])]
 
 
+def _sizes(m: nn.Module, a: Tensor, g: Tensor) -> tuple[int, int, int]:
+    """A Linear/Conv layer's (positions L, input features k, outputs o) per example, from its input
+    ``a`` and its output (or output gradient) ``g``; a convolution's without unfolding."""
+    if isinstance(m, _CONV):
+        return g[0, 0].numel(), m.weight[0].numel(), g.shape[1]
+    return a[0].numel() // a.shape[-1], a.shape[-1], g.shape[-1]
+
+
+def _ghost(L: int, k: int, o: int, b: int, element_size: int) -> bool:
+    """Whether ``_Matrix`` takes the ghost norm (else it forms per-example gradients when L > 1)."""
+    return L > 1 and L * L <= o * k and b * o * k * element_size > GHOST_MIN_BYTES
+
+
+def _forms_rows(m: nn.Module, a: Tensor, out: Tensor, b: int) -> bool:
+    """Whether a Linear/Conv layer's rule will form the per-example gradients (``_Matrix.pe``)."""
+    if not isinstance(m, (nn.Linear, *_CONV)):
+        return False
+    L, k, o = _sizes(m, a, out)
+    return L > 1 and not _ghost(L, k, o, b, a.element_size())
+
+
 def _rule(m: nn.Module, a: Tensor, g: Tensor):
     if torch.float16 in (a.dtype, g.dtype):
         raise ConfigError("--grad-path fast: float16 activations or output gradients (half precision or "
@@ -353,9 +372,10 @@ class BookKeeping:
         which the model's weights are at the point: every layer's rules at both points, each point's
         checked as always, combined exactly (``_Combined``, its terms in float64: the expansion of the
         combination's norm cancels, and float32 terms would understate it)."""
-        dtype, ref = None, None
-        if at is None:  # the reference sum is autograd's own gradient of the summed loss (below)
+        dtype, ref, cheap = None, None, None
+        if at is None:  # the reference sum: from the formed rows where a layer has them, else autograd's (below)
             losses, rules, ref = self._rules(x, y, reference=reference)
+            cheap = [isinstance(r, _Affine) or getattr(r, "pe", None) is not None for r in rules] if reference else None
             reference = False
         else:
             enter, c = at
@@ -369,12 +389,15 @@ class BookKeeping:
         norms = torch.sqrt(sum(r.sq for r in rules))
         if not bool(torch.isfinite(norms).all()):  # the caller refuses the step, naming the examples
             return torch.zeros(0), None, losses, norms
-        S = torch.stack([scale(norms)] + ([torch.ones_like(norms)] if reference else []))
+        S = torch.stack([scale(norms)] + ([torch.ones_like(norms)] if reference or cheap else []))
         with full_float32():  # TF32 would round the rows to 2^-11 before the clip factors meet them
-            pieces = [r.sums(S) for r in rules]
+            pieces = [r.sums(S if reference or (cheap and cheap[j]) else S[:1]) for j, r in enumerate(rules)]
         proc = self._assemble([[t[0] for t in lp] for lp in pieces])
         if reference:
             ref = self._assemble([[t[1] for t in lp] for lp in pieces])
+        elif cheap is not None:  # the formed rows' ones-row where cheap, autograd's gradient elsewhere
+            parts = self._ordered([[t[1] for t in lp] if c else [None] * len(lp) for lp, c in zip(pieces, cheap)])
+            ref = torch.cat([a if a is not None else b.reshape(-1) for a, b in zip(parts, ref)])
         if dtype is not None:  # the wide rules' sums back to the parameters' precision
             proc, ref = proc.to(dtype), None if ref is None else ref.to(dtype)
         return proc, ref, losses, norms.to(proc.dtype)  # float64 where a ghost norm's bound took part
@@ -383,10 +406,14 @@ class BookKeeping:
                reference: bool = False) -> tuple[Tensor, list, Tensor | None]:
         """(losses, every layer's rule, reference sum or None) at the model's current weights, the
         examples' attribution checked; ``wide``: the rules computed in float64 from the layers' inputs
-        and output gradients. ``reference``: the unclipped sum ``sum_i g_i`` comes from the same
-        backward, as autograd's gradient of the summed loss (one float32 weight-gradient product per
-        layer instead of a second book-keeping sum, which on a ghost layer runs in float64). It feeds
-        only error feedback's hidden buffer, which the sound DiceSGD bound allows to be anything
+        and output gradients. ``reference``: the unclipped sum ``sum_i g_i``, for the layers whose
+        per-example gradients are not formed (ghost and single-position layers, embeddings), from the
+        same backward, as autograd's gradient of the summed loss (one float32 weight-gradient product
+        per such layer instead of a second book-keeping sum, which on a ghost layer runs in float64);
+        the formed layers' (and norm layers') come from their rows in ``__call__`` (a second row of
+        the sums, nearly free), so no weight-gradient product is spent on them. Returned as one
+        tensor per parameter in layout order, None where the rows give it. It feeds only error
+        feedback's hidden buffer, which the sound DiceSGD bound allows to be anything
         (docs/privacy.md), so its rounding does not enter the guarantee."""
         check_model(self.model)
         params = self.layout.params(self.model)
@@ -394,15 +421,27 @@ class BookKeeping:
         rng, buffers = _rng_state(dev), [(b, b._version, b.detach().clone()) for b in self.model.buffers()]
         with full_float32():  # the batch and the probes in the same (full) float32 arithmetic
             try:
-                losses, acts, grads = self._backward(x, y, params=params if reference else None)
+                losses, acts, grads = self._backward(x, y, params=self._unformed_params if reference else None)
             finally:  # a buffer changed by the forward is restored and refused, whatever else failed
                 _check_buffers(self.model, buffers)
             stochastic = not _same_rng(rng, _rng_state(dev))  # dropout (or any other draw) in the forward
             rules = [_rule(m, _widen(acts[m], wide), _widen(g, wide)) for m, g in zip(self.layers, grads)]
             if bool(torch.isfinite(sum(r.sq for r in rules)).all()):  # else the caller refuses the step
                 self._check_examples(rules, x, y, params, rng if stochastic else None)
-        ref = torch.cat([g.reshape(-1) for g in grads[len(self.layers):]]) if reference else None
+        ref = None
+        if reference:  # layout order; None for the parameters of layers whose rows are formed
+            got = dict(zip(map(id, self._unformed), grads[len(self.layers):]))
+            ref = [got.get(id(p)) for p in params]
         return losses, rules, ref
+
+    def _unformed_params(self, acts: dict, outs: dict) -> list[Tensor]:
+        """After the forward: the trainable parameters of the layers whose rules will not form
+        per-example gradients (``_forms_rows``), which the reference sum takes from autograd; kept
+        in ``self._unformed`` for ``_rules``."""
+        b = len(next(iter(outs.values()))) if outs else 0
+        self._unformed = [p for m in self.layers if not (isinstance(m, _NORMS) or _forms_rows(m, acts[m], outs[m], b))
+                          for p in _trainable(m)]
+        return self._unformed
 
     def _losses(self, out, y: Batch, b: int) -> Tensor:
         """The ``[b]`` per-example losses: the loss function's own when it returns them, else it is
@@ -421,7 +460,7 @@ class BookKeeping:
         return torch.vmap(lambda o, t: self.loss_fn(batch.unsqueeze(o), batch.unsqueeze(t)).sum())(out, y)
 
     def _backward(self, x: Batch, y: Batch, call: Callable | None = None, check_graph: bool = True,
-                  params: list | None = None) -> tuple:
+                  params: list | Callable[[dict, dict], list] | None = None) -> tuple:
         """One forward and one backward of the summed loss, to the layer outputs only (no parameter
         gradients unless ``params`` are given: then their gradients follow the layers' in the list):
         the per-example losses (detached), every layer's input and output gradient. Refuses, before
@@ -456,6 +495,8 @@ class BookKeeping:
                 # the outputs' graph edges, not the outputs: a language model's logits (the head's output,
                 # 1.65 GB for a 64M GPT at B = 128) are then freed once the loss has read them, as in a
                 # non-private step, instead of being held through the backward
+                if callable(params):  # which parameters, decided from the layers' shapes (the reference sum)
+                    params = params(acts, outs)
                 targets = [_edge(outs.pop(m)) for m in self.layers]
                 grads = torch.autograd.grad(losses.sum(), targets + (params or []))
         finally:

@@ -1018,3 +1018,18 @@ def test_a_model_whose_output_vmap_cannot_return_is_probed_one_example_at_a_time
     rows, _ = run("rows")
     assert eng.fast is not None and eng.steps_taken == 2
     torch.testing.assert_close(fast, rows, rtol=1e-4, atol=1e-4)  # float32, noise on its grid
+
+
+@pytest.mark.parametrize("model_cls", [Net, Wide, Normed, Tokens])
+def test_the_probes_combined_attribution_is_the_weighted_sum_of_their_own(model_cls, branch):
+    """``combo`` (one product over the probes' positions) equals ``sum_k w_k one(i_k)`` for every rule."""
+    from clipbias.grads.fast import BookKeeping
+    torch.manual_seed(0)
+    bk = BookKeeping(model_cls())
+    x, y = _data(12)
+    _, rules, _ = bk._rules(x, y)
+    idx, w = [5, 0, 11], [0.7, 1.9, 0.05]
+    for r in rules:
+        want = [sum(wk * t for wk, t in zip(w, col)) for col in zip(*[r.one(i) for i in idx])]
+        for got, exp in zip(r.combo(idx, w), want):
+            torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-6)

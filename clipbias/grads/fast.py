@@ -211,6 +211,17 @@ class _Matrix:
         w = self.pe[i] if self.pe is not None else self.g[i].t() @ self.a[i]
         return ([w.reshape(-1)] if self.w else []) + ([self.g[i].sum(0)] if self.bias else [])
 
+    def combo(self, idx: list[int], w: list[float]) -> list[Tensor]:
+        """``sum_k w[k] (example idx[k]'s gradient)``, one flat tensor per parameter: one product over
+        the probes' positions, not one per probe (a GPT head's per-example gradient is 100 MB)."""
+        wt = torch.tensor(w, dtype=self.g.dtype, device=self.g.device)
+        g = self.g[idx] * wt.view(-1, 1, 1)
+        out = []
+        if self.w:
+            out.append(wt @ self.pe[idx].flatten(1) if self.pe is not None else
+                       (g.reshape(-1, g.shape[-1]).t() @ self.a[idx].reshape(-1, self.a.shape[-1])).reshape(-1))
+        return out + ([g.sum((0, 1))] if self.bias else [])
+
     def cross(self, o: "_Matrix") -> Tensor:
         """``<G_i, G'_i>`` per example, ``o`` the same layer's rule on the same examples at other weights
         (same shapes, so the same choice of ghost norm or per-example gradient as ``sq``)."""
@@ -249,6 +260,9 @@ class _Affine:
     def one(self, i: int) -> list[Tensor]:
         return [r[i] for r in self.rows]
 
+    def combo(self, idx: list[int], w: list[float]) -> list[Tensor]:
+        return [torch.tensor(w, dtype=r.dtype, device=r.device) @ r[idx] for r in self.rows]
+
     def cross(self, o: "_Affine") -> Tensor:
         return sum((r * s).sum(1) for r, s in zip(self.rows, o.rows))
 
@@ -283,6 +297,13 @@ class _Embed:
     def one(self, i: int) -> list[Tensor]:
         mine = self.owner == i
         return [self._place(self.token[mine], self.rows[mine])]
+
+    def combo(self, idx: list[int], w: list[float]) -> list[Tensor]:
+        weight = self.rows.new_zeros(len(self.owner))  # each (example, token) row weighted by its example's w
+        for i, wk in zip(idx, w):
+            weight[self.owner == i] = wk
+        mine = weight != 0
+        return [self._place(self.token[mine], self.rows[mine] * weight[mine].unsqueeze(1))]
 
 
 def _sizes(m: nn.Module, a: Tensor, g: Tensor) -> tuple[int, int, int]:
@@ -348,6 +369,9 @@ class _Combined:
 
     def one(self, i: int) -> list[Tensor]:
         return [self.c * f + (1 - self.c) * n for f, n in zip(self.far.one(i), self.near.one(i))]
+
+    def combo(self, idx: list[int], w: list[float]) -> list[Tensor]:
+        return [self.c * f + (1 - self.c) * n for f, n in zip(self.far.combo(idx, w), self.near.combo(idx, w))]
 
 
 class BookKeeping:
@@ -564,7 +588,7 @@ class BookKeeping:
             return
         probes = self._check_rng.sample(range(b), min(PROBES, b))
         w, scale = self._probe_weights(rules, probes)
-        fast = _combine(w, [self._ordered([r.one(i) for r in rules]) for i in probes])
+        fast = self._ordered([r.combo(probes, w) for r in rules])
         mine = self._own(x, y, probes, params, w)
         if not _close(fast, mine, params, 1e-4, scale) and not self._agree_in_float64(x, y, probes, w, fast):
             raise ConfigError(_MIXING.format(i=", ".join(map(str, probes)), alone="each run alone"))
@@ -635,7 +659,7 @@ class BookKeeping:
         try:
             _, acts, grads = self._backward(xw, y, call=call, check_graph=False)
             rules = [_rule(m, acts[m], g) for m, g in zip(self.layers, grads)]
-            attributed = _combine(w, [self._ordered([r.one(i) for r in rules]) for i in probes])
+            attributed = self._ordered([r.combo(probes, w) for r in rules])
             together = self._own(xw, y, probes, leaves, w, call=call)
         except (RuntimeError, ConfigError):  # an op without float64 support, a dtype clash inside the model
             return False
@@ -667,11 +691,6 @@ def _attributed_norms(rules: list, probes: list[int]) -> list[float]:
     """The probes' attributed gradient norms (from the rules' squared norms: bounds for ghost layers)."""
     sq = sum(r.sq for r in rules)
     return torch.sqrt(sq[torch.tensor(probes, device=sq.device)]).tolist()
-
-
-def _combine(w: list[float], per_probe: list[list[Tensor]]) -> list[Tensor]:
-    """``sum_k w_k t_k`` per parameter, ``per_probe[k]`` probe k's flat pieces."""
-    return [sum(wk * t for wk, t in zip(w, col)) for col in zip(*per_probe)]
 
 
 def _edge(t: Tensor):

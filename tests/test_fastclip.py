@@ -1033,3 +1033,18 @@ def test_the_probes_combined_attribution_is_the_weighted_sum_of_their_own(model_
         want = [sum(wk * t for wk, t in zip(w, col)) for col in zip(*[r.one(i) for i in idx])]
         for got, exp in zip(r.combo(idx, w), want):
             torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-6)
+
+
+def test_probe_weights_stay_finite_for_vanishing_gradients():
+    """A confidently classified example's gradient can underflow towards 0 (cross-entropy's p - y ~ e^-margin):
+    its weight ``u / ||g||`` is capped (``MIN_PROBE_NORM``) so that the weighted loss stays finite in
+    float32, and the scale is ``sum_k w_k ||g_k||``."""
+    from types import SimpleNamespace
+
+    from clipbias.grads.fast import MIN_PROBE_NORM, BookKeeping
+    bk = BookKeeping(Net())
+    rules = [SimpleNamespace(sq=torch.tensor([4.0, 0.0, 1e-80, 1e-20], dtype=torch.float64))]
+    w, scale = bk._probe_weights(rules, [0, 1, 2, 3])
+    assert 1 / 2 <= w[0] <= 1 and all(1 <= wk * MIN_PROBE_NORM <= 2 for wk in w[1:3])
+    assert 1e10 <= w[3] <= 2e10 and torch.isfinite(torch.tensor(w, dtype=torch.float32)).all()
+    assert scale == pytest.approx(2 * w[0] + w[2] * 1e-40 + w[3] * 1e-10)

@@ -599,11 +599,11 @@ class BookKeeping:
         Each probe enters at unit size, so a mismatch of one example is measured relative to its own
         gradient (at most 8x more loosely than comparing it alone), whatever the others' sizes; the
         weights are secret and continuous, so mismatches of several examples cannot be arranged to
-        cancel."""
+        cancel. Norms below ``MIN_PROBE_NORM`` count as that (the weight stays finite in float32 and
+        the loss it scales does not overflow; such an example's gradient moves no sum)."""
         norms = _attributed_norms(rules, probes)
-        u = [1.0 + self._check_rng.random() for _ in probes]
-        w = [uk / nk if nk > 0 else uk for uk, nk in zip(u, norms)]
-        return w, sum(uk for uk, nk in zip(u, norms) if nk > 0)
+        w = [(1.0 + self._check_rng.random()) / max(nk, MIN_PROBE_NORM) for nk in norms]
+        return w, sum(wk * nk for wk, nk in zip(w, norms))
 
     def _own(self, x: Batch, y: Batch, probes: list[int], params: list, w: list[float],
              call: Callable | None = None) -> list[Tensor]:
@@ -680,6 +680,9 @@ class BookKeeping:
 
 PROBES = 4
 """Examples probed per step (deterministic forward)."""
+
+MIN_PROBE_NORM = 1e-30
+"""Attributed norms below this weigh a probe as if they were this (``_probe_weights``)."""
 
 _MIXING = ("--grad-path fast: the gradient of example(s) {i} as the per-layer rules attribute it differs from its "
            "own gradient (the example(s) {alone}): the model lets examples see each other (batch statistics, "

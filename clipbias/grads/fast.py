@@ -39,7 +39,7 @@ of their own gradients; when it draws random numbers (dropout), one example
 recomputed in a batch of copies of itself under the same draws. A model
 whose rows see other examples' data (batch statistics, mixup, cross-example attention) fails these;
 a mixing confined to a few examples is caught with probability (examples probed) x (examples
-affected) / b per step. Two red-team sessions' cases are in ``tests/test_fastclip.py``."""
+affected) / b per step. The red-team cases are in ``tests/test_fastclip.py``."""
 
 from __future__ import annotations
 

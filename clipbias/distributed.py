@@ -64,6 +64,12 @@ def init_from_env(device: str) -> bool:
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: CUDA is not available on this machine; use --device cpu (gloo)")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when it is
+    # first imported (torch._dynamo imports it, e.g. when the optimizer is built). Imported after the
+    # group exists, it holds the group past destroy_process_group: gloo's threads then live on into
+    # interpreter shutdown and are torn down there, racing the other ranks (a rare SIGABRT, "terminate
+    # called without an active exception"). Imported first, its defaults hold None.
+    import torch.distributed.nn.functional  # noqa: F401
     dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
     return True
 

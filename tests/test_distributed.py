@@ -229,6 +229,32 @@ def _refusals() -> str | None:
     return None
 
 
+def _threads_outlive_the_group(rank: int, world: int, port: int, result: str) -> None:
+    """The group of ``init_from_env``, then an optimizer (its first build imports torch._dynamo, which
+    imports torch.distributed.nn.functional), then ``destroy_process_group``: the native threads the
+    group started (gloo's loop and workers) must be gone, not left to interpreter shutdown."""
+    import torch.distributed as dist
+    from clipbias import distributed
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    before = set(os.listdir("/proc/self/task"))
+    assert distributed.init_from_env("cpu")
+    torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    dist.barrier()
+    dist.destroy_process_group()
+    left = set(os.listdir("/proc/self/task")) - before
+    names = sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in left if Path(f"/proc/self/task/{t}").exists())
+    Path(f"{result}.{rank}").write_text(" ".join(names))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc (Linux)")
+def test_destroying_the_group_ends_its_threads(tmp_path):
+    """A group still referenced after destroy_process_group keeps gloo's threads alive into interpreter
+    shutdown, where they are torn down while the other rank may still be connected (a rare SIGABRT)."""
+    mp.spawn(_threads_outlive_the_group, args=(2, _port(), str(tmp_path / "left")), nprocs=2, join=True)
+    assert [(tmp_path / f"left.{r}").read_text() for r in range(2)] == ["", ""]
+
+
 # ---------------------------------------------------------------- the command line under torchrun
 def test_torchrun_module_entry_point_and_resume_at_another_world_size(tmp_path):
     """Without --out rank 0 creates one new run directory and every rank uses it; with that --out a

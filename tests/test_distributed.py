@@ -243,7 +243,8 @@ def _threads_outlive_the_group(rank: int, world: int, port: int, result: str) ->
     dist.barrier()
     dist.destroy_process_group()
     left = set(os.listdir("/proc/self/task")) - before
-    names = sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in left if Path(f"/proc/self/task/{t}").exists())
+    names = sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in left
+                   if Path(f"/proc/self/task/{t}").exists())
     Path(f"{result}.{rank}").write_text(" ".join(names))
 
 

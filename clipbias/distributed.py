@@ -66,9 +66,11 @@ def init_from_env(device: str) -> bool:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when it is
     # first imported (torch._dynamo imports it, e.g. when the optimizer is built). Imported after the
-    # group exists, it holds the group past destroy_process_group: gloo's threads then live on into
-    # interpreter shutdown and are torn down there, racing the other ranks (a rare SIGABRT, "terminate
-    # called without an active exception"). Imported first, its defaults hold None.
+    # group exists, it keeps the group alive past destroy_process_group, which then does not join
+    # gloo's worker threads: a worker that drops its last finished work late (a barrier's work holds
+    # the earlier collectives' tensors) needs the GIL to free their Python objects, and once the
+    # interpreter is shutting down Python ends that thread inside a C++ destructor: SIGABRT,
+    # "terminate called without an active exception". Imported first, its defaults hold None.
     import torch.distributed.nn.functional  # noqa: F401
     dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
     return True

@@ -251,7 +251,7 @@ def _threads_outlive_the_group(rank: int, world: int, port: int, result: str) ->
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc (Linux)")
 def test_destroying_the_group_ends_its_threads(tmp_path):
     """A group still referenced after destroy_process_group keeps gloo's threads alive into interpreter
-    shutdown, where they are torn down while the other rank may still be connected (a rare SIGABRT)."""
+    shutdown, where a worker freeing a late work's tensors aborts the process (a rare SIGABRT)."""
     mp.spawn(_threads_outlive_the_group, args=(2, _port(), str(tmp_path / "left")), nprocs=2, join=True)
     assert [(tmp_path / f"left.{r}").read_text() for r in range(2)] == ["", ""]
 

@@ -71,7 +71,7 @@ def init_from_env(device: str) -> bool:
     # the earlier collectives' tensors) needs the GIL to free their Python objects, and once the
     # interpreter is shutting down Python ends that thread inside a C++ destructor: SIGABRT,
     # "terminate called without an active exception". Imported first, its defaults hold None.
-    import torch.distributed.nn.functional  # noqa: F401
+    import torch.distributed.nn.functional as _bound_now  # noqa: F401  (a bare `import torch.x` shadows torch)
     dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
     return True
 

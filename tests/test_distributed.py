@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, port: int, fn, args) -> None:
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    import torch.distributed.nn.functional  # noqa: F401  before the group: see distributed.init_from_env
+    import torch.distributed.nn.functional as _defaults  # noqa: F401  before the group: see distributed.init_from_env
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, *args)

@@ -64,6 +64,14 @@ def init_from_env(device: str) -> bool:
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: CUDA is not available on this machine; use --device cpu (gloo)")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when it is
+    # first imported (torch._dynamo imports it, e.g. when the optimizer is built). Imported after the
+    # group exists, it keeps the group alive past destroy_process_group, which then does not join
+    # gloo's worker threads: a worker that drops its last finished work late (a barrier's work holds
+    # the earlier collectives' tensors) needs the GIL to free their Python objects, and once the
+    # interpreter is shutting down Python ends that thread inside a C++ destructor: SIGABRT,
+    # "terminate called without an active exception". Imported first, its defaults hold None.
+    import torch.distributed.nn.functional as _bound_now  # noqa: F401  (a bare `import torch.x` shadows torch)
     dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
     return True
 

@@ -35,6 +35,7 @@ def _worker(rank: int, world: int, port: int, fn, args) -> None:
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    import torch.distributed.nn.functional as _defaults  # noqa: F401  before the group: see distributed.init_from_env
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, *args)
@@ -227,6 +228,33 @@ def _refusals() -> str | None:
     except ConfigError as e:
         return str(e)
     return None
+
+
+def _threads_outlive_the_group(rank: int, world: int, port: int, result: str) -> None:
+    """The group of ``init_from_env``, then an optimizer (its first build imports torch._dynamo, which
+    imports torch.distributed.nn.functional), then ``destroy_process_group``: the native threads the
+    group started (gloo's loop and workers) must be gone, not left to interpreter shutdown."""
+    import torch.distributed as dist
+    from clipbias import distributed
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    before = set(os.listdir("/proc/self/task"))
+    assert distributed.init_from_env("cpu")
+    torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    dist.barrier()
+    dist.destroy_process_group()
+    left = set(os.listdir("/proc/self/task")) - before
+    names = sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in left
+                   if Path(f"/proc/self/task/{t}").exists())
+    Path(f"{result}.{rank}").write_text(" ".join(names))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc (Linux)")
+def test_destroying_the_group_ends_its_threads(tmp_path):
+    """A group still referenced after destroy_process_group keeps gloo's threads alive into interpreter
+    shutdown, where a worker freeing a late work's tensors aborts the process (a rare SIGABRT)."""
+    mp.spawn(_threads_outlive_the_group, args=(2, _port(), str(tmp_path / "left")), nprocs=2, join=True)
+    assert [(tmp_path / f"left.{r}").read_text() for r in range(2)] == ["", ""]
 
 
 # ---------------------------------------------------------------- the command line under torchrun

@@ -81,13 +81,14 @@ def _data(n=40):
     return torch.randn(n, 1, 8, 8, generator=g) * 3, torch.randint(0, 3, (n,), generator=g)
 
 
-def _run(model_cls, algo, path, steps=3, **cfg):
+def _run(model_cls, algo, path, steps=3, loss_fn=None, **cfg):
     torch.manual_seed(1)
     m = model_cls()
     x, y = _data()
     eng = DPEngine(m, algo, n=40, batch_size=10.0, steps=steps, noise_multiplier=1.0 if algo in (
         "dpsgd", "dice", "normalized", "dice-auto") else None, accountant="rdp", grad_path=path,
-        config=AlgoConfig(lr=0.2, clip=0.5, **cfg), noise_seed=3, max_physical_batch=7)
+        config=AlgoConfig(lr=0.2, clip=0.5, **cfg), noise_seed=3, max_physical_batch=7,
+        **({"loss_fn": loss_fn} if loss_fn is not None else {}))
     for _ in range(steps):
         idx = eng.sampler.sample()
         eng.step(x[idx], y[idx], idx)
@@ -1003,19 +1004,10 @@ class _DictOut(nn.Module):
 def test_a_model_whose_output_vmap_cannot_return_is_probed_one_example_at_a_time():
     """The probe runs its examples alone in one ``vmap``ped forward; an output ``vmap`` refuses (a
     ValueError for a dict subclass) sends it to a loop of batches of one, with the same update."""
-    def run(path):
-        torch.manual_seed(1)
-        m = _DictOut()
-        x, y = _data()
-        eng = DPEngine(m, "dpsgd", n=40, batch_size=10.0, steps=2, noise_multiplier=1.0, accountant="rdp",
-                       grad_path=path, config=AlgoConfig(lr=0.2, clip=0.5), noise_seed=3,
-                       loss_fn=lambda out, t: F.cross_entropy(out["logits"], t, reduction="none"))
-        for _ in range(2):
-            idx = eng.sampler.sample()
-            eng.step(x[idx], y[idx], idx)
-        return torch.cat([p.detach().flatten() for p in m.parameters()]), eng
-    fast, eng = run("fast")
-    rows, _ = run("rows")
+    def loss(out, t):
+        return F.cross_entropy(out["logits"], t, reduction="none")
+    fast, eng = _run(_DictOut, "dpsgd", "fast", steps=2, loss_fn=loss)
+    rows, _ = _run(_DictOut, "dpsgd", "rows", steps=2, loss_fn=loss)
     assert eng.fast is not None and eng.steps_taken == 2
     torch.testing.assert_close(fast, rows, rtol=1e-4, atol=1e-4)  # float32, noise on its grid
 
@@ -1039,12 +1031,9 @@ def test_probe_weights_stay_finite_for_vanishing_gradients():
     """A confidently classified example's gradient can underflow towards 0 (cross-entropy's p - y ~ e^-margin):
     its weight ``u / ||g||`` is capped (``MIN_PROBE_NORM``) so that the weighted loss stays finite in
     float32, and the scale is ``sum_k w_k ||g_k||``."""
-    from types import SimpleNamespace
-
     from clipbias.grads.fast import MIN_PROBE_NORM, BookKeeping
     bk = BookKeeping(Net())
-    rules = [SimpleNamespace(sq=torch.tensor([4.0, 0.0, 1e-80, 1e-20], dtype=torch.float64))]
-    w, scale = bk._probe_weights(rules, [0, 1, 2, 3])
+    w, scale = bk._probe_weights(torch.tensor([4.0, 0.0, 1e-80, 1e-20], dtype=torch.float64), [0, 1, 2, 3])
     assert 1 / 2 <= w[0] <= 1 and all(1 <= wk * MIN_PROBE_NORM <= 2 for wk in w[1:3])
     assert 1e10 <= w[3] <= 2e10 and torch.isfinite(torch.tensor(w, dtype=torch.float32)).all()
     assert scale == pytest.approx(2 * w[0] + w[2] * 1e-40 + w[3] * 1e-10)

@@ -399,7 +399,8 @@ class BookKeeping:
         dtype, ref, cheap = None, None, None
         if at is None:  # the reference sum: from the formed rows where a layer has them, else autograd's (below)
             losses, rules, ref = self._rules(x, y, reference=reference)
-            cheap = [isinstance(r, _Affine) or getattr(r, "pe", None) is not None for r in rules] if reference else None
+            # where _rules left a parameter's reference to the rows (None): that layer's sums take a ones row
+            cheap = [all(ref[k] is None for k in slots) for slots in self.slots] if reference else None
             reference = False
         else:
             enter, c = at
@@ -413,9 +414,10 @@ class BookKeeping:
         norms = torch.sqrt(sum(r.sq for r in rules))
         if not bool(torch.isfinite(norms).all()):  # the caller refuses the step, naming the examples
             return torch.zeros(0), None, losses, norms
-        S = torch.stack([scale(norms)] + ([torch.ones_like(norms)] if reference or cheap else []))
+        two = [reference or bool(cheap and cheap[j]) for j in range(len(rules))]
+        S = torch.stack([scale(norms)] + ([torch.ones_like(norms)] if any(two) else []))
         with full_float32():  # TF32 would round the rows to 2^-11 before the clip factors meet them
-            pieces = [r.sums(S if reference or (cheap and cheap[j]) else S[:1]) for j, r in enumerate(rules)]
+            pieces = [r.sums(S if t else S[:1]) for r, t in zip(rules, two)]
         proc = self._assemble([[t[0] for t in lp] for lp in pieces])
         if reference:
             ref = self._assemble([[t[1] for t in lp] for lp in pieces])
@@ -427,8 +429,8 @@ class BookKeeping:
         return proc, ref, losses, norms.to(proc.dtype)  # float64 where a ghost norm's bound took part
 
     def _rules(self, x: Batch, y: Batch, wide: bool = False,
-               reference: bool = False) -> tuple[Tensor, list, Tensor | None]:
-        """(losses, every layer's rule, reference sum or None) at the model's current weights, the
+               reference: bool = False) -> tuple[Tensor, list, list | None]:
+        """(losses, every layer's rule, reference sums or None) at the model's current weights, the
         examples' attribution checked; ``wide``: the rules computed in float64 from the layers' inputs
         and output gradients. ``reference``: the unclipped sum ``sum_i g_i``, for the layers whose
         per-example gradients are not formed (ghost and single-position layers, embeddings), from the
@@ -450,8 +452,9 @@ class BookKeeping:
                 _check_buffers(self.model, buffers)
             stochastic = not _same_rng(rng, _rng_state(dev))  # dropout (or any other draw) in the forward
             rules = [_rule(m, _widen(acts[m], wide), _widen(g, wide)) for m, g in zip(self.layers, grads)]
-            if bool(torch.isfinite(sum(r.sq for r in rules)).all()):  # else the caller refuses the step
-                self._check_examples(rules, x, y, params, rng if stochastic else None)
+            sq = sum(r.sq for r in rules)
+            if bool(torch.isfinite(sq).all()):  # else the caller refuses the step
+                self._check_examples(rules, sq, x, y, params, rng if stochastic else None)
         ref = None
         if reference:  # layout order; None for the parameters of layers whose rows are formed
             got = dict(zip(map(id, self._unformed), grads[len(self.layers):]))
@@ -569,7 +572,7 @@ class BookKeeping:
                 parts[s] = t
         return parts
 
-    def _check_examples(self, rules: list, x: Batch, y: Batch, params: list, rng: tuple | None) -> None:
+    def _check_examples(self, rules: list, sq: Tensor, x: Batch, y: Batch, params: list, rng: tuple | None) -> None:
         """Every step, secret random examples' gradients as the per-layer rules attribute them must
         equal their own gradients (to 1e-4). A deterministic forward: ``PROBES`` examples, each run
         through the model alone (``_own``), and one secret random combination of their gradients is
@@ -587,21 +590,21 @@ class BookKeeping:
                 raise ConfigError(_MIXING.format(i=i, alone="among copies of itself"))
             return
         probes = self._check_rng.sample(range(b), min(PROBES, b))
-        w, scale = self._probe_weights(rules, probes)
+        w, scale = self._probe_weights(sq, probes)
         fast = self._ordered([r.combo(probes, w) for r in rules])
         mine = self._own(x, y, probes, params, w)
         if not _close(fast, mine, params, 1e-4, scale) and not self._agree_in_float64(x, y, probes, w, fast):
             raise ConfigError(_MIXING.format(i=", ".join(map(str, probes)), alone="each run alone"))
 
-    def _probe_weights(self, rules: list, probes: list[int]) -> tuple[list[float], float]:
+    def _probe_weights(self, sq: Tensor, probes: list[int]) -> tuple[list[float], float]:
         """The probes' secret weights ``w_k = u_k / ||g_k||`` (``u_k`` uniform in [1, 2] from the OS
-        CSPRNG, ``||g_k||`` the attributed norm) and the comparison's scale ``sum_k w_k ||g_k||``.
+        CSPRNG, ``||g_k||`` the attributed norm, from the rules' summed squares ``sq``) and the comparison's scale ``sum_k w_k ||g_k||``.
         Each probe enters at unit size, so a mismatch of one example is measured relative to its own
         gradient (at most 8x more loosely than comparing it alone), whatever the others' sizes; the
         weights are secret and continuous, so mismatches of several examples cannot be arranged to
         cancel. Norms below ``MIN_PROBE_NORM`` count as that (the weight stays finite in float32 and
         the loss it scales does not overflow; such an example's gradient moves no sum)."""
-        norms = _attributed_norms(rules, probes)
+        norms = _attributed_norms(sq, probes)
         w = [(1.0 + self._check_rng.random()) / max(nk, MIN_PROBE_NORM) for nk in norms]
         return w, sum(wk * nk for wk, nk in zip(w, norms))
 
@@ -663,7 +666,7 @@ class BookKeeping:
             together = self._own(xw, y, probes, leaves, w, call=call)
         except (RuntimeError, ConfigError):  # an op without float64 support, a dtype clash inside the model
             return False
-        scale = sum(wk * nk for wk, nk in zip(w, _attributed_norms(rules, probes)))
+        scale = sum(wk * nk for wk, nk in zip(w, _attributed_norms(sum(r.sq for r in rules), probes)))
         return _close(attributed, together, leaves, 1e-4, scale) and _close(
             [t.to(a.dtype) for t, a in zip(attributed32, attributed)], attributed, leaves, 5e-2)
 
@@ -690,9 +693,8 @@ _MIXING = ("--grad-path fast: the gradient of example(s) {i} as the per-layer ru
            "norms. Use --grad-path rows")
 
 
-def _attributed_norms(rules: list, probes: list[int]) -> list[float]:
-    """The probes' attributed gradient norms (from the rules' squared norms: bounds for ghost layers)."""
-    sq = sum(r.sq for r in rules)
+def _attributed_norms(sq: Tensor, probes: list[int]) -> list[float]:
+    """The probes' attributed gradient norms from the rules' summed squared norms ``sq`` (bounds for ghost layers)."""
     return torch.sqrt(sq[torch.tensor(probes, device=sq.device)]).tolist()
 
 

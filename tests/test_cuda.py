@@ -128,6 +128,18 @@ def test_gpu_keystream_and_noise_equal_the_cpu_ones():
     assert torch.equal(snapped_gaussian(x.to(CUDA), 0.25, k, 4).cpu(), snapped_gaussian(x, 0.25, k, 4))
 
 
+@pytest.mark.parametrize("blocks,counter", [(1, 0), (257, 12345), (4096, 7), (300, (1 << 32) - 300),
+                                            (513, (1 << 31) - 7)])
+def test_triton_and_torch_keystreams_on_cuda_equal_openssl(blocks, counter):
+    """Both GPU ChaCha20 kernels give OpenSSL's words: partial programs, a counter that crosses 2^31
+    (the int32 sign bit) and the last blocks of the 32-bit counter."""
+    pytest.importorskip("triton")
+    key, nonce = bytes(range(32)), bytes(range(100, 112))
+    want = torch.from_numpy(words_of(keystream(key, nonce, 64 * blocks, counter)).astype("int64"))
+    for kernel in ("triton", "torch"):
+        assert torch.equal(chacha20_words(key, nonce, blocks, counter, CUDA, kernel=kernel).cpu(), want), kernel
+
+
 def test_gpu_noise_stream_round_trips_through_state_dict():
     model = nn.Linear(30, 4).to(CUDA)
     eng = DPEngine(model, "dpsgd", n=100, batch_size=8.0, steps=4, noise_multiplier=1.0, accountant="rdp",
@@ -184,6 +196,22 @@ def test_fast_path_update_on_cuda_equals_the_cpu(algo):
             eng.step(x[idx.to(device)], y[idx.to(device)], idx)
         return params_of(model)
     assert torch.allclose(run(CUDA), run(torch.device("cpu")), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("b", [2, 8])
+def test_fast_path_probe_refuses_a_one_example_mixing_on_cuda(b):
+    """The probe's ``vmap``ped batches of one on the GPU: a model that shifts every row when the batch
+    holds a canary is refused at every step, whichever examples the probe draws."""
+    from clipbias.errors import ConfigError
+    from clipbias.grads.fast import BookKeeping
+    from clipbias.transforms import clip_scale
+    from test_fastclip import _Canary, _canary_batch
+    torch.manual_seed(0)
+    m, (x, y) = _Canary().to(CUDA), _canary_batch(b)
+    bk = BookKeeping(m)
+    for _ in range(20):
+        with pytest.raises(ConfigError, match="lets examples see each other"):
+            bk(x.to(CUDA), y.to(CUDA), lambda n: clip_scale(n, 1.0), False)
 
 
 BASE = TrainConfig(data="digits", model="mlp", algo="dice", epsilon=3.0, delta=1e-5, epochs=3,

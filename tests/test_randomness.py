@@ -131,6 +131,20 @@ def test_normals_are_the_same_with_either_keystream_implementation():
                        normals(KEY, Purpose.NOISE, 2, 0, n, cipher="torch"))
 
 
+def test_a_keystream_kernel_that_cannot_run_is_refused_by_name(monkeypatch):
+    """An unknown kernel name, or Triton asked for where it is not installed, is an error that says
+    which kernels exist; ``auto`` on the CPU is the torch version (OpenSSL's words)."""
+    from clipbias.randomness import chacha
+    key, nonce = bytes(range(32)), bytes(12)
+    with pytest.raises(ValueError, match="auto, torch or triton"):
+        chacha.chacha20_words(key, nonce, 1, kernel="cuda")
+    monkeypatch.setattr(chacha, "triton_kernel", lambda: None)
+    with pytest.raises(RuntimeError, match="needs the triton package"):
+        chacha.chacha20_words(key, nonce, 1, kernel="triton")
+    assert np.array_equal(chacha.chacha20_words(key, nonce, 3, 9).numpy(),
+                          chacha.words_of(chacha.keystream(key, nonce, 192, 9)).astype(np.int64))
+
+
 def test_keyed_normal_rows_are_the_normals_of_their_addresses():
     """``keyed_normal`` draws many rows with one Box-Muller: row i is still exactly ``normals`` at
     ``(purpose, step, keys[i])``, across its blocks of rows (2 rows a block at this d), repeated keys,

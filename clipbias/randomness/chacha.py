@@ -9,12 +9,15 @@ Two implementations of the same function:
 
 * ``keystream``: OpenSSL's ChaCha20 through the ``cryptography`` package (PyCA), a few GB/s on one
   CPU core. Used for every draw on the CPU and for small draws on a GPU.
-* ``chacha20_words``: the block function written in torch integer operations, so that large draws
-  on a GPU are made where they are used. It is also the independent reference the tests compare
-  the OpenSSL stream with (and both with the RFC 8439 test vectors).
+* ``chacha20_words``: the block function on a torch device, so that large draws on a GPU are made
+  where they are used: one Triton kernel on CUDA (``chacha_triton``), or torch integer operations
+  anywhere. The torch version is also the independent reference the tests compare the OpenSSL
+  stream with (and all of them with the RFC 8439 test vectors).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -82,18 +85,27 @@ def _quarter_rounds(a: Tensor, b: Tensor, c: Tensor, d: Tensor, spill: Tensor) -
 
 
 def chacha20_words(key: bytes, nonce: bytes, blocks: int, counter: int = 0,
-                   device: torch.device | str = "cpu") -> Tensor:
+                   device: torch.device | str = "cpu", kernel: str = "auto") -> Tensor:
     """The same keystream as ``keystream`` as 32-bit words ``[blocks * 16]`` (int64 holding values in
-    [0, 2^32), little-endian word order), computed on ``device`` with torch integer operations.
+    [0, 2^32), little-endian word order), computed on ``device``: by the Triton kernel of
+    ``chacha_triton`` on a CUDA device where Triton is installed (``kernel="auto"`` or ``"triton"``),
+    else (or with ``kernel="torch"``) with torch integer operations.
 
-    The state is ``[4, 4, blocks]`` int32: its rows are the quarter rounds' a, b, c, d for the four
+    Torch version: the state is ``[4, 4, blocks]`` int32: its rows are the quarter rounds' a, b, c, d for the four
     columns, so a column round is 24 in-place operations on ``[4, blocks]`` views, and a diagonal
     round the same after rotating rows b, c, d by 1, 2, 3 words (and back): ~600 kernel launches per
     call whatever ``blocks`` (on a GPU the cost is launches and memory traffic, hence int32)."""
     _check(key, nonce, blocks * BLOCK_BYTES, counter)
+    if kernel not in ("auto", "torch", "triton"):
+        raise ValueError(f"kernel must be auto, torch or triton, got {kernel!r}")
     kw = [int.from_bytes(key[i:i + 4], "little") for i in range(0, 32, 4)]
     nw = [int.from_bytes(nonce[i:i + 4], "little") for i in range(0, 12, 4)]
     init = torch.tensor([_signed(w) for w in (*_SIGMA, *kw, 0, *nw)], dtype=torch.int32, device=device)
+    triton_words = triton_kernel() if kernel == "triton" or (kernel == "auto" and init.device.type == "cuda") else None
+    if kernel == "triton" and triton_words is None:
+        raise RuntimeError("kernel='triton' needs the triton package (it comes with CUDA builds of torch)")
+    if triton_words is not None:
+        return triton_words(init, counter, blocks).to(torch.int64).bitwise_and_(_M32)
     state = init.view(4, 4, 1).repeat(1, 1, blocks)
     ctr = counter + torch.arange(blocks, dtype=torch.int64, device=device)  # < 2^32 (``_check``)
     state[3, 0] = torch.where(ctr >= 1 << 31, ctr - (1 << 32), ctr).to(torch.int32)
@@ -108,6 +120,16 @@ def chacha20_words(key: bytes, nonce: bytes, blocks: int, counter: int = 0,
         for row, k in ((b, 1), (c, 2), (d, 3)):
             row.copy_(row.roll(k, 0))
     return x.add_(state).view(16, blocks).t().reshape(-1).to(torch.int64).bitwise_and_(_M32)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_kernel():
+    """``chacha_triton.keystream_words``, or None where Triton is not installed."""
+    try:
+        from .chacha_triton import keystream_words
+    except ImportError:
+        return None
+    return keystream_words
 
 
 def words_of(stream: np.ndarray) -> np.ndarray:

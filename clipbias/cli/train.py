@@ -72,6 +72,12 @@ def _add_privacy_flags(p: argparse.ArgumentParser, d: dict) -> None:
                         "conservative (proven, looser), paper (the paper's Thm 3.8) and authors (the "
                         "authors' protocol): both REFUTED by a canary attack, certified = false, for "
                         "reproducing the paper only")
+    g.add_argument("--bands", type=int, default=1, metavar="b",
+                   help="banded correlated noise (Choquette-Choo et al. 2023): each example joins only one step in "
+                        "b (its class, drawn once), with probability b*q, and the noise of an update is correlated "
+                        "with the b-1 before it so that accumulated updates carry less of it; accounted as the "
+                        "subsampled Gaussian at rate b*q for ceil(T/b) steps (docs/privacy.md). Needs b*q <= 1; "
+                        "dpsgd, normalized, disk, perturb, self-aug. Default 1: independent noise")
     g.add_argument("--reproducible-noise", nargs="?", const=True, default=False, type=noise_seed, metavar="SEED",
                    help="derive the secret key of the Poisson batches, the Gaussian noise and the keyed draws from "
                         "SEED (an integer below 2^256, decimal or 0x-hex; all its bits are used), or from --seed "
@@ -178,7 +184,8 @@ def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
               momentum=args.momentum, weight_decay=args.weight_decay, gamma=args.gamma,
               max_physical_batch=args.max_physical_batch, grad_path=args.grad_path, validation=args.validation,
               subset=args.subset, data_dir=args.data_dir, data_path=args.data_path,
-              public_source=args.public_source, extra=extra, ema=getattr(args, "ema", None))
+              public_source=args.public_source, extra=extra, ema=getattr(args, "ema", None),
+              bands=getattr(args, "bands", 1))
     kw.update(overrides)
     return TrainConfig(**kw)
 

@@ -141,6 +141,7 @@ def _same(a, b) -> bool:
 def check_resume(saved: dict, now: dict) -> None:
     """Refuse (``ResumeMismatchError``) a resumed run whose privacy-relevant settings changed; more steps
     at a given (not calibrated) noise multiplier are allowed (``_extendable``)."""
+    saved = {"bands": 1, **saved}  # checkpoints from before banded noise had one band
     diff = {k: (saved.get(k), v) for k, v in now.items() if not _same(saved.get(k), v)
             and not (k == "steps" and _extendable(saved, now))}
     if diff:

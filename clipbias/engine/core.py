@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from .. import algorithms, privacy
+from ..algorithms.bands import band_pipeline, banded_spec, check_bandable
 from ..data import batch
 from .. import distributed
 from ..data.batch import Batch
@@ -27,7 +28,7 @@ from ..grads.rows import (LossFn, PerSampleGradients, RowSource, as_row_source, 
 from ..sampling.loader import PoissonLoader
 from ..privacy import PrivacyReport
 from ..randomness import SecretKey
-from ..sampling.poisson import PoissonSampler
+from ..sampling.poisson import PoissonSampler, check_bands
 from ..transforms import StepContext
 from .aggregate import choose_aggregate
 from .checks import canon, check_arguments, check_distributed, check_resume, check_step
@@ -52,6 +53,7 @@ class PrivacySettings:
     gamma: float
     target_epsilon: float | None
     extra: tuple = ()  # method settings (p, k, K0, ...): they change the sensitivity or the algorithm
+    bands: int = 1     # banded noise: participation classes and noise correlation (algorithms.bands)
 
 
 class DPEngine:
@@ -87,7 +89,7 @@ class DPEngine:
                  dice_accounting: str = privacy.DEFAULT_DICE_ACCOUNTING, config: AlgoConfig | None = None,
                  loss_fn: LossFn = cross_entropy, max_physical_batch: int = 512,
                  noise_seed: int | SecretKey | None = None, grads: RowSource | PerSampleGradients | None = None,
-                 grad_path: str = "auto") -> None:
+                 grad_path: str = "auto", bands: int = 1) -> None:
         self.algo = algorithms.get(algorithm)
         self.config = config or AlgoConfig()
         n = check_arguments(model, n, batch_size, self.config)
@@ -102,6 +104,9 @@ class DPEngine:
         privacy.check_accountant(accountant)
         self.n, self.expected_batch_size = n, float(batch_size)
         self.sample_rate = self.expected_batch_size / n
+        check_bands(bands, self.sample_rate)
+        check_bandable(self.algo.name, bands)
+        self.bands = bands
         steps_per_epoch = max(1, round(n / self.expected_batch_size))
         if steps is None:
             if epochs is None or epochs < 1:
@@ -115,7 +120,7 @@ class DPEngine:
         self.accountant, self.dice_accounting = accountant, dice_accounting
 
         self.noise_multiplier = z = noise_multiplier_for(self, epsilon, noise_multiplier)
-        self.spec = self.algo.spec(self.config, self.sample_rate, z, self.expected_batch_size)
+        self.spec = banded_spec(self.algo.spec(self.config, self.sample_rate, z, self.expected_batch_size), bands)
         if self.algo.private:
             self.privacy(steps)  # refuses now (not after training) when the guarantee cannot hold
 
@@ -127,10 +132,11 @@ class DPEngine:
         self.rows, self.loss_fn = as_row_source(grads), loss_fn
         self.rows.key = self.key
         self.params = self.rows.layout.params(model)
-        self.pipeline = self.algo.pipeline(self.config, self.expected_batch_size, z, self.key)
+        self.pipeline = band_pipeline(self.algo.pipeline(self.config, self.expected_batch_size, z, self.key),
+                                      self.algo.name, bands, self._band_momentum(), self.key)
         self.optimizer = algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer,
                                                    self.params, self.config)
-        self.sampler = PoissonSampler(n, self.sample_rate, self.key, steps_per_epoch)
+        self.sampler = PoissonSampler(n, self.sample_rate, self.key, steps_per_epoch, bands)
         self.max_physical_batch = max_physical_batch
         self._aggregate, self.grad_path_note = choose_aggregate(grad_path, own_rows, model, loss_fn, self.algo,
                                                                 self.pipeline, self.rows, max_physical_batch,
@@ -141,7 +147,11 @@ class DPEngine:
         self.settings = PrivacySettings(algorithm, n, self.sample_rate, steps, z, delta, accountant,
                                         dice_accounting, self.config.clip, self.config.ef_clip,
                                         self.config.grad_bound, self.config.gamma, epsilon,
-                                        tuple(sorted((k, canon(v)) for k, v in self.config.extra.items())))
+                                        tuple(sorted((k, canon(v)) for k, v in self.config.extra.items())), bands)
+
+    def _band_momentum(self) -> float:
+        """The momentum the banded noise's coefficients are shaped for: the base SGD's (0 for Adam)."""
+        return self.config.momentum if (self.config.optimizer or self.algo.optimizer) == "sgd" else 0.0
 
     # ------------------------------------------------------------------ training
     def step(self, x: Batch, y: Batch, indices: Tensor | None = None) -> Tensor:
@@ -336,7 +346,8 @@ def noise_multiplier_for(engine: DPEngine, epsilon: float | None, noise_multipli
     if epsilon is None:
         raise ConfigError(f"{engine.algo.name} is private: give --epsilon (calibrates the noise) or "
                           f"--noise-multiplier")
-    spec = engine.algo.spec(engine.config, engine.sample_rate, 0.0, engine.expected_batch_size)
+    spec = banded_spec(engine.algo.spec(engine.config, engine.sample_rate, 0.0, engine.expected_batch_size),
+                       engine.bands)
     # in a process group rank 0 calibrates and every rank takes its answer (and its error, if any)
     return distributed.from_rank0(lambda: privacy.calibrate(spec, epsilon, engine.delta, engine.total_steps,
                                                             engine.accountant, engine.dice_accounting))

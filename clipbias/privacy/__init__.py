@@ -36,6 +36,9 @@ class AccountingSpec:
     ``account``), accounted by one of ``DICE_ACCOUNTING`` (default ``sound``);
     kind ``none``: non-private, epsilon = inf.
     ``heuristic`` marks specs whose guarantee is not proven (labelled in every output).
+    ``bands`` = b > 1 (kind ``gaussian`` only): b-min-separated participation with b-banded noise
+    (``clipbias.algorithms.bands``), accounted as the subsampled Gaussian at rate b q for ceil(T / b)
+    steps (docs/privacy.md, "Banded noise").
     """
 
     kind: str
@@ -46,6 +49,16 @@ class AccountingSpec:
     certifiable: bool = True  # False: even the paper's (refuted) DiceSGD proof does not apply
     why_not_certifiable: str = ""
     sensitivity: float | None = None  # None: non-private, or a spec written by hand (clipbias account)
+    bands: int = 1
+
+    def rate_and_steps(self, steps: int) -> tuple[float, int]:
+        """(sampling rate, number of compositions) of the subsampled Gaussian that ``steps`` steps
+        amount to: (q, T), or with b bands (b q, ceil(T / b)): each example can join one step in b,
+        and the b rows its contribution reaches are one Gaussian release (docs/privacy.md)."""
+        if self.bands == 1:
+            return self.sample_rate, steps
+        from ..sampling.poisson import band_rate  # the sampler's own float
+        return band_rate(self.bands, self.sample_rate), -(-steps // self.bands)
 
     def dp_event(self, steps: int, dice_accounting: str = DEFAULT_DICE_ACCOUNTING) -> dp_event.DpEvent:
         """The dp-accounting event of T steps.
@@ -56,7 +69,8 @@ class AccountingSpec:
         if self.kind == "none" or self.noise_multiplier == 0:
             return dp_event.NonPrivateDpEvent()
         if self.kind == "gaussian":
-            return gaussian.SampledGaussian(self.noise_multiplier, self.sample_rate).event(steps)
+            q, t = self.rate_and_steps(steps)
+            return gaussian.SampledGaussian(self.noise_multiplier, q).event(t)
         if self.kind == "dice" and dice.check_basis(dice_accounting) == "sound":
             return dice.sound_event(replace(self.dice, steps=steps), self.noise_multiplier)
         return dp_event.UnsupportedDpEvent()
@@ -80,8 +94,8 @@ def account(spec: AccountingSpec, steps: int, delta: float, accountant: str = "p
     if steps == 0:
         return PrivacyReport(0.0, delta, accountant, "no step taken", True, spec.noise_multiplier)
     if spec.kind == "gaussian":
-        return gaussian.report(spec.noise_multiplier, spec.sample_rate, steps, delta, accountant,
-                               spec.note)
+        q, t = spec.rate_and_steps(steps)
+        return gaussian.report(spec.noise_multiplier, q, t, delta, accountant, spec.note)
     if spec.kind == "dice":
         _check_dice_method(spec, dice_accounting)
         return dice.report(replace(spec.dice, steps=steps), spec.noise_multiplier, delta,
@@ -100,7 +114,9 @@ def calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, ac
         raise ConfigError("a non-private algorithm has no noise to calibrate; pick a private --algo")
     if spec.kind == "dice":
         _check_dice_method(spec, dice_accounting)
-    key = {"kind": spec.kind, "q": spec.sample_rate, "dice": None if spec.dice is None else asdict(spec.dice),
+    if spec.bands != 1 and spec.kind != "gaussian":
+        raise ConfigError(f"banded noise is accounted for the subsampled Gaussian only, not {spec.kind!r}")
+    key = {"kind": spec.kind, "q": spec.sample_rate, "bands": spec.bands, "dice": None if spec.dice is None else asdict(spec.dice),
            "epsilon": epsilon, "delta": delta, "steps": steps, "accountant": accountant,
            "basis": dice_accounting if spec.kind == "dice" else None}
 
@@ -146,7 +162,8 @@ def _progress(what: str):
 def _calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, accountant: str,
                dice_accounting: str) -> float:
     if spec.kind == "gaussian":
-        return gaussian.calibrate(epsilon, delta, spec.sample_rate, steps, accountant)
+        q, t = spec.rate_and_steps(steps)
+        return gaussian.calibrate(epsilon, delta, q, t, accountant)
     if spec.kind == "dice":
         _check_dice_method(spec, dice_accounting)
         return dice.calibrate(epsilon, delta, replace(spec.dice, steps=steps), dice_accounting, accountant)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .chacha import BLOCK_BYTES, chacha20_words, keystream, triton_kernel
-from .key import SecretKey, nonce
+from .key import Purpose, SecretKey, nonce
 
 PAIR_BYTES = 24                    # three 64-bit integers per pair of normals
 _CHUNK_PAIRS = 1 << 20             # normals are made 2^21 at a time (bounded temporary memory)
@@ -63,6 +63,25 @@ def poisson_indices(key: SecretKey, purpose: int, step: int, n: int, q: float) -
         return torch.arange(n)
     u = uint64s(key, purpose, step, 0, n)
     return torch.from_numpy(np.flatnonzero(u < np.uint64(t)))
+
+
+def band_labels(key: SecretKey, n: int, bands: int) -> np.ndarray:
+    """Each example's class ``l_i`` in ``[0, bands)`` (int64), i.i.d. over examples and independent of
+    the data: example i may join only the batches of steps t = l_i mod ``bands`` (a 64-bit uniform
+    reduced mod ``bands``: the classes' probabilities differ from 1/bands by under 2^-58, which the
+    guarantee does not read: it holds for any fixed class of each example)."""
+    return (uint64s(key, Purpose.BAND, 0, 0, n) % np.uint64(bands)).astype(np.int64)
+
+
+def banded_poisson_indices(key: SecretKey, purpose: int, step: int, labels: np.ndarray, bands: int,
+                           p: float) -> Tensor:
+    """Indices i of class ``labels[i] == step mod bands`` included independently with probability
+    ``p`` (the inclusion draws of ``poisson_indices`` at this step, restricted to the step's class)."""
+    t = inclusion_threshold(p)
+    mine = labels == step % bands
+    if t < 1 << 64:
+        mine &= uint64s(key, purpose, step, 0, len(labels)) < np.uint64(t)
+    return torch.from_numpy(np.flatnonzero(mine))
 
 
 def normals(key: SecretKey, purpose: int, step: int, index: int, count: int,

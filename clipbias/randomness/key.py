@@ -46,6 +46,7 @@ class Purpose(enum.IntEnum):
     TUNE = 11          # tuning: the number of trials (step 0), each trial's hyperparameters and key (step 1 + trial)
     TUNE_SCORE = 12    # tuning: the noisy validation count of each trial (per trial)
     TUNE_SPLIT = 13    # tuning: which training examples form the validation part (one draw)
+    BAND = 14          # banded noise: each example's participation class mod b (one draw)
 
 
 class SecretKey:

@@ -58,7 +58,8 @@ def build_run(cfg: TrainConfig, splits: Splits, key: SecretKey | None = None) ->
                       noise_multiplier=cfg.noise_multiplier if algo.private else None,
                       delta=cfg.delta, accountant=cfg.accountant, dice_accounting=cfg.dice_accounting,
                       config=algo_cfg, max_physical_batch=cfg.max_physical_batch,
-                      noise_seed=key if key is not None else cfg.key_seed, grad_path=cfg.grad_path)
+                      noise_seed=key if key is not None else cfg.key_seed, grad_path=cfg.grad_path,
+                      bands=cfg.bands)
     ema = WeightAverage(model, cfg.ema) if cfg.ema is not None else None
     return Run(cfg, splits, model, engine, algo, dev, predict, ema)
 

@@ -75,6 +75,7 @@ class TrainConfig:
     data_dir: str | None = None
     data_path: str | None = None
     ema: float | None = None
+    bands: int = 1
 
     @property
     def private(self) -> bool:
@@ -165,6 +166,7 @@ class TrainConfig:
         if self.ema is not None:
             from .average import check_decay
             check_decay(self.ema)
+        _check_bands(self.bands, self.algo)
         if self.subset is not None:
             check_int(self.subset, "--subset", 1)
         given = {k: v for k, v in self.extra.items() if v is not None}
@@ -198,3 +200,11 @@ def default_out(cfg: TrainConfig) -> str:
     eps = f"{cfg.epsilon:g}" if (cfg.private and cfg.epsilon is not None) else (
         f"z{cfg.noise_multiplier:g}" if cfg.private else "inf")
     return str(new_run_dir(f"{cfg.data}-{cfg.model}-{cfg.algo}-eps{eps}-s{cfg.seed}"))
+
+
+def _check_bands(bands: int, algo: str) -> None:
+    """``--bands``: a whole number >= 1, more than 1 only for the algorithms banded noise is accounted for."""
+    check_int(bands, "--bands", 1)
+    if bands > 1:
+        from ..algorithms.bands import check_bandable
+        check_bandable(algo, bands)

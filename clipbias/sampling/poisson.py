@@ -5,6 +5,12 @@ updates are normalised by the expected size B = qN, never the realised one. The 
 secret: batch ``t`` is a pure function of the run's ``SecretKey`` and ``t``
 (``clipbias.randomness.poisson_indices``: a 64-bit ChaCha20 uniform per example, compared with q
 rounded to 2^-64).
+
+With ``bands = b > 1`` (b-min-separated participation, for banded correlated noise:
+``clipbias.algorithms.bands``) every example draws once a class l_i in [0, b), i.i.d. and
+independent of the data, and joins only the batches of steps t = l_i mod b, each with probability
+b q: the expected batch stays qN, and any two participations of one example are at least b steps
+apart.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..errors import ConfigError
-from ..randomness import Purpose, SecretKey, poisson_indices
+from ..randomness import Purpose, SecretKey, band_labels, banded_poisson_indices, poisson_indices
 
 
 class PoissonSampler:
@@ -24,12 +30,14 @@ class PoissonSampler:
     not yet sampled are part of ``state_dict``: a resumed run continues with exactly them.
     """
 
-    def __init__(self, n: int, sample_rate: float, key: SecretKey, steps: int | None = None) -> None:
+    def __init__(self, n: int, sample_rate: float, key: SecretKey, steps: int | None = None, bands: int = 1) -> None:
         if n < 1:
             raise ConfigError(f"dataset size must be >= 1, got {n}")
         if not 0 < sample_rate <= 1:
             raise ConfigError(f"sample rate must lie in (0, 1], got {sample_rate!r}")
-        self.n, self.q = n, float(sample_rate)
+        check_bands(bands, sample_rate)
+        self.n, self.q, self.bands = n, float(sample_rate), int(bands)
+        self._labels: tuple[SecretKey, object] | None = None  # (key, classes) of the banded participation
         self.steps = steps if steps is not None else max(1, round(1 / self.q))
         if not isinstance(key, SecretKey):
             raise ConfigError(f"PoissonSampler needs a clipbias.randomness.SecretKey, got {type(key).__name__}")
@@ -61,9 +69,20 @@ class PoissonSampler:
         self.handed = 0
 
     def _draw(self) -> Tensor:
-        idx = poisson_indices(self.key, Purpose.SAMPLE, self.drawn, self.n, self.q)
+        if self.bands == 1:
+            idx = poisson_indices(self.key, Purpose.SAMPLE, self.drawn, self.n, self.q)
+        else:
+            idx = banded_poisson_indices(self.key, Purpose.SAMPLE, self.drawn, self.labels, self.bands,
+                                         band_rate(self.bands, self.q))
         self.drawn += 1
         return idx
+
+    @property
+    def labels(self):
+        """Each example's participation class (``bands > 1``), drawn once under the current key."""
+        if self._labels is None or self._labels[0] is not self.key:
+            self._labels = (self.key, band_labels(self.key, self.n, self.bands))
+        return self._labels[1]
 
     def __len__(self) -> int:
         return self.steps
@@ -73,15 +92,32 @@ class PoissonSampler:
             yield self.sample()
 
     def state_dict(self) -> dict:
-        return {"drawn": self.drawn, "n": self.n, "q": self.q, "ahead": [t.clone() for t in self._ahead]}
+        return {"drawn": self.drawn, "n": self.n, "q": self.q, "bands": self.bands,
+                "ahead": [t.clone() for t in self._ahead]}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["n"] != self.n or state["q"] != self.q:
-            raise ConfigError(f"sampler state is for n={state['n']}, q={state['q']}; this sampler has "
-                              f"n={self.n}, q={self.q}")
+        if state["n"] != self.n or state["q"] != self.q or state.get("bands", 1) != self.bands:
+            raise ConfigError(f"sampler state is for n={state['n']}, q={state['q']}, bands={state.get('bands', 1)}; "
+                              f"this sampler has n={self.n}, q={self.q}, bands={self.bands}")
         if "drawn" not in state:
             raise ConfigError("this sampler state comes from a clipbias version whose batches were drawn by a "
                               "torch generator with a 32-bit seed (recoverable from the released model); it "
                               "cannot be resumed: start a new run")
         self.drawn = int(state["drawn"])
         self._ahead, self.handed = [t.clone() for t in state.get("ahead", [])], 0
+
+
+def band_rate(bands: int, sample_rate: float) -> float:
+    """The rate at which an example joins a step of its class with ``bands`` classes: b q, the float the
+    inclusion threshold rounds down and the accountant reads (the realised rate never exceeds it)."""
+    return min(1.0, bands * sample_rate)
+
+
+def check_bands(bands: int, sample_rate: float) -> None:
+    """``bands`` a whole number >= 1 with ``bands * q <= 1`` (the rate of the step's class)."""
+    if isinstance(bands, bool) or not isinstance(bands, int) or bands < 1:
+        raise ConfigError(f"--bands must be a whole number >= 1, got {bands!r}")
+    if bands * sample_rate > 1:  # band_rate would cap it: the expected batch would shrink
+        raise ConfigError(f"--bands {bands} with sampling rate q = {sample_rate:.4g}: each example joins a step of "
+                          f"its class with probability bands x q = {bands * sample_rate:.4g} > 1; use --bands <= "
+                          f"{max(1, int(1 / sample_rate))} or a smaller batch")

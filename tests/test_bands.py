@@ -1,0 +1,172 @@
+"""Banded correlated noise: the coefficients, the noise stage against a dense inverse, the
+b-min-separated sampler, the accounting against dp-accounting directly, and the refusals."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from dp_accounting import dp_event
+from dp_accounting.pld import PLDAccountant
+from torch import nn
+
+from clipbias.algorithms.bands import BandedNoise, coefficients
+from clipbias.config import AlgoConfig
+from clipbias.engine.core import DPEngine
+from clipbias.errors import ConfigError, ResumeMismatchError
+from clipbias.randomness import Purpose, SecretKey, noise_grid, normals, poisson_indices
+from clipbias.sampling.poisson import PoissonSampler
+from clipbias.transforms import GaussianNoise
+
+KEY = SecretKey.from_seed(5)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 0.9])
+def test_coefficients_square_to_the_workload_and_have_unit_norm(beta):
+    """Unscaled, c * c (a convolution) is the series of 1 / ((1 - x)(1 - beta x)): sum_{j <= k} beta^j."""
+    b = 6
+    c = np.array(coefficients(b, beta))
+    assert math.isclose(float(c @ c), 1.0, rel_tol=1e-12) and c[0] > 0
+    c = c / c[0]
+    square = np.convolve(c, c)[:b]
+    assert np.allclose(square, [sum(beta ** j for j in range(k + 1)) for k in range(b)], rtol=1e-12)
+    assert coefficients(1, beta) == (1.0,)
+    if beta == 0:  # binom(2k, k) / 4^k
+        assert np.allclose(c, [math.comb(2 * k, k) / 4 ** k for k in range(b)], rtol=1e-12)
+
+
+def test_banded_noise_is_the_update_plus_the_inverse_of_the_banded_matrix_applied_to_the_draws():
+    """g = v + C^{-1} std Z, with C the banded Toeplitz matrix and Z the stage's draws (to within the
+    release grid: each y_t is rounded once, by at most half a grid step, which C^{-1} carries on)."""
+    b, steps, d, std = 4, 9, 50, 0.3
+    coefs = coefficients(b, 0.9)
+    stage = BandedNoise(std, KEY, coefs)
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(steps, d, generator=g, dtype=torch.float64)
+    out = []
+    for t in range(steps):
+        out.append(stage(v[t]))
+        stage.commit()
+    out = torch.stack(out)
+    c = torch.zeros(steps, steps, dtype=torch.float64)
+    for t in range(steps):
+        for k in range(min(b, t + 1)):
+            c[t, t - k] = coefs[k]
+    z = torch.stack([normals(KEY, Purpose.NOISE, t, 0, d) for t in range(steps)])
+    cinv = torch.linalg.inv(c)
+    want = v + cinv @ (std * z)
+    bound = noise_grid(std) / 2 * float(cinv.abs().sum(1).max()) + 1e-12
+    assert float((out - want).abs().max()) <= bound
+    assert float((out - want).abs().max()) > 0  # the rounding is there (the bound is not vacuous)
+    assert stage.draws == steps and len(stage.inputs) == len(stage.outputs) == b - 1
+
+
+def test_one_band_is_the_plain_noise_stage():
+    v = torch.randn(40, dtype=torch.float64)
+    plain, banded = GaussianNoise(0.7, KEY), BandedNoise(0.7, KEY, (1.0,))
+    for _ in range(3):
+        assert torch.equal(plain(v), banded(v))
+        plain.commit()
+        banded.commit()
+
+
+def test_banded_noise_state_round_trips_and_a_rolled_back_step_leaves_no_trace():
+    coefs = coefficients(3, 0.9)
+    a = BandedNoise(0.5, KEY, coefs)
+    vs = [torch.full((8,), float(i)) for i in range(6)]
+    for v in vs[:3]:
+        a(v)
+        a.commit()
+    a(torch.full((8,), 99.0))  # a step that fails after the noise: dropped
+    a.rollback()
+    state = a.state_dict()
+    b = BandedNoise(0.5, KEY, coefs)
+    b.load_state_dict(state)
+    for v in vs[3:]:
+        ya, yb = a(v), b(v)
+        assert torch.equal(ya, yb)
+        a.commit()
+        b.commit()
+    with pytest.raises(ConfigError, match="same --bands"):
+        BandedNoise(0.5, KEY, coefficients(2, 0.9)).load_state_dict(state)
+
+
+def test_banded_sampler_joins_each_example_only_at_the_steps_of_its_class():
+    n, q, b = 3000, 0.02, 5
+    s = PoissonSampler(n, q, KEY, bands=b)
+    labels = s.labels
+    sizes = []
+    for t in range(200):
+        idx = s.sample().numpy()
+        assert (labels[idx] == t % b).all()
+        # the same inclusion draws as the plain sampler at rate b q, restricted to the class
+        assert np.array_equal(idx, np.intersect1d(poisson_indices(KEY, Purpose.SAMPLE, t, n, b * q).numpy(),
+                                                  np.flatnonzero(labels == t % b)))
+        sizes.append(len(idx))
+    # expected batch q n = 60 (classes of random size: var ~ n q (1 - q) + (n q)^2 / n ...): mean of 200
+    assert abs(np.mean(sizes) - q * n) < 4 * math.sqrt(q * n / 200) + 3
+    assert np.bincount(labels, minlength=b).min() > 0.8 * n / b
+    plain = PoissonSampler(n, q, KEY)
+    assert torch.equal(plain.sample(), poisson_indices(KEY, Purpose.SAMPLE, 0, n, q))
+
+
+def test_banded_sampler_state_round_trips_and_refuses_other_bands():
+    s = PoissonSampler(500, 0.05, KEY, bands=4)
+    for _ in range(3):
+        s.sample()
+    t = PoissonSampler(500, 0.05, KEY, bands=4)
+    t.load_state_dict(s.state_dict())
+    assert torch.equal(s.sample(), t.sample())
+    with pytest.raises(ConfigError, match="bands=4"):
+        PoissonSampler(500, 0.05, KEY, bands=2).load_state_dict(s.state_dict())
+    with pytest.raises(ConfigError, match="use --bands <= 20"):
+        PoissonSampler(500, 0.05, KEY, bands=21)
+    with pytest.raises(ConfigError, match="whole number"):
+        PoissonSampler(500, 0.05, KEY, bands=0)
+
+
+def _engine(bands=4, algo="dpsgd", n=400, **kw):
+    return DPEngine(nn.Linear(6, 3), algo, n=n, batch_size=10.0, epochs=3, epsilon=2.0, bands=bands,
+                    config=AlgoConfig(lr=0.1, clip=1.0, momentum=0.9), **kw)
+
+
+def test_banded_engine_accounts_the_subsampled_gaussian_at_rate_bq_for_ceil_t_over_b_steps():
+    eng = _engine()
+    q, steps, z = 10 / 400, eng.total_steps, eng.noise_multiplier
+    acc = PLDAccountant()
+    acc.compose(dp_event.PoissonSampledDpEvent(4 * q, dp_event.GaussianDpEvent(z)), math.ceil(steps / 4))
+    eps = acc.get_epsilon(1e-5)
+    report = eng.privacy(steps)
+    assert math.isclose(report.epsilon, eps, rel_tol=1e-6) and report.epsilon <= 2.0 and report.epsilon > 1.98
+    assert report.certified and "4-banded noise" in report.basis
+    assert isinstance(eng.pipeline.noise, BandedNoise) and eng.sampler.bands == 4
+    assert eng.noise_multiplier > _engine(bands=1).noise_multiplier  # rate 4q costs more noise per release
+    x, y = torch.randn(400, 6), torch.randint(0, 3, (400,))
+    for _ in range(5):
+        idx = eng.sampler.sample()
+        eng.step(x[idx], y[idx], idx)
+    after = PLDAccountant()
+    after.compose(dp_event.PoissonSampledDpEvent(4 * q, dp_event.GaussianDpEvent(z)), 2)  # 5 steps: ceil(5/4)
+    assert math.isclose(eng.privacy().epsilon, after.get_epsilon(1e-5), rel_tol=1e-6)
+    assert eng.spec.dp_event(8) == dp_event.SelfComposedDpEvent(
+        dp_event.PoissonSampledDpEvent(4 * q, dp_event.GaussianDpEvent(z)), 2)
+
+
+def test_banded_noise_is_refused_where_its_accounting_does_not_hold():
+    with pytest.raises(ConfigError, match="not available for dice"):
+        _engine(algo="dice")
+    with pytest.raises(ConfigError, match="not available for adaptive"):
+        _engine(algo="adaptive")
+    with pytest.raises(ConfigError, match=r"bands x q = 1.25 > 1"):
+        _engine(bands=50)
+
+
+def test_a_run_resumed_with_other_bands_is_refused():
+    state = _engine(bands=4).state_dict()
+    with pytest.raises(ResumeMismatchError, match="bands"):
+        _engine(bands=2).load_state_dict(state)
+    fresh = _engine(bands=4)
+    fresh.load_state_dict(state)
+    assert fresh.steps_taken == 0

@@ -191,3 +191,10 @@ def test_a_banded_run_interrupted_and_resumed_equals_the_uninterrupted_run(tmp_p
         assert torch.equal(a["model"][k], b["model"][k]), k
     assert resumed["test_accuracy"] == full["test_accuracy"] and resumed["epsilon"] == full["epsilon"]
     assert "4-banded noise" in full["basis"] and full["certified"] is False  # a seeded run: not certified
+
+
+def test_compare_rows_take_bands_per_algorithm():
+    from clipbias.cli.compare import parse_variant
+    assert parse_variant("dpsgd:bands=4") == ("dpsgd:bands=4", {"algo": "dpsgd", "bands": 4})
+    with pytest.raises(ConfigError, match="whole number"):
+        parse_variant("dpsgd:bands=four")

@@ -33,7 +33,8 @@ DEFAULT_SEEDS = [0, 1, 2]
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
-    """``NAME`` or ``NAME:ACCOUNTING`` (e.g. ``dice:authors``) -> (label, config overrides)."""
+    """``NAME``, ``NAME:ACCOUNTING`` (e.g. ``dice:authors``) or ``NAME:bands=B`` (banded noise, e.g.
+    ``dpsgd:bands=4``) -> (label, config overrides)."""
     from .. import algorithms
     from ..privacy.dice import check_basis
     name, _, acc = spec.partition(":")
@@ -45,7 +46,12 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         raise ConfigError(f"--algos: unknown algorithm {name!r}; choose from "
                           f"{', '.join(sorted(algorithms.ALGORITHMS))}, or BASE+disk (DiSK added to BASE)") from None
     over: dict = {"algo": name}
-    if acc:
+    if acc.startswith("bands="):
+        try:
+            over["bands"] = int(acc[len("bands="):])
+        except ValueError:
+            raise ConfigError(f"--algos {spec}: bands=B takes a whole number, e.g. {name}:bands=4") from None
+    elif acc:
         if algo.accounting != "dice":
             raise ConfigError(f"--algos {spec}: ':{acc}' (DiceSGD accounting) applies only to DiceSGD "
                               f"algorithms")
@@ -275,9 +281,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "clip 0.054 (chosen by clipbias tune), seeds 0 1 2, all available cores. Measured on 2 shared AMD EPYC cores: 74 s "
                     "with the scattering features cached; the first run adds 60-70 s to compute and cache "
                     "them (docs/cli.md).")
-    p.add_argument("--algos", nargs="+", default=None, metavar="NAME[:ACCOUNTING]",
+    p.add_argument("--algos", nargs="+", default=None, metavar="NAME[:ACCOUNTING|:bands=B]",
                    help="algorithms (default: dpsgd dice); NAME:ACCOUNTING picks DiceSGD's accounting "
-                        "per row, e.g. dice:sound dice:paper (paper and authors are refuted: reproduction only)")
+                        "per row, e.g. dice:sound dice:paper (paper and authors are refuted: reproduction only); "
+                        "NAME:bands=B runs that row with banded noise (--bands), e.g. dpsgd:bands=4")
     p.add_argument("--seeds", nargs="+", type=int, default=None, metavar="S",
                    help=f"seeds (default: {' '.join(map(str, DEFAULT_SEEDS))})")
     add_training_flags(p, algo=False, defaults=DEFAULTS)

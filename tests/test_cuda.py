@@ -214,6 +214,22 @@ def test_fast_path_probe_refuses_a_one_example_mixing_on_cuda(b):
             bk(x.to(CUDA), y.to(CUDA), lambda n: clip_scale(n, 1.0), False)
 
 
+def test_banded_noise_on_cuda_makes_the_cpu_update():
+    """``--bands``: the classes, the banded releases and their inverse give the CPU's weights on the GPU."""
+    def run(device):
+        g = torch.Generator().manual_seed(1)
+        x = (3 * torch.randn(N, 1, D_IN, D_IN, generator=g)).to(device)
+        y = torch.randint(0, CLASSES, (N,), generator=g).to(device)
+        model = tiny_cnn().to(device)
+        eng = DPEngine(model, "dpsgd", n=N, batch_size=4.0, steps=6, noise_multiplier=2.0, accountant="rdp",
+                       noise_seed=0, bands=3, config=AlgoConfig(lr=0.1, clip=0.5, momentum=0.9))
+        for _ in range(6):
+            idx = eng.sampler.sample()
+            eng.step(x[idx.to(device)], y[idx.to(device)], idx)
+        return params_of(model)
+    assert torch.allclose(run(CUDA), run(torch.device("cpu")), rtol=1e-4, atol=1e-5)
+
+
 BASE = TrainConfig(data="digits", model="mlp", algo="dice", epsilon=3.0, delta=1e-5, epochs=3,
                    batch_size=64, lr=0.5, clip=1.0, ef_clip=1.0 / 64, accountant="rdp", device="cuda",
                    reproducible_noise=True)

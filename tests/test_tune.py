@@ -124,3 +124,20 @@ def test_a_refused_trial_stops_the_search_without_naming_examples():
         tune(TuneConfig(BASE, (0.05, 5.0), (0.1, 10.0), trials=1.0), splits=splits)
     assert not any(ch.isdigit() for ch in str(err.value).split("(docs")[0].replace("NonFinite", ""))
     assert err.value.__cause__ is None and err.value.__suppress_context__
+
+
+def test_a_banded_tuning_accounts_each_trial_with_its_bands():
+    """With --bands b every trial runs b-banded noise; the tuning's calibration reads the trial's banded
+    event (rate b q, ceil(T / b) steps), not the plain one: its epsilon is what that event gives."""
+    import dataclasses
+    from clipbias.algorithms.bands import banded_spec
+    from clipbias.run import tune as tune_module
+    base = dataclasses.replace(BASE, bands=3, momentum=0.9)
+    tc = TuneConfig(base, (0.05, 5.0), (0.1, 10.0), trials=2.0)
+    part = tune_module.prepare_splits(dataclasses.replace(base, validation=0))
+    z, event_of = tune_module._calibrate(tc, base, part, 20.0)
+    q, steps = base.batch_size / part.n, base.epochs * round(part.n / base.batch_size)
+    from clipbias import algorithms
+    want = banded_spec(algorithms.get("dpsgd").spec(base.algo_config(), q, z, base.batch_size), 3).dp_event(steps)
+    assert event_of(z) == want and want.event.sampling_probability == 3 * q
+    assert tuning.tuned_epsilon(event_of(z), 20.0, base.delta, 2.0, tc.shape) <= base.epsilon

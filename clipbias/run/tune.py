@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import algorithms
+from ..algorithms.bands import banded_spec
 from ..errors import ClipbiasError, ConfigError
 from ..privacy import tuning
 from ..privacy.report import check_epsilon, check_positive
@@ -144,6 +145,6 @@ def _calibrate(tc: TuneConfig, base: TrainConfig, part: Splits, score_std: float
     q = base.batch_size / part.n
     steps = base.epochs * max(1, round(part.n / base.batch_size))
 
-    def event_of(z: float):
-        return algo.spec(cfg, q, z, base.batch_size).dp_event(steps)
+    def event_of(z: float):  # a trial's own accounting, banded noise included
+        return banded_spec(algo.spec(cfg, q, z, base.batch_size), base.bands).dp_event(steps)
     return tuning.calibrate(event_of, base.epsilon, base.delta, tc.trials, tc.shape, score_std), event_of

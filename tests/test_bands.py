@@ -198,3 +198,22 @@ def test_compare_rows_take_bands_per_algorithm():
     assert parse_variant("dpsgd:bands=4") == ("dpsgd:bands=4", {"algo": "dpsgd", "bands": 4})
     with pytest.raises(ConfigError, match="whole number"):
         parse_variant("dpsgd:bands=four")
+
+
+def test_account_and_calibrate_take_bands(capsys):
+    import json
+    from clipbias.cli import main
+    args = ["--sample-rate", "0.03", "--steps", "90", "--delta", "1e-5", "--json"]
+    assert main(["account", *args, "--noise-multiplier", "1.5", "--bands", "8"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    acc = PLDAccountant()
+    acc.compose(dp_event.PoissonSampledDpEvent(0.24, dp_event.GaussianDpEvent(1.5)), 12)  # ceil(90 / 8)
+    assert math.isclose(got["epsilon"], acc.get_epsilon(1e-5), rel_tol=1e-6) and "8-banded" in got["basis"]
+    assert main(["calibrate", *args, "--epsilon", "3", "--bands", "8"]) == 0
+    z = json.loads(capsys.readouterr().out)["noise_multiplier"]
+    acc = PLDAccountant()
+    acc.compose(dp_event.PoissonSampledDpEvent(0.24, dp_event.GaussianDpEvent(z)), 12)
+    assert 2.97 < acc.get_epsilon(1e-5) <= 3.0
+    assert main(["account", *args, "--noise-multiplier", "1.5", "--bands", "8", "--algo", "dice",
+                 "--batch-size", "30"]) != 0
+    assert "--bands applies to --algo dpsgd" in capsys.readouterr().err

@@ -26,6 +26,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delta", type=float, required=True, metavar="D", help="target delta")
     p.add_argument("--accountant", choices=ACCOUNTANTS, default="pld",
                    help="pld (default, tightest) or rdp")
+    p.add_argument("--bands", type=int, default=1, metavar="b",
+                   help="dpsgd with b-banded noise (train --bands): the subsampled Gaussian at rate b*q for "
+                        "ceil(T/b) steps (default 1)")
     g = p.add_argument_group("DiceSGD (--algo dice)")
     g.add_argument("--clip", type=float, default=1.0, metavar="C1", help="per-example clip C1 (default 1)")
     g.add_argument("--ef-clip", type=float, default=None, metavar="C2",
@@ -56,7 +59,12 @@ def _spec(args: argparse.Namespace, z: float) -> AccountingSpec:
         raise ConfigError(f"--dataset-size must be >= 1, got {args.dataset_size}")
     warn(delta_warning(args.delta, args.dataset_size))
     if args.algo == "dpsgd":
-        return AccountingSpec("gaussian", q, z, "per-example L2 sensitivity C (clip)")
+        from ..algorithms.bands import banded_spec
+        from ..sampling.poisson import check_bands
+        check_bands(args.bands, q)
+        return banded_spec(AccountingSpec("gaussian", q, z, "per-example L2 sensitivity C (clip)"), args.bands)
+    if args.bands != 1:
+        raise ConfigError("--bands applies to --algo dpsgd (banded noise is not accounted for DiceSGD)")
     check_positive(args.clip, "--clip")
     if args.ef_clip is not None:
         check_positive(args.ef_clip, "--ef-clip")

@@ -482,6 +482,7 @@ def test_new_run_dir_never_reuses_a_directory(tmp_path, monkeypatch):
     {"algo": "dice", "ef_clip": 0.001, "dice_accounting": "sound", "accountant": "rdp"},
     {"algo": "inner-outer", "extra": {"K0": 3, "gamma1": 0.8, "normalize": True}},
     {"algo": "dpsgd+disk", "extra": {"kappa": 0.6, "disk_gamma": 0.4}, "weight_decay": 0.01, "subset": 500},
+    {"algo": "dpsgd", "momentum": 0.9, "bands": 4},
 ])
 def test_compare_best_line_runs_exactly_the_row_config(over):
     """The train line compare prints for its best row parses back into the same TrainConfig (method

@@ -258,6 +258,8 @@ def train_command(c: dict) -> str:
         v = c.get(key)
         if v is not None and not (key in ("weight_decay",) and v == 0):
             parts.append(f"{flag} {v:g}" if isinstance(v, float) else f"{flag} {v}")
+    if c.get("bands", 1) != 1:
+        parts.append(f"--bands {c['bands']}")
     flags = {st["key"]: st for st in current()["settings"]}
     for key, v in sorted((c.get("extra") or {}).items()):
         st = flags.get(key)

@@ -92,7 +92,7 @@ class BandedNoise(Stage):
 
     def __call__(self, v: Tensor) -> Tensor:
         c, keep = self.coefs, self.bands - 1
-        v64 = v.to(torch.float64)
+        v64 = v.to(torch.float64, copy=True)  # kept: never an alias of the caller's tensor
         mixed = c[0] * v64
         for ck, past in zip(c[1:], self.inputs):
             mixed += ck * past
@@ -101,7 +101,7 @@ class BandedNoise(Stage):
             y -= ck * past
         g = y.div_(c[0])
         self._pending = (self.draws + 1, ([v64] + self.inputs)[:keep], ([g] + self.outputs)[:keep])
-        return g.to(v.dtype)
+        return g.to(v.dtype, copy=True)  # g is kept: the caller gets its own copy
 
     def commit(self) -> None:
         if self._pending is not None:

@@ -116,8 +116,8 @@ def calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, ac
         _check_dice_method(spec, dice_accounting)
     if spec.bands != 1 and spec.kind != "gaussian":
         raise ConfigError(f"banded noise is accounted for the subsampled Gaussian only, not {spec.kind!r}")
-    key = {"kind": spec.kind, "q": spec.sample_rate, "bands": spec.bands, "dice": None if spec.dice is None else asdict(spec.dice),
-           "epsilon": epsilon, "delta": delta, "steps": steps, "accountant": accountant,
+    key = {"kind": spec.kind, "q": spec.sample_rate, "bands": spec.bands,
+           "dice": None if spec.dice is None else asdict(spec.dice), "epsilon": epsilon, "delta": delta, "steps": steps, "accountant": accountant,
            "basis": dice_accounting if spec.kind == "dice" else None}
 
     def verify(z: float) -> bool:

@@ -29,11 +29,14 @@ import numpy as np
 import torch
 
 from .. import algorithms, privacy
+from ..algorithms.bands import band_pipeline, banded_spec, check_bandable
 from ..config import AlgoConfig
 from ..errors import ConfigError
 from ..privacy.report import check_delta, check_positive, check_rate, check_steps
 from ..randomness import SecretKey
+from ..sampling.poisson import band_rate, check_bands
 from ..transforms import Pipeline, StepContext
+from . import banded
 from .stats import epsilon_lower_bound, gdp_epsilon_lower_bound
 
 STATISTICS = ("sum", "lr")
@@ -64,6 +67,9 @@ class CanaryAudit:
     statistic: str = "sum"                # sum | lr (see ``statistic``)
     schedule: str = "constant"            # the canary's gradient per step (see ``gradient_signs``)
     anti_norm: float | None = None        # an anti-canary in both worlds: gradient -anti_norm x the canary's
+    bands: int = 1                        # banded noise (``clipbias.algorithms.bands``): b bands, b classes
+    band_class: int | None = None         # the canary's class, known to the adversary (None: drawn per run)
+    band_momentum: float = 0.0            # the momentum the band coefficients are shaped for
 
     def __post_init__(self) -> None:
         check_positive(self.noise_multiplier, "--noise-multiplier")
@@ -85,6 +91,14 @@ class CanaryAudit:
             raise ConfigError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.anti_norm is not None:
             check_positive(self.anti_norm, "--anti-canary")
+        check_bands(self.bands, self.sample_rate)
+        check_bandable(self.algo, self.bands)
+        if self.band_class is not None and not (isinstance(self.band_class, int) and 0 <= self.band_class < self.bands):
+            raise ConfigError(f"--band-class must be a whole number in [0, --bands) = [0, {self.bands}), "
+                              f"got {self.band_class!r}")
+        if self.bands > 1 and self.anti_norm is not None:
+            raise ConfigError("--anti-canary drives hidden state across steps; the bandable algorithms have none: "
+                              "audit banded noise without it")
 
     def algo_config(self) -> AlgoConfig:
         ef_clip = self.ef_clip
@@ -142,11 +156,16 @@ def simulate(audit: CanaryAudit, with_canary: bool, *, progress: bool = False) -
     pipe = algo.pipeline(cfg, audit.batch_size, audit.noise_multiplier, SecretKey.from_seed(seed))
     if pipe.noise is None or pipe.noise.std <= 0:
         raise ConfigError(f"--algo {audit.algo}: its pipeline adds no noise")
+    pipe = band_pipeline(pipe, audit.algo, audit.bands, audit.band_momentum, SecretKey.from_seed(seed))
     sigma = pipe.noise.std
     gen = torch.Generator().manual_seed(seed + (1 << 40))
     signs = gradient_signs(audit)
     members = ([float(audit.norm)] if with_canary else []) + \
         ([-float(audit.anti_norm)] if audit.anti_norm is not None else [])
+    rate, b = band_rate(audit.bands, audit.sample_rate), audit.bands
+    # each member's class (bands > 1): drawn once per run, as the sampler does, or the adversary's fixed one
+    classes = [torch.full((trials, 1), audit.band_class) if audit.band_class is not None
+               else torch.randint(0, b, (trials, 1), generator=gen) for _ in members] if b > 1 else None
     score = _Statistic(audit, pipe, sigma, signs)
     bar = None
     if progress:
@@ -156,9 +175,11 @@ def simulate(audit: CanaryAudit, with_canary: bool, *, progress: bool = False) -
     for t in range(audit.steps):
         proc, ref = torch.zeros(trials, 1), torch.zeros(trials, 1)
         # D = {anti-canary if any}; D' adds the canary: each in the batch with probability q
-        for g in members:
+        for i, g in enumerate(members):
             r, p = pipe.rows(torch.full((trials, 1, 1), g * signs[t]), StepContext(None, t))  # a DPEngine step's stages
-            inc = (torch.rand(trials, 1, generator=gen, dtype=torch.float64) < audit.sample_rate).float()
+            inc = (torch.rand(trials, 1, generator=gen, dtype=torch.float64) < rate).float()
+            if classes is not None:  # b-min-separated participation: only the steps of its class
+                inc = inc * (classes[i] == t % b).float()
             proc += p * inc
             ref = ref + (r * inc if r is not None else 0)
         # the released noisy update (before post-processing)
@@ -190,6 +211,11 @@ class _Statistic:
       canary's clipped contribution: the log-likelihood ratio of a step of the subsampled Gaussian
       (Neyman-Pearson optimal for DPSGD's Dirac canary); centred and scaled by its mean and standard
       deviation under u_t ~ N(0, sigma^2) (Gauss-Hermite quadrature, not the runs).
+
+    With banded noise (``bands`` > 1) the updates are first turned back into the releases y = C u
+    (``banded.releases``); ``sum`` is then the matched sum ``(C s)^T y / (sigma ||C s||)`` and ``lr`` the
+    likelihood ratio of the canary's participation blocks at rate b q, of its known class
+    (``band_class``) or averaged over the classes (``banded``).
     """
 
     def __init__(self, audit: CanaryAudit, pipe: Pipeline, sigma: float, signs: np.ndarray) -> None:
@@ -198,6 +224,10 @@ class _Statistic:
         last = pipe.per_sample[-1] if pipe.per_sample else None
         bound = getattr(last, "bound", None)
         self.c = min(float(audit.norm), float(bound) if bound else float(audit.norm)) / pipe.divisor
+        self.bands, self.band_class = audit.bands, audit.band_class
+        if self.bands > 1:
+            self.coefs, self.updates = pipe.noise.coefs, []
+            return
         if self.kind == "lr":
             x, w = np.polynomial.hermite_e.hermegauss(80)  # E f(Z), Z ~ N(0, 1)
             llr = self._llr(torch.from_numpy(x * sigma), 1.0).numpy()
@@ -209,20 +239,42 @@ class _Statistic:
         return step_llr(u, sign * self.c, self.sigma, self.q)
 
     def add(self, t: int, u: torch.Tensor) -> None:
+        if self.bands > 1:
+            self.updates.append(u.double().clone())
+            return
         self.total += self.signs[t] * u.double() if self.kind == "sum" else self._llr(u, self.signs[t])
 
     def value(self) -> np.ndarray:
         T = len(self.signs)
+        if self.bands > 1:
+            return banded_statistic(self.kind, torch.stack(self.updates), self.signs, self.coefs, self.sigma,
+                                    self.c, band_rate(self.bands, self.q), self.band_class).numpy()
         if self.kind == "sum":
             return (self.total / (self.sigma * math.sqrt(T))).numpy()
         return ((self.total - T * self.mean) / (self.std * math.sqrt(T))).numpy()
+
+
+def banded_statistic(kind: str, updates: torch.Tensor, signs: np.ndarray, coefs, sigma: float, c: float,
+                     rate: float, band_class: int | None = None) -> torch.Tensor:
+    """The statistic ``kind`` (sum | lr) of each column of ``updates`` (T x m: the updates the optimizer
+    received under banded noise of coefficients ``coefs``), for a canary of contribution ``s_t c``
+    joining the steps of its class at ``rate``; standardised (exactly N(0, 1) for ``sum``, by its
+    Gauss-Hermite moments for ``lr``) under a noise-only run."""
+    y = banded.releases(updates, coefs)
+    if kind == "sum":
+        return banded.matched_sum(y, signs, coefs, sigma)
+    b, T = len(coefs), len(signs)
+    per_class = banded.class_llr(y, torch.from_numpy(np.asarray(signs, dtype=np.float64)) * c, coefs, sigma, rate, b)
+    stat = per_class[band_class] if band_class is not None else banded.mixture_llr(per_class)
+    mean, std = banded.null_moments(T, coefs, sigma, c, rate, b, band_class)
+    return (stat - mean) / std
 
 
 def claim(audit: CanaryAudit) -> privacy.PrivacyReport:
     """What the library states for this configuration (at ``claim_noise_multiplier`` if given)."""
     algo = algorithms.get(audit.algo)
     z = audit.claim_noise_multiplier or audit.noise_multiplier
-    spec = algo.spec(audit.algo_config(), audit.sample_rate, z, audit.batch_size)
+    spec = banded_spec(algo.spec(audit.algo_config(), audit.sample_rate, z, audit.batch_size), audit.bands)
     return privacy.account(spec, audit.steps, audit.delta, "pld", audit.dice_accounting)
 
 
@@ -239,7 +291,7 @@ def canary_audit(audit: CanaryAudit, *, progress: bool = False) -> dict:
         "refuted": refuted, "confidence": audit.confidence, "method": "canary",
         "trials": audit.trials, "delta": audit.delta,
         "mean_shift": float(alt.mean() - null.mean()), "statistic": audit.statistic, "schedule": audit.schedule,
-        "anti_norm": audit.anti_norm,
+        "anti_norm": audit.anti_norm, "bands": audit.bands, "band_class": audit.band_class,
         "settings": {k: v for k, v in asdict(audit).items() if k != "extra"},
     }
 

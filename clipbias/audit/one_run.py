@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .. import algorithms, privacy
+from ..algorithms.bands import banded_spec
 from ..errors import ConfigError
 from ..grads.rows import FuncGradients, cross_entropy
 from ..privacy.report import check_delta, check_positive
@@ -53,6 +54,7 @@ class OneRunAudit:
     seed: int = 0
     subset: int | None = None
     grad_path: str = "auto"               # rows | fast | auto, as in clipbias train
+    bands: int = 1                        # banded noise, as in clipbias train --bands
 
     def __post_init__(self) -> None:
         check_positive(self.noise_multiplier, "--noise-multiplier")
@@ -113,7 +115,7 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
     batch = float(len(y_all)) if a.batch_size is None else a.batch_size
     engine = DPEngine(model, a.algo, n=len(y_all), batch_size=batch, steps=a.steps,
                       noise_multiplier=a.noise_multiplier, delta=a.delta, dice_accounting=a.dice_accounting,
-                      config=algo_cfg, grads=c["grads"], grad_path=a.grad_path)
+                      config=algo_cfg, grads=c["grads"], grad_path=a.grad_path, bands=a.bands)
     layout = engine.rows.layout
     theta0 = torch.cat([p.detach().flatten() for p in layout.params(model)]).clone()
     bar = None
@@ -137,8 +139,8 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
     acc, _ = evaluate(model, c["x_test"], c["y_test"],
                       predict=(lambda m, x: logits(x).argmax(1)) if algo.needs_public else None)
     best = _estimates(scores, inside, a)
-    spec = algo.spec(engine.config, engine.sample_rate, a.claim_noise_multiplier or a.noise_multiplier,
-                     engine.expected_batch_size)
+    spec = banded_spec(algo.spec(engine.config, engine.sample_rate, a.claim_noise_multiplier or a.noise_multiplier,
+                                 engine.expected_batch_size), a.bands)
     rep = privacy.account(spec, a.steps, a.delta, "pld", a.dice_accounting)
     m = a.canaries
     return {**best, "epsilon_claimed": rep.epsilon, "certified": rep.certified, "basis": rep.basis,
@@ -219,5 +221,5 @@ def run_from_args(args) -> dict:
                     lr=lr, clip=args.clip, momentum=args.momentum, ef_clip=args.ef_clip,
                     canary_norm=args.canary_norm, delta=args.delta, dice_accounting=args.dice_accounting,
                     claim_noise_multiplier=args.claim_noise_multiplier, confidence=args.confidence,
-                    seed=args.seed, subset=args.subset, grad_path=args.grad_path)
+                    seed=args.seed, subset=args.subset, grad_path=args.grad_path, bands=args.bands)
     return one_run_audit(a, progress=not args.quiet, splits=splits)

@@ -24,9 +24,11 @@ import torch
 from torch import Tensor, nn
 
 from .. import algorithms, privacy
+from ..algorithms.bands import banded_spec
 from ..config import AlgoConfig
 from ..errors import ConfigError
-from .canary import CanaryAudit, gradient_signs, step_llr
+from ..sampling.poisson import band_rate
+from .canary import CanaryAudit, banded_statistic, gradient_signs, step_llr
 from .estimators import one_run_estimate
 
 
@@ -86,40 +88,48 @@ def white_box_one_run(audit: CanaryAudit, canaries: int = 1000) -> dict:
     signs = gradient_signs(audit)
     step = [0]
     model = Coordinates(canaries)
-    cfg = AlgoConfig(**{**audit.algo_config().__dict__, "momentum": 0.0})
+    # the updates are recorded before outer momentum; with bands the coefficients are shaped for band_momentum
+    cfg = AlgoConfig(**{**audit.algo_config().__dict__, "momentum": audit.band_momentum if audit.bands > 1 else 0.0})
     batch = audit.sample_rate * len(ids)  # Poisson rate q over the included canaries (B = q x their number)
     engine = DPEngine(model, audit.algo, n=len(ids), batch_size=batch, steps=audit.steps,
                       noise_multiplier=audit.noise_multiplier, delta=audit.delta, config=cfg,
-                      loss_fn=lambda out, y: signs[step[0]] * out.sum(), noise_seed=audit.seed, grad_path="rows")
+                      loss_fn=lambda out, y: signs[step[0]] * out.sum(), noise_seed=audit.seed, grad_path="rows",
+                      bands=audit.bands)
     tap = _Tap(engine.pipeline)
 
     def after(e, losses) -> None:
         step[0] += 1
 
     run_steps(engine, x, torch.zeros(len(ids), dtype=torch.long), after=after)
-    scores = _scores(audit, tap, signs, engine.pipeline.divisor)
+    scores = _scores(audit, tap, signs, engine.pipeline)
     kw = dict(delta=audit.delta, significance=1 - audit.confidence)
     plain = one_run_estimate(scores[inside.numpy()], scores[~inside.numpy()], method="one-run", **kw)
     fdp = one_run_estimate(scores[inside.numpy()], scores[~inside.numpy()], method="one-run-fdp", **kw)
-    spec = algo.spec(engine.config, engine.sample_rate, audit.claim_noise_multiplier or audit.noise_multiplier,
-                     engine.expected_batch_size)
+    spec = banded_spec(algo.spec(engine.config, engine.sample_rate, audit.claim_noise_multiplier
+                                 or audit.noise_multiplier, engine.expected_batch_size), audit.bands)
     rep = privacy.account(spec, audit.steps, audit.delta, "pld", audit.dice_accounting)
     return {"epsilon_lower_bound": plain["epsilon_lower_bound"], "epsilon_lower_bound_fdp": fdp["epsilon_lower_bound"],
             "epsilon_claimed": rep.epsilon, "certified": rep.certified, "basis": rep.basis,
             "refuted": plain["epsilon_lower_bound"] > rep.epsilon, "confidence": audit.confidence,
             "method": "one-run, white-box engine (Dirac canaries on their own coordinates, every update seen)",
             "canaries": canaries, "included": len(ids), "delta": audit.delta, "guesses": plain["guesses"],
-            "correct": plain["correct"], "guesses_fdp": fdp["guesses"], "correct_fdp": fdp["correct"],
+            "correct": plain["correct"], "bands": audit.bands, "guesses_fdp": fdp["guesses"], "correct_fdp": fdp["correct"],
             "score_gap": float(scores[inside.numpy()].mean() - scores[~inside.numpy()].mean()),
             "settings": {k: v for k, v in audit.__dict__.items() if k not in ("extra", "trials")}}
 
 
-def _scores(audit: CanaryAudit, tap: _Tap, signs: np.ndarray, divisor: float) -> np.ndarray:
-    """Each coordinate's statistic over the recorded releases."""
+def _scores(audit: CanaryAudit, tap: _Tap, signs: np.ndarray, pipeline) -> np.ndarray:
+    """Each coordinate's statistic over the recorded releases (with banded noise: over the releases
+    y = C u recovered from the updates, ``canary.banded_statistic``, the canaries' classes unknown)."""
     u = torch.stack(tap.updates)  # T x m
+    if audit.bands > 1:
+        if len(set(tap.stds)) != 1 or len(set(tap.bounds)) != 1:
+            raise ConfigError(f"--bands {audit.bands}: the white-box audit scores a fixed noise std and bound")
+        return banded_statistic(audit.statistic, u, signs, pipeline.noise.coefs, tap.stds[0],
+                                tap.bounds[0] / pipeline.divisor, band_rate(audit.bands, audit.sample_rate)).numpy()
     sigma = torch.tensor(tap.stds, dtype=torch.float64).unsqueeze(1)
     s = torch.from_numpy(signs).unsqueeze(1)
     if audit.statistic == "sum":
         return ((s * u / sigma).sum(0) / math.sqrt(len(u))).numpy()
-    c = s * torch.tensor(tap.bounds, dtype=torch.float64).unsqueeze(1) / divisor
+    c = s * torch.tensor(tap.bounds, dtype=torch.float64).unsqueeze(1) / pipeline.divisor
     return step_llr(u, c, sigma, audit.sample_rate).sum(0).numpy()

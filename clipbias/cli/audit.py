@@ -17,7 +17,8 @@ def _canary(args: argparse.Namespace) -> dict:
         grad_bound=args.grad_bound, gamma=args.gamma, dice_accounting=args.dice_accounting,
         delta=args.delta, claim_noise_multiplier=args.claim_noise_multiplier, canary_norm=args.canary_norm,
         trials=args.trials, confidence=args.confidence, seed=args.seed, statistic=args.statistic,
-        schedule=args.schedule, anti_norm=args.anti_canary)
+        schedule=args.schedule, anti_norm=args.anti_canary, bands=args.bands, band_class=args.band_class,
+        band_momentum=args.momentum if args.bands > 1 else 0.0)
     if args.mode == "one-run-ideal":
         from ..audit.white_box import white_box_one_run
         return white_box_one_run(a, args.canaries)
@@ -25,6 +26,9 @@ def _canary(args: argparse.Namespace) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.band_class is not None and args.mode != "canary":
+        raise ConfigError(f"--band-class fixes the canary's class in the canary mode; in --mode {args.mode} the "
+                          f"engine's sampler draws every canary's class (leave --band-class out)")
     if args.mode in ("canary", "one-run-ideal"):
         if args.batch_size is None:
             raise ConfigError("--batch-size B (the expected batch size, the update's normaliser) is required")
@@ -109,12 +113,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="cnn", help="one-run mode: model")
     p.add_argument("--lr", type=float, default=None, help="one-run mode: learning rate (default 4)")
     p.add_argument("--momentum", type=float, default=0.9,
-                   help="one-run mode: SGD momentum of the base optimizer (default 0.9; inner-outer needs 0)")
+                   help="one-run mode: SGD momentum of the base optimizer (default 0.9; inner-outer needs 0); "
+                        "with --bands, every mode: the momentum the band coefficients are shaped for")
     p.add_argument("--subset", type=int, default=None, metavar="N",
                    help="one-run mode: train on the first N training examples (plus the included canaries)")
     p.add_argument("--grad-path", choices=("rows", "fast", "auto"), default="auto",
                    help="one-run mode: how the per-example norms are computed, as in `clipbias train` (audit the "
                         "fast path with --grad-path fast --canary-type input)")
+    p.add_argument("--bands", type=int, default=1, metavar="b",
+                   help="banded correlated noise with b bands and b-min-separated participation, as in `clipbias "
+                        "train --bands` (default 1: independent noise); the coefficients are shaped for --momentum; "
+                        "the adversary scores the releases y = C u recovered from the updates")
+    p.add_argument("--band-class", type=int, default=None, metavar="L",
+                   help="canary mode with --bands: the canary's participation class, fixed and known to the "
+                        "adversary (default: drawn per run, unknown, as the sampler draws it)")
     p.add_argument("--confidence", type=float, default=0.95,
                    help="confidence of the lower bound (default 0.95; Bonferroni over every bound used)")
     p.add_argument("--seed", type=int, default=0, help="seed of the experiment (the audit's own randomness)")

@@ -12,7 +12,7 @@ The noise an update receives is then negatively correlated with the noise of the
 it, so that the sums of updates the optimizer accumulates (its momentum and the iterate) carry less
 noise than independent draws of the same scale would.
 
-Privacy (docs/privacy.md, "Banded noise"): with ``sum c_k^2 = 1`` and b-min-separated participation
+Privacy (docs/privacy.md, "Banded noise"): with ``sum c_k^2 = 1`` and cyclic Poisson participation (classes mod b)
 (``PoissonSampler(bands=b)``: an example joins only steps of one class mod b, each with probability
 b q), one participation reaches b consecutive releases, those of different participations are
 disjoint, and each such block is one Gaussian release of sensitivity C / B at the step's rate: the
@@ -141,7 +141,7 @@ def banded_spec(spec: AccountingSpec, bands: int) -> AccountingSpec:
     """``spec`` with ``bands`` bands, its note saying what the accounting then rests on."""
     if bands == 1:
         return spec
-    note = (f"{spec.note}; {bands}-banded noise with {bands}-min-separated Poisson participation: each "
+    note = (f"{spec.note}; {bands}-banded noise with cyclic Poisson participation in {bands} classes: each "
             f"participation is one Gaussian release over {bands} steps, accounted at rate {bands} q for "
             f"ceil(T / {bands}) steps (Choquette-Choo et al. 2023; docs/privacy.md, \"Banded noise\")")
     return replace(spec, bands=bands, note=note)

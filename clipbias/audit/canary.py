@@ -178,7 +178,7 @@ def simulate(audit: CanaryAudit, with_canary: bool, *, progress: bool = False) -
         for i, g in enumerate(members):
             r, p = pipe.rows(torch.full((trials, 1, 1), g * signs[t]), StepContext(None, t))  # a DPEngine step's stages
             inc = (torch.rand(trials, 1, generator=gen, dtype=torch.float64) < rate).float()
-            if classes is not None:  # b-min-separated participation: only the steps of its class
+            if classes is not None:  # cyclic Poisson participation (classes mod b): only the steps of its class
                 inc = inc * (classes[i] == t % b).float()
             proc += p * inc
             ref = ref + (r * inc if r is not None else 0)

@@ -121,7 +121,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="one-run mode: how the per-example norms are computed, as in `clipbias train` (audit the "
                         "fast path with --grad-path fast --canary-type input)")
     p.add_argument("--bands", type=int, default=1, metavar="b",
-                   help="banded correlated noise with b bands and b-min-separated participation, as in `clipbias "
+                   help="banded correlated noise with b bands and cyclic Poisson participation, as in `clipbias "
                         "train --bands` (default 1: independent noise); the coefficients are shaped for --momentum; "
                         "the adversary scores the releases y = C u recovered from the updates")
     p.add_argument("--band-class", type=int, default=None, metavar="L",

@@ -214,10 +214,13 @@ class DPEngine:
         return mine
 
     def _drop_staged(self, torch_rng: Tensor) -> None:
-        """Undo a step that did not complete: the model's RNG as before it, every stage's staged state dropped."""
+        """Undo a step that did not complete: the model's RNG as before it, every stage's staged state
+        dropped; with bands, the step's batch goes back to the sampler (the retry takes it again)."""
         torch.set_rng_state(torch_rng)
         self.rows.rollback()
         self.pipeline.rollback()
+        if self.bands > 1 and self.sampler.next_step == self.steps_taken + 1:
+            self.sampler.give_back()
 
     @property
     def fast(self) -> BookKeeping | None:

@@ -36,7 +36,7 @@ class AccountingSpec:
     ``account``), accounted by one of ``DICE_ACCOUNTING`` (default ``sound``);
     kind ``none``: non-private, epsilon = inf.
     ``heuristic`` marks specs whose guarantee is not proven (labelled in every output).
-    ``bands`` = b > 1 (kind ``gaussian`` only): b-min-separated participation with b-banded noise
+    ``bands`` = b > 1 (kind ``gaussian`` only): cyclic Poisson participation (classes mod b) with b-banded noise
     (``clipbias.algorithms.bands``), accounted as the subsampled Gaussian at rate b q for ceil(T / b)
     steps (docs/privacy.md, "Banded noise").
     """
@@ -117,7 +117,8 @@ def calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, ac
     if spec.bands != 1 and spec.kind != "gaussian":
         raise ConfigError(f"banded noise is accounted for the subsampled Gaussian only, not {spec.kind!r}")
     key = {"kind": spec.kind, "q": spec.sample_rate, "bands": spec.bands,
-           "dice": None if spec.dice is None else asdict(spec.dice), "epsilon": epsilon, "delta": delta, "steps": steps, "accountant": accountant,
+           "dice": None if spec.dice is None else asdict(spec.dice), "epsilon": epsilon, "delta": delta,
+           "steps": steps, "accountant": accountant,
            "basis": dice_accounting if spec.kind == "dice" else None}
 
     def verify(z: float) -> bool:

@@ -6,7 +6,7 @@ secret: batch ``t`` is a pure function of the run's ``SecretKey`` and ``t``
 (``clipbias.randomness.poisson_indices``: a 64-bit ChaCha20 uniform per example, compared with q
 rounded to 2^-64).
 
-With ``bands = b > 1`` (b-min-separated participation, for banded correlated noise:
+With ``bands = b > 1`` (cyclic Poisson participation, for banded correlated noise:
 ``clipbias.algorithms.bands``) every example draws once a class l_i in [0, b), i.i.d. and
 independent of the data, and joins only the batches of steps t = l_i mod b, each with probability
 b q: the expected batch stays qN, and any two participations of one example are at least b steps
@@ -42,6 +42,7 @@ class PoissonSampler:
         if not isinstance(key, SecretKey):
             raise ConfigError(f"PoissonSampler needs a clipbias.randomness.SecretKey, got {type(key).__name__}")
         self.key, self.drawn = key, 0  # batches drawn so far: the address of the next one
+        self._last: Tensor | None = None  # what sample() returned last (give_back)
         self._ahead: list[Tensor] = []  # drawn by draw_ahead, not yet returned by sample
         self.handed = 0                # how many of them the current loader was given (read-only outside)
 
@@ -53,8 +54,22 @@ class PoissonSampler:
         """The next batch (the oldest one drawn ahead, if any): the indices i with U_i < q."""
         if self._ahead:
             self.handed = max(0, self.handed - 1)
-            return self._ahead.pop(0)
-        return self._draw()
+            self._last = self._ahead.pop(0)
+        else:
+            self._last = self._draw()
+        return self._last
+
+    @property
+    def next_step(self) -> int:
+        """The step whose batch ``sample`` returns next (batches are drawn for steps 0, 1, 2, ...)."""
+        return self.drawn - len(self._ahead)
+
+    def give_back(self) -> None:
+        """Return the batch ``sample`` just returned: ``sample`` gives it again (a step that failed
+        before releasing anything is retried with its own batch; with bands its class is the step's)."""
+        if self._last is not None:
+            self._ahead.insert(0, self._last)
+            self._last = None
 
     def draw_ahead(self) -> Tensor:
         """The batch that ``sample`` returns after every batch handed out before it: drawn now (or
@@ -104,7 +119,7 @@ class PoissonSampler:
                               "torch generator with a 32-bit seed (recoverable from the released model); it "
                               "cannot be resumed: start a new run")
         self.drawn = int(state["drawn"])
-        self._ahead, self.handed = [t.clone() for t in state.get("ahead", [])], 0
+        self._ahead, self.handed, self._last = [t.clone() for t in state.get("ahead", [])], 0, None
 
 
 def band_rate(bands: int, sample_rate: float) -> float:

@@ -12,6 +12,9 @@ those statements leaves the counters inconsistent after the update was applied t
   The class check then accepts class t mod b at noise position t + 1: an example's participations are
   released at adjacent positions and its blocks overlap (exact Gaussian mu above the accounted one).
 
+Without bands (b = 1) the first case is the same: the next batch is released with the draw Z_t (no
+class check refuses it), so the hazard is the ``finally`` block's, not the banded stage's.
+
 The interrupts are injected by wrapping ``engine.optimizer.zero_grad`` / ``engine.rows.commit`` (an
 interrupt at that instant); the loop is the ordinary ``sample -> step`` loop that catches ClipbiasError /
 KeyboardInterrupt and continues.
@@ -32,11 +35,11 @@ from clipbias.errors import ClipbiasError
 B_ANDS, M, T, Z = 4, 64, 16, 4.0
 
 
-def run(where: str):
+def run(where: str, bands: int = B_ANDS):
     x = torch.zeros(M, M)
     x[torch.arange(M), torch.arange(M)] = 1.0
     e = DPEngine(Coordinates(M), "dpsgd", n=M, batch_size=M / (2 * B_ANDS), steps=T, noise_multiplier=Z, noise_seed=0,
-                 loss_fn=lambda out, y: out.sum(), grad_path="rows", bands=B_ANDS)
+                 loss_fn=lambda out, y: out.sum(), grad_path="rows", bands=bands)
     target = e.optimizer if where == "zero_grad" else e.rows
     name = "zero_grad" if where == "zero_grad" else "commit"
     real, calls = getattr(target, name), [0]
@@ -99,3 +102,11 @@ for where in ("zero_grad", "rows.commit"):
             worst, at = mu, s
     print(f"  worst canary released at noise positions {at}: mu {worst:.3f} (inf: one noise draw used twice) "
           f"against the accounted sqrt(ceil(T/b))/z = {math.sqrt(math.ceil(T / B_ANDS)) / Z:.3f}")
+
+e, rel, _ = run("zero_grad", bands=1)
+pos = [p for p, _, _ in rel]
+twice = [(i, u) for p, i, u in rel if pos.count(p) > 1]
+(i1, u1), (i2, u2) = twice[:2]
+d = (u1 - u2).abs()
+print(f"b = 1, interrupt in zero_grad: noise positions {pos[:6]}...; the two updates with one draw differ in "
+      f"{int((d > 1e-9).sum())} coordinates, the batches in {len(set(i1.tolist()) ^ set(i2.tolist()))} examples")

@@ -48,6 +48,11 @@ def check_step(engine, x: Batch, y: Batch, indices: Tensor | None) -> None:
                           f"algorithm with per-example rows (dpsgd, dice, ...) for structured batches")
     check_precision(engine.params)
     check_batch(x, y, indices, engine.loss_fn is cross_entropy, engine.own_rows)
+    noise = getattr(engine.pipeline, "noise", None)
+    if engine.algo.private and noise is not None and noise.draws != engine.steps_taken:
+        raise ConfigError(f"the engine has counted {engine.steps_taken} steps but drawn {noise.draws} noise releases: "
+                          f"a step was interrupted while it was being recorded. Resume from the last checkpoint "
+                          f"(a new DPEngine and load_state_dict) instead of stepping this one")
     if engine.bands > 1:
         check_band_class(engine, indices)
     if engine.world_size > 1 and indices is None:
@@ -70,8 +75,10 @@ def check_band_class(engine, indices: Tensor | None) -> None:
     if len(wrong):
         raise ConfigError(f"with --bands {engine.bands}, step {t} takes only examples of class {t % engine.bands}, "
                           f"but example {int(wrong[0])} is of class {int(engine.sampler.labels[wrong[0]])}: this "
-                          f"batch was drawn for another step. A failed step is retried with its own batch "
-                          f"(engine.sampler.sample() returns it again); never skip a step and sample on")
+                          f"batch was drawn for another step. Pass the batches of engine.sampler.sample() to step "
+                          f"in order: after a failed step sample() returns its batch again; a batch drawn and not "
+                          f"stepped is lost, and the batches after it are refused until one of class "
+                          f"{t % engine.bands} comes")
 
 
 def check_precision(params: list[Tensor]) -> None:

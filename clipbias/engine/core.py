@@ -200,17 +200,20 @@ class DPEngine:
         except BaseException:
             self._drop_staged(torch_rng)
             raise
+        # once the noisy update exists it counts as released, before it reaches the model (an interrupt
+        # between applying it and counting it would let a later step reuse its noise draw, whose
+        # difference with this release cancels the noise, or shift the classes of banded noise): its
+        # draws are never drawn again and the step is accounted
+        self.pipeline.commit()
+        self.rows.commit()
+        self.steps_taken += 1
+        self.sampler.settle()
         try:
             for param, u in zip(self.params, self.rows.layout.unflatten(update)):
                 param.grad = u.to(param.dtype)
             self.optimizer.step()
-        finally:  # once the noisy update exists it counts as released, even if the optimizer failed with it
-            # half-applied: its draws are never drawn again (a reused noise draw would let the difference
-            # of two releases cancel the noise) and the step is accounted
+        finally:
             self.optimizer.zero_grad(set_to_none=True)
-            self.pipeline.commit()
-            self.rows.commit()
-            self.steps_taken += 1
         return mine
 
     def _drop_staged(self, torch_rng: Tensor) -> None:

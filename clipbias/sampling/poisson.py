@@ -64,6 +64,10 @@ class PoissonSampler:
         """The step whose batch ``sample`` returns next (batches are drawn for steps 0, 1, 2, ...)."""
         return self.drawn - len(self._ahead)
 
+    def settle(self) -> None:
+        """The batch ``sample`` returned last was released: ``give_back`` no longer applies to it."""
+        self._last = None
+
     def give_back(self) -> None:
         """Return the batch ``sample`` just returned: ``sample`` gives it again (a step that failed
         before releasing anything is retried with its own batch; with bands its class is the step's)."""

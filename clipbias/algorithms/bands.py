@@ -12,7 +12,7 @@ The noise an update receives is then negatively correlated with the noise of the
 it, so that the sums of updates the optimizer accumulates (its momentum and the iterate) carry less
 noise than independent draws of the same scale would.
 
-Privacy (docs/privacy.md, "Banded noise"): with ``sum c_k^2 = 1`` and cyclic Poisson participation (classes mod b)
+Privacy (docs/privacy.md, "Banded noise"): with ``sum c_k^2 = 1`` and cyclic Poisson participation
 (``PoissonSampler(bands=b)``: an example joins only steps of one class mod b, each with probability
 b q), one participation reaches b consecutive releases, those of different participations are
 disjoint, and each such block is one Gaussian release of sensitivity C / B at the step's rate: the

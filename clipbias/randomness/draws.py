@@ -73,17 +73,6 @@ def band_labels(key: SecretKey, n: int, bands: int) -> np.ndarray:
     return (uint64s(key, Purpose.BAND, 0, 0, n) % np.uint64(bands)).astype(np.int64)
 
 
-def banded_poisson_indices(key: SecretKey, purpose: int, step: int, labels: np.ndarray, bands: int,
-                           p: float) -> Tensor:
-    """Indices i of class ``labels[i] == step mod bands`` included independently with probability
-    ``p`` (the inclusion draws of ``poisson_indices`` at this step, restricted to the step's class)."""
-    t = inclusion_threshold(p)
-    mine = labels == step % bands
-    if t < 1 << 64:
-        mine &= uint64s(key, purpose, step, 0, len(labels)) < np.uint64(t)
-    return torch.from_numpy(np.flatnonzero(mine))
-
-
 def normals(key: SecretKey, purpose: int, step: int, index: int, count: int,
             device: torch.device | str = "cpu", cipher: str = "auto") -> Tensor:
     """``count`` independent standard normals (float64) at the address, on ``device``. ``cipher``:

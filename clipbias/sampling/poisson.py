@@ -15,10 +15,11 @@ apart.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ..errors import ConfigError
-from ..randomness import Purpose, SecretKey, band_labels, banded_poisson_indices, poisson_indices
+from ..randomness import Purpose, SecretKey, band_labels, poisson_indices
 
 
 class PoissonSampler:
@@ -88,11 +89,9 @@ class PoissonSampler:
         self.handed = 0
 
     def _draw(self) -> Tensor:
-        if self.bands == 1:
-            idx = poisson_indices(self.key, Purpose.SAMPLE, self.drawn, self.n, self.q)
-        else:
-            idx = banded_poisson_indices(self.key, Purpose.SAMPLE, self.drawn, self.labels, self.bands,
-                                         band_rate(self.bands, self.q))
+        idx = poisson_indices(self.key, Purpose.SAMPLE, self.drawn, self.n, band_rate(self.bands, self.q))
+        if self.bands > 1:  # the same draws at rate b q, restricted to the step's class
+            idx = idx[torch.from_numpy(self.labels[idx.numpy()] == self.drawn % self.bands)]
         self.drawn += 1
         return idx
 

@@ -197,6 +197,40 @@ def test_resume_with_changed_settings_is_refused():
         e2.load_state_dict(e1.state_dict())
 
 
+@pytest.mark.parametrize("saved_kw,now_kw", [({"momentum": 0.9}, {"optimizer": "adam"}),
+                                              ({"optimizer": "adam"}, {"momentum": 0.9})])
+@pytest.mark.parametrize("legacy", [False, True])
+def test_resume_into_another_base_optimizer_is_refused_and_loads_nothing(saved_kw, now_kw, legacy):
+    e1, x, y = make_engine(small_cnn(), "dpsgd", config=AlgoConfig(lr=0.2, clip=0.5, **saved_kw))
+    e1.step(x[:8], y[:8], torch.arange(8))
+    state = e1.state_dict()
+    assert state["optimizer_class"] == type(e1.optimizer).__name__
+    if legacy:  # a state saved before the class was recorded: told apart by betas / momentum
+        del state["optimizer_class"]
+    e2, _, _ = make_engine(small_cnn(), "dpsgd", config=AlgoConfig(lr=0.2, clip=0.5, **now_kw))
+    before = e2.state_dict()
+    with pytest.raises(ResumeMismatchError, match=r"base optimizer is (SGD|Adam|another kind).*this engine's is"):
+        e2.load_state_dict(state)
+    assert e2.steps_taken == 0 and e2.optimizer.state_dict() == before["optimizer"]
+    e3, _, _ = make_engine(small_cnn(), "dpsgd", config=AlgoConfig(lr=0.2, clip=0.5, **saved_kw))
+    e3.load_state_dict(state)  # the same optimizer resumes
+    assert e3.steps_taken == 1
+
+
+def test_a_batch_no_poisson_sample_holds_is_refused_before_anything_changes():
+    e, x, y = make_engine(small_cnn(), "dpsgd")
+    w = [p.detach().clone() for p in e.params]
+    for idx, msg in [(torch.tensor([0, 1, 2, 2, 3, 4, 5, 6]), "example 2 appears 2 times"),
+                     (torch.tensor([0, 1, 2, 3, 4, 5, 6, 64]), r"index 64 is outside \[0, 64\)"),
+                     (torch.tensor([-1, 1, 2, 3, 4, 5, 6, 7]), "index -1 is outside"),
+                     (torch.arange(8.0), "integer tensor")]:
+        with pytest.raises(ConfigError, match=msg):
+            e.step(x[:8], y[:8], idx)
+    assert e.steps_taken == 0 and all(torch.equal(a, p) for a, p in zip(w, e.params))
+    e.step(x[:8], y[:8], torch.arange(8))
+    assert e.steps_taken == 1
+
+
 def test_micro_batching_does_not_change_the_math():
     ms = [small_cnn(), small_cnn()]
     outs = []

@@ -48,6 +48,8 @@ def check_step(engine, x: Batch, y: Batch, indices: Tensor | None) -> None:
                           f"algorithm with per-example rows (dpsgd, dice, ...) for structured batches")
     check_precision(engine.params)
     check_batch(x, y, indices, engine.loss_fn is cross_entropy, engine.own_rows)
+    if indices is not None:
+        check_indices(indices, engine.n)
     noise = getattr(engine.pipeline, "noise", None)
     if engine.algo.private and noise is not None and noise.draws != engine.steps_taken:
         raise ConfigError(f"the engine has counted {engine.steps_taken} steps but drawn {noise.draws} noise releases: "
@@ -59,6 +61,25 @@ def check_step(engine, x: Batch, y: Batch, indices: Tensor | None) -> None:
         raise ConfigError(f"in a process group of {engine.world_size} ranks, step needs the example indices of "
                           f"this rank's share (engine.local_share(engine.sampler.sample())): the keyed "
                           f"per-example draws and the shares are defined by them")
+
+
+def check_optimizer_resume(state: dict, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse (``ResumeMismatchError``) a state whose base optimizer is another kind than this engine's
+    (its moments or momentum buffers and hyperparameters mean nothing to the other: torch would fail
+    at load or at the first step, or keep the other's settings). States saved before the class was
+    recorded are told apart by the hyperparameters that mark a family (Adam's ``betas``, SGD's
+    ``momentum``): the full set of names varies with the torch version."""
+    mine, saved = type(optimizer).__name__, state.get("optimizer_class")
+    groups = state["optimizer"].get("param_groups") if isinstance(state["optimizer"], dict) else None
+    def marks(gs: list[dict]) -> set[str]:
+        return {k for g in gs for k in g if k in ("betas", "momentum")}
+    other = saved != mine if saved is not None else bool(groups) and marks(groups) != marks(optimizer.param_groups)
+    if other:
+        names = sorted({k for g in groups for k in g} - {"params"}) if groups else []
+        was = saved or f"another kind (hyperparameters {', '.join(names)})"
+        raise ResumeMismatchError(f"cannot resume: the checkpoint's base optimizer is {was}, this engine's is {mine}. "
+                                  f"Build the engine with the original optimizer (AlgoConfig optimizer and momentum, "
+                                  f"or --optimizer/--momentum), or start a new run")
 
 
 def check_band_class(engine, indices: Tensor | None) -> None:
@@ -79,6 +100,29 @@ def check_band_class(engine, indices: Tensor | None) -> None:
                           f"in order: after a failed step sample() returns its batch again; a batch drawn and not "
                           f"stepped is lost, and the batches after it are refused until one of class "
                           f"{t % engine.bands} comes")
+
+
+def check_indices(indices: Tensor, n: int) -> None:
+    """Refuse indices that no Poisson batch of ``n`` examples holds: not integers, outside [0, n), or
+    one example twice. The accounting bounds each example's contribution to a step by one clip
+    norm; an example present k times would contribute k C, and the keyed per-example draws (noise
+    of the perturbation, the band classes) are looked up by index."""
+    if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool or indices.dim() != 1:
+        raise ConfigError(f"step: indices must be a 1-D integer tensor of example indices, got dtype {indices.dtype} "
+                          f"and shape {tuple(indices.shape)}; pass the batch of engine.sampler.sample()")
+    if not len(indices):
+        return
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < 0 or hi >= n:
+        raise ConfigError(f"step: example index {lo if lo < 0 else hi} is outside [0, {n}) (the engine was built with "
+                          f"n={n}); pass the batch of engine.sampler.sample()")
+    uniq, counts = torch.unique(indices, return_counts=True)
+    if len(uniq) != len(indices):
+        i = int(counts.argmax())
+        raise ConfigError(f"step: example {int(uniq[i])} appears {int(counts[i])} times in the batch; a Poisson batch "
+                          f"holds each example at most once (the accounting bounds one example's contribution by "
+                          f"one clip norm, and {int(counts[i])} copies would contribute {int(counts[i])} times it). "
+                          f"Pass the batch of engine.sampler.sample()")
 
 
 def check_precision(params: list[Tensor]) -> None:

@@ -31,7 +31,7 @@ from ..randomness import SecretKey
 from ..sampling.poisson import PoissonSampler, check_bands
 from ..transforms import StepContext
 from .aggregate import choose_aggregate
-from .checks import canon, check_arguments, check_distributed, check_resume, check_step
+from .checks import canon, check_arguments, check_distributed, check_optimizer_resume, check_resume, check_step
 from .loop import run_steps
 
 
@@ -291,7 +291,8 @@ class DPEngine:
         never release it.
         """
         return {"settings": asdict(self.settings), "steps_taken": self.steps_taken,
-                "optimizer": self.optimizer.state_dict(), "pipeline": self.pipeline.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "optimizer_class": type(self.optimizer).__name__,
+                "pipeline": self.pipeline.state_dict(),
                 "sampler": self.sampler.state_dict(), "secret_key": self.key.state_dict(),
                 "rows": self.rows.state_dict()}
 
@@ -313,6 +314,7 @@ class DPEngine:
                                       "from the released model; continuing it would not be private. Start a new run "
                                       "(a new run directory, or --overwrite)")
         check_resume(state["settings"], asdict(self.settings))
+        check_optimizer_resume(state, self.optimizer)
         if self.steps_taken:
             raise ConfigError(f"load_state_dict: this engine has taken {self.steps_taken} step(s); loading a state "
                               f"into it would replay draws it has already released. Build a new DPEngine and load "

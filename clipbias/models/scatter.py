@@ -147,6 +147,8 @@ class ScatterLinear(_ScatterHead):
     """ScatterNet + linear model (Tramer & Boneh 2021): GroupNorm(27, no affine) on the
     81-channel features, then one Linear layer. Takes features, not images."""
 
+    PER_EXAMPLE = True  # forward composes its children example by example (reviewed; grads.separable)
+
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, J: int = 2, L: int = 8,
                  num_groups: int = 27) -> None:
         super().__init__(input_shape, J, L)
@@ -162,6 +164,8 @@ class ScatterCNN(_ScatterHead):
     (``ftramer/Handcrafted-DP``, ``MNIST_CNN`` on scattering input): GroupNorm(27, no
     affine) -> Conv(16, 3x3, s2, p1) -> tanh -> Conv(32, 3x3, s1, p1) -> tanh ->
     Flatten -> Linear(32) -> tanh -> Linear(num_classes). Takes features, not images."""
+
+    PER_EXAMPLE = True  # forward composes its children example by example (reviewed; grads.separable)
 
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, J: int = 2, L: int = 8,
                  num_groups: int = 27, channels: tuple[int, int] = (16, 32)) -> None:

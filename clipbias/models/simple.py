@@ -18,6 +18,8 @@ __all__ = ["LogReg", "MLP", "TramerBonehCNN"]
 class LogReg(nn.Module):
     """Multinomial logistic regression: flatten -> Linear(num_classes)."""
 
+    PER_EXAMPLE = True  # forward composes its children example by example (reviewed; grads.separable)
+
     def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
         super().__init__()
         self.input_shape = tuple(input_shape)
@@ -33,6 +35,8 @@ class MLP(nn.Module):
     tanh (a bounded "tempered sigmoid") follows Papernot et al. 2021, who found bounded
     activations better suited to DP-SGD than ReLU.
     """
+
+    PER_EXAMPLE = True  # forward composes its children example by example (reviewed; grads.separable)
 
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, hidden: int = 256) -> None:
         super().__init__()
@@ -55,6 +59,8 @@ class TramerBonehCNN(nn.Module):
     conv by 2 instead of 3; both give the same shapes and parameter count.)
     ``groupnorm=G`` inserts GroupNorm(G groups) after each conv, before tanh (``cnn-gn``).
     """
+
+    PER_EXAMPLE = True  # forward composes its children example by example (reviewed; grads.separable)
 
     def __init__(self, input_shape: tuple[int, ...], num_classes: int,
                  groupnorm: int | None = None, padding: int = 3) -> None:
@@ -91,6 +97,8 @@ class TramerBonehCIFAR(nn.Module):
     -> MaxPool(2) -> Linear(128) -> Linear(num_classes), tanh activations, padding 1: 550,570
     parameters for 3x32x32 input and 10 classes. ``groupnorm=G`` adds GroupNorm(G) after each conv.
     ``build_model("cnn", (3, 32, 32), ...)`` builds this one."""
+
+    PER_EXAMPLE = True  # forward composes its children example by example (reviewed; grads.separable)
 
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, groupnorm: int | None = None) -> None:
         super().__init__()

@@ -125,3 +125,11 @@ def test_a_mixing_hook_on_a_per_example_model_is_caught_by_the_probe(monkeypatch
     with pytest.raises(ConfigError, match="lets examples see each other"):
         e.step(torch.randn(12, *IMAGE), torch.randint(0, 10, (12,)), torch.arange(12))
     assert calls and e.steps_taken == 0 and all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+
+
+@pytest.mark.parametrize("name,fast_path", [("mlp", True), ("logreg", True), ("scatter-linear", True),
+                                            ("cnn", False), ("resnet20-gn", False)])
+def test_auto_takes_the_fast_path_for_dense_models_proven_per_example(name, fast_path):
+    e = DPEngine(build_model(name, IMAGE, 10), "dpsgd", n=60, batch_size=12.0, steps=10, noise_multiplier=1.0,
+                 grad_path="auto")
+    assert (e.fast is not None) is fast_path

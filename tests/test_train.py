@@ -358,4 +358,4 @@ def test_on_engine_gets_the_engine_before_the_first_step(splits):
     seen = []
     train(dataclasses.replace(ONE, algo="dpsgd", ef_clip=None),
           splits=splits, on_engine=lambda e: seen.append((type(e), e.steps_taken, e.fast is None)))
-    assert seen == [(DPEngine, 0, True)]  # digits' MLP takes the rows path
+    assert seen == [(DPEngine, 0, False)]  # digits' MLP (Linear layers, per-example by construction): fast path

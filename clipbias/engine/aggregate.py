@@ -8,8 +8,9 @@ import math
 from torch import nn
 
 from ..errors import ConfigError
+from ..grads import separable
 from ..grads.fast import BookKeeping, why_unsupported
-from ..grads.rows import FuncGradients, LossFn, ParamSums, PerExampleRows, RowSource
+from ..grads.rows import FuncGradients, LossFn, ParamSums, PerExampleRows, RowSource, cross_entropy
 from ..transforms import Pipeline, scales_by_norm
 from ..algorithms.disk import TwoPointRows
 
@@ -22,8 +23,9 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
     """(the aggregate of a norm-scaling step or None, what the header says): the book-keeping fast
     path (``grads.fast.BookKeeping``: no rows), the rows summed per parameter (``grads.ParamSums``),
     or None (rows through the pipeline: stages that need rows). ``grad_path`` rows | fast | auto:
-    auto takes the fast path where it applies and one micro-batch of rows would exceed
-    ``AUTO_ROWS_BYTES`` (on CPU the rows path is faster for small models: docs/results.md)."""
+    auto takes the fast path where it applies and either one micro-batch of rows would exceed
+    ``AUTO_ROWS_BYTES`` or ``fast_wins(model)``; elsewhere the rows path (on the CPU it is the faster
+    of the two for convolutional models at larger batches: docs/results.md)."""
     if grad_path not in ("rows", "fast", "auto"):
         raise ConfigError(f"--grad-path must be rows, fast or auto, got {grad_path!r}")
     p = pipeline
@@ -45,10 +47,12 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
         why = why_unsupported(model)
         rows_bytes = min(max_physical_batch, math.ceil(1.2 * expected_batch_size)) * \
             rows.layout.dim * 4
-        if why is None and (grad_path == "fast" or grad_path == "auto" and rows_bytes > AUTO_ROWS_BYTES):
-            return BookKeeping(model, loss_fn), (
-                "fast (per-layer norms and book-keeping sums, no rows; per-example sensitivity rests "
-                "on run-time checks of the model, docs/results.md)")
+        if why is None and (grad_path == "fast" or grad_path == "auto" and (rows_bytes > AUTO_ROWS_BYTES
+                                                                           or fast_wins(model, loss_fn))):
+            return BookKeeping(model, loss_fn), "fast (per-layer norms and book-keeping sums, no rows; " + (
+                "rows per example by the model's structure, checked every step" if separable.why_not(model) is None
+                and loss_fn is cross_entropy
+                else "per-example sensitivity rests on run-time checks of the model") + ", docs/results.md)"
         if grad_path != "fast" and isinstance(rows, PerExampleRows) and \
                 isinstance(rows.grads, FuncGradients):
             return ParamSums(rows.grads), "rows (per-example gradients, torch.func, summed per parameter" + (
@@ -57,6 +61,17 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
         raise ConfigError(f"--grad-path fast is not available: {why}; use --grad-path auto or rows")
     return None, "rows (per-example gradients, torch.func)" + (f"; the fast path does not apply: {why}"
                                                                 if grad_path == "auto" and why else "")
+
+
+def fast_wins(model: nn.Module, loss_fn: LossFn = cross_entropy) -> bool:
+    """Whether ``auto`` takes the fast path at any batch size: the model is per-example by construction
+    (``grads.separable``: no probe) and its trainable layers are Linear, Embedding and norm layers,
+    whose per-layer norms and sums cost about a non-private step; measured 1.7-25x faster than the
+    rows path (MLP, ScatterNet + linear; docs/results.md). A trainable convolution forms per-example
+    weight gradients on either path, and the rows path was the faster one at larger batches."""
+    return loss_fn is cross_entropy and separable.why_not(model) is None and not any(
+        isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and any(p.requires_grad for p in m.parameters(recurse=False))
+        for m in model.modules())
 
 
 class TwoPoint:

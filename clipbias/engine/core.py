@@ -24,7 +24,7 @@ from ..config import AlgoConfig
 from ..errors import ClipbiasError, ConfigError, ResumeMismatchError
 from ..grads.fast import BookKeeping
 from ..grads.rows import (LossFn, PerSampleGradients, RowSource, as_row_source, check_finite, check_finite_norms,
-                          cross_entropy)
+                          cross_entropy, guarded)
 from ..sampling.loader import PoissonLoader
 from ..privacy import PrivacyReport
 from ..randomness import SecretKey
@@ -256,7 +256,8 @@ class DPEngine:
             self._aggregate.begin()
         for start in range(0, batch.size(x), self.max_physical_batch):
             sl = slice(start, start + self.max_physical_batch)
-            p, r, loss, norms = self._aggregate(batch.take(x, sl), batch.take(y, sl), scale, need_ref)
+            p, r, loss, norms = guarded(lambda xs, ys: self._aggregate(xs, ys, scale, need_ref),
+                                        batch.take(x, sl), batch.take(y, sl), self.rows.layout.dim)
             check_finite_norms(norms, indices[sl] if indices is not None else None)
             yield r, p, loss
 

@@ -8,6 +8,8 @@ batch of B examples:
 * ``dpsgd``, ``dice``, ``normalized``: ``DPEngine.step`` through the public API (per-example
   gradients, clipping, noise, accounting state; noise multiplier fixed, no calibration); the
   ``-fast`` arms with ``grad_path="fast"`` (per-layer norms and book-keeping sums, no rows);
+  ``dpsgd-fast-noprobe`` is a diagnostic, not a configuration a user can choose: the fast path with
+  its per-step soundness probe skipped, to measure what the probe costs;
 * ``opacus-hooks`` (and ``opacus-ghost``, ``opacus-ew``: expanded weights): Opacus' ``PrivacyEngine.make_private`` on the same model,
   when ``import opacus`` works (``pip install opacus`` or ``PYTHONPATH`` to a copy; not a clipbias
   dependency).
@@ -16,6 +18,7 @@ Usage (docs/results.md, "Speed and memory")::
 
     python benchmarks/speed.py --model cnn --batch-size 256 --threads 2 --reps 15
     python benchmarks/speed.py --model resnet20-gn --batch-size 64 --threads 2 --reps 7
+    python benchmarks/speed.py --model scatter-linear --batch-size 2048 --threads 2 --reps 10   # features in, cached
     python benchmarks/speed.py --model cnn --batch-size 256 --device cuda --reps 30   # GPU: synchronised steps
 """
 
@@ -50,10 +53,15 @@ def _nonprivate(model: nn.Module, lr: float):
 
 
 def _engine(model: nn.Module, algo: str, n: int, b: int, lr: float, max_physical_batch: int):
+    probe = not algo.endswith("-noprobe")  # a diagnostic arm, not a configuration: the probe's cost
+    algo = algo.removesuffix("-noprobe")
     fast = algo.endswith("-fast")  # "dpsgd-fast": the book-keeping fast path
     eng = DPEngine(model, algo.removesuffix("-fast"), n=n, batch_size=float(b), steps=10**6, noise_multiplier=1.0,
                    config=AlgoConfig(lr=lr, clip=1.0), noise_seed=0, max_physical_batch=max_physical_batch,
                    accountant="rdp", grad_path="fast" if fast else "rows")
+
+    if not probe:  # the per-step soundness check skipped: what the rest of the fast path costs
+        eng.fast._check_examples = lambda *args, **kwargs: None
 
     def step(x, y, idx):
         eng.step(x, y, idx)
@@ -140,10 +148,14 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             steps[arm] = _engine(model, arm, n, b, lr, max_physical_batch=b)
     gen = torch.Generator().manual_seed(1)
+    inputs = ds.x_train
+    if hasattr(model, "preprocess"):  # a model of features (ScatterNet): the first 16 384 images' features
+        n = min(n, 16384)
+        inputs = model.preprocess(ds.x_train[:n], f"{ds.name}-train-first{n}")
     times: dict[str, list[float]] = {k: [] for k in steps}
     for rep in range(a.warmup + a.reps):
         idx = torch.randperm(n, generator=gen)[:b]
-        x, y = ds.x_train[idx].to(dev), ds.y_train[idx].to(dev)
+        x, y = inputs[idx].to(dev), ds.y_train[idx].to(dev)
         for arm, step in steps.items():
             sync()
             t0 = time.perf_counter()
@@ -169,11 +181,11 @@ def main(argv: list[str] | None = None) -> dict:
     if gpu:
         print(f"GPU: {gpu} (torch {torch.__version__}, TF32 matmul {torch.backends.cuda.matmul.allow_tf32})")
     print(f"{a.model}, B = {b}, {a.threads} threads, {a.reps} reps (medians, min-max), allocator tuned: {tuned}")
-    print(f"{'arm':<14} {'ms/step':>9} {'min-max':>15} {'x non-private':>14} {'x opacus hooks':>15}")
+    print(f"{'arm':<20} {'ms/step':>9} {'min-max':>15} {'x non-private':>14} {'x opacus hooks':>15}")
     for arm, r in rows.items():
         vs = f"{r['vs_nonprivate']:.2f}" if r["vs_nonprivate"] else "-"
         vo = f"{r['vs_opacus_hooks']:.2f}" if r["vs_opacus_hooks"] else "-"
-        print(f"{arm:<14} {r['median_ms']:9.1f} {r['min_ms']:7.1f}-{r['max_ms']:<7.1f} {vs:>14} {vo:>15}")
+        print(f"{arm:<20} {r['median_ms']:9.1f} {r['min_ms']:7.1f}-{r['max_ms']:<7.1f} {vs:>14} {vo:>15}")
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     return out

@@ -109,8 +109,12 @@ def test_the_probe_runs_exactly_where_the_structure_proves_nothing(monkeypatch):
     e.step(x, y, torch.arange(12))
     assert calls == [] and "by the model's structure" in e.grad_path_note
     e = _engine(build_model("cnn", IMAGE, 10), loss_fn=lambda out, t: nn.functional.cross_entropy(out, t, reduction="sum"))
-    e.step(x, y, torch.arange(12))  # a loss of the user's may combine examples: probed
-    assert calls == [1] and "run-time checks" in e.grad_path_note
+    e.step(x, y, torch.arange(12))  # a loss returning the batch's total: evaluated one example at a time, not probed
+    assert calls == []
+    e = _engine(build_model("cnn", IMAGE, 10), loss_fn=lambda out, t: nn.functional.cross_entropy(out, t, reduction="none"))
+    e.step(x, y, torch.arange(12))  # per-example losses of the user's: they may combine examples, probed
+    assert calls == [1]
+    assert "run-time checks" in _engine(nn.Sequential(nn.Flatten(), nn.Linear(784, 10), _Mixer())).grad_path_note
 
 
 def test_a_mixing_hook_on_a_per_example_model_is_caught_by_the_probe(monkeypatch):
@@ -133,3 +137,15 @@ def test_auto_takes_the_fast_path_for_dense_models_proven_per_example(name, fast
     e = DPEngine(build_model(name, IMAGE, 10), "dpsgd", n=60, batch_size=12.0, steps=10, noise_multiplier=1.0,
                  grad_path="auto")
     assert (e.fast is not None) is fast_path
+
+
+def test_the_gpt_is_per_example_by_construction_and_its_layer_norms_are_checked():
+    from clipbias.models.gpt import GPT
+    m = GPT(vocab=50, context=8, width=16, layers=1, heads=2)
+    assert separable.why_not(m) is None
+    ln = m.blocks[0].ln1
+    assert separable.batched({ln: torch.zeros(3, 8, 16)})
+    assert not separable.batched({ln: torch.zeros(16)})  # an input with no dimension besides the normalised one
+    assert "max_norm" in separable.why_not(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0)))
+    assert "scale_grad_by_freq" in separable.why_not(nn.Sequential(nn.Embedding(10, 4, scale_grad_by_freq=True)))
+    assert "no trainable affine" in separable.why_not(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4, elementwise_affine=False)))

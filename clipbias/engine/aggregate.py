@@ -50,8 +50,8 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
         if why is None and (grad_path == "fast" or grad_path == "auto" and (rows_bytes > AUTO_ROWS_BYTES
                                                                            or fast_wins(model, loss_fn))):
             return BookKeeping(model, loss_fn), "fast (per-layer norms and book-keeping sums, no rows; " + (
-                "rows per example by the model's structure, checked every step" if separable.why_not(model) is None
-                and loss_fn is cross_entropy
+                "rows per example by the model's structure, checked every step; a loss_fn returning per-example "
+                "losses is probed" if separable.why_not(model) is None
                 else "per-example sensitivity rests on run-time checks of the model") + ", docs/results.md)"
         if grad_path != "fast" and isinstance(rows, PerExampleRows) and \
                 isinstance(rows.grads, FuncGradients):

@@ -478,10 +478,11 @@ class BookKeeping:
             stochastic = not _same_rng(rng, _rng_state(dev))  # dropout (or any other draw) in the forward
             rules = [_rule(m, _widen(acts[m], wide), _widen(g, wide)) for m, g in zip(self.layers, grads)]
             sq = sum(r.sq for r in rules)
-            # else the caller refuses the step; a model per-example by construction, under the default
-            # per-example loss (a loss_fn may combine examples), needs no probe
-            if bool(torch.isfinite(sq).all()) and (stochastic or self.loss_fn is not cross_entropy
-                                                   or not separable.proven(self.model, acts)):
+            # else the caller refuses the step; a model per-example by construction, under a loss of one
+            # example at a time (a loss_fn returning per-example losses may combine them), needs no probe
+            own_loss = self.loss_fn is cross_entropy or self._vector_loss is False
+            proven = own_loss and not stochastic and separable.proven(self.model, acts)
+            if bool(torch.isfinite(sq).all()) and not proven:
                 self._check_examples(rules, sq, x, y, params, rng if stochastic else None)
         ref = None
         if reference:  # layout order; None for the parameters of layers whose rows are formed

@@ -12,7 +12,9 @@ hooks added, between steps):
 * every module is of one of these exact types (a subclass may override ``forward``): ``nn.Sequential``;
   ``nn.Linear`` (acts on the last dimension: its input must have a batch dimension before it),
   ``nn.Conv1d``/``nn.Conv2d`` (their input batched: 3-D / 4-D), ``nn.GroupNorm`` (normalises within
-  an example); the elementwise activations ``ELEMENTWISE``; max and average pooling (over the
+  an example), ``nn.LayerNorm`` with trainable parameters (its input must have more dimensions than
+  it normalises), ``nn.Embedding`` without ``max_norm`` and ``scale_grad_by_freq`` (a lookup per
+  token); the elementwise activations ``ELEMENTWISE``; max and average pooling (over the
   trailing dimensions only); ``nn.Flatten`` from dimension 1 or later; or a clipbias model class
   that declares ``PER_EXAMPLE = True`` in its own body, whose ``forward`` (reviewed) only composes
   its children example by example (a subclass does not inherit the declaration);
@@ -20,8 +22,9 @@ hooks added, between steps):
   it had when clipbias was imported, and no forward, forward-pre, backward or backward-pre hook is
   registered on any module or globally (a hook can rewrite rows with other examples' data);
 * the batched layers' inputs have the batch dimension (checked on the activations of the step);
-* the loss is the default cross-entropy, one example's at a time (``BookKeeping`` checks it: a
-  ``loss_fn`` of the user may combine examples, and then the probe runs).
+* the loss is one example's at a time: the default cross-entropy, or a ``loss_fn`` that returns the
+  batch's total, which the fast path evaluates under ``vmap`` one example at a time (``BookKeeping``
+  checks it; a ``loss_fn`` that returns per-example losses may combine examples, and is probed).
 
 Dropout is not in the list: a random forward keeps its probe (one example recomputed among copies
 of itself under the same draws). What this does not see, the probe cannot see either: code outside
@@ -40,7 +43,8 @@ ELEMENTWISE = (nn.Identity, nn.Tanh, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn
 
 _POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d)
 _BATCHED_DIMS = {nn.Conv1d: 3, nn.Conv2d: 4}  # an input of one dimension less is one unbatched example
-_TYPES = (nn.Sequential, nn.Linear, nn.Conv1d, nn.Conv2d, nn.GroupNorm, nn.Flatten, *ELEMENTWISE, *_POOLS)
+_TYPES = (nn.Sequential, nn.Linear, nn.Conv1d, nn.Conv2d, nn.GroupNorm, nn.LayerNorm, nn.Embedding, nn.Flatten,
+          *ELEMENTWISE, *_POOLS)
 _FORWARD = {t: t.forward for t in _TYPES}  # as imported: a forward replaced later on the class is not trusted
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
@@ -63,6 +67,10 @@ def why_not(model: nn.Module) -> str | None:
                 return f"{label}: {t.__name__}.forward was replaced"
             if t is nn.Flatten and not m.start_dim >= 1:
                 return f"{label} flattens from dimension {m.start_dim}: the batch dimension would be mixed in"
+            if t is nn.LayerNorm and not any(p.requires_grad for p in m.parameters()):
+                return f"{label} has no trainable affine parameters, so its input's dimensions go unchecked"
+            if t is nn.Embedding and (m.max_norm is not None or m.scale_grad_by_freq):
+                return f"{label} uses max_norm or scale_grad_by_freq (both depend on the batch's tokens)"
         elif vars(t).get("PER_EXAMPLE") is not True:
             return f"{label} is not a module whose rows are known to be per-example"
     return None
@@ -72,7 +80,8 @@ def batched(acts: dict[nn.Module, Tensor]) -> bool:
     """The step's inputs to the batched layers have their batch dimension (``acts``: layer -> input)."""
     for m, a in acts.items():
         want = _BATCHED_DIMS.get(type(m))
-        if (want is not None and a.dim() != want) or (type(m) is nn.Linear and a.dim() < 2):
+        if (want is not None and a.dim() != want) or (type(m) is nn.Linear and a.dim() < 2) or \
+                (type(m) is nn.LayerNorm and a.dim() <= len(m.normalized_shape)):
             return False
     return True
 

@@ -24,6 +24,8 @@ from torch.nn import functional as F
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: causal self-attention, then an MLP, both residual."""
 
+    PER_EXAMPLE = True  # forward composes its children example by example (reviewed; grads.separable)
+
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
         if width % heads:
@@ -46,6 +48,8 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """``forward(tokens [b, t]) -> logits [b, t, vocab]``; ``t`` at most ``context``."""
+
+    PER_EXAMPLE = True  # forward composes its children example by example (reviewed; grads.separable)
 
     def __init__(self, vocab: int = 50257, context: int = 64, width: int = 512, layers: int = 4,
                  heads: int = 8) -> None:

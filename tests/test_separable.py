@@ -18,7 +18,8 @@ IMAGE = (1, 28, 28)
 
 
 @pytest.mark.parametrize("name,shape", [("cnn", IMAGE), ("cnn-gn", IMAGE), ("cnn", (3, 32, 32)), ("logreg", IMAGE),
-                                        ("mlp", IMAGE), ("scatter-linear", IMAGE), ("scatter-cnn", IMAGE)])
+                                        ("mlp", IMAGE), ("scatter-linear", IMAGE), ("scatter-cnn", IMAGE),
+                                        ("resnet20-gn", IMAGE)])
 def test_the_feed_forward_models_are_per_example_by_construction(name, shape):
     assert separable.why_not(build_model(name, shape, 10)) is None
 
@@ -58,7 +59,7 @@ def _hooked(kind):
     (lambda: nn.Sequential(nn.Flatten(), nn.Dropout(0.1), nn.Linear(784, 10)), "Dropout"),
     (lambda: nn.Sequential(nn.Flatten(), _Mixer(), nn.Linear(784, 10)), "_Mixer"),
     (lambda: nn.Sequential(nn.Flatten(), nn.Softmax(0), nn.Linear(784, 10)), "Softmax"),
-    (lambda: build_model("resnet20-gn", IMAGE, 10), "ResNet20"),
+    (lambda: build_model("resnet20-enhanced", IMAGE, 10), "WSConv2d"),
 ])
 def test_anything_that_could_mix_examples_voids_the_proof(make, why):
     got = separable.why_not(make())

@@ -61,6 +61,8 @@ def _shortcut_a(x: Tensor, planes: int, stride: int) -> Tensor:
 class _Block(nn.Module):
     """Basic residual block, plain (conv-GN-ReLU) or enhanced (WSconv-ELU-GN)."""
 
+    PER_EXAMPLE = True  # forward composes its children example by example (reviewed; grads.separable)
+
     def __init__(self, in_planes: int, planes: int, stride: int, enhanced: bool,
                  groups: int, affine: bool) -> None:
         super().__init__()
@@ -88,6 +90,8 @@ class ResNet20(nn.Module):
     ``groups`` GroupNorm groups per layer (4, as in Xiao et al.'s code); ``affine`` turns
     the GroupNorm scale/shift on (default) or off.
     """
+
+    PER_EXAMPLE = True  # forward composes its children example by example (reviewed; grads.separable)
 
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, enhanced: bool = False,
                  groups: int = 4, affine: bool = True, blocks: int = 3) -> None:

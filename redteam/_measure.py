@@ -46,7 +46,15 @@ def sensitivity(e, x, y, drop=None):
 
 
 def report(name, e, x, y, drop=None):
-    s, probed = sensitivity(e, x, y, drop)
+    if e.fast is None:
+        print(f"{name}: grad_path=auto chose the rows path (separable.why_not={separable.why_not(e.model)!r})")
+        return None, None
+    try:
+        s, probed = sensitivity(e, x, y, drop)
+    except Exception as err:  # the probe (or the model itself) refused the step
+        print(f"{name}: separable.why_not={separable.why_not(e.model)!r} probe_ran={bool(PROBED)} "
+              f"step refused: {type(err).__name__}: {str(err)[:100]}")
+        return None, bool(PROBED)
     print(f"{name}: separable.why_not={separable.why_not(e.model)!r} probe_ran={probed} "
           f"sensitivity={s:.3f} C ({'BROKEN' if s > 1.0 + 1e-6 else 'ok'})")
     return s, probed

@@ -28,7 +28,12 @@ for kind in ("conv1d", "conv2d"):
         from _measure import clipped_sum, PROBED
         import clipbias.grads.separable as sep
         PROBED.clear()
-        full = clipped_sum(e, x, y)
+        try:
+            full = clipped_sum(e, x, y)
+        except Exception as err:
+            print(f"frozen {kind} (grad_path={path}): why_not={sep.why_not(model)!r} probe_ran={bool(PROBED)} "
+                  f"step refused: {type(err).__name__}: {str(err)[:90]}")
+            continue
         probed = bool(PROBED)
         worst = 0.0
         for j in range(B):

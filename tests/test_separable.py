@@ -133,3 +133,90 @@ def test_auto_takes_the_fast_path_for_dense_models_proven_per_example(name, fast
     e = DPEngine(build_model(name, IMAGE, 10), "dpsgd", n=60, batch_size=12.0, steps=10, noise_multiplier=1.0,
                  grad_path="auto")
     assert (e.fast is not None) is fast_path
+
+
+class _CopiedLogReg(nn.Module):
+    """A user's class copied from clipbias's LogReg with its declaration, whose forward standardises
+    the batch: the declaration of a class outside clipbias.models is not a review."""
+
+    PER_EXAMPLE = True
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(36, 10)
+
+    def forward(self, x):
+        x = x.flatten(1)
+        return self.fc(x - x.mean(0))
+
+
+def _with_instance_function(kind):
+    if kind == "features":  # ScatterLinear's helper, bypassing its GroupNorm
+        m = build_model("scatter-linear", IMAGE, 10)
+        m._features = lambda t: t - t.mean(0)
+    elif kind == "conv_forward":  # Conv2d.forward calls self._conv_forward
+        m = build_model("cnn", IMAGE, 10)
+        conv, inner = m.features[0], m.features[0]._conv_forward
+        conv._conv_forward = lambda inp, w, b: inner(inp - inp.mean(0), w, b)
+    else:  # compile(): the instance's compiled call runs instead of its forward
+        m = build_model("mlp", IMAGE, 10)
+        m.net[2]._compiled_call_impl = lambda t: torch.tanh(t - t.mean(0))
+    return m
+
+
+@pytest.mark.parametrize("make,why", [
+    (_CopiedLogReg, "not a module whose rows are known"),
+    (lambda: _with_instance_function("features"), "has a _features of its own on the instance"),
+    (lambda: _with_instance_function("conv_forward"), "has a _conv_forward of its own on the instance"),
+    (lambda: _with_instance_function("compiled"), "has a _compiled_call_impl of its own on the instance"),
+    (lambda: nn.Sequential(nn.SiLU(inplace=True), nn.Linear(6, 10)), "works in place"),
+])
+def test_instance_functions_copied_declarations_and_in_place_activations_void_the_proof(make, why):
+    got = separable.why_not(make())
+    assert got is not None and why in got
+
+
+@pytest.mark.parametrize("owner,name,replacement", [
+    ("mlp", "forward", lambda self, x: self.net(x - x.mean(0))),  # a reviewed class's forward
+    (nn.Tanh, "__call__", lambda self, x: torch.tanh(x - x.mean(0))),  # a torch type's call, shadowing Module's
+    (nn.Conv2d, "_conv_forward", lambda self, x, w, b: nn.functional.conv2d(x - x.mean(0), w, b)),
+    (nn.functional, "linear", lambda x, w, b=None: torch.addmm(b, x - x.mean(0), w.t())),  # a torch function
+])
+def test_a_method_or_torch_function_replaced_after_import_voids_the_proof(monkeypatch, owner, name, replacement):
+    owner = type(build_model("mlp", IMAGE, 10)) if owner == "mlp" else owner
+    m = build_model("mlp", IMAGE, 10)
+    assert separable.why_not(m) is None
+    monkeypatch.setattr(owner, name, replacement, raising=False)
+    assert f"{owner.__name__.split('.')[-1]}.{name} was replaced" in separable.why_not(m)
+    monkeypatch.undo()
+    assert separable.why_not(m) is None
+
+
+def test_a_frozen_convolution_fed_an_unbatched_looking_batch_voids_the_proof(monkeypatch):
+    """A frozen Conv1d given ``[B, L]`` with B in-channels reads the batch as one example: every output
+    row mixes every example. Its input is not among the trainable layers' (``acts``), so ``watch``
+    records every Linear/Conv input; the probe then runs and refuses the step (a batch of one has one
+    channel), before any change; a 3-D input keeps the proof."""
+    calls = _probes(monkeypatch)
+    conv = nn.Conv1d(6, 6, 3, padding=1).requires_grad_(False)
+    m = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(5, 10))
+    x, y = torch.randn(6, 5), torch.randint(0, 10, (6,))
+    with separable.watch(m) as seen:
+        m(x)
+    assert seen[conv] == [2] and not separable.proven(m, seen) and separable.why_not(m) is None
+    e = _engine(m)
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(ConfigError, match="computing per-example gradients failed"):
+        e.step(x, y, torch.arange(6))
+    assert calls and e.steps_taken == 0 and all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    m2 = nn.Sequential(nn.Conv1d(1, 6, 3, padding=1).requires_grad_(False), nn.Flatten(), nn.Linear(30, 10))
+    with separable.watch(m2) as seen:
+        m2(x.unsqueeze(1))
+    assert separable.proven(m2, seen)
+
+
+def test_torchs_own_lazy_wrapper_keeps_the_proof():
+    """Importing torch._dynamo wraps torch.manual_seed (torch._disable_dynamo): the function it wraps
+    runs unchanged, and the proof holds."""
+    import torch._dynamo  # noqa: F401
+    assert separable.why_not(build_model("mlp", IMAGE, 10)) is None

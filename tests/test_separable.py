@@ -220,3 +220,44 @@ def test_torchs_own_lazy_wrapper_keeps_the_proof():
     runs unchanged, and the proof holds."""
     import torch._dynamo  # noqa: F401
     assert separable.why_not(build_model("mlp", IMAGE, 10)) is None
+
+
+class _CentredTensor(torch.Tensor):
+    """A batch whose ``__torch_function__`` centres every Linear's input on the batch mean."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is nn.functional.linear:
+            x = args[0].as_subclass(torch.Tensor)
+            args = (x - x.mean(0), *args[1:])
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _CentreMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is nn.functional.linear:
+            args = (args[0] - args[0].mean(0), *args[1:])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("outside", ["subclass", "mode"])
+def test_code_outside_the_modules_in_the_forward_voids_the_proof_and_the_probe_refuses_it(monkeypatch, outside):
+    """A tensor subclass as the batch, or a torch function mode around the step, runs inside every
+    layer (here: centring the Linear's input on the batch mean, which moved the clipped sum by 2.19 C
+    with the probe skipped): the proof does not hold, the probe runs and refuses the step. A
+    ``with torch.device(...)`` context (a function mode that only places tensors) keeps the proof."""
+    calls = _probes(monkeypatch)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(12, 10))
+    x, y = torch.randn(12, 12), torch.randint(0, 10, (12,))
+    with separable.watch(m) as seen, torch.device("cpu"):
+        m(x)
+    assert separable.proven(m, seen)
+    e = _engine(m)
+    with pytest.raises(ConfigError, match="lets examples see each other"):
+        if outside == "subclass":
+            e.step(x.as_subclass(_CentredTensor), y, torch.arange(12))
+        else:
+            with _CentreMode():
+                e.step(x, y, torch.arange(12))
+    assert calls and e.steps_taken == 0

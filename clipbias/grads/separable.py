@@ -27,6 +27,8 @@ hooks added, between steps):
 * every input of a Linear or Conv layer, frozen ones included, has the batch dimension (``watch``
   records them in the step's forward; ``batched``): a frozen Conv1d given ``[B, L]`` reads the batch
   as one example's B channels and mixes every example into every row;
+* no tensor subclass reaches a module and no torch function mode (other than ``with torch.device``)
+  or dispatch mode is active in the forward (``watch``): their code runs inside every layer;
 * no activation works in place: on a batch whose rows share memory (sliding windows from
   ``Tensor.unfold``) it would apply itself once per row that covers an element, so an example's
   values would depend on which other windows are in the batch;
@@ -35,8 +37,8 @@ hooks added, between steps):
 
 Dropout is not in the list: a random forward keeps its probe (one example recomputed among copies
 of itself under the same draws). What this does not see, the probe cannot see either: code outside
-the model's modules that rewrites tensors (saved-tensor hooks, torch function modes, torch
-functions replaced before clipbias was imported); docs/results.md, "Equality and soundness".
+the model's modules that rewrites tensors through saved-tensor hooks, or torch functions replaced
+before clipbias was imported; docs/results.md, "Equality and soundness".
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.overrides import _get_current_function_mode_stack as _function_modes  # no public equivalent
+from torch.utils._device import DeviceContext as _DeviceContext  # ``with torch.device(...)``: places tensors only
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_modes
 
 ELEMENTWISE = (nn.Identity, nn.Tanh, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU,
                nn.SiLU, nn.Mish, nn.Sigmoid, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.Softplus,
@@ -57,6 +62,7 @@ ELEMENTWISE = (nn.Identity, nn.Tanh, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn
 _POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d)
 _BATCHED_DIMS = {nn.Conv1d: 3, nn.Conv2d: 4}  # an input of one dimension less is one unbatched example
 _TYPES = (nn.Sequential, nn.Linear, nn.Conv1d, nn.Conv2d, nn.GroupNorm, nn.Flatten, *ELEMENTWISE, *_POOLS)
+_DIMS_OF = (nn.Linear, *_BATCHED_DIMS)
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -170,15 +176,37 @@ def why_not(model: nn.Module) -> str | None:
     return None
 
 
+class Inputs(dict):
+    """``{Linear/Conv layer: the numbers of dimensions of its inputs}`` in a forward, and ``outside``:
+    why something outside the modules took part in it (a tensor subclass as an input, a torch
+    function or dispatch mode active), else None."""
+
+    outside: str | None = None
+
+
+def _outside(m: nn.Module, inp: tuple) -> str | None:
+    sub = next((type(a).__name__ for a in inp if isinstance(a, Tensor) and type(a) is not Tensor), None)
+    if sub is not None:  # its __torch_function__ runs inside every layer it reaches
+        return f"an input of a {type(m).__name__} is a tensor subclass ({sub})"
+    modes = [type(md).__name__ for md in _function_modes() if not isinstance(md, _DeviceContext)] + \
+        [type(md).__name__ for md in _dispatch_modes()]
+    return f"a torch function or dispatch mode ({modes[0]}) is active in the forward" if modes else None
+
+
 @contextmanager
-def watch(model: nn.Module) -> Iterator[dict[nn.Module, list[int]]]:
-    """The number of dimensions of every input that each Linear and Conv of the model (frozen ones
-    too) receives in the forward passes run inside: ``batched`` reads them."""
-    seen: dict[nn.Module, list[int]] = {}
+def watch(model: nn.Module) -> Iterator[Inputs]:
+    """What ``proven`` needs of the forward passes run inside: the number of dimensions of every input
+    that each Linear and Conv of the model (frozen ones too) receives, and whether code outside the
+    modules (a tensor subclass, a torch function or dispatch mode) took part: such code runs inside
+    every layer, and may rewrite rows with other examples' data."""
+    seen = Inputs()
 
     def pre(m: nn.Module, inp: tuple) -> None:
-        seen.setdefault(m, []).append(inp[0].dim() if isinstance(inp[0], Tensor) else -1)
-    handles = [m.register_forward_pre_hook(pre) for m in model.modules() if type(m) in (nn.Linear, *_BATCHED_DIMS)]
+        if type(m) in _DIMS_OF:
+            seen.setdefault(m, []).append(inp[0].dim() if isinstance(inp[0], Tensor) else -1)
+        if seen.outside is None:
+            seen.outside = _outside(m, inp)
+    handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
     try:
         yield seen
     finally:
@@ -199,6 +227,6 @@ def batched(inputs: dict[nn.Module, Tensor | int | list[int]]) -> bool:
 
 
 def proven(model: nn.Module, inputs: dict[nn.Module, Tensor | int | list[int]]) -> bool:
-    """Whether this step's rows are per-example by construction: ``why_not`` and ``batched``
-    (``inputs``: what ``watch`` recorded in the step's forward, every Linear and Conv)."""
-    return why_not(model) is None and batched(inputs)
+    """Whether this step's rows are per-example by construction: ``why_not``, nothing outside the
+    modules in the forward and ``batched`` (``inputs``: what ``watch`` recorded in the step's forward)."""
+    return why_not(model) is None and getattr(inputs, "outside", None) is None and batched(inputs)

@@ -240,15 +240,20 @@ class _CentreMode(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("outside", ["subclass", "mode"])
+def _mean_on_unpack(t):  # the tanh output saved for the backward, with the batch mean added
+    return t + t.mean(0) if t.shape == (12, 16) else t
+
+
+@pytest.mark.parametrize("outside", ["subclass", "mode", "saved"])
 def test_code_outside_the_modules_in_the_forward_voids_the_proof_and_the_probe_refuses_it(monkeypatch, outside):
     """A tensor subclass as the batch, or a torch function mode around the step, runs inside every
     layer (here: centring the Linear's input on the batch mean, which moved the clipped sum by 2.19 C
-    with the probe skipped): the proof does not hold, the probe runs and refuses the step. A
-    ``with torch.device(...)`` context (a function mode that only places tensors) keeps the proof."""
+    with the probe skipped); saved-tensor hooks can rewrite what the backward reads (the batch mean
+    added to a saved activation: 1.04 C): the proof does not hold, the probe runs and refuses the
+    step. A ``with torch.device(...)`` context (a function mode that only places tensors) keeps the proof."""
     calls = _probes(monkeypatch)
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(12, 10))
+    m = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 10))
     x, y = torch.randn(12, 12), torch.randint(0, 10, (12,))
     with separable.watch(m) as seen, torch.device("cpu"):
         m(x)
@@ -257,7 +262,10 @@ def test_code_outside_the_modules_in_the_forward_voids_the_proof_and_the_probe_r
     with pytest.raises(ConfigError, match="lets examples see each other"):
         if outside == "subclass":
             e.step(x.as_subclass(_CentredTensor), y, torch.arange(12))
-        else:
+        elif outside == "mode":
             with _CentreMode():
+                e.step(x, y, torch.arange(12))
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, _mean_on_unpack):
                 e.step(x, y, torch.arange(12))
     assert calls and e.steps_taken == 0

@@ -27,8 +27,9 @@ hooks added, between steps):
 * every input of a Linear or Conv layer, frozen ones included, has the batch dimension (``watch``
   records them in the step's forward; ``batched``): a frozen Conv1d given ``[B, L]`` reads the batch
   as one example's B channels and mixes every example into every row;
-* no tensor subclass reaches a module and no torch function mode (other than ``with torch.device``)
-  or dispatch mode is active in the forward (``watch``): their code runs inside every layer;
+* no tensor subclass reaches a module, and no torch function mode (other than ``with torch.device``),
+  dispatch mode or saved-tensor hooks are active in the forward (``watch``): their code runs inside
+  every layer, or rewrites what the backward reads;
 * no activation works in place: on a batch whose rows share memory (sliding windows from
   ``Tensor.unfold``) it would apply itself once per row that covers an element, so an example's
   values would depend on which other windows are in the batch;
@@ -36,9 +37,8 @@ hooks added, between steps):
   ``loss_fn`` of the user may combine examples, and then the probe runs).
 
 Dropout is not in the list: a random forward keeps its probe (one example recomputed among copies
-of itself under the same draws). What this does not see, the probe cannot see either: code outside
-the model's modules that rewrites tensors through saved-tensor hooks, or torch functions replaced
-before clipbias was imported; docs/results.md, "Equality and soundness".
+of itself under the same draws). What this does not see, the probe cannot see either: torch
+functions replaced before clipbias was imported; docs/results.md, "Equality and soundness".
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ from torch.nn import functional as F
 from torch.overrides import _get_current_function_mode_stack as _function_modes  # no public equivalent
 from torch.utils._device import DeviceContext as _DeviceContext  # ``with torch.device(...)``: places tensors only
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_modes
+
+_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks  # (pack, unpack) or None
 
 ELEMENTWISE = (nn.Identity, nn.Tanh, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU,
                nn.SiLU, nn.Mish, nn.Sigmoid, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.Softplus,
@@ -179,7 +181,7 @@ def why_not(model: nn.Module) -> str | None:
 class Inputs(dict):
     """``{Linear/Conv layer: the numbers of dimensions of its inputs}`` in a forward, and ``outside``:
     why something outside the modules took part in it (a tensor subclass as an input, a torch
-    function or dispatch mode active), else None."""
+    function or dispatch mode or saved-tensor hooks active), else None."""
 
     outside: str | None = None
 
@@ -190,7 +192,11 @@ def _outside(m: nn.Module, inp: tuple) -> str | None:
         return f"an input of a {type(m).__name__} is a tensor subclass ({sub})"
     modes = [type(md).__name__ for md in _function_modes() if not isinstance(md, _DeviceContext)] + \
         [type(md).__name__ for md in _dispatch_modes()]
-    return f"a torch function or dispatch mode ({modes[0]}) is active in the forward" if modes else None
+    if modes:
+        return f"a torch function or dispatch mode ({modes[0]}) is active in the forward"
+    if _saved_tensor_hooks(False) is not None:  # their unpack can rewrite what the backward reads
+        return "saved-tensor hooks are active in the forward"
+    return None
 
 
 @contextmanager

@@ -181,6 +181,7 @@ def test_instance_functions_copied_declarations_and_in_place_activations_void_th
     (nn.Tanh, "__call__", lambda self, x: torch.tanh(x - x.mean(0))),  # a torch type's call, shadowing Module's
     (nn.Conv2d, "_conv_forward", lambda self, x, w, b: nn.functional.conv2d(x - x.mean(0), w, b)),
     (nn.functional, "linear", lambda x, w, b=None: torch.addmm(b, x - x.mean(0), w.t())),  # a torch function
+    (torch.nn.modules.linear, "F", type("F", (), {"linear": staticmethod(lambda x, w, b=None: x - x.mean(0))})),
 ])
 def test_a_method_or_torch_function_replaced_after_import_voids_the_proof(monkeypatch, owner, name, replacement):
     owner = type(build_model("mlp", IMAGE, 10)) if owner == "mlp" else owner
@@ -215,11 +216,17 @@ def test_a_frozen_convolution_fed_an_unbatched_looking_batch_voids_the_proof(mon
     assert separable.proven(m2, seen)
 
 
-def test_torchs_own_lazy_wrapper_keeps_the_proof():
+def test_torchs_own_wrappers_keep_the_proof(monkeypatch):
     """Importing torch._dynamo wraps torch.manual_seed (torch._disable_dynamo): the function it wraps
-    runs unchanged, and the proof holds."""
+    runs unchanged. A torch.compile run wraps nn.Module.__init__ and __setstate__: they only build
+    modules, whose instances are checked. The proof holds through both."""
     import torch._dynamo  # noqa: F401
-    assert separable.why_not(build_model("mlp", IMAGE, 10)) is None
+    m = build_model("mlp", IMAGE, 10)
+    assert separable.why_not(m) is None
+    init = nn.Module.__init__
+    monkeypatch.setattr(nn.Module, "__init__", lambda self, *a, **k: init(self, *a, **k))
+    monkeypatch.setattr(nn.Tanh, "__init__", lambda self, *a, **k: init(self), raising=False)
+    assert separable.why_not(m) is None
 
 
 class _CentredTensor(torch.Tensor):

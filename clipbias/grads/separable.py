@@ -44,6 +44,8 @@ functions replaced before clipbias was imported; docs/results.md, "Equality and 
 from __future__ import annotations
 
 import inspect
+import sys
+import types
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -72,13 +74,19 @@ _MODELS = "clipbias.models."  # where the reviewed model classes live
 
 
 def _methods(ns: object) -> dict[str, object]:
-    """The functions (and descriptors wrapping them) a class or module defines itself, by name."""
-    return {k: v for k, v in vars(ns).items() if callable(v) or isinstance(v, (staticmethod, classmethod, property))}
+    """The functions (and descriptors wrapping them, and modules) a class or module holds itself, by name."""
+    return {k: v for k, v in vars(ns).items()
+            if callable(v) or isinstance(v, (staticmethod, classmethod, property, types.ModuleType))}
 
+
+_BUILD = ("__init__", "__new__", "__setstate__")
+"""Not compared: they run when a module is built or unpickled (``torch.compile`` wraps the first and the
+last), and what they leave on an instance (functions, hooks, children) is checked on the instance."""
 
 _CLASSES = tuple(dict.fromkeys(c for t in _TYPES for c in t.__mro__ if c is not object))  # nn.Module included
-_NAMESPACES = (torch, F, torch._C._nn, torch.Tensor, torch._C.TensorBase)
-_AS_IMPORTED = {ns: _methods(ns) for ns in _CLASSES + _NAMESPACES}
+_NAMESPACES = (torch, F, torch._C._nn, torch.Tensor, torch._C.TensorBase,
+               *dict.fromkeys(sys.modules[c.__module__] for c in _CLASSES))  # their globals: F, torch, ...
+_AS_IMPORTED = {ns: {k: v for k, v in _methods(ns).items() if k not in _BUILD} for ns in _CLASSES + _NAMESPACES}
 """The torch types' methods (``forward``, ``__call__``, ``_conv_forward``, nn.Module's call machinery,
 ...) and the torch functions their forwards call, as they were when clipbias was imported: one
 replaced later (to rewrite rows with other examples' data) is not trusted."""
@@ -124,8 +132,8 @@ def _replaced() -> str | None:
                 if not _same(now.get(k), v):
                     return f"{getattr(ns, '__name__', ns)}.{k}"
             _LOOKUP[ns] = (keys, tuple(map(now.__getitem__, keys)))  # torch's own wrappers, accepted once
-        if isinstance(ns, type) and len(methods := _methods(ns)) != len(was):
-            added = [k for k, v in methods.items() if k not in was and not _inherited(ns, k, v)]
+        if isinstance(ns, type) and len(methods := _methods(ns)) != len(was) + sum(k in now for k in _BUILD):
+            added = [k for k, v in methods.items() if k not in was and k not in _BUILD and not _inherited(ns, k, v)]
             if added:  # a method set on the class, shadowing its base's
                 return f"{ns.__name__}.{added[0]}"
     return None

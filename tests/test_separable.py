@@ -247,11 +247,22 @@ class _CentreMode(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _CentringLabels(torch.Tensor):
+    """Labels whose ``__torch_function__`` takes the cross-entropy of logits centred on the batch mean."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is nn.functional.cross_entropy:
+            out = args[0]
+            return func(out - 2 * out.mean(0), args[1].as_subclass(torch.Tensor), **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
 def _mean_on_unpack(t):  # the tanh output saved for the backward, with the batch mean added
     return t + t.mean(0) if t.shape == (12, 16) else t
 
 
-@pytest.mark.parametrize("outside", ["subclass", "mode", "saved"])
+@pytest.mark.parametrize("outside", ["subclass", "mode", "saved", "labels"])
 def test_code_outside_the_modules_in_the_forward_voids_the_proof_and_the_probe_refuses_it(monkeypatch, outside):
     """A tensor subclass as the batch, or a torch function mode around the step, runs inside every
     layer (here: centring the Linear's input on the batch mean, which moved the clipped sum by 2.19 C
@@ -269,6 +280,8 @@ def test_code_outside_the_modules_in_the_forward_voids_the_proof_and_the_probe_r
     with pytest.raises(ConfigError, match="lets examples see each other"):
         if outside == "subclass":
             e.step(x.as_subclass(_CentredTensor), y, torch.arange(12))
+        elif outside == "labels":  # never reach a module: checked apart (1.57 C with the probe skipped)
+            e.step(x, y.as_subclass(_CentringLabels), torch.arange(12))
         elif outside == "mode":
             with _CentreMode():
                 e.step(x, y, torch.arange(12))

@@ -482,7 +482,7 @@ class BookKeeping:
             # else the caller refuses the step; a model per-example by construction, under the default
             # per-example loss (a loss_fn may combine examples), needs no probe
             if bool(torch.isfinite(sq).all()) and (stochastic or self.loss_fn is not cross_entropy
-                                                   or not separable.proven(self.model, inputs)):
+                                                   or not separable.proven(self.model, inputs, batch.leaves(y))):
                 self._check_examples(rules, sq, x, y, params, rng if stochastic else None)
         ref = None
         if reference:  # layout order; None for the parameters of layers whose rows are formed

@@ -34,7 +34,8 @@ hooks added, between steps):
   ``Tensor.unfold``) it would apply itself once per row that covers an element, so an example's
   values would depend on which other windows are in the batch;
 * the loss is the default cross-entropy, one example's at a time (``BookKeeping`` checks it: a
-  ``loss_fn`` of the user may combine examples, and then the probe runs).
+  ``loss_fn`` of the user may combine examples, and then the probe runs), and the labels are plain
+  tensors (a subclass's ``__torch_function__`` would run inside the loss).
 
 Dropout is not in the list: a random forward keeps its probe (one example recomputed among copies
 of itself under the same draws). What this does not see, the probe cannot see either: torch
@@ -240,7 +241,9 @@ def batched(inputs: dict[nn.Module, Tensor | int | list[int]]) -> bool:
     return True
 
 
-def proven(model: nn.Module, inputs: dict[nn.Module, Tensor | int | list[int]]) -> bool:
+def proven(model: nn.Module, inputs: dict[nn.Module, Tensor | int | list[int]], labels: list[Tensor] = ()) -> bool:
     """Whether this step's rows are per-example by construction: ``why_not``, nothing outside the
-    modules in the forward and ``batched`` (``inputs``: what ``watch`` recorded in the step's forward)."""
-    return why_not(model) is None and getattr(inputs, "outside", None) is None and batched(inputs)
+    modules in the forward, ``batched`` (``inputs``: what ``watch`` recorded in the step's forward), and
+    the ``labels`` plain tensors (a subclass's ``__torch_function__`` would run inside the loss)."""
+    return why_not(model) is None and getattr(inputs, "outside", None) is None and batched(inputs) and all(
+        type(t) is Tensor for t in labels)

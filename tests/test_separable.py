@@ -149,4 +149,171 @@ def test_the_gpt_is_per_example_by_construction_and_its_layer_norms_are_checked(
     assert not separable.batched({ln: torch.zeros(16)})  # an input with no dimension besides the normalised one
     assert "max_norm" in separable.why_not(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0)))
     assert "scale_grad_by_freq" in separable.why_not(nn.Sequential(nn.Embedding(10, 4, scale_grad_by_freq=True)))
-    assert "no trainable affine" in separable.why_not(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4, elementwise_affine=False)))
+    frozen = nn.LayerNorm(4, elementwise_affine=False)  # no parameters: its inputs are recorded by watch all the same
+    assert separable.why_not(nn.Sequential(nn.Linear(4, 4), frozen)) is None
+    assert not separable.batched({frozen: [1]})
+
+
+class _CopiedLogReg(nn.Module):
+    """A user's class copied from clipbias's LogReg with its declaration, whose forward standardises
+    the batch: the declaration of a class outside clipbias.models is not a review."""
+
+    PER_EXAMPLE = True
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(36, 10)
+
+    def forward(self, x):
+        x = x.flatten(1)
+        return self.fc(x - x.mean(0))
+
+
+def _with_instance_function(kind):
+    if kind == "features":  # ScatterLinear's helper, bypassing its GroupNorm
+        m = build_model("scatter-linear", IMAGE, 10)
+        m._features = lambda t: t - t.mean(0)
+    elif kind == "conv_forward":  # Conv2d.forward calls self._conv_forward
+        m = build_model("cnn", IMAGE, 10)
+        conv, inner = m.features[0], m.features[0]._conv_forward
+        conv._conv_forward = lambda inp, w, b: inner(inp - inp.mean(0), w, b)
+    else:  # compile(): the instance's compiled call runs instead of its forward
+        m = build_model("mlp", IMAGE, 10)
+        m.net[2]._compiled_call_impl = lambda t: torch.tanh(t - t.mean(0))
+    return m
+
+
+@pytest.mark.parametrize("make,why", [
+    (_CopiedLogReg, "not a module whose rows are known"),
+    (lambda: _with_instance_function("features"), "has a _features of its own on the instance"),
+    (lambda: _with_instance_function("conv_forward"), "has a _conv_forward of its own on the instance"),
+    (lambda: _with_instance_function("compiled"), "has a _compiled_call_impl of its own on the instance"),
+    (lambda: nn.Sequential(nn.SiLU(inplace=True), nn.Linear(6, 10)), "works in place"),
+])
+def test_instance_functions_copied_declarations_and_in_place_activations_void_the_proof(make, why):
+    got = separable.why_not(make())
+    assert got is not None and why in got
+
+
+@pytest.mark.parametrize("owner,name,replacement", [
+    ("mlp", "forward", lambda self, x: self.net(x - x.mean(0))),  # a reviewed class's forward
+    (nn.Tanh, "__call__", lambda self, x: torch.tanh(x - x.mean(0))),  # a torch type's call, shadowing Module's
+    (nn.Conv2d, "_conv_forward", lambda self, x, w, b: nn.functional.conv2d(x - x.mean(0), w, b)),
+    (nn.functional, "linear", lambda x, w, b=None: torch.addmm(b, x - x.mean(0), w.t())),  # a torch function
+    (torch.nn.modules.linear, "F", type("F", (), {"linear": staticmethod(lambda x, w, b=None: x - x.mean(0))})),
+])
+def test_a_method_or_torch_function_replaced_after_import_voids_the_proof(monkeypatch, owner, name, replacement):
+    owner = type(build_model("mlp", IMAGE, 10)) if owner == "mlp" else owner
+    m = build_model("mlp", IMAGE, 10)
+    assert separable.why_not(m) is None
+    monkeypatch.setattr(owner, name, replacement, raising=False)
+    assert f"{owner.__name__.split('.')[-1]}.{name} was replaced" in separable.why_not(m)
+    monkeypatch.undo()
+    assert separable.why_not(m) is None
+
+
+def test_a_frozen_convolution_fed_an_unbatched_looking_batch_voids_the_proof(monkeypatch):
+    """A frozen Conv1d given ``[B, L]`` with B in-channels reads the batch as one example: every output
+    row mixes every example. Its input is not among the trainable layers' (``acts``), so ``watch``
+    records every Linear/Conv input; the probe then runs and refuses the step (a batch of one has one
+    channel), before any change; a 3-D input keeps the proof."""
+    calls = _probes(monkeypatch)
+    conv = nn.Conv1d(6, 6, 3, padding=1).requires_grad_(False)
+    m = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(5, 10))
+    x, y = torch.randn(6, 5), torch.randint(0, 10, (6,))
+    with separable.watch(m) as seen:
+        m(x)
+    assert seen[conv] == [2] and not separable.proven(m, seen) and separable.why_not(m) is None
+    e = _engine(m)
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(ConfigError, match="computing per-example gradients failed"):
+        e.step(x, y, torch.arange(6))
+    assert calls and e.steps_taken == 0 and all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    m2 = nn.Sequential(nn.Conv1d(1, 6, 3, padding=1).requires_grad_(False), nn.Flatten(), nn.Linear(30, 10))
+    with separable.watch(m2) as seen:
+        m2(x.unsqueeze(1))
+    assert separable.proven(m2, seen)
+
+
+def test_torchs_own_wrappers_keep_the_proof(monkeypatch):
+    """Importing torch._dynamo wraps torch.manual_seed (torch._disable_dynamo): the function it wraps
+    runs unchanged. A torch.compile run wraps nn.Module.__init__ and __setstate__: they only build
+    modules, whose instances are checked. The proof holds through both."""
+    import torch._dynamo  # noqa: F401
+    m = build_model("mlp", IMAGE, 10)
+    assert separable.why_not(m) is None
+    init = nn.Module.__init__
+    monkeypatch.setattr(nn.Module, "__init__", lambda self, *a, **k: init(self, *a, **k))
+    monkeypatch.setattr(nn.Tanh, "__init__", lambda self, *a, **k: init(self), raising=False)
+    assert separable.why_not(m) is None
+
+
+class _CentredTensor(torch.Tensor):
+    """A batch whose ``__torch_function__`` centres every Linear's input on the batch mean."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is nn.functional.linear:
+            x = args[0].as_subclass(torch.Tensor)
+            args = (x - x.mean(0), *args[1:])
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _CentreMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is nn.functional.linear:
+            args = (args[0] - args[0].mean(0), *args[1:])
+        return func(*args, **(kwargs or {}))
+
+
+class _CentringLabels(torch.Tensor):
+    """Labels whose ``__torch_function__`` takes the cross-entropy of logits centred on the batch mean."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is nn.functional.cross_entropy:
+            out = args[0]
+            return func(out - 2 * out.mean(0), args[1].as_subclass(torch.Tensor), **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _mean_on_unpack(t):  # the tanh output saved for the backward, with the batch mean added
+    return t + t.mean(0) if t.shape == (12, 16) else t
+
+
+@pytest.mark.parametrize("outside", ["subclass", "mode", "saved", "labels"])
+def test_code_outside_the_modules_in_the_forward_voids_the_proof_and_the_probe_refuses_it(monkeypatch, outside):
+    """A tensor subclass as the batch, or a torch function mode around the step, runs inside every
+    layer (here: centring the Linear's input on the batch mean, which moved the clipped sum by 2.19 C
+    with the probe skipped); saved-tensor hooks can rewrite what the backward reads (the batch mean
+    added to a saved activation: 1.04 C): the proof does not hold, the probe runs and refuses the
+    step. A ``with torch.device(...)`` context (a function mode that only places tensors) keeps the proof."""
+    calls = _probes(monkeypatch)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 10))
+    x, y = torch.randn(12, 12), torch.randint(0, 10, (12,))
+    with separable.watch(m) as seen, torch.device("cpu"):
+        m(x)
+    assert separable.proven(m, seen)
+    e = _engine(m)
+    with pytest.raises(ConfigError, match="lets examples see each other"):
+        if outside == "subclass":
+            e.step(x.as_subclass(_CentredTensor), y, torch.arange(12))
+        elif outside == "labels":  # never reach a module: checked apart (1.57 C with the probe skipped)
+            e.step(x, y.as_subclass(_CentringLabels), torch.arange(12))
+        elif outside == "mode":
+            with _CentreMode():
+                e.step(x, y, torch.arange(12))
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, _mean_on_unpack):
+                e.step(x, y, torch.arange(12))
+    assert calls and e.steps_taken == 0
+
+
+def test_a_method_added_to_a_torch_class_under_a_new_name_keeps_the_proof(monkeypatch):
+    """transformers adds ``nn.Module.smart_apply`` when it loads a model: a new name, which no torch
+    code calls, shadows nothing (a torch method shadowed on a subclass voids the proof: above)."""
+    m = build_model("cnn", IMAGE, 10)
+    monkeypatch.setattr(nn.Module, "smart_apply", lambda self, fn: None, raising=False)
+    monkeypatch.setattr(nn.Tanh, "brand_new_helper", lambda self: None, raising=False)
+    assert separable.why_not(m) is None

@@ -472,7 +472,8 @@ class BookKeeping:
         rng, buffers = _rng_state(dev), [(b, b._version, b.detach().clone()) for b in self.model.buffers()]
         with full_float32():  # the batch and the probes in the same (full) float32 arithmetic
             try:
-                losses, acts, grads = self._backward(x, y, params=self._unformed_params if reference else None)
+                with separable.watch(self.model) as inputs:  # every Linear/Conv's input, frozen ones too
+                    losses, acts, grads = self._backward(x, y, params=self._unformed_params if reference else None)
             finally:  # a buffer changed by the forward is restored and refused, whatever else failed
                 _check_buffers(self.model, buffers)
             stochastic = not _same_rng(rng, _rng_state(dev))  # dropout (or any other draw) in the forward
@@ -481,7 +482,7 @@ class BookKeeping:
             # else the caller refuses the step; a model per-example by construction, under a loss of one
             # example at a time (a loss_fn returning per-example losses may combine them), needs no probe
             own_loss = self.loss_fn is cross_entropy or self._vector_loss is False
-            proven = own_loss and not stochastic and separable.proven(self.model, acts)
+            proven = own_loss and not stochastic and separable.proven(self.model, inputs, batch.leaves(y))
             if bool(torch.isfinite(sq).all()) and not proven:
                 self._check_examples(rules, sq, x, y, params, rng if stochastic else None)
         ref = None

@@ -12,29 +12,55 @@ hooks added, between steps):
 * every module is of one of these exact types (a subclass may override ``forward``): ``nn.Sequential``;
   ``nn.Linear`` (acts on the last dimension: its input must have a batch dimension before it),
   ``nn.Conv1d``/``nn.Conv2d`` (their input batched: 3-D / 4-D), ``nn.GroupNorm`` (normalises within
-  an example), ``nn.LayerNorm`` with trainable parameters (its input must have more dimensions than
-  it normalises), ``nn.Embedding`` without ``max_norm`` and ``scale_grad_by_freq`` (a lookup per
-  token); the elementwise activations ``ELEMENTWISE``; max and average pooling (over the
-  trailing dimensions only); ``nn.Flatten`` from dimension 1 or later; or a clipbias model class
-  that declares ``PER_EXAMPLE = True`` in its own body, whose ``forward`` (reviewed) only composes
-  its children example by example (a subclass does not inherit the declaration);
-* no module has a ``forward`` of its own on the instance, a torch module type's ``forward`` is the one
-  it had when clipbias was imported, and no forward, forward-pre, backward or backward-pre hook is
+  an example), ``nn.LayerNorm`` (its input must have more dimensions than it normalises),
+  ``nn.Embedding`` without ``max_norm`` and ``scale_grad_by_freq`` (a lookup per token); the
+  elementwise activations ``ELEMENTWISE``, not in place; max and average pooling
+  (over the trailing dimensions only); ``nn.Flatten`` from dimension 1 or later; or one of
+  clipbias's reviewed model classes: defined in ``clipbias.models`` and declaring
+  ``PER_EXAMPLE = True`` in its own body, whose ``forward`` (reviewed) only composes its children
+  example by example (a subclass does not inherit the declaration, and a class of the user's that
+  declares it, e.g. copied with a model's code, is not reviewed);
+* no module has a function of its own on the instance (``forward``, ``_conv_forward``, a model's
+  helper such as ``_features``, ``compile()``'s compiled call), a reviewed class's functions (and
+  its clipbias bases') are the ones its module defines, the torch types' methods and the functions
+  of ``torch``, ``torch.nn.functional``, ``torch._C._nn`` and ``torch.Tensor`` are the ones they
+  had when clipbias was imported, and no forward, forward-pre, backward or backward-pre hook is
   registered on any module or globally (a hook can rewrite rows with other examples' data);
-* the batched layers' inputs have the batch dimension (checked on the activations of the step);
+* every input of a Linear, Conv or LayerNorm layer, frozen ones included, has the batch dimension (``watch``
+  records them in the step's forward; ``batched``): a frozen Conv1d given ``[B, L]`` reads the batch
+  as one example's B channels and mixes every example into every row;
+* no tensor subclass reaches a module, and no torch function mode (other than ``with torch.device``),
+  dispatch mode or saved-tensor hooks are active in the forward (``watch``): their code runs inside
+  every layer, or rewrites what the backward reads;
+* no activation works in place: on a batch whose rows share memory (sliding windows from
+  ``Tensor.unfold``) it would apply itself once per row that covers an element, so an example's
+  values would depend on which other windows are in the batch;
 * the loss is one example's at a time: the default cross-entropy, or a ``loss_fn`` that returns the
   batch's total, which the fast path evaluates under ``vmap`` one example at a time (``BookKeeping``
-  checks it; a ``loss_fn`` that returns per-example losses may combine examples, and is probed).
+  checks it; a ``loss_fn`` that returns per-example losses may combine examples, and is probed); and
+  the labels are plain tensors (a subclass's ``__torch_function__`` would run inside the loss).
 
 Dropout is not in the list: a random forward keeps its probe (one example recomputed among copies
-of itself under the same draws). What this does not see, the probe cannot see either: code outside
-the model's modules that rewrites tensors (saved-tensor hooks, torch function modes, torch
-functions replaced before clipbias was imported); docs/results.md, "Equality and soundness".
+of itself under the same draws). What this does not see, the probe cannot see either: torch
+functions replaced before clipbias was imported; docs/results.md, "Equality and soundness".
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
+import types
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.overrides import _get_current_function_mode_stack as _function_modes  # no public equivalent
+from torch.utils._device import DeviceContext as _DeviceContext  # ``with torch.device(...)``: places tensors only
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_modes
+
+_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks  # (pack, unpack) or None
 
 ELEMENTWISE = (nn.Identity, nn.Tanh, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU,
                nn.SiLU, nn.Mish, nn.Sigmoid, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.Softplus,
@@ -45,10 +71,113 @@ _POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d)
 _BATCHED_DIMS = {nn.Conv1d: 3, nn.Conv2d: 4}  # an input of one dimension less is one unbatched example
 _TYPES = (nn.Sequential, nn.Linear, nn.Conv1d, nn.Conv2d, nn.GroupNorm, nn.LayerNorm, nn.Embedding, nn.Flatten,
           *ELEMENTWISE, *_POOLS)
-_FORWARD = {t: t.forward for t in _TYPES}  # as imported: a forward replaced later on the class is not trusted
+_DIMS_OF = (nn.Linear, nn.LayerNorm, *_BATCHED_DIMS)
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_MODELS = "clipbias.models."  # where the reviewed model classes live
+
+
+def _methods(ns: object) -> dict[str, object]:
+    """The functions (and descriptors wrapping them, and modules) a class or module holds itself, by name."""
+    return {k: v for k, v in vars(ns).items()
+            if callable(v) or isinstance(v, (staticmethod, classmethod, property, types.ModuleType))}
+
+
+_BUILD = ("__init__", "__new__", "__setstate__")
+"""Not compared: they run when a module is built or unpickled (``torch.compile`` wraps the first and the
+last), and what they leave on an instance (functions, hooks, children) is checked on the instance."""
+
+_CLASSES = tuple(dict.fromkeys(c for t in _TYPES for c in t.__mro__ if c is not object))  # nn.Module included
+_NAMESPACES = (torch, F, torch._C._nn, torch.Tensor, torch._C.TensorBase,
+               *dict.fromkeys(sys.modules[c.__module__] for c in _CLASSES))  # their globals: F, torch, ...
+_AS_IMPORTED = {ns: {k: v for k, v in _methods(ns).items() if k not in _BUILD} for ns in _CLASSES + _NAMESPACES}
+"""The torch types' methods (``forward``, ``__call__``, ``_conv_forward``, nn.Module's call machinery,
+...) and the torch functions their forwards call, as they were when clipbias was imported: one
+replaced later (to rewrite rows with other examples' data) is not trusted."""
+_LOOKUP = {ns: (tuple(was), tuple(was.values())) for ns, was in _AS_IMPORTED.items()}  # names, values: one
+# tuple comparison per namespace each step (~0.1 ms for all of them)
+
+
+def _torch_wrapper() -> object:
+    """The code of torch's own lazy wrapper (``torch._disable_dynamo``), which importing ``torch._dynamo``
+    puts around ``torch.manual_seed``: the function it wraps runs unchanged."""
+    wrap = getattr(torch, "_disable_dynamo", None)
+    return getattr(wrap(lambda: None), "__code__", None) if wrap is not None else None
+
+
+_TORCH_WRAPPER = _torch_wrapper()
+
+
+def _same(now: object, was: object) -> bool:
+    return now is was or (getattr(now, "__wrapped__", None) is was and _TORCH_WRAPPER is not None
+                          and getattr(now, "__code__", None) is _TORCH_WRAPPER)
+
+
+def _inherited(cls: type, k: str, v: object) -> bool:
+    """Whether ``v``, set on ``cls`` itself, shadows nothing: it is what ``cls`` inherited for ``k`` when
+    clipbias was imported, or ``k`` is a name none of its bases defines (a method added for other code,
+    e.g. transformers' ``nn.Module.smart_apply``, which no torch code calls)."""
+    for c in cls.__mro__[1:]:
+        had = _AS_IMPORTED.get(c, vars(c))
+        if k in had:
+            return had[k] is v
+    return True
+
+
+_SNAPSHOT = {ns: list(vars(ns).values()) for ns in _AS_IMPORTED}
+"""Every value each namespace holds, as last accepted: an unchanged namespace costs one list comparison
+(identity first), 0.02 ms for all of them a step instead of 0.17 ms name by name."""
+
+
+def _unchanged(ns: object) -> bool:
+    try:
+        return list(vars(ns).values()) == _SNAPSHOT[ns]
+    except Exception:  # a value whose == does not give a bool (a tensor): compare name by name
+        return False
+
+
+def _replaced() -> str | None:
+    """The first torch method or function replaced since import, as ``Owner.name``, else None."""
+    for ns, was in _AS_IMPORTED.items():
+        if _unchanged(ns):
+            continue
+        now = vars(ns)
+        keys, values = _LOOKUP[ns]
+        try:
+            same = tuple(map(now.__getitem__, keys)) == values  # identity first (functions compare by identity)
+        except KeyError:
+            same = False
+        if not same:
+            for k, v in was.items():
+                if not _same(now.get(k), v):
+                    return f"{getattr(ns, '__name__', ns)}.{k}"
+            _LOOKUP[ns] = (keys, tuple(map(now.__getitem__, keys)))  # torch's own wrappers, accepted once
+        if isinstance(ns, type) and len(methods := _methods(ns)) != len(was) + sum(k in now for k in _BUILD):
+            added = [k for k, v in methods.items() if k not in was and k not in _BUILD and not _inherited(ns, k, v)]
+            if added:  # a method set on the class, shadowing its base's
+                return f"{ns.__name__}.{added[0]}"
+        _SNAPSHOT[ns] = list(now.values())  # accepted as it is now
+    return None
+
+
+def _unreviewed(t: type) -> str | None:
+    """None when ``t`` is a reviewed clipbias model class (``PER_EXAMPLE = True`` in its own body, defined
+    in ``clipbias.models``) whose methods, and its clipbias bases', are the ones its module defines;
+    else why not. A class of the user's that declares ``PER_EXAMPLE`` (copied with a model's code) is
+    not reviewed."""
+    if vars(t).get("PER_EXAMPLE") is not True or not t.__module__.startswith(_MODELS):
+        return "is not a module whose rows are known to be per-example"
+    for c in t.__mro__:
+        if c is object or c in _AS_IMPORTED:
+            continue
+        if not c.__module__.startswith(_MODELS):
+            return f"has a base class {c.__name__} that is not a reviewed model"
+        for k, v in _methods(c).items():
+            f = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v.fget if isinstance(v, property) else v
+            if not (inspect.isfunction(f) and f.__module__ == c.__module__ and f.__qualname__ == f"{c.__qualname__}.{k}"):
+                return f"{c.__name__}.{k} was replaced"
+    return None
 
 
 def why_not(model: nn.Module) -> str | None:
@@ -56,36 +185,89 @@ def why_not(model: nn.Module) -> str | None:
     glob = nn.modules.module
     if any(getattr(glob, h, None) for h in _GLOBAL_HOOKS):
         return "a global module hook is registered"
+    replaced = _replaced()
+    if replaced is not None:
+        return f"{replaced} was replaced after clipbias was imported"
     for name, m in model.named_modules():
         t, label = type(m), (f"module '{name}' ({type(m).__name__})" if name else f"the model ({type(m).__name__})")
-        if "forward" in vars(m):
-            return f"{label} has a forward of its own on the instance"
+        own = next((k for k, v in vars(m).items() if callable(v)), None)
+        if own is not None:  # forward, _conv_forward, a model's helper, a compiled call: run instead of the class's
+            return f"{label} has a {own} of its own on the instance"
         if any(getattr(m, h, None) for h in _HOOKS):
             return f"{label} has a hook"
-        if t in _FORWARD:
-            if t.forward is not _FORWARD[t]:
-                return f"{label}: {t.__name__}.forward was replaced"
+        if getattr(m, "inplace", False):
+            return (f"{label} works in place: where the batch's rows share memory (sliding windows), it would "
+                    f"write one example's values into another's")
+        if t in _TYPES:
             if t is nn.Flatten and not m.start_dim >= 1:
                 return f"{label} flattens from dimension {m.start_dim}: the batch dimension would be mixed in"
-            if t is nn.LayerNorm and not any(p.requires_grad for p in m.parameters()):
-                return f"{label} has no trainable affine parameters, so its input's dimensions go unchecked"
             if t is nn.Embedding and (m.max_norm is not None or m.scale_grad_by_freq):
                 return f"{label} uses max_norm or scale_grad_by_freq (both depend on the batch's tokens)"
-        elif vars(t).get("PER_EXAMPLE") is not True:
-            return f"{label} is not a module whose rows are known to be per-example"
+        else:
+            why = _unreviewed(t)
+            if why is not None:
+                return f"{label} {why}" if why.startswith(("is ", "has ")) else f"{label}: {why}"
     return None
 
 
-def batched(acts: dict[nn.Module, Tensor]) -> bool:
-    """The step's inputs to the batched layers have their batch dimension (``acts``: layer -> input)."""
-    for m, a in acts.items():
+class Inputs(dict):
+    """``{Linear/Conv layer: the numbers of dimensions of its inputs}`` in a forward, and ``outside``:
+    why something outside the modules took part in it (a tensor subclass as an input, a torch
+    function or dispatch mode or saved-tensor hooks active), else None."""
+
+    outside: str | None = None
+
+
+def _outside(m: nn.Module, inp: tuple) -> str | None:
+    sub = next((type(a).__name__ for a in inp if isinstance(a, Tensor) and type(a) is not Tensor), None)
+    if sub is not None:  # its __torch_function__ runs inside every layer it reaches
+        return f"an input of a {type(m).__name__} is a tensor subclass ({sub})"
+    modes = [type(md).__name__ for md in _function_modes() if not isinstance(md, _DeviceContext)] + \
+        [type(md).__name__ for md in _dispatch_modes()]
+    if modes:
+        return f"a torch function or dispatch mode ({modes[0]}) is active in the forward"
+    if _saved_tensor_hooks(False) is not None:  # their unpack can rewrite what the backward reads
+        return "saved-tensor hooks are active in the forward"
+    return None
+
+
+@contextmanager
+def watch(model: nn.Module) -> Iterator[Inputs]:
+    """What ``proven`` needs of the forward passes run inside: the number of dimensions of every input
+    that each Linear and Conv of the model (frozen ones too) receives, and whether code outside the
+    modules (a tensor subclass, a torch function or dispatch mode) took part: such code runs inside
+    every layer, and may rewrite rows with other examples' data."""
+    seen = Inputs()
+
+    def pre(m: nn.Module, inp: tuple) -> None:
+        if type(m) in _DIMS_OF:
+            seen.setdefault(m, []).append(inp[0].dim() if isinstance(inp[0], Tensor) else -1)
+        if seen.outside is None:
+            seen.outside = _outside(m, inp)
+    handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def batched(inputs: dict[nn.Module, Tensor | int | list[int]]) -> bool:
+    """Every input of the batched layers has its batch dimension (``inputs``: layer -> its input, or
+    the numbers of dimensions of its inputs, as ``watch`` records them)."""
+    for m, seen in inputs.items():
         want = _BATCHED_DIMS.get(type(m))
-        if (want is not None and a.dim() != want) or (type(m) is nn.Linear and a.dim() < 2) or \
-                (type(m) is nn.LayerNorm and a.dim() <= len(m.normalized_shape)):
-            return False
+        for a in seen if isinstance(seen, list) else [seen]:
+            d = a if isinstance(a, int) else a.dim()
+            if (want is not None and d != want) or (type(m) is nn.Linear and d < 2) or \
+                    (type(m) is nn.LayerNorm and d <= len(m.normalized_shape)):
+                return False
     return True
 
 
-def proven(model: nn.Module, acts: dict[nn.Module, Tensor]) -> bool:
-    """Whether this step's rows are per-example by construction: ``why_not`` and ``batched``."""
-    return why_not(model) is None and batched(acts)
+def proven(model: nn.Module, inputs: dict[nn.Module, Tensor | int | list[int]], labels: list[Tensor] = ()) -> bool:
+    """Whether this step's rows are per-example by construction: ``why_not``, nothing outside the
+    modules in the forward, ``batched`` (``inputs``: what ``watch`` recorded in the step's forward), and
+    the ``labels`` plain tensors (a subclass's ``__torch_function__`` would run inside the loss)."""
+    return why_not(model) is None and getattr(inputs, "outside", None) is None and batched(inputs) and all(
+        type(t) is Tensor for t in labels)

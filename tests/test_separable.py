@@ -317,3 +317,35 @@ def test_a_method_added_to_a_torch_class_under_a_new_name_keeps_the_proof(monkey
     monkeypatch.setattr(nn.Module, "smart_apply", lambda self, fn: None, raising=False)
     monkeypatch.setattr(nn.Tanh, "brand_new_helper", lambda self: None, raising=False)
     assert separable.why_not(m) is None
+
+
+@pytest.mark.parametrize("module,name,replacement", [
+    ("resnet", "_shortcut_a", lambda x, planes, stride: x - x.mean(0)),  # a helper a reviewed forward calls
+    ("resnet", "F", type("F", (), {"relu": staticmethod(lambda x: torch.relu(x - x.mean(0)))})),
+    ("gpt", "F", type("F", (), {"gelu": staticmethod(lambda x, approximate="none": x - x.mean(0))})),
+])
+def test_a_global_of_a_reviewed_model_module_replaced_after_import_voids_the_proof(monkeypatch, module, name,
+                                                                                    replacement):
+    """The reviewed forwards call their module's globals (resnet's ``_shortcut_a`` and ``F``, gpt's ``F``):
+    one rebound after import (to centre the batch) moved the clipped sum by 2.37 / 3.15 / 1.15 C with
+    the probe skipped (benchmarks/redteam_separable/rt_model_module_globals.py)."""
+    import importlib
+    from clipbias.models.gpt import GPT
+    home = importlib.import_module(f"clipbias.models.{module}")
+    m = build_model("resnet20-gn", (1, 8, 8), 10) if module == "resnet" else GPT(50, 8, 16, 1, 2)
+    assert separable.why_not(m) is None
+    monkeypatch.setattr(home, name, replacement)
+    assert f"clipbias.models.{module}.{name} was replaced" in separable.why_not(m)
+    monkeypatch.undo()
+    assert separable.why_not(m) is None
+
+
+def test_a_class_posing_as_a_reviewed_model_is_not_reviewed():
+    """A copy of a reviewed class (same module name, qualified names and methods' metadata) is not the
+    class its module defined: not reviewed."""
+    from clipbias.models import simple
+    Copy = type("MLP", (nn.Module,), {k: v for k, v in vars(simple.MLP).items() if k not in ("__dict__", "__weakref__")})
+    m = build_model("mlp", IMAGE, 10)
+    assert separable.why_not(m) is None
+    m.__class__ = Copy
+    assert "not a class its reviewed module defines" in separable.why_not(m)

@@ -317,3 +317,92 @@ def test_a_method_added_to_a_torch_class_under_a_new_name_keeps_the_proof(monkey
     monkeypatch.setattr(nn.Module, "smart_apply", lambda self, fn: None, raising=False)
     monkeypatch.setattr(nn.Tanh, "brand_new_helper", lambda self: None, raising=False)
     assert separable.why_not(m) is None
+
+
+@pytest.mark.parametrize("module,name,replacement", [
+    ("resnet", "_shortcut_a", lambda x, planes, stride: x - x.mean(0)),  # a helper a reviewed forward calls
+    ("resnet", "F", type("F", (), {"relu": staticmethod(lambda x: torch.relu(x - x.mean(0)))})),
+    ("gpt", "F", type("F", (), {"gelu": staticmethod(lambda x, approximate="none": x - x.mean(0))})),
+])
+def test_a_global_of_a_reviewed_model_module_replaced_after_import_voids_the_proof(monkeypatch, module, name,
+                                                                                    replacement):
+    """The reviewed forwards call their module's globals (resnet's ``_shortcut_a`` and ``F``, gpt's ``F``):
+    one rebound after import (to centre the batch) moved the clipped sum by 2.37 / 3.15 / 1.15 C with
+    the probe skipped (benchmarks/redteam_separable/rt_model_module_globals.py)."""
+    import importlib
+    from clipbias.models.gpt import GPT
+    home = importlib.import_module(f"clipbias.models.{module}")
+    m = build_model("resnet20-gn", (1, 8, 8), 10) if module == "resnet" else GPT(50, 8, 16, 1, 2)
+    assert separable.why_not(m) is None
+    monkeypatch.setattr(home, name, replacement)
+    assert f"clipbias.models.{module}.{name} was replaced" in separable.why_not(m)
+    monkeypatch.undo()
+    assert separable.why_not(m) is None
+
+
+def test_a_class_posing_as_a_reviewed_model_is_not_reviewed():
+    """A copy of a reviewed class (same module name, qualified names and methods' metadata) is not the
+    class its module defined: not reviewed."""
+    from clipbias.models import simple
+    Copy = type("MLP", (nn.Module,), {k: v for k, v in vars(simple.MLP).items() if k not in ("__dict__", "__weakref__")})
+    m = build_model("mlp", IMAGE, 10)
+    assert separable.why_not(m) is None
+    m.__class__ = Copy
+    assert "not a class its reviewed module defines" in separable.why_not(m)
+
+
+def _sum(e, x, y):
+    return e.fast(x, y, e.pipeline.per_sample[0].scale, reference=False)[0]
+
+
+def test_a_summed_loss_never_sees_a_batch_whole(monkeypatch):
+    """A loss returning the batch's total runs one example at a time; the first step's call that learns
+    so runs on zeros. On the step's output, a hook the loss registered there (normalising the logits'
+    gradient by the batch's norm) ran in the first step's backward (1.27 C), and a temperature it set
+    from the first batch it saw entered every later step (0.65 C from an example of another step):
+    benchmarks/redteam_separable/rt_loss_hooks.py, rt_loss_first_call.py."""
+    calls = _probes(monkeypatch)
+    x, y = torch.randn(12, 12), torch.randint(0, 10, (12,))
+    x[0] *= 50
+
+    def hooked(out, t):
+        if out.requires_grad:
+            out.register_hook(lambda g: g / g.norm())
+        return nn.functional.cross_entropy(out, t, reduction="sum")
+    torch.manual_seed(0)
+    e = _engine(nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 10)), loss_fn=hooked)
+    assert torch.allclose(_sum(e, x, y), _sum(e, x, y), rtol=1e-5, atol=1e-7) and calls == []
+
+    class LazyTemperature:
+        scale = None
+
+        def __call__(self, out, t):
+            if self.scale is None:
+                self.scale = out.detach().std().clamp_min(1e-3)
+            return nn.functional.cross_entropy(out / self.scale, t, reduction="sum")
+    later = []
+    for first in (x, x[1:]):  # one example more or less in the first step
+        torch.manual_seed(0)
+        e = _engine(nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 10)), loss_fn=LazyTemperature())
+        _sum(e, first, y[:len(first)])
+        later.append(_sum(e, x[1:], y[1:]))
+    assert torch.equal(later[0], later[1])
+
+
+def test_saved_tensor_hooks_inside_a_summed_loss_void_the_proof(monkeypatch):
+    """Their unpack runs in the backward, outside vmap, on the whole batch's tensors (the batch mean
+    added to a saved tensor moved the clipped sum by 5.41 C with the probe skipped): the loss is
+    evaluated with them, the probe runs and refuses the step."""
+    calls = _probes(monkeypatch)
+
+    def loss(out, t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda s: s, lambda s: s + 10 * s.mean(0) if
+                                                      s.is_floating_point() and s.dim() and len(s) == 12 else s):
+            return (3 * out.tanh()).pow(2).sum() + nn.functional.cross_entropy(out, t, reduction="sum")
+    torch.manual_seed(0)
+    e = _engine(nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 10)), loss_fn=loss)
+    x = torch.randn(12, 12)
+    x[0] *= 50
+    with pytest.raises(ConfigError, match="lets examples see each other"):
+        e.step(x, torch.randint(0, 10, (12,)), torch.arange(12))
+    assert calls and e.steps_taken == 0

@@ -470,6 +470,7 @@ class BookKeeping:
         params = self.layout.params(self.model)
         dev = params[0].device
         rng, buffers = _rng_state(dev), [(b, b._version, b.detach().clone()) for b in self.model.buffers()]
+        self._loss_alone = True  # _losses_alone: the summed loss_fn's gradient taken one example at a time
         with full_float32():  # the batch and the probes in the same (full) float32 arithmetic
             try:
                 with separable.watch(self.model) as inputs:  # every Linear/Conv's input, frozen ones too
@@ -481,7 +482,7 @@ class BookKeeping:
             sq = sum(r.sq for r in rules)
             # else the caller refuses the step; a model per-example by construction, under a loss of one
             # example at a time (a loss_fn returning per-example losses may combine them), needs no probe
-            own_loss = self.loss_fn is cross_entropy or self._vector_loss is False
+            own_loss = self.loss_fn is cross_entropy or self._vector_loss is False and self._loss_alone
             proven = own_loss and not stochastic and separable.proven(self.model, inputs, batch.leaves(y))
             if bool(torch.isfinite(sq).all()) and not proven:
                 self._check_examples(rules, sq, x, y, params, rng if stochastic else None)
@@ -505,16 +506,46 @@ class BookKeeping:
         mapped over the examples (a loss that returns the batch sum)."""
         if self.loss_fn is cross_entropy:
             return F.cross_entropy(out, y, reduction="none")
-        if self._vector_loss is not False:  # a scalar (summed) loss is evaluated on the batch only once
-            losses = self.loss_fn(out, y)
-            if self._vector_loss is None:
-                self._vector_loss = losses.dim() == 1 and losses.shape[0] == b
-            if self._vector_loss:
-                if losses.shape != (b,):
-                    raise ConfigError(f"loss_fn returned per-example losses of shape (b,) before and shape "
-                                      f"{tuple(losses.shape)} now for b = {b}: return one loss per example always")
-                return losses
-        return torch.vmap(lambda o, t: self.loss_fn(batch.unsqueeze(o), batch.unsqueeze(t)).sum())(out, y)
+        if self._vector_loss is None:  # decided once, on zeros: a summed loss never sees a batch whole. On the
+            # step's output, a hook it registered there ran in the step's backward (one normalising the logits'
+            # gradient by the batch's norm moved the clipped sum by 1.27 C), and a statistic it kept (a
+            # temperature set from the first batch) entered every later step (an example of the first step
+            # moved the second's sum by 0.65 C): benchmarks/redteam_separable/rt_loss_hooks.py, rt_loss_first_call.py
+            try:
+                zeros = batch.tree_map(_shadow, out), batch.tree_map(torch.zeros_like, y)
+            except ConfigError:  # an output holding other objects (a Hugging Face cache): decided on the batch,
+                zeros, self._loss_alone = None, False  # and this step probed
+            losses = self.loss_fn(out, y) if zeros is None else None
+            got = losses if zeros is None else self.loss_fn(*zeros)
+            self._vector_loss = got.dim() == 1 and got.shape[0] == b
+        else:
+            losses = None
+        if self._vector_loss:
+            losses = self.loss_fn(out, y) if losses is None else losses
+            if losses.shape != (b,):
+                raise ConfigError(f"loss_fn returned per-example losses of shape (b,) before and shape "
+                                  f"{tuple(losses.shape)} now for b = {b}: return one loss per example always")
+            return losses
+        return self._losses_alone(out, y)
+
+    def _one_loss(self, o, t) -> Tensor:
+        return self.loss_fn(batch.unsqueeze(o), batch.unsqueeze(t)).sum()
+
+    def _losses_alone(self, out, y: Batch) -> Tensor:
+        """A summed ``loss_fn`` evaluated one example at a time (``vmap``), with saved-tensor hooks
+        disabled inside it: their unpack runs in the backward, outside ``vmap``, on the whole batch's
+        tensors (one adding the batch mean to a saved tensor moved the clipped sum by 5.41 C with the
+        probe skipped: benchmarks/redteam_separable/rt_loss_hooks.py). A loss that enters them is
+        evaluated again with them, and ``self._loss_alone = False``: the step is probed. (Tensor and
+        graph-node hooks that a loss registers inside ``vmap`` do not run in the backward.)"""
+        try:
+            with torch.autograd.graph.disable_saved_tensors_hooks(_NO_SAVED_HOOKS):
+                return torch.vmap(self._one_loss)(out, y)
+        except RuntimeError as err:
+            if _NO_SAVED_HOOKS not in str(err):
+                raise
+        self._loss_alone = False
+        return torch.vmap(self._one_loss)(out, y)
 
     def _backward(self, x: Batch, y: Batch, call: Callable | None = None, check_graph: bool = True,
                   params: list | Callable[[dict, dict], list] | None = None) -> tuple:
@@ -714,6 +745,8 @@ class BookKeeping:
 PROBES = 4
 """Examples probed per step (deterministic forward)."""
 
+_NO_SAVED_HOOKS = "saved-tensor hooks inside a summed loss_fn (BookKeeping._losses_alone)"
+
 MIN_PROBE_NORM = 1e-30
 """Attributed norms below this weigh a probe as if they were this (``_probe_weights``)."""
 
@@ -726,6 +759,13 @@ _MIXING = ("--grad-path fast: the gradient of example(s) {i} as the per-layer ru
 def _attributed_norms(sq: Tensor, probes: list[int]) -> list[float]:
     """The probes' attributed gradient norms from the rules' summed squared norms ``sq`` (bounds for ghost layers)."""
     return torch.sqrt(sq[torch.tensor(probes, device=sq.device)]).tolist()
+
+
+def _shadow(t: Tensor) -> Tensor:
+    """Zeros shaped as ``t``, off the step's graph (requiring grad where floating, so that a loss may
+    register hooks on them or change them in place: nothing of it reaches the step)."""
+    t = torch.zeros_like(t)
+    return t.requires_grad_() * 1 if t.is_floating_point() else t
 
 
 def _edge(t: Tensor):

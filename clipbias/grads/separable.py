@@ -22,7 +22,8 @@ hooks added, between steps):
   declares it, e.g. copied with a model's code, is not reviewed);
 * no module has a function of its own on the instance (``forward``, ``_conv_forward``, a model's
   helper such as ``_features``, ``compile()``'s compiled call), a reviewed class's functions (and
-  its clipbias bases') are the ones its module defines, the torch types' methods and the functions
+  its clipbias bases') are the ones its module defines, the globals of the reviewed classes' modules
+  (``F``, ``torch``, resnet's ``_shortcut_a``), the torch types' methods and the functions
   of ``torch``, ``torch.nn.functional``, ``torch._C._nn`` and ``torch.Tensor`` are the ones they
   had when clipbias was imported, and no forward, forward-pre, backward or backward-pre hook is
   registered on any module or globally (a hook can rewrite rows with other examples' data);
@@ -60,6 +61,8 @@ from torch.overrides import _get_current_function_mode_stack as _function_modes 
 from torch.utils._device import DeviceContext as _DeviceContext  # ``with torch.device(...)``: places tensors only
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_modes
 
+from ..models import gpt as _gpt, resnet as _resnet, scatter as _scatter, simple as _simple  # reviewed classes
+
 _saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks  # (pack, unpack) or None
 
 ELEMENTWISE = (nn.Identity, nn.Tanh, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU,
@@ -89,8 +92,11 @@ _BUILD = ("__init__", "__new__", "__setstate__")
 last), and what they leave on an instance (functions, hooks, children) is checked on the instance."""
 
 _CLASSES = tuple(dict.fromkeys(c for t in _TYPES for c in t.__mro__ if c is not object))  # nn.Module included
+_REVIEWED = (_gpt, _resnet, _scatter, _simple)
+"""The modules of the reviewed model classes: their globals (``F``, ``torch``, helpers such as resnet's
+``_shortcut_a``) are what the reviewed forwards call, so they are snapshotted too (``_AS_IMPORTED``)."""
 _NAMESPACES = (torch, F, torch._C._nn, torch.Tensor, torch._C.TensorBase,
-               *dict.fromkeys(sys.modules[c.__module__] for c in _CLASSES))  # their globals: F, torch, ...
+               *dict.fromkeys(sys.modules[c.__module__] for c in _CLASSES), *_REVIEWED)  # their globals: F, torch, ...
 _AS_IMPORTED = {ns: {k: v for k, v in _methods(ns).items() if k not in _BUILD} for ns in _CLASSES + _NAMESPACES}
 """The torch types' methods (``forward``, ``__call__``, ``_conv_forward``, nn.Module's call machinery,
 ...) and the torch functions their forwards call, as they were when clipbias was imported: one
@@ -168,6 +174,9 @@ def _unreviewed(t: type) -> str | None:
     not reviewed."""
     if vars(t).get("PER_EXAMPLE") is not True or not t.__module__.startswith(_MODELS):
         return "is not a module whose rows are known to be per-example"
+    home = sys.modules.get(t.__module__)
+    if home not in _REVIEWED or _AS_IMPORTED[home].get(t.__name__) is not t:
+        return "is not a module whose rows are known to be per-example (not a class its reviewed module defines)"
     for c in t.__mro__:
         if c is object or c in _AS_IMPORTED:
             continue

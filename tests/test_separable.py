@@ -406,3 +406,29 @@ def test_saved_tensor_hooks_inside_a_summed_loss_void_the_proof(monkeypatch):
     with pytest.raises(ConfigError, match="lets examples see each other"):
         e.step(x, torch.randint(0, 10, (12,)), torch.arange(12))
     assert calls and e.steps_taken == 0
+
+
+class _CentringWeight(nn.Parameter):
+    """A weight whose ``__torch_function__`` centres ``F.linear``'s input over the batch."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            args = (args[0] - 3 * args[0].mean(0), args[1].as_subclass(torch.Tensor), *args[2:])
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def test_a_parameter_that_is_a_tensor_subclass_voids_the_proof_and_the_probe_refuses_it(monkeypatch):
+    """Its ``__torch_function__`` runs inside the layer, where no module input shows it: with the probe
+    skipped it moved the clipped sum by 1.25 C (benchmarks/redteam_separable/rt_param_subclass.py)."""
+    calls = _probes(monkeypatch)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Flatten(), nn.Linear(16, 10))
+    m[1].weight = _CentringWeight(m[1].weight.detach().clone())
+    assert "its weight is a tensor subclass" in separable.why_not(m)
+    e = _engine(m)
+    with pytest.raises(ConfigError, match="lets examples see each other"):
+        e.step(torch.randn(12, 4, 4) * 3, torch.randint(0, 10, (12,)), torch.arange(12))
+    assert calls and e.steps_taken == 0

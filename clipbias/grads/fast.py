@@ -473,8 +473,10 @@ class BookKeeping:
         self._loss_alone = True  # _losses_alone: the summed loss_fn's gradient taken one example at a time
         with full_float32():  # the batch and the probes in the same (full) float32 arithmetic
             try:
-                with separable.watch(self.model) as inputs:  # every Linear/Conv's input, frozen ones too
+                with separable.watch(self.model, known=self.layers) as inputs:  # frozen layers' inputs too
                     losses, acts, grads = self._backward(x, y, params=self._unformed_params if reference else None)
+                for m in self.layers:  # the trainable layers' inputs, as the hooks of the backward took them
+                    inputs.setdefault(m, []).append(acts[m].dim())
             finally:  # a buffer changed by the forward is restored and refused, whatever else failed
                 _check_buffers(self.model, buffers)
             stochastic = not _same_rng(rng, _rng_state(dev))  # dropout (or any other draw) in the forward

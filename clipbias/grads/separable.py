@@ -30,7 +30,8 @@ hooks added, between steps):
 * every input of a Linear, Conv or LayerNorm layer, frozen ones included, has the batch dimension (``watch``
   records them in the step's forward; ``batched``): a frozen Conv1d given ``[B, L]`` reads the batch
   as one example's B channels and mixes every example into every row;
-* no tensor subclass reaches a module, and no torch function mode (other than ``with torch.device``),
+* no tensor subclass among the model's inputs, parameters and buffers (its ``__torch_function__``
+  would run inside the layers), and no torch function mode (other than ``with torch.device``),
   dispatch mode or saved-tensor hooks are active in the forward (``watch``): their code runs inside
   every layer, or rewrites what the backward reads;
 * no activation works in place: on a batch whose rows share memory (sliding windows from

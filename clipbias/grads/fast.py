@@ -513,13 +513,15 @@ class BookKeeping:
             # gradient by the batch's norm moved the clipped sum by 1.27 C), and a statistic it kept (a
             # temperature set from the first batch) entered every later step (an example of the first step
             # moved the second's sum by 0.65 C): benchmarks/redteam_separable/rt_loss_hooks.py, rt_loss_first_call.py
+            # Two examples' zeros tell a total from per-example losses (zeros of the whole output would
+            # double a language model's first-step peak: 1.65 GB of logits for a 64M GPT at B = 128)
             try:
-                zeros = batch.tree_map(_shadow, out), batch.tree_map(torch.zeros_like, y)
+                zeros = batch.tree_map(_shadow, out), batch.tree_map(lambda t: _shadow(t, grad=False), y)
             except ConfigError:  # an output holding other objects (a Hugging Face cache): decided on the batch,
                 zeros, self._loss_alone = None, False  # and this step probed
             losses = self.loss_fn(out, y) if zeros is None else None
             got = losses if zeros is None else self.loss_fn(*zeros)
-            self._vector_loss = got.dim() == 1 and got.shape[0] == b
+            self._vector_loss = got.dim() == 1 and got.shape[0] == (b if zeros is None else SHADOW_EXAMPLES)
         else:
             losses = None
         if self._vector_loss:
@@ -763,11 +765,16 @@ def _attributed_norms(sq: Tensor, probes: list[int]) -> list[float]:
     return torch.sqrt(sq[torch.tensor(probes, device=sq.device)]).tolist()
 
 
-def _shadow(t: Tensor) -> Tensor:
-    """Zeros shaped as ``t``, off the step's graph (requiring grad where floating, so that a loss may
-    register hooks on them or change them in place: nothing of it reaches the step)."""
-    t = torch.zeros_like(t)
-    return t.requires_grad_() * 1 if t.is_floating_point() else t
+SHADOW_EXAMPLES = 2
+"""Examples in the zeros a summed loss_fn is first called on (``_shadow``)."""
+
+
+def _shadow(t: Tensor, grad: bool = True) -> Tensor:
+    """Zeros shaped as ``SHADOW_EXAMPLES`` examples of ``t``, off the step's graph (requiring grad where
+    floating, so that a loss may register hooks on them or change them in place: nothing of it
+    reaches the step)."""
+    z = t.new_zeros((SHADOW_EXAMPLES, *t.shape[1:]))
+    return z.requires_grad_() * 1 if grad and z.is_floating_point() else z
 
 
 def _edge(t: Tensor):

@@ -103,8 +103,6 @@ _AS_IMPORTED = {ns: {k: v for k, v in _methods(ns).items() if k not in _BUILD} f
 """The torch types' methods (``forward``, ``__call__``, ``_conv_forward``, nn.Module's call machinery,
 ...) and the torch functions their forwards call, as they were when clipbias was imported: one
 replaced later (to rewrite rows with other examples' data) is not trusted."""
-_LOOKUP = {ns: (tuple(was), tuple(was.values())) for ns, was in _AS_IMPORTED.items()}  # names, values: a
-# namespace that changed since it was last accepted is compared name by name with them
 
 
 def _torch_wrapper() -> object:
@@ -150,17 +148,10 @@ def _replaced() -> str | None:
     for ns, was in _AS_IMPORTED.items():
         if _unchanged(ns):
             continue
-        now = vars(ns)
-        keys, values = _LOOKUP[ns]
-        try:
-            same = tuple(map(now.__getitem__, keys)) == values  # identity first (functions compare by identity)
-        except KeyError:
-            same = False
-        if not same:
-            for k, v in was.items():
-                if not _same(now.get(k), v):
-                    return f"{getattr(ns, '__name__', ns)}.{k}"
-            _LOOKUP[ns] = (keys, tuple(map(now.__getitem__, keys)))  # torch's own wrappers, accepted once
+        now = vars(ns)  # changed since last accepted: name by name (torch's own wrappers are accepted)
+        for k, v in was.items():
+            if not _same(now.get(k), v):
+                return f"{getattr(ns, '__name__', ns)}.{k}"
         if isinstance(ns, type) and len(methods := _methods(ns)) != len(was) + sum(k in now for k in _BUILD):
             added = [k for k, v in methods.items() if k not in was and k not in _BUILD and not _inherited(ns, k, v)]
             if added:  # a method set on the class, shadowing its base's

@@ -344,12 +344,17 @@ def _ghost(L: int, k: int, o: int, b: int, element_size: int) -> bool:
     return L > 1 and L * L <= o * k and b * o * k * element_size > GHOST_MIN_BYTES
 
 
-def _forms_rows(m: nn.Module, a: Tensor, out: Tensor, b: int) -> bool:
-    """Whether a Linear/Conv layer's rule will form the per-example gradients (``_Matrix.pe``)."""
+def _own_reference(m: nn.Module, a: Tensor, out: Tensor, b: int) -> bool:
+    """Whether a layer's rule gives the reference sum as a nearly free second row of its sums: a norm
+    layer, a Linear/Conv that forms its per-example gradients (``_Matrix.pe``), or a one-position
+    layer, whose float64 sums convert each cached block of inputs once for both rows (cheaper than
+    autograd's float32 weight gradient, which reads the whole input again)."""
+    if isinstance(m, _NORMS):
+        return True
     if not isinstance(m, (nn.Linear, *_CONV)):
         return False
     L, k, o = _sizes(m, a, out)
-    return L > 1 and not _ghost(L, k, o, b, a.element_size())
+    return L == 1 or not _ghost(L, k, o, b, a.element_size())
 
 
 def _rule(m: nn.Module, a: Tensor, g: Tensor):
@@ -457,12 +462,11 @@ class BookKeeping:
                reference: bool = False) -> tuple[Tensor, list, list | None]:
         """(losses, every layer's rule, reference sums or None) at the model's current weights, the
         examples' attribution checked; ``wide``: the rules computed in float64 from the layers' inputs
-        and output gradients. ``reference``: the unclipped sum ``sum_i g_i``, for the layers whose
-        per-example gradients are not formed (ghost and single-position layers, embeddings), from the
-        same backward, as autograd's gradient of the summed loss (one float32 weight-gradient product
-        per such layer instead of a second book-keeping sum, which on a ghost layer runs in float64);
-        the formed layers' (and norm layers') come from their rows in ``__call__`` (a second row of
-        the sums, nearly free), so no weight-gradient product is spent on them. Returned as one
+        and output gradients. ``reference``: the unclipped sum ``sum_i g_i``, for ghost layers and
+        embeddings, from the same backward, as autograd's gradient of the summed loss (one float32
+        weight-gradient product per such layer instead of a second book-keeping sum, which on a ghost
+        layer runs in float64); the other layers' come from their rules in ``__call__`` (a second row
+        of the sums, nearly free: ``_own_reference``), so no weight-gradient product is spent on them. Returned as one
         tensor per parameter in layout order, None where the rows give it. It feeds only error
         feedback's hidden buffer, which the sound DiceSGD bound allows to be anything
         (docs/privacy.md), so its rounding does not enter the guarantee."""
@@ -489,17 +493,17 @@ class BookKeeping:
             if bool(torch.isfinite(sq).all()) and not proven:
                 self._check_examples(rules, sq, x, y, params, rng if stochastic else None)
         ref = None
-        if reference:  # layout order; None for the parameters of layers whose rows are formed
+        if reference:  # layout order; None for the parameters of layers whose rules give it
             got = dict(zip(map(id, self._unformed), grads[len(self.layers):]))
             ref = [got.get(id(p)) for p in params]
         return losses, rules, ref
 
     def _unformed_params(self, acts: dict, outs: dict) -> list[Tensor]:
-        """After the forward: the trainable parameters of the layers whose rules will not form
-        per-example gradients (``_forms_rows``), which the reference sum takes from autograd; kept
+        """After the forward: the trainable parameters of the layers whose rules do not give the
+        reference sum themselves (``_own_reference``), which the reference sum takes from autograd; kept
         in ``self._unformed`` for ``_rules``."""
         b = len(next(iter(outs.values()))) if outs else 0
-        self._unformed = [p for m in self.layers if not (isinstance(m, _NORMS) or _forms_rows(m, acts[m], outs[m], b))
+        self._unformed = [p for m in self.layers if not _own_reference(m, acts[m], outs[m], b)
                           for p in _trainable(m)]
         return self._unformed
 

@@ -103,14 +103,35 @@ def float64():
     torch.set_default_dtype(old)
 
 
-@pytest.fixture(params=["formed", "ghost"])
+@pytest.fixture(params=["formed", "ghost", "mixed"])
 def branch(request, monkeypatch):
-    """Layers over several positions as the fast path treats small ones (per-example gradients
-    formed) and as it treats large ones (the ghost norm with its rounding bound, float64 sums)."""
+    """Layers over several positions as the fast path treats them within its budget of formed rows
+    (per-example gradients formed), past it (the ghost norm with its rounding bound, float64 sums),
+    and both in one model: a 2000-byte budget puts Net's c2 (2048 bytes an example in float64) on
+    the ghost norm and forms its later seq (160 bytes an example)."""
     import clipbias.grads.fast as fc
-    if request.param == "ghost":
-        monkeypatch.setattr(fc, "GHOST_MIN_BYTES", -1)
+    if request.param != "formed":
+        monkeypatch.setattr(fc, "FORMED_BYTES", -1 if request.param == "ghost" else 2000)
     return request.param
+
+
+def test_the_formed_budget_sends_the_layers_past_it_to_the_ghost_norm(monkeypatch):
+    """``ghost_plan``: in layer order, a layer whose formed rows would pass the budget takes the ghost
+    norm and the budget stays for later layers; a layer with L^2 > o k is formed whatever its size
+    (its ghost norm would cost more), and one-position layers form nothing."""
+    import clipbias.grads.fast as fc
+    big, small, long, one = nn.Linear(64, 64), nn.Linear(8, 8), nn.Linear(2, 2), nn.Linear(64, 64)
+    acts = {big: torch.zeros(4, 8, 64), small: torch.zeros(4, 3, 8), long: torch.zeros(4, 9, 2),
+            one: torch.zeros(4, 64)}
+    outs = {big: torch.zeros(4, 8, 64), small: torch.zeros(4, 3, 8), long: torch.zeros(4, 9, 2),
+            one: torch.zeros(4, 64)}
+    layers = [long, big, small, one]  # formed bytes: long 64, big 65536, small 1024 (float32, b = 4)
+    monkeypatch.setattr(fc, "FORMED_BYTES", 2000)
+    assert fc.ghost_plan(layers, acts, outs) == {big}
+    monkeypatch.setattr(fc, "FORMED_BYTES", 65536 + 64)
+    assert fc.ghost_plan(layers, acts, outs) == {small}
+    monkeypatch.setattr(fc, "FORMED_BYTES", -1)
+    assert fc.ghost_plan(layers, acts, [outs[m] for m in layers]) == {big, small}
 
 
 @pytest.mark.parametrize("model_cls", [Net, Wide, Normed, Tokens])
@@ -464,7 +485,7 @@ def test_an_input_whose_positions_cancel_cannot_beat_the_clip(monkeypatch):
     With the rounding bound every contribution, measured in float64, stays within C."""
     import clipbias.grads.fast as fc
     from clipbias.transforms import clip_scale
-    monkeypatch.setattr(fc, "GHOST_MIN_BYTES", -1)
+    monkeypatch.setattr(fc, "FORMED_BYTES", -1)
     torch.manual_seed(0)
     _, bk = _positions_model()
     C, a, sign = 0.1, torch.randn(64), torch.tensor([1.0, -1.0, 1.0, -1.0]).unsqueeze(1)
@@ -484,7 +505,7 @@ def test_a_large_cancelling_example_cannot_round_the_others_away(monkeypatch):
     released sum by at most C."""
     import clipbias.grads.fast as fc
     from clipbias.transforms import clip_scale
-    monkeypatch.setattr(fc, "GHOST_MIN_BYTES", -1)
+    monkeypatch.setattr(fc, "FORMED_BYTES", -1)
     torch.manual_seed(0)
     _, bk = _positions_model()
     C, x, y = 0.1, torch.randn(8, 2, 64), torch.randint(0, 3, (8,))
@@ -533,10 +554,10 @@ def test_the_ghost_sums_in_blocks_equal_one_float64_product(monkeypatch):
     """A ghost layer's float64 sums, a block of output rows at a time (WIDE_BLOCK_BYTES), equal the
     whole product ``sum_i s_i g_i^T a_i`` computed in float64 at once."""
     import clipbias.grads.fast as fc
-    monkeypatch.setattr(fc, "GHOST_MIN_BYTES", -1)
     torch.manual_seed(0)
     a, g, s = torch.randn(5, 4, 7), torch.randn(5, 4, 300), torch.rand(5, dtype=torch.float64)
-    rule = fc._Matrix(nn.Linear(7, 300), a, g)
+    rule = fc._Matrix(nn.Linear(7, 300), a, g, ghost=True)
+    assert rule.ghost and rule.pe is None
     want = torch.einsum("blo,blk->ok", g.double() * s.view(-1, 1, 1), a.double()).reshape(-1)
     for block in (8 * 20, 8 * 20 * 7, 2**26):  # one output row, seven, all
         monkeypatch.setattr(fc, "WIDE_BLOCK_BYTES", block)

@@ -8,7 +8,7 @@ import math
 from torch import nn
 
 from ..errors import ConfigError
-from ..grads import separable
+from ..grads import fast, separable
 from ..grads.fast import BookKeeping, why_unsupported
 from ..grads.rows import FuncGradients, LossFn, ParamSums, PerExampleRows, RowSource, cross_entropy
 from ..transforms import Pipeline, scales_by_norm
@@ -24,8 +24,9 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
     path (``grads.fast.BookKeeping``: no rows), the rows summed per parameter (``grads.ParamSums``),
     or None (rows through the pipeline: stages that need rows). ``grad_path`` rows | fast | auto:
     auto takes the fast path where it applies and either one micro-batch of rows would exceed
-    ``AUTO_ROWS_BYTES`` or ``fast_wins(model)``; elsewhere the rows path (on the CPU it is the faster
-    of the two for convolutional models at larger batches: docs/results.md)."""
+    ``AUTO_ROWS_BYTES`` or ``fast_wins``; elsewhere the rows path (the faster of the two for
+    convolutional models on a GPU, and on the CPU where the fast path would take the ghost norm:
+    docs/results.md)."""
     if grad_path not in ("rows", "fast", "auto"):
         raise ConfigError(f"--grad-path must be rows, fast or auto, got {grad_path!r}")
     p = pipeline
@@ -48,7 +49,7 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
         rows_bytes = min(max_physical_batch, math.ceil(1.2 * expected_batch_size)) * \
             rows.layout.dim * 4
         if why is None and (grad_path == "fast" or grad_path == "auto" and (rows_bytes > AUTO_ROWS_BYTES
-                                                                           or fast_wins(model, loss_fn))):
+                                                                           or fast_wins(model, loss_fn, rows_bytes))):
             return BookKeeping(model, loss_fn), "fast (per-layer norms and book-keeping sums, no rows; " + (
                 "rows per example by the model's structure, checked every step; a loss_fn returning per-example "
                 "losses is probed" if separable.why_not(model) is None
@@ -63,15 +64,21 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
                                                                 if grad_path == "auto" and why else "")
 
 
-def fast_wins(model: nn.Module, loss_fn: LossFn = cross_entropy) -> bool:
-    """Whether ``auto`` takes the fast path at any batch size: the model is per-example by construction
-    (``grads.separable``: no probe) and its trainable layers are Linear, Embedding and norm layers,
-    whose per-layer norms and sums cost about a non-private step; measured 1.7-25x faster than the
-    rows path (MLP, ScatterNet + linear; docs/results.md). A trainable convolution forms per-example
-    weight gradients on either path, and the rows path was the faster one at larger batches."""
-    return loss_fn is cross_entropy and separable.why_not(model) is None and not any(
-        isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and any(p.requires_grad for p in m.parameters(recurse=False))
-        for m in model.modules())
+def fast_wins(model: nn.Module, loss_fn: LossFn = cross_entropy, rows_bytes: float = math.inf) -> bool:
+    """Whether ``auto`` takes the fast path: the model is per-example by construction
+    (``grads.separable``: no probe), and either its trainable layers are Linear, Embedding and norm
+    layers, whose per-layer norms and sums cost about a non-private step (measured 1.7-25x faster than
+    the rows path: MLP, ScatterNet + linear), or it runs on the CPU and a micro-batch's rows
+    (``rows_bytes``) fit ``FORMED_BYTES``: then every convolution's per-example gradients are formed,
+    never the ghost norm, and the fast path was 1.1-1.3x faster than the rows path (cnn B = 128-2048,
+    resnet20-gn B = 32-256, scatter-cnn B = 512-2048; docs/results.md). On a GPU the rows path was the
+    faster one for those models."""
+    if loss_fn is not cross_entropy or separable.why_not(model) is not None:
+        return False
+    conv = any(isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and any(p.requires_grad for p in m.parameters(recurse=False))
+               for m in model.modules())
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    return not conv or on_cpu and rows_bytes <= fast.FORMED_BYTES
 
 
 class TwoPoint:

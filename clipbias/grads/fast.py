@@ -101,10 +101,14 @@ def _trainable(m: nn.Module) -> list[nn.Parameter]:
     return [p for p in (getattr(m, "weight", None), getattr(m, "bias", None)) if p is not None and p.requires_grad]
 
 
-GHOST_MIN_BYTES = 16 * 2**20
-"""A layer over several positions takes the ghost norm only where its per-example weight gradients
-(``b o k`` floats for a micro-batch) would exceed this and ``L^2 <= o k``; below it they are formed:
-fewer operations than the ghost norm's float64 bound and sum, and exact rows."""
+FORMED_BYTES = 256 * 2**20
+"""The per-example weight gradients a micro-batch forms, at most, over all its layers (``ghost_plan``):
+a layer over several positions takes the ghost norm only where forming its ``b o k`` floats would
+pass this budget and ``L^2 <= o k``. Formed rows cost fewer operations than the ghost norm's float64
+bound and sums (and are exact rows): on the CPU the cnn's fast step at B = 1024 took 62 ms with its
+second convolution's 32 MB formed against 86 ms on the ghost norm, resnet20-gn's at B = 128 129
+against 210 ms (docs/results.md). The budget keeps a language model's large layers on the ghost
+norm, where forming them would hold gigabytes."""
 
 
 WIDE_BLOCK_BYTES = 64 * 2**20
@@ -152,20 +156,20 @@ class _Matrix:
     """Linear/Conv: example i's weight gradient is ``g_i^T a_i`` over its L positions (rows
     ``a [b, L, k]``, ``g [b, L, o]``). L = 1: ``||a_i||^2 ||g_i||^2``. Otherwise the per-example
     gradient ``G_i`` formed, its norm taken and the sums made from it (what the rows path does), or,
-    where ``G_i`` for the micro-batch would be large (``GHOST_MIN_BYTES``) and ``L^2 <= o k``, the ghost
+    where ``G_i`` for the micro-batch would pass the budget (``ghost_plan``) and ``L^2 <= o k``, the ghost
     norm with its rounding bound (``ghost_norm_bound``: an upper bound on the true norm, so a
     clipped contribution is at most C however its positions cancel) and the sums as one float64
     product ``(s * g)^T a`` over (example, position) pairs: float64, so that an example whose
     position terms are large and cancel (bounded by the clip: ``s_i U_i <= C / sqrt(coef)``) cannot
     round other examples' terms away (in float32 one changed the released sum by 8.15 C)."""
 
-    def __init__(self, m: nn.Module, a: Tensor, g: Tensor) -> None:
+    def __init__(self, m: nn.Module, a: Tensor, g: Tensor, ghost: bool) -> None:
         b, conv = g.shape[0], isinstance(m, _CONV)
         L, k, o = _sizes(m, a, g)
         if not conv:
             a, g = a.reshape(b, -1, a.shape[-1]), g.reshape(b, -1, g.shape[-1])
         self.w, self.bias = m.weight.requires_grad, m.bias is not None and m.bias.requires_grad
-        self.ghost = _ghost(L, k, o, b, a.element_size())
+        self.ghost = ghost and L > 1 and L * L <= o * k
         # the longest float64 sum behind sq and cross (DiSK's combination bounds its rounding with it)
         self.terms = (k + o if L == 1 else L * L + k + o if self.ghost else o * k) + o + 1
         self.pe: Tensor | None = None
@@ -339,25 +343,43 @@ def _sizes(m: nn.Module, a: Tensor, g: Tensor) -> tuple[int, int, int]:
     return a[0].numel() // a.shape[-1], a.shape[-1], g.shape[-1]
 
 
-def _ghost(L: int, k: int, o: int, b: int, element_size: int) -> bool:
-    """Whether ``_Matrix`` takes the ghost norm (else it forms per-example gradients when L > 1)."""
-    return L > 1 and L * L <= o * k and b * o * k * element_size > GHOST_MIN_BYTES
+def ghost_plan(layers: list[nn.Module], acts: dict, outs: dict | list) -> set[nn.Module]:
+    """The Linear/Conv layers whose rules take the ghost norm in this micro-batch (the others over
+    several positions form their per-example gradients): in layer order, a layer with ``L^2 <= o k``
+    whose ``b o k`` formed floats would take the layers formed so far past ``FORMED_BYTES``. From
+    the shapes alone (``acts``: every layer's input, ``outs``: its output or output gradient, by
+    layer or in ``layers``' order)."""
+    if not isinstance(outs, dict):
+        outs = dict(zip(layers, outs))
+    ghost, used = set(), 0
+    for m in layers:
+        if not isinstance(m, (nn.Linear, *_CONV)):
+            continue
+        a, out = acts[m], outs[m]
+        L, k, o = _sizes(m, a, out)
+        if L == 1:
+            continue
+        size = out.shape[0] * o * k * a.element_size()
+        if L * L <= o * k and used + size > FORMED_BYTES:
+            ghost.add(m)
+        else:
+            used += size
+    return ghost
 
 
-def _own_reference(m: nn.Module, a: Tensor, out: Tensor, b: int) -> bool:
+def _own_reference(m: nn.Module, ghost: set) -> bool:
     """Whether a layer's rule gives the reference sum as a nearly free second row of its sums: a norm
     layer, a Linear/Conv that forms its per-example gradients (``_Matrix.pe``), or a one-position
     layer, whose float64 sums convert each cached block of inputs once for both rows (cheaper than
-    autograd's float32 weight gradient, which reads the whole input again)."""
+    autograd's float32 weight gradient, which reads the whole input again); ``ghost``: ``ghost_plan``'s."""
     if isinstance(m, _NORMS):
         return True
     if not isinstance(m, (nn.Linear, *_CONV)):
         return False
-    L, k, o = _sizes(m, a, out)
-    return L == 1 or not _ghost(L, k, o, b, a.element_size())
+    return m not in ghost
 
 
-def _rule(m: nn.Module, a: Tensor, g: Tensor):
+def _rule(m: nn.Module, a: Tensor, g: Tensor, ghost: bool = False):
     if torch.float16 in (a.dtype, g.dtype):
         raise ConfigError("--grad-path fast: float16 activations or output gradients (half precision or "
                           "float16 autocast): their squares underflow and the norms could understate an example's "
@@ -367,7 +389,9 @@ def _rule(m: nn.Module, a: Tensor, g: Tensor):
                           "or a bfloat16 layer): the per-layer sums would be rounded in bfloat16, and one example "
                           "moved the clipped sum by 1.27 C at B = 256; run the model in float32, or use "
                           "--grad-path rows (its per-example gradients come back in the parameters' float32)")
-    return (_Affine if isinstance(m, _NORMS) else _Embed if isinstance(m, nn.Embedding) else _Matrix)(m, a, g)
+    if isinstance(m, (nn.Linear, *_CONV)):
+        return _Matrix(m, a, g, ghost)
+    return (_Affine if isinstance(m, _NORMS) else _Embed)(m, a, g)
 
 
 class _Combined:
@@ -484,7 +508,9 @@ class BookKeeping:
             finally:  # a buffer changed by the forward is restored and refused, whatever else failed
                 _check_buffers(self.model, buffers)
             stochastic = not _same_rng(rng, _rng_state(dev))  # dropout (or any other draw) in the forward
-            rules = [_rule(m, _widen(acts[m], wide), _widen(g, wide)) for m, g in zip(self.layers, grads)]
+            acts, outs = {m: _widen(acts[m], wide) for m in self.layers}, [_widen(g, wide) for g in grads]
+            plan = ghost_plan(self.layers, acts, outs)
+            rules = [_rule(m, acts[m], g, m in plan) for m, g in zip(self.layers, outs)]
             sq = sum(r.sq for r in rules)
             # else the caller refuses the step; a model per-example by construction, under a loss of one
             # example at a time (a loss_fn returning per-example losses may combine them), needs no probe
@@ -502,8 +528,8 @@ class BookKeeping:
         """After the forward: the trainable parameters of the layers whose rules do not give the
         reference sum themselves (``_own_reference``), which the reference sum takes from autograd; kept
         in ``self._unformed`` for ``_rules``."""
-        b = len(next(iter(outs.values()))) if outs else 0
-        self._unformed = [p for m in self.layers if not _own_reference(m, acts[m], outs[m], b)
+        plan = ghost_plan(self.layers, acts, outs)
+        self._unformed = [p for m in self.layers if not _own_reference(m, plan)
                           for p in _trainable(m)]
         return self._unformed
 
@@ -730,7 +756,8 @@ class BookKeeping:
         xw = batch.tree_map(lambda t: t.double() if t.is_floating_point() else t, x)
         try:
             _, acts, grads = self._backward(xw, y, call=call, check_graph=False)
-            rules = [_rule(m, acts[m], g) for m, g in zip(self.layers, grads)]
+            plan = ghost_plan(self.layers, acts, grads)
+            rules = [_rule(m, acts[m], g, m in plan) for m, g in zip(self.layers, grads)]
             attributed = self._ordered([r.combo(probes, w) for r in rules])
             together = self._own(xw, y, probes, leaves, w, call=call)
         except (RuntimeError, ConfigError):  # an op without float64 support, a dtype clash inside the model
@@ -747,7 +774,8 @@ class BookKeeping:
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             _set_rng(rng, dev)
             _, acts, grads = self._backward(xi, yi)
-        return self._ordered([_rule(m, acts[m], g).one(i) for m, g in zip(self.layers, grads)])
+        plan = ghost_plan(self.layers, acts, grads)
+        return self._ordered([_rule(m, acts[m], g, m in plan).one(i) for m, g in zip(self.layers, grads)])
 
 
 PROBES = 4

@@ -209,9 +209,11 @@ class _Matrix:
         dtype; ``a`` converted a cached block of examples at a time (``CACHED_BLOCK_BYTES``)."""
         b, k = self.a.shape[0], self.a.shape[-1]
         a = self.a.reshape(b, k)
-        gs = torch.stack([(self.g.reshape(b, -1).double() * s.double().view(-1, 1)).t() for s in S])  # [n, o, b]
+        gs = torch.cat([(self.g.reshape(b, -1).double() * s.double().view(-1, 1)).t() for s in S])  # [n o, b]
         step = max(1, CACHED_BLOCK_BYTES // (8 * k))
-        out = sum(gs[:, :, i:i + step] @ a[i:i + step].double() for i in range(0, b, step))
+        out = gs.new_zeros(gs.shape[0], k)
+        for i in range(0, b, step):  # accumulated in place: no temporary product per block
+            out.addmm_(gs[:, i:i + step], a[i:i + step].double())
         return out.reshape(len(S), -1).to(self.g.dtype)
 
     def _wide_sum(self, s: Tensor) -> Tensor:

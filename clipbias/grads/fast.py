@@ -381,7 +381,14 @@ def _own_reference(m: nn.Module, ghost: set) -> bool:
     return m not in ghost
 
 
-def _rule(m: nn.Module, a: Tensor, g: Tensor, ghost: bool = False):
+def _rules_of(layers: list[nn.Module], acts: dict, outs: list) -> list:
+    """Every layer's rule (inputs ``acts``, output gradients ``outs`` in ``layers``' order), each
+    Linear/Conv over several positions on formed gradients or the ghost norm as ``ghost_plan`` says."""
+    plan = ghost_plan(layers, acts, outs)
+    return [_rule(m, acts[m], g, m in plan) for m, g in zip(layers, outs)]
+
+
+def _rule(m: nn.Module, a: Tensor, g: Tensor, ghost: bool):
     if torch.float16 in (a.dtype, g.dtype):
         raise ConfigError("--grad-path fast: float16 activations or output gradients (half precision or "
                           "float16 autocast): their squares underflow and the norms could understate an example's "
@@ -510,9 +517,8 @@ class BookKeeping:
             finally:  # a buffer changed by the forward is restored and refused, whatever else failed
                 _check_buffers(self.model, buffers)
             stochastic = not _same_rng(rng, _rng_state(dev))  # dropout (or any other draw) in the forward
-            acts, outs = {m: _widen(acts[m], wide) for m in self.layers}, [_widen(g, wide) for g in grads]
-            plan = ghost_plan(self.layers, acts, outs)
-            rules = [_rule(m, acts[m], g, m in plan) for m, g in zip(self.layers, outs)]
+            rules = _rules_of(self.layers, {m: _widen(acts[m], wide) for m in self.layers},
+                              [_widen(g, wide) for g in grads[:len(self.layers)]])
             sq = sum(r.sq for r in rules)
             # else the caller refuses the step; a model per-example by construction, under a loss of one
             # example at a time (a loss_fn returning per-example losses may combine them), needs no probe
@@ -758,8 +764,7 @@ class BookKeeping:
         xw = batch.tree_map(lambda t: t.double() if t.is_floating_point() else t, x)
         try:
             _, acts, grads = self._backward(xw, y, call=call, check_graph=False)
-            plan = ghost_plan(self.layers, acts, grads)
-            rules = [_rule(m, acts[m], g, m in plan) for m, g in zip(self.layers, grads)]
+            rules = _rules_of(self.layers, acts, grads)
             attributed = self._ordered([r.combo(probes, w) for r in rules])
             together = self._own(xw, y, probes, leaves, w, call=call)
         except (RuntimeError, ConfigError):  # an op without float64 support, a dtype clash inside the model
@@ -776,8 +781,7 @@ class BookKeeping:
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             _set_rng(rng, dev)
             _, acts, grads = self._backward(xi, yi)
-        plan = ghost_plan(self.layers, acts, grads)
-        return self._ordered([_rule(m, acts[m], g, m in plan).one(i) for m, g in zip(self.layers, grads)])
+        return self._ordered([r.one(i) for r in _rules_of(self.layers, acts, grads)])
 
 
 PROBES = 4

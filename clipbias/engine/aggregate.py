@@ -67,7 +67,7 @@ def fast_wins(model: nn.Module, loss_fn: LossFn = cross_entropy, rows_bytes: flo
     """Whether ``auto`` takes the fast path: the model is per-example by construction
     (``grads.separable``: no probe), and either its trainable layers are Linear, Embedding and norm
     layers, whose per-layer norms and sums cost about a non-private step (measured 1.7-25x faster than
-    the rows path: MLP, ScatterNet + linear), or it has convolutions and runs on a GPU, or on the CPU
+    the rows path: MLP, ScatterNet + linear), or it has convolutions and runs on CUDA, or on the CPU
     while a micro-batch's rows (``rows_bytes``) fit ``FORMED_BYTES``. Measured (docs/results.md): on
     the CPU, with every convolution's per-example gradients formed, the fast path was 1.1-1.3x faster
     than the rows path (cnn B = 128-2048, resnet20-gn B = 32-256, scatter-cnn B = 512-2048) and slower
@@ -77,8 +77,8 @@ def fast_wins(model: nn.Module, loss_fn: LossFn = cross_entropy, rows_bytes: flo
         return False
     conv = any(isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and any(p.requires_grad for p in m.parameters(recurse=False))
                for m in model.modules())
-    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    return not conv or not on_cpu or rows_bytes <= fast.FORMED_BYTES
+    device = {p.device.type for p in model.parameters()}
+    return not conv or device == {"cuda"} or device == {"cpu"} and rows_bytes <= fast.FORMED_BYTES
 
 
 class TwoPoint:

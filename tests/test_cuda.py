@@ -192,21 +192,50 @@ def test_auto_takes_the_fast_path_for_proven_conv_models_on_cuda(name, batch_siz
     assert e.fast is not None and e.grad_path_note.startswith("fast")
 
 
+def _fast_run(device: torch.device, algo: str, make_model, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Three fast-path steps of ``make_model()`` on ``device`` (the same batches and keyed noise on either device)."""
+    g = torch.Generator().manual_seed(1)
+    x = (3 * torch.randn(N, 1, D_IN, D_IN, generator=g)).to(device, dtype)
+    y = torch.randint(0, CLASSES, (N,), generator=g).to(device)
+    model = make_model().to(device, dtype)
+    eng = DPEngine(model, algo, n=N, batch_size=8.0, steps=3, noise_multiplier=5.0, accountant="rdp",
+                   noise_seed=0, grad_path="fast", config=AlgoConfig(lr=0.1, clip=0.5))
+    for _ in range(3):
+        idx = eng.sampler.sample()
+        eng.step(x[idx.to(device)], y[idx.to(device)], idx)
+    return params_of(model)
+
+
 @pytest.mark.parametrize("algo", ["dpsgd", "dice"])
 def test_fast_path_update_on_cuda_equals_the_cpu(algo):
     """The book-keeping fast path (kernel choice, probes, float64 bounds) makes the CPU's update on the GPU."""
-    def run(device):
-        g = torch.Generator().manual_seed(1)
-        x = (3 * torch.randn(N, 1, D_IN, D_IN, generator=g)).to(device)
-        y = torch.randint(0, CLASSES, (N,), generator=g).to(device)
-        model = tiny_cnn().to(device)
-        eng = DPEngine(model, algo, n=N, batch_size=8.0, steps=3, noise_multiplier=5.0, accountant="rdp",
-                       noise_seed=0, grad_path="fast", config=AlgoConfig(lr=0.1, clip=0.5))
-        for _ in range(3):
-            idx = eng.sampler.sample()
-            eng.step(x[idx.to(device)], y[idx.to(device)], idx)
-        return params_of(model)
-    assert torch.allclose(run(CUDA), run(torch.device("cpu")), rtol=1e-4, atol=1e-5)
+    assert torch.allclose(_fast_run(CUDA, algo, tiny_cnn), _fast_run(torch.device("cpu"), algo, tiny_cnn),
+                          rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("algo", ["dpsgd", "dice"])
+def test_the_ghost_norm_on_cuda_makes_the_cpu_update(algo, monkeypatch):
+    """Past the formed budget (where ``auto`` now sends a GPU's convolutional layers at large batches)
+    a layer takes the ghost norm, its rounding bound and float64 sums: in float64 the GPU's update is
+    the CPU's to 1e-10."""
+    import clipbias.grads.fast as fc
+    monkeypatch.setattr(fc, "FORMED_BYTES", -1)
+    ghosts = []
+    init = fc._Matrix.__init__
+
+    def spy(self, m, a, g, ghost):
+        init(self, m, a, g, ghost)
+        ghosts.append(self.ghost)
+    monkeypatch.setattr(fc._Matrix, "__init__", spy)
+
+    def wide():  # the second convolution: 4 positions, o k = 16 x 72, so the ghost norm is the cheaper
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(1, 8, 3), nn.Tanh(), nn.Conv2d(8, 16, 3), nn.Tanh(), nn.Flatten(),
+                             nn.Linear(16 * (D_IN - 4) ** 2, CLASSES))
+    gpu = _fast_run(CUDA, algo, wide, torch.float64)
+    assert any(ghosts)
+    cpu = _fast_run(torch.device("cpu"), algo, wide, torch.float64)
+    assert torch.allclose(gpu, cpu, rtol=1e-10, atol=1e-12), float((gpu - cpu).abs().max())
 
 
 @pytest.mark.parametrize("b", [2, 8])

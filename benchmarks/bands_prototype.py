@@ -178,7 +178,9 @@ class BandedNoise:
 
 
 def train(data: dict, protocol: str, b: int, family: str, lr: float, clip: float, seed: int,
-          c: np.ndarray, z: float) -> dict:
+          c: np.ndarray, z: float, zero_init: bool = False) -> dict:
+    """One run; the head starts as the library's ``scatter-linear`` does, or at zero (``zero_init``:
+    features of another width, e.g. ``feature_reduction_prototype.py``'s)."""
     from clipbias.models import build_model
     epochs, B, decay, _, _ = PROTOCOLS[protocol]
     N = len(data["train"])
@@ -186,10 +188,13 @@ def train(data: dict, protocol: str, b: int, family: str, lr: float, clip: float
     q = B / N
     p = b * q
     assert p <= 1, (b, q)
-    torch.manual_seed(seed)  # initial weights as the library draws them
-    m = build_model("scatter-linear", data["shape"], 10)
-    W = m.fc.weight.detach().clone()
-    bias = m.fc.bias.detach().clone()
+    if zero_init:
+        W, bias = torch.zeros(10, data["train"].shape[1]), torch.zeros(10)
+    else:
+        torch.manual_seed(seed)  # initial weights as the library draws them
+        m = build_model("scatter-linear", data["shape"], 10)
+        W = m.fc.weight.detach().clone()
+        bias = m.fc.bias.detach().clone()
     gen = torch.Generator().manual_seed(10_000 + seed)
     perm = torch.randperm(N, generator=gen)
     if ASSIGN == "iid":  # each example's group drawn on its own (does not depend on the others: add/remove-safe)

@@ -3,8 +3,9 @@ the GroupNorm'ed ScatterNet features of Fashion-MNIST (50 000 train / 10 000 val
 delta 1e-5, 40 epochs at B = 8192, momentum 0.9, EMA 0.95) before the linear head.
 
 NOT library code: randomness is torch.Generator seeded (not the secret key), and the loop is
-``benchmarks/bands_prototype.py``'s (closed-form per-example gradients of the linear head, clip to C,
-sum, Gaussian noise z C, divide by the expected batch), with the head started at zero. The
+``benchmarks/bands_prototype.py``'s ``train`` with b = 1 (closed-form per-example gradients of the
+linear head, clip to C, sum, Gaussian noise z C, divide by the expected batch), the head started at
+zero (the reduced features have other widths). The
 reductions are fixed maps applied to every example alike, so the accounting is unchanged (PLD,
 Poisson q = B / N, ``bands_prototype.calibrate``):
 
@@ -28,11 +29,10 @@ import math
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import bands_prototype as bp
-
-EPOCHS, B, DECAY, MOMENTUM = 40, 8192, 0.95, 0.9
 
 
 def dct_matrix(n: int) -> torch.Tensor:
@@ -60,36 +60,6 @@ def reduce(h: torch.Tensor, kind: str) -> torch.Tensor:
     raise ValueError(kind)
 
 
-def train(data: dict, lr: float, clip: float, seed: int, z: float, steps: int) -> tuple[float, float]:
-    """(validation accuracy of the last weights, of their EMA)."""
-    n, d = data["train"].shape
-    gen = torch.Generator().manual_seed(10_000 + seed)
-    w, bias = torch.zeros(10, d), torch.zeros(10)
-    buf_w, buf_b = torch.zeros_like(w), torch.zeros_like(bias)
-    ema_w = ema_b = None
-    h_all, y_all, hn2 = data["train"], data["y_train"], data["hn2"]
-    for _ in range(steps):
-        idx = torch.nonzero(torch.rand(n, generator=gen) < B / n).flatten()
-        h, y = h_all[idx], y_all[idx]
-        g = torch.softmax(h @ w.T + bias, 1)
-        g[torch.arange(len(y)), y] -= 1.0
-        s = (clip / (g.norm(dim=1) * hn2[idx].sqrt() + 1e-12)).clamp(max=1.0)
-        gs = g * s[:, None]
-        buf_w.mul_(MOMENTUM).add_((gs.T @ h + torch.randn(w.shape, generator=gen) * z * clip) / B)
-        buf_b.mul_(MOMENTUM).add_((gs.sum(0) + torch.randn(10, generator=gen) * z * clip) / B)
-        w -= lr * buf_w
-        bias -= lr * buf_b
-        if ema_w is None:
-            ema_w, ema_b = w.clone(), bias.clone()
-        else:
-            ema_w.mul_(DECAY).add_(w, alpha=1 - DECAY)
-            ema_b.mul_(DECAY).add_(bias, alpha=1 - DECAY)
-
-    def acc(wx, bx):
-        return float(((data["val"] @ wx.T + bx).argmax(1) == data["y_val"]).float().mean())
-    return acc(w, bias), acc(ema_w, ema_b)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kinds", nargs="+", default=["none", "dct5", "dct4", "dct3", "pool4", "pool3", "order1"])
@@ -100,8 +70,9 @@ def main() -> None:
     torch.set_num_threads(1)
     base = bp.load()
     n = len(base["train"])
-    steps = EPOCHS * max(1, round(n / B))
-    z = bp.calibrate(B / n, steps)
+    epochs, batch = bp.PROTOCOLS["long"][:2]
+    steps = epochs * max(1, round(n / batch))
+    z = bp.calibrate(batch / n, steps)
     rows = json.loads(a.out.read_text()) if a.out.exists() else []
     for kind in a.kinds:
         data = {"train": reduce(base["train"], kind), "val": reduce(base["val"], kind),
@@ -110,7 +81,8 @@ def main() -> None:
         for lr, clip in (tuple(map(float, p.split(":"))) for p in a.grid):
             for seed in a.seeds:
                 t0 = time.time()
-                raw, ema = train(data, lr, clip, seed, z, steps)
+                r = bp.train(data, "long", 1, "sqrt", lr, clip, seed, np.array([1.0]), z, zero_init=True)
+                raw, ema = r["raw"], r["ema"]
                 rows.append({"kind": kind, "d": data["train"].shape[1], "lr": lr, "clip": clip, "seed": seed,
                              "z": z, "steps": steps, "raw": raw, "ema": ema, "train_s": time.time() - t0})
                 print(f"{kind:>6} d {data['train'].shape[1]:>5} lr {lr:g} clip {clip:g} seed {seed}: "

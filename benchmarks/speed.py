@@ -12,7 +12,10 @@ batch of B examples:
   its per-step soundness probe skipped, to measure what the probe costs;
 * ``opacus-hooks`` (and ``opacus-ghost``, ``opacus-ew``: expanded weights): Opacus' ``PrivacyEngine.make_private`` on the same model,
   when ``import opacus`` works (``pip install opacus`` or ``PYTHONPATH`` to a copy; not a clipbias
-  dependency).
+  dependency);
+* any arm with ``:nchw`` appended (``nonprivate:nchw``): the model's convolution weights stored
+  NCHW-contiguous instead of channels-last (clipbias's convolutional models store them channels-last:
+  ``clipbias.models.simple.channels_last``), to measure what the layout does.
 
 Usage (docs/results.md, "Speed and memory")::
 
@@ -137,16 +140,21 @@ def main(argv: list[str] | None = None) -> dict:
     for arm in a.arms.split(","):
         torch.manual_seed(0)
         model = build_model(a.model, ds.input_shape, ds.num_classes).to(dev)
-        if arm == "nonprivate":
+        name, _, layout = arm.partition(":")
+        if layout == "nchw":
+            model = model.to(memory_format=torch.contiguous_format)
+        elif layout:
+            p.error(f"unknown layout {layout!r} in arm {arm!r} (only :nchw)")
+        if name == "nonprivate":
             steps[arm] = _nonprivate(model, lr)
-        elif arm.startswith("opacus-"):
-            fn = _opacus(model, n, b, lr, arm.split("-", 1)[1])
+        elif name.startswith("opacus-"):
+            fn = _opacus(model, n, b, lr, name.split("-", 1)[1])
             if fn is None:
                 print(f"skipping {arm}: opacus is not importable", file=sys.stderr)
                 continue
             steps[arm] = fn
         else:
-            steps[arm] = _engine(model, arm, n, b, lr, max_physical_batch=b)
+            steps[arm] = _engine(model, name, n, b, lr, max_physical_batch=b)
     gen = torch.Generator().manual_seed(1)
     inputs = ds.x_train
     if hasattr(model, "preprocess"):  # a model of features (ScatterNet): the first 16 384 images' features
@@ -163,14 +171,13 @@ def main(argv: list[str] | None = None) -> dict:
             sync()
             if rep >= a.warmup:
                 times[arm].append(time.perf_counter() - t0)
-    base = statistics.median(times["nonprivate"]) if "nonprivate" in times else None
-    rows = {}
-    for arm, ts in times.items():
-        med = statistics.median(ts)
-        rows[arm] = {"median_ms": 1e3 * med, "min_ms": 1e3 * min(ts), "max_ms": 1e3 * max(ts),
-                     "vs_nonprivate": med / base if base else None}
-    ref = rows.get("opacus-hooks", {}).get("median_ms")
-    for r in rows.values():
+    def same_layout(arm: str, name: str) -> str:  # the arm ``name`` measured with ``arm``'s layout
+        return name + (":" + arm.partition(":")[2] if ":" in arm else "")
+    rows = {arm: {"median_ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * min(ts), "max_ms": 1e3 * max(ts)}
+            for arm, ts in times.items()}
+    for arm, r in rows.items():  # each against the non-private step and Opacus's hooks of its own layout
+        base, ref = (rows.get(same_layout(arm, k), {}).get("median_ms") for k in ("nonprivate", "opacus-hooks"))
+        r["vs_nonprivate"] = r["median_ms"] / base if base else None
         r["vs_opacus_hooks"] = r["median_ms"] / ref if ref else None
     cpu = cpu_description()
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None

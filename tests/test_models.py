@@ -74,6 +74,29 @@ def test_cnn_param_count_matches_tramer_boneh():
     assert num_params(make("cnn")) == 26010
 
 
+@pytest.mark.parametrize("name,shape", [("cnn", IMAGE), ("cnn-gn", IMAGE), ("cnn", (3, 32, 32))])
+def test_cnn_is_channels_last_and_computes_what_nchw_computes(name, shape):
+    """The max-pooling cnns store their convolution weights channels-last (``simple.channels_last``), so
+    their activations are channels-last too (where torch's CPU max pooling and tanh run vectorised),
+    and they compute what the NCHW layout computes: outputs and per-example gradients equal in
+    float64 up to rounding, and the gradients come back in the parameters' shapes."""
+    model = make(name, shape).double()
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert convs and all(m.weight.is_contiguous(memory_format=torch.channels_last) for m in convs)
+    x = torch.randn(5, *shape, dtype=torch.float64)
+    y = torch.tensor([0, 3, 7, 1, 9])
+    assert convs[0](x).is_contiguous(memory_format=torch.channels_last)
+    nchw = make(name, shape).double().to(memory_format=torch.contiguous_format)
+    assert not [m for m in nchw.modules() if isinstance(m, nn.Conv2d)][-1].weight.is_contiguous(
+        memory_format=torch.channels_last)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), nchw.parameters()))
+    torch.testing.assert_close(model(x), nchw(x), rtol=1e-12, atol=1e-12)
+    got, want = per_example_grads_vmap(model, x, y), per_example_grads_loop(nchw, x, y)
+    for k, p in model.named_parameters():
+        assert got[k].shape == (5, *p.shape)
+        torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12, msg=k)
+
+
 def test_model_input_shapes_other_data():
     assert make("logreg", (30,), 2)(torch.randn(5, 30)).shape == (5, 2)
     assert make("mlp", (64,), 10, hidden=32)(torch.randn(5, 64)).shape == (5, 10)

@@ -12,7 +12,18 @@ import math
 import torch
 from torch import Tensor, nn
 
-__all__ = ["LogReg", "MLP", "TramerBonehCNN"]
+__all__ = ["LogReg", "MLP", "TramerBonehCNN", "channels_last"]
+
+
+def channels_last(model: nn.Module) -> nn.Module:
+    """Store the convolution weights channels-last, so that every activation after them is too (a
+    convolution's output follows its weight's memory format): the same values and gradients, laid out
+    so that torch's CPU kernels for max pooling and tanh run vectorised. torch's max pooling over
+    NCHW tensors is not (on an AMD EPYC with AVX-512 it took 4.9 of the cnn's 8.7 ms forward at
+    B = 256); channels-last halves the cnn's non-private step (12.3 -> 6.6 ms) and cuts its
+    private fast-path step by 30 % (18.8 -> 13.0 ms; docs/results.md). ``.to(device)`` keeps the
+    layout."""
+    return model.to(memory_format=torch.channels_last)
 
 
 class LogReg(nn.Module):
@@ -86,6 +97,7 @@ class TramerBonehCNN(nn.Module):
                 raise ValueError(f"cnn: input_shape {tuple(input_shape)} is too small "
                                  "(it needs about 16x16 pixels or more)") from exc
         self.classifier = nn.Sequential(nn.Linear(flat, 32), nn.Tanh(), nn.Linear(32, num_classes))
+        channels_last(self)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.classifier(self.features(x))
@@ -115,6 +127,7 @@ class TramerBonehCIFAR(nn.Module):
             layers.append(nn.MaxPool2d(2))
         self.features = nn.Sequential(*layers, nn.Flatten())
         self.classifier = nn.Sequential(nn.Linear(128 * 4 * 4, 128), nn.Tanh(), nn.Linear(128, num_classes))
+        channels_last(self)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.classifier(self.features(x))

@@ -18,11 +18,11 @@ __all__ = ["LogReg", "MLP", "TramerBonehCNN", "channels_last"]
 def channels_last(model: nn.Module) -> nn.Module:
     """Store the convolution weights channels-last, so that every activation after them is too (a
     convolution's output follows its weight's memory format): the same values and gradients, laid out
-    so that torch's CPU kernels for max pooling and tanh run vectorised. torch's max pooling over
-    NCHW tensors is not (on an AMD EPYC with AVX-512 it took 4.9 of the cnn's 8.7 ms forward at
-    B = 256); channels-last halves the cnn's non-private step (12.3 -> 6.6 ms) and cuts its
-    private fast-path step by 30 % (18.8 -> 13.0 ms; docs/results.md). ``.to(device)`` keeps the
-    layout."""
+    so that torch's CPU max pooling runs vectorised. Over NCHW tensors it does not (on an AMD EPYC with
+    AVX-512 it took 4.9 of the cnn's 8.7 ms forward at B = 256); channels-last takes the cnn's
+    non-private step from 12.3 to 6.9 ms and its private fast-path step from 18.2 to 13.1 ms
+    (docs/results.md, "Speed and memory"; on an H200 the layouts tie). ``.to(device)`` keeps the
+    layout. Models without max pooling (resnet20-gn) stay NCHW: there channels-last was slower."""
     return model.to(memory_format=torch.channels_last)
 
 

@@ -140,15 +140,19 @@ def coefficients(family: str, b: int, T: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- data
-def load() -> dict:
+def load(test: bool = False) -> dict:
+    """The GroupNorm'ed scattering features: 50 000 training images and the 10 000 held out as ``val``,
+    or (``test``) all 60 000 and the test split as ``val``."""
     from clipbias.data.datasets import load_dataset
     from clipbias.models import build_model
-    ds = load_dataset("fashion-mnist", validation=10000, seed=0)
+    ds = load_dataset("fashion-mnist", validation=0 if test else 10000, seed=0)
     probe = build_model("scatter-linear", ds.input_shape, 10)
     out = {"shape": ds.input_shape}
-    for split, key, y in (("train", "fashion-mnist-val10000-train", ds.y_train),
-                          ("val", "fashion-mnist-val10000-val", ds.y_val)):
-        f = probe.preprocess(ds.x_train if split == "train" else ds.x_val, key)
+    tag = "fashion-mnist" if test else "fashion-mnist-val10000"
+    for split, key, x, y in (("train", f"{tag}-train", ds.x_train, ds.y_train),
+                             ("val", "fashion-mnist-test" if test else f"{tag}-val", ds.x_test if test else ds.x_val,
+                              ds.y_test if test else ds.y_val)):
+        f = probe.preprocess(x, key)
         with torch.no_grad():
             h = torch.cat([probe.norm(f[i:i + 5000]).flatten(1) for i in range(0, len(f), 5000)])
         del f

@@ -50,23 +50,6 @@ def calibrate(eps: float, q: float, steps: int) -> float:
     return hi
 
 
-def load_test() -> dict:
-    """``bands_prototype.load``'s dict for all 60 000 training images, the test split as ``val``."""
-    from clipbias.data.datasets import load_dataset
-    from clipbias.models import build_model
-    ds = load_dataset("fashion-mnist")
-    probe = build_model("scatter-linear", ds.input_shape, 10)
-    out = {"shape": ds.input_shape}
-    for split, key, x, y in (("train", "fashion-mnist-train", ds.x_train, ds.y_train),
-                             ("val", "fashion-mnist-test", ds.x_test, ds.y_test)):
-        f = probe.preprocess(x, key)
-        with torch.no_grad():
-            h = torch.cat([probe.norm(f[i:i + 5000]).flatten(1) for i in range(0, len(f), 5000)])
-        out[split], out[f"y_{split}"] = h, y.long()
-    out["hn2"] = out["train"].pow(2).sum(1) + 1.0
-    return out
-
-
 def best(rows: list[dict], eps: float) -> dict:
     """The validation row of seed 0 with the highest accuracy (raw or EMA) at ``eps``."""
     return max((r for r in rows if r["epsilon_target"] == eps and r["seed"] == 0), key=lambda r: max(r["raw"], r["ema"]))
@@ -107,7 +90,7 @@ def main() -> None:
     if a.out is None:
         ap.error("--out is required (or --table VAL TEST)")
     torch.set_num_threads(a.threads)
-    data = bp.load() if a.split == "val" else load_test()
+    data = bp.load(test=a.split == "test")
     epochs, B, _, _, _ = bp.PROTOCOLS["long"]
     N = len(data["train"])
     T = epochs * max(1, round(N / B))

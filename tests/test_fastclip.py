@@ -775,6 +775,30 @@ def test_a_conv_kernel_that_disagrees_is_never_chosen(monkeypatch):
     assert conv_rows._choose(layer, a, torch.randn(4, 3, 5, 5)) == "right"
 
 
+def test_the_conv_kernel_is_timed_round_by_round_and_per_layout(monkeypatch):
+    """Each candidate is timed ``CHOICE_ROUNDS`` times, one round of every kernel after another, and
+    the fastest run counts: a kernel slowed in most rounds (a neighbour's load) but fast in one is
+    still chosen over one that is steadily slower. The choice is kept per memory layout."""
+    from clipbias.grads import conv_rows
+    right = lambda m, a, g: conv_rows._unfold(m, a, g).clone()  # noqa: E731
+    monkeypatch.setattr(conv_rows, "KERNELS", {"unfold": conv_rows._unfold, "right": right})
+    monkeypatch.setattr(conv_rows, "_CHOICE", {})
+    calls = []
+
+    def fake_time(f, m, a, g):
+        calls.append("unfold" if f is conv_rows._unfold else "right")
+        rounds_of_right = calls.count("right")
+        return 2.0 if f is conv_rows._unfold else (1.0 if rounds_of_right == conv_rows.CHOICE_ROUNDS else 5.0)
+    monkeypatch.setattr(conv_rows, "_time", fake_time)
+    layer = nn.Conv2d(2, 3, 3)
+    a, g = torch.randn(4, 2, 7, 7), torch.randn(4, 3, 5, 5)
+    assert conv_rows._choose(layer, a, g) == "right"
+    assert calls == ["unfold", "right"] * conv_rows.CHOICE_ROUNDS  # interleaved
+    cl = torch.channels_last
+    assert conv_rows._key(layer, a, g) != conv_rows._key(layer, a.contiguous(memory_format=cl), g.contiguous(memory_format=cl))
+    assert conv_rows._layout_of(g.contiguous(memory_format=cl), torch.randn(4, 3, 5, 5)).is_contiguous(memory_format=cl)
+
+
 def test_a_float32_mismatch_without_mixing_is_decided_in_float64(monkeypatch):
     """Two float32 computations of one ill-conditioned example's gradient (in the batch, alone) can
     differ by 1e-3 (resnet20-gn on Fashion-MNIST: the probe refused honest runs). A float32 mismatch

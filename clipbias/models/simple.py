@@ -20,7 +20,7 @@ def channels_last(model: nn.Module) -> nn.Module:
     convolution's output follows its weight's memory format): the same values and gradients, laid out
     so that torch's CPU max pooling runs vectorised. Over NCHW tensors it does not (on an AMD EPYC with
     AVX-512 it took 4.9 of the cnn's 8.7 ms forward at B = 256); channels-last takes the cnn's
-    non-private step from 12.3 to 6.9 ms and its private fast-path step from 18.2 to 13.1 ms
+    non-private step from 11.8 to 6.3 ms and its private fast-path step from 17.1 to 11.9 ms
     (docs/results.md, "Speed and memory"; on an H200 the layouts tie). ``.to(device)`` keeps the
     layout. Models without max pooling (resnet20-gn) stay NCHW: there channels-last was slower."""
     return model.to(memory_format=torch.channels_last)

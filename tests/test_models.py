@@ -77,7 +77,7 @@ def test_cnn_param_count_matches_tramer_boneh():
 @pytest.mark.parametrize("name,shape", [("cnn", IMAGE), ("cnn-gn", IMAGE), ("cnn", (3, 32, 32))])
 def test_cnn_is_channels_last_and_computes_what_nchw_computes(name, shape):
     """The max-pooling cnns store their convolution weights channels-last (``simple.channels_last``), so
-    their activations are channels-last too (where torch's CPU max pooling and tanh run vectorised),
+    their activations are channels-last too (where torch's CPU max pooling runs vectorised),
     and they compute what the NCHW layout computes: outputs and per-example gradients equal in
     float64 up to rounding, and the gradients come back in the parameters' shapes."""
     model = make(name, shape).double()

@@ -4,9 +4,9 @@
 
 CPU time of one thread, not wall time, so that a shared machine's load does not enter: min over 10
 interleaved repetitions (after 2 warm-up) of one optimizer step at B = 256 (benchmarks/speed.py's arms:
-non-private, dpsgd on the fast path, dpsgd on rows), with the model and input in the default
-(contiguous NCHW) layout and in channels_last; then the kernels: max_pool2d of the cnn's first pooled
-activation in both layouts and as the maximum of four shifted views (the same values), and the
+non-private, dpsgd on the fast path, dpsgd on rows), with the model and input in the contiguous
+NCHW layout and in channels_last (the cnn's default); then the kernels: max_pool2d of the cnn's first
+pooled activation in both layouts and as the maximum of four shifted views (the same values), and the
 unfold (im2col) of the two convolutions' inputs that the fast path's per-example conv norms need, by
 F.unfold and by an as_strided view copied once (bit-identical, checked).
 """
@@ -53,9 +53,8 @@ def steps() -> None:
     for cl in (False, True):
         for arm in ("nonprivate", "dpsgd-fast", "dpsgd"):
             torch.manual_seed(0)
-            model = build_model("cnn", ds.input_shape, ds.num_classes)
-            if cl:
-                model = model.to(memory_format=torch.channels_last)
+            model = build_model("cnn", ds.input_shape, ds.num_classes)  # channels-last by default
+            model = model.to(memory_format=torch.channels_last if cl else torch.contiguous_format)
             fn = speed._nonprivate(model, 0.1) if arm == "nonprivate" else speed._engine(model, arm, n, b, 0.1, b)
             arms[(arm, cl)] = fn
     gen = torch.Generator().manual_seed(1)

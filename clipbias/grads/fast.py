@@ -381,10 +381,11 @@ def _own_reference(m: nn.Module, ghost: set) -> bool:
     return m not in ghost
 
 
-def _rules_of(layers: list[nn.Module], acts: dict, outs: list) -> list:
+def _rules_of(layers: list[nn.Module], acts: dict, outs: list, plan: set | None = None) -> list:
     """Every layer's rule (inputs ``acts``, output gradients ``outs`` in ``layers``' order), each
-    Linear/Conv over several positions on formed gradients or the ghost norm as ``ghost_plan`` says."""
-    plan = ghost_plan(layers, acts, outs)
+    Linear/Conv over several positions on formed gradients or the ghost norm as ``ghost_plan`` says
+    (``plan``: its answer for these shapes, where the caller has it)."""
+    plan = ghost_plan(layers, acts, outs) if plan is None else plan
     return [_rule(m, acts[m], g, m in plan) for m, g in zip(layers, outs)]
 
 
@@ -517,8 +518,11 @@ class BookKeeping:
             finally:  # a buffer changed by the forward is restored and refused, whatever else failed
                 _check_buffers(self.model, buffers)
             stochastic = not _same_rng(rng, _rng_state(dev))  # dropout (or any other draw) in the forward
+            # with the reference, the plan _unformed_params made from the same shapes: the rules and the
+            # split of the reference between rules and autograd rest on one decision
             rules = _rules_of(self.layers, {m: _widen(acts[m], wide) for m in self.layers},
-                              [_widen(g, wide) for g in grads[:len(self.layers)]])
+                              [_widen(g, wide) for g in grads[:len(self.layers)]],
+                              self._plan if reference and not wide else None)
             sq = sum(r.sq for r in rules)
             # else the caller refuses the step; a model per-example by construction, under a loss of one
             # example at a time (a loss_fn returning per-example losses may combine them), needs no probe
@@ -535,8 +539,8 @@ class BookKeeping:
     def _unformed_params(self, acts: dict, outs: dict) -> list[Tensor]:
         """After the forward: the trainable parameters of the layers whose rules do not give the
         reference sum themselves (``_own_reference``), which the reference sum takes from autograd; kept
-        in ``self._unformed`` for ``_rules``."""
-        plan = ghost_plan(self.layers, acts, outs)
+        in ``self._unformed`` (and the ghost plan in ``self._plan``) for ``_rules``."""
+        self._plan = plan = ghost_plan(self.layers, acts, outs)
         self._unformed = [p for m in self.layers if not _own_reference(m, plan)
                           for p in _trainable(m)]
         return self._unformed

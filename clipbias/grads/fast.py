@@ -60,7 +60,7 @@ from ..errors import ConfigError
 from .precision import full_float32, row_norms, sq_norms, unit_roundoff
 from .precision import gamma as _gamma
 from . import separable
-from .conv_rows import conv_weight_rows, unfold_input
+from .conv_rows import conv_weight_rows, input_rows
 from .rows import LossFn, ParamLayout, check_model, cross_entropy
 
 _SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.GroupNorm, nn.LayerNorm)
@@ -180,7 +180,7 @@ class _Matrix:
             sq = sq_norms(self.pe)
         else:
             if conv:
-                a, g = unfold_input(m, a).transpose(1, 2), g.flatten(2).transpose(1, 2)
+                a, g = input_rows(m, a), g.flatten(2).transpose(1, 2)
             if L == 1:  # in float64: in float32 ||a||^2 underflows for |a_j| <= 2^-75 while g a^T does not
                 sq = _wide_sq(a) * g.double().square().sum((1, 2))
             else:  # the ghost norm: an upper bound on the true norm, whatever the rounding

@@ -1,6 +1,7 @@
 """How fast a fast-path step could be: the same per-example kernels with nothing else around them.
 
     python benchmarks/fast_floor.py [--model cnn] [--batch-size 256] [--threads 2] [--reps 30] [--out F.json]
+    python benchmarks/fast_floor.py --phases   # then the library step's time by phase (100 more steps)
 
 Three arms, interleaved step by step on the same batches (so a neighbour's load hits them alike):
 
@@ -16,6 +17,9 @@ the non-private step runs instead (same multiply-adds, one product over the whol
 ``floor`` arm's ratio to ``nonprivate`` is what removing every check, every float64 rounding bound
 and the secret noise would leave; the kernel table says how much of it is the per-example products
 themselves. Only models of Linear and Conv2d layers (the Tramer & Boneh cnn, the MLP).
+
+``--phases``: the library's step timed by phase (its functions wrapped with timers, so the numbers
+include a few microseconds of wrapping each): what it spends beyond the floor, and where.
 """
 
 from __future__ import annotations
@@ -149,6 +153,58 @@ def _kernels(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[dict]:
     return rows
 
 
+_PHASES = {  # label -> (module, attribute path) of the library functions timed by --phases
+    "forward and backward to the layer outputs": ("clipbias.grads.fast", "BookKeeping._backward"),
+    "per-layer rules (per-example kernels, norms, rounding bounds)": ("clipbias.grads.fast", "_rule"),
+    "structural proof": ("clipbias.grads.separable", "proven"),
+    "secret noise snapped onto its grid": ("clipbias.transforms", "snapped_gaussian"),
+    "check of the step's arguments": ("clipbias.engine.core", "check_step"),
+    "finite-norm checks": ("clipbias.engine.core", "check_finite_norms"),
+    "model check": ("clipbias.grads.fast", "check_model"),
+    "graph check": ("clipbias.grads.fast", "BookKeeping._check_graph"),
+    "per-example losses": ("clipbias.grads.fast", "BookKeeping._losses"),
+    "ghost plan": ("clipbias.grads.fast", "ghost_plan"),
+    "clipped sums": ("clipbias.grads.fast", "_Matrix.sums"),
+}
+
+
+def _phases(model: nn.Module, n: int, b: int, lr: float, batches: list) -> dict[str, float]:
+    """ms per step of each ``_PHASES`` entry in the library's fast ``dpsgd`` step, and of the whole step."""
+    import importlib
+    spent: dict[str, float] = dict.fromkeys(_PHASES, 0.0)
+    saved = []
+    for label, (module, path) in _PHASES.items():
+        owner = importlib.import_module(module)
+        *outer, name = path.split(".")
+        for part in outer:
+            owner = getattr(owner, part)
+        f = owner.__dict__[name]
+
+        def timed(*args, _f=f, _label=label, **kw):
+            t = time.perf_counter()
+            try:
+                return _f(*args, **kw)
+            finally:
+                spent[_label] += time.perf_counter() - t
+        saved.append((owner, name, f))
+        setattr(owner, name, timed)
+    try:
+        step = _fast(model, n, b, lr)
+        for x, y, idx in batches[:5]:
+            step(x, y, idx)
+        for k in spent:
+            spent[k] = 0.0
+        t = time.perf_counter()
+        for x, y, idx in batches[5:]:
+            step(x, y, idx)
+        total = time.perf_counter() - t
+    finally:
+        for owner, name, f in saved:
+            setattr(owner, name, f)
+    steps = len(batches) - 5
+    return {"whole step": 1e3 * total / steps, **{k: 1e3 * v / steps for k, v in spent.items()}}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="cnn")
@@ -157,6 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--phases", action="store_true", help="also time the library's step by phase (100 steps)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     tune_allocator()
@@ -198,6 +255,15 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{k['layer']}: per-example {k['per_example_ms']:.2f} ms ({gmacs / k['per_example_ms']:.0f} GMAC/s), "
               f"batched weight gradient {k['batched_ms']:.2f} ms ({gmacs / k['batched_ms']:.0f} GMAC/s)")
     print(f"non-private + the per-example kernels' extra time: {base + extra:.2f} ms ({(base + extra) / base:.2f}x)")
+    if a.phases:
+        batches = []
+        for _ in range(105):
+            idx = torch.randperm(n, generator=gen)[:b]
+            batches.append((ds.x_train[idx], ds.y_train[idx], idx))
+        out["phases_ms"] = _phases(fresh(), n, b, lr, batches)
+        print("the library's fast step by phase, ms/step (nested phases are inside the larger ones):")
+        for k, v in out["phases_ms"].items():
+            print(f"  {k:<64} {v:7.3f}")
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     return out

@@ -55,25 +55,28 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def _inputs_and_output_grads(model: nn.Module, layers: list[nn.Module], x: torch.Tensor, y: torch.Tensor):
+    """One forward with hooks on ``layers`` and ``autograd.grad`` of the summed per-example losses to
+    their outputs: (each layer's input, each layer's output gradient in ``layers``' order)."""
+    acts, outs = {}, {}
+
+    def hook(m, inp, out):
+        acts[m], outs[m] = inp[0].detach(), out
+    handles = [m.register_forward_hook(hook) for m in layers]
+    try:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+    finally:
+        for h in handles:
+            h.remove()
+    return acts, torch.autograd.grad(losses.sum(), [outs[m] for m in layers])
+
+
 def _floor(model: nn.Module, b: int, lr: float, clip: float = 1.0):
     """The straight-line step (module doc): same kernels as the fast path, no checks, no bounds."""
     layers, params = _layers(model), list(model.parameters())
 
-    def outputs(x: torch.Tensor, y: torch.Tensor):
-        acts, outs = {}, {}
-
-        def hook(m, inp, out):
-            acts[m], outs[m] = inp[0].detach(), out
-        handles = [m.register_forward_hook(hook) for m in layers]
-        try:
-            losses = F.cross_entropy(model(x), y, reduction="none")
-        finally:
-            for h in handles:
-                h.remove()
-        return acts, torch.autograd.grad(losses.sum(), [outs[m] for m in layers])
-
     def step(x, y, idx):
-        acts, grads = outputs(x, y)
+        acts, grads = _inputs_and_output_grads(model, layers, x, y)
         sq, parts = torch.zeros(x.shape[0]), []
         for m, g in zip(layers, grads):
             a = acts[m]
@@ -130,17 +133,7 @@ def _kernels(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[dict]:
     """Per convolution: ms of its per-example weight gradients (the chosen kernel) and of the batched
     weight gradient over the same inputs and output gradients."""
     layers = [m for m in _layers(model) if isinstance(m, nn.Conv2d)]
-    acts, outs = {}, {}
-
-    def hook(m, inp, out):
-        acts[m], outs[m] = inp[0].detach(), out
-    handles = [m.register_forward_hook(hook) for m in layers]
-    try:
-        loss = F.cross_entropy(model(x), y, reduction="sum")
-    finally:
-        for h in handles:
-            h.remove()
-    grads = torch.autograd.grad(loss, [outs[m] for m in layers])
+    acts, grads = _inputs_and_output_grads(model, layers, x, y)
     rows = []
     for m, g in zip(layers, grads):
         a = acts[m]

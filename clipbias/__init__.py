@@ -9,3 +9,14 @@ See ``docs/architecture.md`` for the map of modules.
 """
 
 __version__ = "0.1.0"
+
+_LAZY = {"PrivacyEngine", "BatchMemoryManager", "ModuleValidator", "fix"}
+
+
+def __getattr__(name: str):
+    """``clipbias.PrivacyEngine`` (the Opacus interface), ``BatchMemoryManager``, ``ModuleValidator`` and
+    ``fix``, imported on first use: ``import clipbias`` (and the CLI's ``--help``) stays free of torch."""
+    if name in _LAZY:
+        from . import integrations
+        return getattr(integrations, name)
+    raise AttributeError(f"module 'clipbias' has no attribute {name!r}")

@@ -88,7 +88,7 @@ def test_nothing_below_the_catalog_imports_it():
 FLOORS = [("errors", "config", "files", "distributed", "randomness"),  # bottom: no pipeline stage
           ("data",),                                                  # data sets, text, batch structures
           ("models", "sampling", "grads", "transforms", "privacy"),   # stages and accounting
-          ("algorithms",), ("engine",), ("run",), ("analysis", "audit"), ("cli",), ("__main__",)]
+          ("algorithms",), ("engine",), ("run", "integrations"), ("analysis", "audit"), ("cli",), ("__main__",)]
 FLOOR = {unit: i for i, units in enumerate(FLOORS) for unit in units}
 
 

@@ -9,6 +9,8 @@ accounted like any other.
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -89,8 +91,9 @@ class DPEngine:
                  dice_accounting: str = privacy.DEFAULT_DICE_ACCOUNTING, config: AlgoConfig | None = None,
                  loss_fn: LossFn = cross_entropy, max_physical_batch: int = 512,
                  noise_seed: int | SecretKey | None = None, grads: RowSource | PerSampleGradients | None = None,
-                 grad_path: str = "auto", bands: int = 1) -> None:
+                 grad_path: str = "auto", bands: int = 1, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.algo = algorithms.get(algorithm)
+        self.undrawn_steps = 0  # steps whose batch the engine's sampler did not draw (``privacy`` caveat)
         self.config = config or AlgoConfig()
         n = check_arguments(model, n, batch_size, self.config)
         if self.algo.accounting == "dice" and self.config.ef_clip is None:
@@ -108,11 +111,14 @@ class DPEngine:
         check_bandable(self.algo.name, bands)
         self.bands = bands
         steps_per_epoch = max(1, round(n / self.expected_batch_size))
-        if steps is None:
+        if steps is None and epochs is None and noise_multiplier is not None:
+            steps = math.inf  # open-ended (Opacus's habit): accounted as the steps are taken
+        elif steps is None:
             if epochs is None or epochs < 1:
                 raise ConfigError(f"give --epochs >= 1 or steps >= 1 (got epochs={epochs!r})")
             steps = epochs * steps_per_epoch
-        privacy.check_steps(steps)
+        if steps != math.inf:
+            privacy.check_steps(steps)
         self.total_steps, self.delta = steps, delta
         # in a process group every rank holds rank 0's key: one global sample, one noise draw
         self.key = distributed.broadcast_key(SecretKey.of(noise_seed))
@@ -121,8 +127,8 @@ class DPEngine:
 
         self.noise_multiplier = z = noise_multiplier_for(self, epsilon, noise_multiplier)
         self.spec = banded_spec(self.algo.spec(self.config, self.sample_rate, z, self.expected_batch_size), bands)
-        if self.algo.private:
-            self.privacy(steps)  # refuses now (not after training) when the guarantee cannot hold
+        if self.algo.private:  # refuses now (not after training) when the guarantee cannot hold
+            self.privacy(steps if steps != math.inf else 1)
 
         self.model = model
         own_rows = grads is None
@@ -134,8 +140,8 @@ class DPEngine:
         self.params = self.rows.layout.params(model)
         self.pipeline = band_pipeline(self.algo.pipeline(self.config, self.expected_batch_size, z, self.key),
                                       self.algo.name, bands, self._band_momentum(), self.key)
-        self.optimizer = algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer,
-                                                   self.params, self.config)
+        self.optimizer = check_base_optimizer(optimizer, self.params, self.rows.layout.names, self.algo.name) or \
+            algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer, self.params, self.config)
         self.sampler = PoissonSampler(n, self.sample_rate, self.key, steps_per_epoch, bands)
         self.max_physical_batch = max_physical_batch
         self._aggregate, self.grad_path_note = choose_aggregate(grad_path, own_rows, model, loss_fn, self.algo,
@@ -170,6 +176,7 @@ class DPEngine:
         per-example gradient is not finite, on every rank when one rank's is not.
         """
         check_step(self, x, y, indices)
+        drawn = self._drawn_by_sampler(indices)
         d = self.rows.layout.dim
         dev, dt = self.params[0].device, self.params[0].dtype  # a float64 model sums in float64
         ref_sum = torch.zeros(d, device=dev, dtype=dt) if self.pipeline.error_feedback is not None else None
@@ -207,6 +214,7 @@ class DPEngine:
         self.pipeline.commit()
         self.rows.commit()
         self.steps_taken += 1
+        self.undrawn_steps += not drawn
         self.sampler.settle()
         try:
             for param, u in zip(self.params, self.rows.layout.unflatten(update)):
@@ -215,6 +223,18 @@ class DPEngine:
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         return mine
+
+    def _drawn_by_sampler(self, indices: Tensor | None) -> bool:
+        """Whether the step's batch is (this rank's share of) the one the engine's sampler drew last and
+        no step has used yet: the Poisson sample the accounting assumes. Any other batch (no indices,
+        indices of the caller's choosing, a batch used twice) makes the run uncertified (``privacy``),
+        with a warning at the first such step."""
+        last = self.sampler.last
+        ok = indices is not None and last is not None and torch.equal(
+            torch.sort(indices.detach().reshape(-1).to("cpu", torch.long)).values, torch.sort(self.local_share(last)).values)
+        if not ok and self.algo.private and not self.undrawn_steps:
+            warnings.warn(UNDRAWN_WARNING, stacklevel=3)
+        return ok
 
     def _drop_staged(self, torch_rng: Tensor) -> None:
         """Undo a step that did not complete: the model's RNG as before it, every stage's staged state
@@ -282,6 +302,8 @@ class DPEngine:
                                  self.accountant, self.dice_accounting)
         if self.algo.private and self.key.reproducible:
             report = report.with_caveat(SEEDED_CAVEAT)
+        if self.algo.private and self.undrawn_steps:
+            report = report.with_caveat(undrawn_caveat(self.undrawn_steps, self.steps_taken, self.sample_rate))
         return report
 
     # ------------------------------------------------------------------ checkpoints
@@ -291,7 +313,7 @@ class DPEngine:
         PRIVATE: holds the error-feedback buffer and the secret key of the batches and the noise;
         never release it.
         """
-        return {"settings": asdict(self.settings), "steps_taken": self.steps_taken,
+        return {"settings": asdict(self.settings), "steps_taken": self.steps_taken, "undrawn_steps": self.undrawn_steps,
                 "optimizer": self.optimizer.state_dict(), "optimizer_class": type(self.optimizer).__name__,
                 "pipeline": self.pipeline.state_dict(),
                 "sampler": self.sampler.state_dict(), "secret_key": self.key.state_dict(),
@@ -332,6 +354,7 @@ class DPEngine:
         key.adopt(self)
         self._set_key(key)
         self.steps_taken = state["steps_taken"]
+        self.undrawn_steps = state.get("undrawn_steps", 0)
         self.optimizer.load_state_dict(state["optimizer"])
         self.pipeline.load_state_dict(state["pipeline"])
         self.sampler.load_state_dict(state["sampler"])
@@ -360,6 +383,39 @@ def noise_multiplier_for(engine: DPEngine, epsilon: float | None, noise_multipli
     # in a process group rank 0 calibrates and every rank takes its answer (and its error, if any)
     return distributed.from_rank0(lambda: privacy.calibrate(spec, epsilon, engine.delta, engine.total_steps,
                                                             engine.accountant, engine.dice_accounting))
+
+
+def check_base_optimizer(optimizer: torch.optim.Optimizer | None, params: list, names: list[str],
+                         algorithm: str) -> torch.optim.Optimizer | None:
+    """The caller's base optimizer (None: the engine builds its own), refused unless it updates exactly the
+    model's trainable parameters: the private update covers those, and clipping bounds their joint norm."""
+    if optimizer is None:
+        return None
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer (SGD, Adam, ...), got {type(optimizer).__name__}")
+    mine = {id(p) for p in params}
+    theirs = [p for g in optimizer.param_groups for p in g["params"]]
+    missing = [n for n, p in zip(names, params) if id(p) not in {id(q) for q in theirs}]
+    extra = [p for p in theirs if id(p) not in mine]
+    if missing or extra:
+        what = (f"the model's trainable parameters {missing[:3]} are not in the optimizer" if missing else
+                f"{len(extra)} optimizer parameter(s) are not trainable parameters of the model")
+        raise ConfigError(f"optimizer: {what}. The private update covers every trainable parameter of the model and "
+                          f"nothing else: set requires_grad=False on the parameters you do not train, and give the "
+                          f"optimizer exactly the others")
+    return optimizer
+
+
+UNDRAWN_WARNING = ("DPEngine.step got a batch that its Poisson sampler did not draw (no indices, indices of your "
+                   "choosing, or a batch used twice): the accounting assumes secret Poisson sampling, so this run is "
+                   "no longer certified (engine.privacy() says why). Draw batches with engine.sampler.sample(), "
+                   "engine.train_epoch, clipbias.sampling.PoissonLoader or clipbias.PrivacyEngine's data loader")
+
+
+def undrawn_caveat(undrawn: int, steps: int, q: float) -> str:
+    return (f"{undrawn} of the {steps} steps took batches the engine's Poisson sampler did not draw: the accounting "
+            f"assumes every batch is a secret Poisson sample at rate q = {q:.6g} (each example in independently), "
+            f"which nothing guarantees for those batches")
 
 
 SEEDED_CAVEAT = ("batches and noise derived from a user-given seed (a reproducible run): the guarantee holds only "

@@ -159,6 +159,14 @@ class PoissonLoader:
     def epoch(self, steps: int | None = None) -> Iterator[tuple[Batch, Batch, Tensor]]:
         """``(x, y, indices)`` of the next ``steps`` Poisson steps (default: one epoch, ``len(engine.sampler)``),
         never past the engine's ``total_steps``."""
+        non_blocking = self.options["pin_memory"] and self.device.type == "cuda"
+        for idx, data in self.batches(steps):
+            x, y = split(data)
+            yield batch.to(x, self.device, non_blocking), batch.to(y, self.device, non_blocking), idx
+
+    def batches(self, steps: int | None = None) -> Iterator[tuple[Tensor, Any]]:
+        """``(indices, collated batch)`` of the next ``steps`` Poisson steps, as ``collate_fn`` made them (on the
+        CPU); the engine's sampler has just returned ``indices`` (``sampler.last``)."""
         engine = self.engine
         steps = len(engine.sampler) if steps is None else steps
         steps = max(0, min(steps, engine.total_steps - engine.steps_taken))
@@ -166,11 +174,9 @@ class PoissonLoader:
         seed = secret_int(engine.key, Purpose.LOADER, engine.steps_taken)  # ChaCha20 output: reveals no key bit
         loader = DataLoader(self.fetch, batch_sampler=_Plan(engine, steps), collate_fn=_as_is,
                             generator=torch.Generator().manual_seed(seed), **self.options)
-        non_blocking = self.options["pin_memory"] and self.device.type == "cuda"
         for idx, data in loader:
             want = engine.local_share(engine.sampler.sample())
             if not torch.equal(want, idx):  # the loader and the sampler must agree on every batch
                 raise RuntimeError("PoissonLoader: the fetched batch is not the sampler's next batch (was the "
                                    "sampler used by another loop at the same time?)")
-            x, y = split(data)
-            yield batch.to(x, self.device, non_blocking), batch.to(y, self.device, non_blocking), idx
+            yield idx, data

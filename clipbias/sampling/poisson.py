@@ -61,6 +61,11 @@ class PoissonSampler:
         return self._last
 
     @property
+    def last(self) -> Tensor | None:
+        """The batch ``sample`` returned last, until a step has used it (``settle``) or it was given back."""
+        return self._last
+
+    @property
     def next_step(self) -> int:
         """The step whose batch ``sample`` returns next (batches are drawn for steps 0, 1, 2, ...)."""
         return self.drawn - len(self._ahead)

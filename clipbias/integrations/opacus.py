@@ -1,0 +1,511 @@
+"""The Opacus interface: ``PrivacyEngine().make_private(...)`` over your own model, optimizer, scheduler
+and DataLoader, so that an Opacus training script runs by changing its import.
+
+    from clipbias import PrivacyEngine                      # was: from opacus import PrivacyEngine
+    privacy_engine = PrivacyEngine()
+    model, optimizer, train_loader = privacy_engine.make_private(
+        module=model, optimizer=optimizer, data_loader=train_loader, noise_multiplier=1.1, max_grad_norm=1.0)
+    for x, y in train_loader:                               # secret Poisson batches of your Dataset
+        optimizer.zero_grad()
+        loss = criterion(model(x), y)
+        loss.backward()
+        optimizer.step()                                    # the private step (a DPEngine step)
+    print(privacy_engine.get_epsilon(delta=1e-5))
+
+How it works (docs/integrations.md): the returned data loader draws every batch with the engine's secret
+Poisson sampler; the returned module records the inputs it is called with on that batch and runs that
+forward without a graph (its output still supports ``loss.backward()``, which then costs almost nothing);
+``optimizer.step()`` runs ``DPEngine.step`` on the recorded inputs, the loader's targets and the batch's
+indices: per-example gradients of ``criterion`` (rows or the fast path), clipping, the algorithm's stages,
+secret noise, and then your optimizer's own ``step`` on the private update. Everything the engine
+guarantees holds here unchanged, and ``privacy_report()`` says what the epsilon rests on.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from .. import algorithms, privacy
+from ..config import AlgoConfig
+from ..data import batch
+from ..engine import DPEngine
+from ..errors import ConfigError
+from ..grads.rows import cross_entropy
+from ..privacy import PrivacyReport
+from ..sampling.loader import PoissonLoader, split
+
+ACCOUNTANTS = {"prv": "pld", "pld": "pld", "rdp": "rdp"}
+"""Opacus's accountant names and the clipbias accountant that serves each: its ``prv`` (Gopi et al.'s
+numerical composition of privacy-loss distributions) is clipbias's ``pld``, the same object computed by
+dp-accounting; ``gdp`` (a central-limit approximation, not an upper bound) is refused."""
+
+
+@dataclass
+class _Batch:
+    """The logical batch the data loader handed out and has not been stepped on yet."""
+
+    indices: Tensor
+    data: Any                      # the collated batch, as the loader yielded it
+    chunks: int = 1                # physical chunks it is yielded in (BatchMemoryManager)
+    yielded: int = 0               # chunks yielded so far
+    inputs: list = field(default_factory=list)  # the model's recorded inputs, one per chunk
+
+
+class PrivacyEngine:
+    """Opacus's ``PrivacyEngine``, backed by a ``clipbias.engine.DPEngine``.
+
+    ``accountant``: ``"prv"`` (Opacus's default; served by the PLD accountant), ``"pld"`` or ``"rdp"``.
+    ``secure_mode`` is accepted for compatibility: clipbias's randomness is always secret (ChaCha20
+    under a 256-bit key from the OS), so there is nothing to switch on."""
+
+    def __init__(self, accountant: str = "prv", secure_mode: bool = False) -> None:
+        if accountant not in ACCOUNTANTS:
+            raise ConfigError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got {accountant!r}"
+                              + ("; gdp is a central-limit approximation, not an upper bound on epsilon"
+                                 if accountant == "gdp" else ""))
+        self.accountant_name, self.secure_mode = accountant, secure_mode
+        self.engine: DPEngine | None = None
+        self.module: DPModule | None = None
+        self.optimizer: DPOptimizer | None = None
+        self.data_loader: DPDataLoader | None = None
+
+    # ------------------------------------------------------------------ making a training private
+    def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
+                     noise_multiplier: float, max_grad_norm: float, criterion: Callable | None = None,
+                     batch_first: bool = True, loss_reduction: str = "mean", poisson_sampling: bool = True,
+                     clipping: str = "flat", noise_generator: Any = None, grad_sample_mode: str = "hooks",
+                     **clipbias_options) -> tuple:
+        """Your ``(module, optimizer, data_loader)`` made private at ``noise_multiplier``, each example's
+        gradient clipped to ``max_grad_norm``; trains for as many steps as you take, each accounted
+        (``get_epsilon``). With ``grad_sample_mode="ghost"`` it returns ``(module, optimizer, criterion,
+        data_loader)`` as Opacus does. clipbias's own keywords: ``algorithm`` (default ``"dpsgd"``;
+        ``"dice"``, ``"disk"``, ``"adaptive"``, ...), ``grad_path`` (``auto``, ``rows``, ``fast``),
+        ``dice_accounting``, ``bands``, ``settings`` (the algorithm's settings, ``AlgoConfig.extra``),
+        ``ef_clip``, ``delta`` (for the engine's own report; default 1e-5), ``max_physical_batch``."""
+        return self._make(module, optimizer, data_loader, criterion, max_grad_norm, noise_multiplier=noise_multiplier,
+                          options=dict(batch_first=batch_first, loss_reduction=loss_reduction,
+                                       poisson_sampling=poisson_sampling, clipping=clipping,
+                                       noise_generator=noise_generator, grad_sample_mode=grad_sample_mode),
+                          extra=clipbias_options)
+
+    def make_private_with_epsilon(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
+                                  data_loader: DataLoader, target_epsilon: float, target_delta: float, epochs: int,
+                                  max_grad_norm: float, criterion: Callable | None = None, batch_first: bool = True,
+                                  loss_reduction: str = "mean", poisson_sampling: bool = True, clipping: str = "flat",
+                                  noise_generator: Any = None, grad_sample_mode: str = "hooks",
+                                  **clipbias_options) -> tuple:
+        """As ``make_private``, with the noise multiplier calibrated so that ``epochs`` epochs
+        (``epochs * len(data_loader)`` steps) end at ``target_epsilon`` or just below, never above; a
+        step past them is refused."""
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ConfigError(f"epochs must be an integer >= 1, got {epochs!r}")
+        return self._make(module, optimizer, data_loader, criterion, max_grad_norm, epsilon=target_epsilon,
+                          delta=target_delta, epochs=epochs,
+                          options=dict(batch_first=batch_first, loss_reduction=loss_reduction,
+                                       poisson_sampling=poisson_sampling, clipping=clipping,
+                                       noise_generator=noise_generator, grad_sample_mode=grad_sample_mode),
+                          extra=clipbias_options)
+
+    def _make(self, module, optimizer, data_loader, criterion, max_grad_norm, *, options: dict, extra: dict,
+              noise_multiplier: float | None = None, epsilon: float | None = None, delta: float | None = None,
+              epochs: int | None = None) -> tuple:
+        if self.engine is not None:
+            raise ConfigError("this PrivacyEngine already made a training private: use one PrivacyEngine per "
+                              "training (its accountant counts that training's steps)")
+        check_options(**options)
+        if isinstance(module, DPModule) or isinstance(optimizer, DPOptimizer):
+            raise ConfigError("module/optimizer were already made private: pass your own nn.Module and optimizer")
+        if not isinstance(module, nn.Module):
+            raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if not isinstance(data_loader, DataLoader):
+            raise ConfigError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
+        if data_loader.batch_size is None:
+            raise ConfigError("data_loader has no batch_size (a batch_sampler was given): the expected Poisson "
+                              "batch size is read from DataLoader(dataset, batch_size=B)")
+        unknown = set(extra) - {"algorithm", "grad_path", "dice_accounting", "bands", "settings", "ef_clip", "delta",
+                                "max_physical_batch"}
+        if unknown:
+            raise ConfigError(f"make_private got unexpected keyword(s) {sorted(unknown)}")
+        algorithm = extra.get("algorithm", "dpsgd")
+        algo = algorithms.get(algorithm)
+        if algo.needs_public:
+            raise ConfigError(f"algorithm={algorithm!r} needs public features beside the private data; it runs from "
+                              f"the clipbias CLI (--public-size), not through make_private")
+        n, B = len(data_loader.dataset), data_loader.batch_size
+        config = AlgoConfig(lr=float(optimizer.param_groups[0].get("lr", 0.1)) or 0.1, clip=max_grad_norm,
+                            ef_clip=extra.get("ef_clip"), optimizer=_base_kind(optimizer),
+                            momentum=float(optimizer.param_groups[0].get("momentum", 0.0) or 0.0),
+                            extra=dict(extra.get("settings") or {}))
+        self.engine = DPEngine(module, algorithm, n=n, batch_size=B, epochs=epochs, epsilon=epsilon,
+                               noise_multiplier=noise_multiplier,
+                               delta=delta if delta is not None else extra.get("delta", 1e-5),
+                               accountant=ACCOUNTANTS[self.accountant_name],
+                               dice_accounting=extra.get("dice_accounting", privacy.DEFAULT_DICE_ACCOUNTING),
+                               config=config, loss_fn=loss_function(criterion), optimizer=optimizer,
+                               grad_path=extra.get("grad_path", "auto"), bands=extra.get("bands", 1),
+                               max_physical_batch=extra.get("max_physical_batch", 512))
+        self.module = DPModule(module)
+        self.data_loader = DPDataLoader(self.engine, data_loader, self.module)
+        self.optimizer = DPOptimizer(optimizer, self.engine, self.module, self.data_loader)
+        if options["grad_sample_mode"] == "ghost":
+            return self.module, self.optimizer, criterion or nn.CrossEntropyLoss(), self.data_loader
+        return self.module, self.optimizer, self.data_loader
+
+    # ------------------------------------------------------------------ privacy
+    def get_epsilon(self, delta: float) -> float:
+        """Epsilon after the steps taken so far, at ``delta`` (0 before the first step)."""
+        return self.privacy_report(delta).epsilon
+
+    def privacy_report(self, delta: float | None = None) -> PrivacyReport:
+        """The full statement: epsilon, delta, accountant, basis, ``certified`` and its caveats."""
+        engine = self._engine()
+        if delta is None:
+            return engine.privacy()
+        privacy.check_delta(delta)
+        report = privacy.account(engine.spec, engine.steps_taken, delta, engine.accountant, engine.dice_accounting)
+        for why in engine.privacy().caveats:
+            report = report.with_caveat(why)
+        return report
+
+    @property
+    def steps(self) -> int:
+        return self._engine().steps_taken
+
+    def _engine(self) -> DPEngine:
+        if self.engine is None:
+            raise ConfigError("call make_private (or make_private_with_epsilon) first")
+        return self.engine
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """The private state (secret key, counters, error feedback, your optimizer's state): PRIVATE, never
+        release it. Save the model's ``state_dict`` beside it."""
+        return {"engine": self._engine().state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue a training from ``state_dict()`` (in a new process: a fresh ``make_private`` with the same
+        settings, then this); the batches, noise and updates continue exactly."""
+        if not isinstance(state, Mapping) or "engine" not in state:
+            raise ConfigError("load_state_dict: pass what PrivacyEngine.state_dict() returned")
+        self._engine().load_state_dict(state["engine"])
+
+    def save_checkpoint(self, *, path, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                        checkpoint_dict: dict | None = None) -> None:
+        """Opacus's checkpoint: the module's weights and the private state (the optimizer's is inside it) in one
+        file. PRIVATE: it holds the secret key; never release it (release ``module.state_dict()``)."""
+        out = dict(checkpoint_dict or {})
+        out.update(module_state_dict=module.state_dict(), privacy_engine_state_dict=self.state_dict())
+        torch.save(out, path)
+
+    def load_checkpoint(self, *, path, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+        """Load what ``save_checkpoint`` wrote into ``module`` and this engine; returns the checkpoint."""
+        ckpt = torch.load(path, weights_only=False)
+        module.load_state_dict(ckpt["module_state_dict"])
+        self.load_state_dict(ckpt["privacy_engine_state_dict"])
+        return ckpt
+
+
+def check_options(*, batch_first: bool, loss_reduction: str, poisson_sampling: bool, clipping: str,
+                  noise_generator: Any, grad_sample_mode: str) -> None:
+    """Refuse the Opacus options clipbias does not offer, each with the reason."""
+    if not poisson_sampling:
+        raise ConfigError("poisson_sampling=False: clipbias's accounting assumes secret Poisson sampling (the "
+                          "subsampled-Gaussian bounds do not hold for shuffled fixed-size batches); leave it True")
+    if clipping != "flat":
+        raise ConfigError(f"clipping={clipping!r}: clipbias clips the whole per-example gradient ('flat'); for "
+                          f"adaptive clipping pass algorithm='adaptive'")
+    if noise_generator is not None:
+        raise ConfigError("noise_generator: clipbias draws all noise from ChaCha20 under the run's secret 256-bit "
+                          "key; a torch generator (seeded from at most 64 bits) would make the noise recoverable")
+    if not batch_first:
+        raise ConfigError("batch_first=False: every input tensor must hold one example per row of its first "
+                          "dimension")
+    if loss_reduction != "mean":
+        raise ConfigError(f"loss_reduction={loss_reduction!r}: clipbias divides the noisy sum of clipped gradients "
+                          f"by the expected batch size, as Opacus's 'mean'; with 'sum', multiply the learning rate "
+                          f"by the batch size instead")
+    if grad_sample_mode not in ("hooks", "ghost", "functorch", "ew"):
+        raise ConfigError(f"grad_sample_mode must be hooks, ghost, functorch or ew (all run clipbias's own "
+                          f"per-example gradients; grad_path= chooses them), got {grad_sample_mode!r}")
+
+
+def _base_kind(optimizer: torch.optim.Optimizer) -> str | None:
+    """The engine's name for the optimizer's family where it has one (banded noise shapes its coefficients for
+    SGD's momentum); any other optimizer is used as it is."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer (SGD, Adam, ...), got {type(optimizer).__name__}")
+    return {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}.get(type(optimizer), "adam")
+
+
+def loss_function(criterion: Callable | None) -> Callable:
+    """The engine's per-example loss for ``criterion``: Opacus's default ``nn.CrossEntropyLoss()`` is the
+    engine's own cross-entropy; a loss module with ``reduction`` is evaluated with ``reduction="none"`` and
+    each example's losses averaged over its other dimensions (tokens, pixels); any other callable is
+    evaluated one example at a time."""
+    if criterion is None or (type(criterion) is nn.CrossEntropyLoss and criterion.weight is None
+                             and criterion.ignore_index == -100 and criterion.label_smoothing == 0):
+        return cross_entropy
+    if not callable(criterion):
+        raise ConfigError(f"criterion must be callable (a loss module or function), got {type(criterion).__name__}")
+    if isinstance(criterion, nn.Module) and hasattr(criterion, "reduction"):
+        per_element = copy.copy(criterion)
+        per_element.reduction = "none"
+
+        def per_example(out: Tensor, y: Tensor) -> Tensor:
+            loss = per_element(out, y)
+            return loss.reshape(loss.shape[0], -1).mean(1) if loss.dim() > 1 else loss
+        return per_example
+    return criterion
+
+
+class DPModule(nn.Module):
+    """Your module, made private (``_module``, as Opacus's ``GradSampleModule``). In training, on a batch of
+    the private data loader, it records its inputs for ``optimizer.step()`` and runs its forward without an
+    autograd graph; the outputs are tied to a zero-valued anchor so that ``loss.backward()`` works (and costs
+    almost nothing). Elsewhere (``eval()``, ``torch.no_grad()``, other data) it is your module."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._module = module
+        self._pending: _Batch | None = None
+        self._anchor = torch.zeros((), requires_grad=True)
+
+    def forward(self, *args, **kwargs):
+        pending = self._pending
+        if pending is None or not self.training or not torch.is_grad_enabled():
+            return self._module(*args, **kwargs)
+        pending.inputs.append((args, kwargs))
+        buffers = [(b, b._version, b.detach().clone()) for b in self._module.buffers()]
+        with torch.no_grad():
+            out = self._module(*args, **kwargs)
+        changed = [(b, old) for b, v, old in buffers if b._version != v]
+        with torch.no_grad():
+            for b, old in changed:
+                b.copy_(old)
+        if changed:
+            raise ConfigError(f"the model updates {len(changed)} buffer(s) in its forward pass (BatchNorm's running "
+                              f"statistics?): they would hold statistics of the private batch outside the "
+                              f"guarantee. Restored; replace BatchNorm with clipbias.fix(model) (GroupNorm)")
+        anchor = self._anchor.to(_device_of(out, self._anchor))
+        return _tie(out, anchor)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["_module"], name)
+
+
+def _device_of(out: Any, default: Tensor) -> torch.device:
+    leaves = [t for t in _tensors(out)]
+    return leaves[0].device if leaves else default.device
+
+
+def _tensors(out: Any):
+    if isinstance(out, Tensor):
+        yield out
+    elif isinstance(out, Mapping):
+        for v in out.values():
+            yield from _tensors(v)
+    elif isinstance(out, (tuple, list)):
+        for v in out:
+            yield from _tensors(v)
+
+
+def _tie(out: Any, anchor: Tensor) -> Any:
+    """``out`` with every floating tensor ``t`` replaced by ``t + 0 * anchor`` (a graph of one node)."""
+    if isinstance(out, Tensor):
+        return out + anchor.to(out.dtype) * 0 if out.is_floating_point() else out
+    if isinstance(out, Mapping):
+        if hasattr(out, "to_tuple"):  # a Hugging Face ModelOutput: its fields, set in place
+            for k in list(out.keys()):
+                out[k] = _tie(out[k], anchor)
+            return out
+        return type(out)({k: _tie(v, anchor) for k, v in out.items()})
+    if isinstance(out, tuple) and hasattr(out, "_fields"):
+        return type(out)(*(_tie(v, anchor) for v in out))
+    if isinstance(out, (tuple, list)):
+        return type(out)(_tie(v, anchor) for v in out)
+    return out
+
+
+class DPDataLoader:
+    """Secret Poisson batches of your DataLoader's dataset, with its ``collate_fn``, workers and pinning:
+    each example joins each step independently with probability B / n (B: your ``batch_size``); an empty
+    batch (zero rows, your collate's structure) is a noise-only step. ``len()`` is the steps of one epoch,
+    round(n / B). Yields what your ``collate_fn`` returns, as your DataLoader did."""
+
+    def __init__(self, engine: DPEngine, data_loader: DataLoader, module: DPModule) -> None:
+        self.engine, self.module, self.original = engine, module, data_loader
+        self.dataset, self.batch_size = data_loader.dataset, data_loader.batch_size
+        self.physical_batch_size: int | None = None
+        workers = data_loader.num_workers
+        self.loader = PoissonLoader(engine, data_loader.dataset, collate_fn=data_loader.collate_fn,
+                                    num_workers=workers, pin_memory=data_loader.pin_memory,
+                                    prefetch_factor=data_loader.prefetch_factor if workers else None,
+                                    persistent_workers=data_loader.persistent_workers,
+                                    multiprocessing_context=data_loader.multiprocessing_context, device="cpu")
+
+    def __len__(self) -> int:
+        return len(self.engine.sampler)
+
+    def __iter__(self):
+        for idx, data in self.loader.batches():
+            chunks = _chunks(data, self.physical_batch_size)
+            self.module._pending = pending = _Batch(idx, data, len(chunks))
+            for chunk in chunks:
+                pending.yielded += 1
+                yield chunk
+            if self.module._pending is pending and pending.inputs:  # the loop never stepped on it
+                self.module._pending = None
+                raise ConfigError("the private data loader's batch was used in a forward pass but "
+                                  "optimizer.step() was not called before the next batch: call it once per batch")
+
+
+def _chunks(data: Any, size: int | None) -> list:
+    b = batch.size(split(data)[1])
+    if size is None or b <= size:
+        return [data]
+    return [batch.tree_map(lambda t: t[s:s + size], data) for s in range(0, b, size)]
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Your optimizer, made private: ``step()`` runs the private step on the batch the data loader drew and
+    the inputs your model was called with, then your optimizer's own ``step`` on the private update. Its
+    ``param_groups``, ``state`` and ``defaults`` are your optimizer's (schedulers act on them); ``state_dict``
+    is your optimizer's. ``original_optimizer`` is your optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: DPEngine, module: DPModule,
+                 data_loader: DPDataLoader) -> None:  # no super().__init__: the state is the original's
+        self.original_optimizer, self.engine, self.module, self.data_loader = optimizer, engine, module, data_loader
+        self.noise_multiplier, self.max_grad_norm = engine.noise_multiplier, engine.config.clip
+        self.expected_batch_size = engine.expected_batch_size
+        self._step_supports_amp_scaling = False
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        self.original_optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.original_optimizer.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.original_optimizer.defaults
+
+    def __getattr__(self, name: str):
+        if name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                    "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                    "_optimizer_load_state_dict_post_hooks", "_zero_grad_profile_name", "_opt_called"):
+            return getattr(self.original_optimizer, name)
+        raise AttributeError(name)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise ConfigError("add_param_group after make_private: the private update covers the parameters the "
+                          "engine was built with; add the group before make_private")
+
+    def step(self, closure: Callable | None = None):
+        """The private step, at the end of each logical batch (earlier chunks of a ``BatchMemoryManager`` only
+        record their inputs). Returns ``closure()``'s loss when a closure is given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        pending = self.module._pending
+        if pending is None:
+            raise ConfigError("optimizer.step() without a batch of the private data loader: iterate over the data "
+                              "loader that make_private returned and call the model on each batch")
+        if pending.yielded < pending.chunks:  # a physical chunk of a larger logical batch (virtual step)
+            return loss
+        if len(pending.inputs) != pending.chunks:
+            raise ConfigError(f"the model ran {len(pending.inputs)} time(s) on this batch of the private data loader, "
+                              f"in {pending.chunks} chunk(s): call it exactly once per (chunk of a) batch, in training "
+                              f"mode with gradients enabled")
+        self.module._pending = None
+        x, y = self._batch(pending)
+        self.engine.step(x, y, pending.indices)
+        return loss
+
+    def _batch(self, pending: _Batch) -> tuple:
+        """The logical batch's model inputs (as recorded) and targets (the loader's, or a ``labels`` keyword)."""
+        x = _cat([_as_batch(rec) for rec in pending.inputs])
+        if isinstance(x, dict) and "labels" in x:
+            x = dict(x)
+            y = x.pop("labels")
+        else:
+            y = split(pending.data)[1]
+        device = next(iter(self.engine.params)).device
+        y = batch.to(y, device)
+        if batch.size(x) != len(pending.indices) or batch.size(y) != len(pending.indices):
+            raise ConfigError(f"the model was called on {batch.size(x)} examples, but the private data loader's batch "
+                              f"holds {len(pending.indices)}: call the model on the batch (or chunk) as drawn, one "
+                              f"example per row")
+        return x, y
+
+
+def _as_batch(rec: tuple) -> Any:
+    """One recorded call ``(args, kwargs)`` as the engine's input: a tensor, a tuple or a dict."""
+    args, kwargs = rec
+    if kwargs and args:
+        raise ConfigError("the model was called with both positional and keyword tensors; clipbias replays a call "
+                          "model(x), model(*xs) or model(**inputs)")
+    if kwargs:
+        return {k: v for k, v in kwargs.items() if v is not None}
+    return args[0] if len(args) == 1 else tuple(args)
+
+
+def _cat(parts: list) -> Any:
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    if isinstance(first, Tensor):
+        return torch.cat(parts)
+    if isinstance(first, Mapping):
+        return {k: _cat([p[k] for p in parts]) for k in first}
+    return type(first)(_cat([p[i] for p in parts]) for i in range(len(first)))
+
+
+class BatchMemoryManager:
+    """Opacus's ``BatchMemoryManager``: within it the private data loader yields each logical Poisson batch in
+    physical chunks of at most ``max_physical_batch_size`` examples, and ``optimizer.step()`` takes the private
+    step once per logical batch (earlier calls only record). The math is that of the whole batch; the engine
+    also computes the per-example gradients in micro-batches of that size."""
+
+    def __init__(self, *, data_loader: DPDataLoader, max_physical_batch_size: int, optimizer: DPOptimizer) -> None:
+        if not isinstance(data_loader, DPDataLoader) or not isinstance(optimizer, DPOptimizer):
+            raise ConfigError("BatchMemoryManager takes the data loader and optimizer that make_private returned")
+        if isinstance(max_physical_batch_size, bool) or not isinstance(max_physical_batch_size, int) \
+                or max_physical_batch_size < 1:
+            raise ConfigError(f"max_physical_batch_size must be an integer >= 1, got {max_physical_batch_size!r}")
+        self.data_loader, self.size, self.optimizer = data_loader, max_physical_batch_size, optimizer
+
+    def __enter__(self) -> DPDataLoader:
+        self._was = (self.data_loader.physical_batch_size, self.optimizer.engine.max_physical_batch)
+        self.data_loader.physical_batch_size = self.size
+        self.optimizer.engine.max_physical_batch = self.size
+        return self.data_loader
+
+    def __exit__(self, *exc) -> None:
+        self.data_loader.physical_batch_size, self.optimizer.engine.max_physical_batch = self._was

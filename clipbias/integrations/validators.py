@@ -1,0 +1,84 @@
+"""Which models clipbias can train privately, and the fixes for the common ones that it cannot as they are
+(Opacus's ``ModuleValidator``).
+
+A layer that mixes the examples of a batch breaks per-example clipping: BatchNorm normalises each example with
+the batch's statistics (and keeps running statistics of the private data in its buffers), so one example moves
+every other example's gradient and the sensitivity is no longer the clip. ``fix`` replaces it by GroupNorm,
+which normalises each example on its own, and turns in-place activations into out-of-place ones (the fast
+gradient path refuses a layer output changed in place).
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from ..errors import ConfigError
+from ..grads.fast import why_unsupported
+
+_BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_INSTANCENORM = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+
+
+class ModuleValidator:
+    """``validate(model)`` lists what keeps ``model`` from private training; ``fix(model)`` repairs what it can."""
+
+    @staticmethod
+    def validate(model: nn.Module, *, strict: bool = False) -> list[ConfigError]:
+        """The model's problems, each a ``ConfigError`` naming the module and the fix; raises the first when
+        ``strict``. An empty list: every example's computation depends on that example alone."""
+        errors = []
+        for name, m in model.named_modules():
+            where = f"module '{name or type(model).__name__}' ({type(m).__name__})"
+            if isinstance(m, _BATCHNORM):
+                errors.append(ConfigError(f"{where} normalises with the batch's statistics, so each example's "
+                                          f"gradient depends on the others: use clipbias.fix(model) (GroupNorm)"))
+            elif isinstance(m, _INSTANCENORM) and m.track_running_stats:
+                errors.append(ConfigError(f"{where} keeps running statistics of the private data in its buffers: "
+                                          f"use clipbias.fix(model) (track_running_stats=False)"))
+            elif isinstance(m, (nn.LSTM, nn.GRU, nn.RNN)) and not m.batch_first:
+                errors.append(ConfigError(f"{where} is sequence-first: build it with batch_first=True so that each "
+                                          f"row of the input is one example"))
+        if strict and errors:
+            raise errors[0]
+        return errors
+
+    @staticmethod
+    def is_valid(model: nn.Module) -> bool:
+        return not ModuleValidator.validate(model)
+
+    @staticmethod
+    def fix(model: nn.Module) -> nn.Module:
+        """``model`` with every BatchNorm replaced by a GroupNorm of gcd(32, channels) groups (affine like the
+        BatchNorm), InstanceNorm without running statistics and in-place activations made out-of-place; the
+        model is changed in place and returned. Other problems (``validate``) stay and are listed."""
+        for parent in list(model.modules()):
+            for child_name, child in list(parent.named_children()):
+                new = _fixed(child)
+                if new is not child:
+                    setattr(parent, child_name, new)
+        return model
+
+    @staticmethod
+    def fast_path_notes(model: nn.Module) -> str | None:
+        """Why the fast gradient path (``grad_path="fast"``) does not apply to ``model``, or None: such a model
+        trains on the rows path (per-example gradients by ``torch.func``), which takes any layer."""
+        return why_unsupported(model)
+
+
+def _fixed(m: nn.Module) -> nn.Module:
+    if isinstance(m, _BATCHNORM):
+        c = m.num_features
+        g = nn.GroupNorm(math.gcd(32, c), c, eps=m.eps, affine=m.affine)
+        return g.to(m.weight.device) if m.affine else g
+    if isinstance(m, _INSTANCENORM) and m.track_running_stats:
+        return type(m)(m.num_features, eps=m.eps, affine=m.affine, track_running_stats=False)
+    if getattr(m, "inplace", False) is True and not m._parameters:
+        m.inplace = False
+    return m
+
+
+def fix(model: nn.Module) -> nn.Module:
+    """``ModuleValidator.fix``: BatchNorm -> GroupNorm, in-place activations out-of-place (see there)."""
+    return ModuleValidator.fix(model)

@@ -50,7 +50,8 @@ def check_model(model: nn.Module) -> None:
             raise UnsupportedModelError(
                 f"module '{name or type(model).__name__}' ({type(m).__name__}) mixes examples within a "
                 f"batch, so per-example gradients and the DP guarantee are undefined. Replace it with "
-                f"nn.GroupNorm (e.g. nn.GroupNorm(num_groups, num_channels)) or nn.LayerNorm.")
+                f"nn.GroupNorm (e.g. nn.GroupNorm(num_groups, num_channels)) or nn.LayerNorm; clipbias.fix(model) "
+                    f"replaces every BatchNorm by a GroupNorm.")
 
 
 @dataclass(frozen=True)

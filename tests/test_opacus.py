@@ -1,0 +1,256 @@
+"""The Opacus interface (``clipbias.PrivacyEngine``): an Opacus training loop runs with only its import changed,
+trains exactly as the engine does, and its privacy statement is the engine's; batches the engine did not draw
+make any run uncertified; the model fixer."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import clipbias
+from clipbias import BatchMemoryManager, PrivacyEngine
+from clipbias.config import AlgoConfig
+from clipbias.engine import DPEngine
+from clipbias.errors import ClipbiasError, ConfigError
+from clipbias import privacy
+
+N, D, K, B = 240, 6, 3, 24
+
+
+def _data(n: int = N):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, D, generator=g)
+    y = (x @ torch.randn(D, K, generator=g)).argmax(1)
+    return x, y
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, K))
+
+
+# an Opacus training script, verbatim but for its first line (the import)
+OPACUS_SCRIPT = """
+from clipbias import PrivacyEngine
+
+model = make_model()
+optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+criterion = nn.CrossEntropyLoss()
+train_loader = DataLoader(TensorDataset(x, y), batch_size=24, shuffle=True)
+
+privacy_engine = PrivacyEngine()
+model, optimizer, train_loader = privacy_engine.make_private(
+    module=model, optimizer=optimizer, data_loader=train_loader, noise_multiplier=1.0, max_grad_norm=1.0)
+
+for epoch in range(3):
+    model.train()
+    losses = []
+    for data, target in train_loader:
+        optimizer.zero_grad()
+        output = model(data)
+        loss = criterion(output, target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    scheduler.step()
+    epsilon = privacy_engine.get_epsilon(delta=1e-5)
+"""
+
+
+def test_an_opacus_script_runs_with_only_its_import_changed():
+    x, y = _data()
+    scope = dict(torch=torch, nn=nn, DataLoader=DataLoader, TensorDataset=TensorDataset, x=x, y=y, make_model=_model)
+    exec(OPACUS_SCRIPT, scope)
+    pe, model = scope["privacy_engine"], scope["model"]
+    steps = 3 * round(N / B)
+    assert pe.steps == steps
+    # the epsilon is the accountant's for that many Poisson-subsampled Gaussian steps, computed independently
+    want = privacy.account(pe.engine.spec, steps, 1e-5, "pld").epsilon
+    assert scope["epsilon"] == pytest.approx(want, rel=1e-12) and 0 < want < math.inf
+    report = pe.privacy_report()
+    assert report.certified and report.caveats == () and report.noise_multiplier == 1.0
+    assert scope["scheduler"].get_last_lr() == [pytest.approx(0.02 / 8)]  # the user's scheduler drove the lr
+    model.eval()
+    with torch.no_grad():
+        acc = (model(x).argmax(1) == y).float().mean().item()
+    assert acc > 0.6  # three classes: chance is 1/3
+
+
+def _train_opacus(steps: int, seed: int, physical: int | None = None, state: dict | None = None,
+                  start: dict | None = None):
+    x, y = _data()
+    model = _model()
+    if start is not None:
+        model.load_state_dict(start)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    pe = PrivacyEngine()
+    model, opt, loader = pe.make_private(module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y),
+                                         batch_size=B), noise_multiplier=1.0, max_grad_norm=0.5, noise_seed=seed)
+    if state is not None:
+        pe.load_state_dict(state)
+    crit, taken = nn.CrossEntropyLoss(), 0
+
+    def loop(batches):
+        nonlocal taken
+        for xb, yb in batches:
+            if pe.steps >= steps:
+                return
+            opt.zero_grad()
+            crit(model(xb), yb).backward()
+            opt.step()
+    while pe.steps < steps:
+        if physical is None:
+            loop(loader)
+        else:
+            with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=opt) as mem:
+                loop(mem)
+    return model._module, pe
+
+
+def test_the_opacus_interface_trains_exactly_as_the_engine_loop():
+    """Same key: the same Poisson batches, clipping and noise, so the same weights as DPEngine's own loop."""
+    steps = 12
+    ours, pe = _train_opacus(steps, seed=7)
+    x, y = _data()
+    model = _model()
+    eng = DPEngine(model, "dpsgd", n=N, batch_size=B, steps=steps, noise_multiplier=1.0, noise_seed=7,
+                   config=AlgoConfig(lr=0.5, clip=0.5, momentum=0.9))
+    eng.train_epoch(x, y)
+    while eng.steps_taken < steps:
+        eng.train_epoch(x, y)
+    for a, b in zip(ours.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert not pe.privacy_report().certified  # a seeded run says so
+
+
+def test_virtual_steps_change_nothing_and_resume_is_bit_exact():
+    full, _ = _train_opacus(10, seed=11)
+    chunked, _ = _train_opacus(10, seed=11, physical=5)
+    for a, b in zip(full.parameters(), chunked.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    first, pe = _train_opacus(4, seed=11)
+    resumed, _ = _train_opacus(10, seed=11, state=pe.state_dict(), start=first.state_dict())
+    for a, b in zip(full.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["user-loader", "whole-set", "same-batch"])
+def test_a_batch_the_engine_did_not_draw_makes_the_run_uncertified(case):
+    """The hand port ``for x, y in user_loader: engine.step(x, y)`` (and its relatives) used to report the
+    Poisson epsilon, certified, with no caveat."""
+    x, y = _data()
+    eng = DPEngine(_model(), "dpsgd", n=N, batch_size=B, steps=8, noise_multiplier=1.0, config=AlgoConfig(lr=0.1))
+    batches = {"user-loader": [(xb, yb, None) for xb, yb in DataLoader(TensorDataset(x, y), batch_size=B)][:8],
+               "whole-set": [(x, y, torch.arange(N))] * 8,
+               "same-batch": [(x[:B], y[:B], torch.arange(B))] * 8}[case]
+    with pytest.warns(UserWarning, match="did not draw"):
+        for xb, yb, idx in batches:
+            eng.step(xb, yb, idx)
+    report = eng.privacy()
+    assert not report.certified and any("8 of the 8 steps" in c for c in report.caveats)
+
+
+def test_the_engines_own_batches_stay_certified_and_a_reused_batch_does_not():
+    x, y = _data()
+    eng = DPEngine(_model(), "dpsgd", n=N, batch_size=B, steps=6, noise_multiplier=1.0, config=AlgoConfig(lr=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(5):
+            idx = eng.sampler.sample()
+            eng.step(x[idx], y[idx], idx)
+    assert eng.privacy().certified
+    with pytest.warns(UserWarning):
+        eng.step(x[idx], y[idx], idx)  # the last batch again: not a fresh Poisson sample
+    assert not eng.privacy().certified
+
+
+def test_make_private_with_epsilon_never_overshoots_and_stops_at_the_plan():
+    x, y = _data()
+    pe = PrivacyEngine(accountant="rdp")
+    m = _model()
+    model, opt, loader = pe.make_private_with_epsilon(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                                      data_loader=DataLoader(TensorDataset(x, y), batch_size=B),
+                                                      target_epsilon=2.0, target_delta=1e-5, epochs=1,
+                                                      max_grad_norm=1.0)
+    for xb, yb in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    eps = pe.get_epsilon(1e-5)
+    assert 1.9 < eps <= 2.0 and pe.privacy_report().accountant == "rdp"
+    assert len(list(loader)) == 0  # the planned steps are taken: the loader yields no more
+
+
+def test_refusals_name_the_opacus_argument():
+    x, y = _data()
+    loader = DataLoader(TensorDataset(x, y), batch_size=B)
+
+    def make(**kw):
+        m = _model()
+        args = dict(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), data_loader=loader,
+                    noise_multiplier=1.0, max_grad_norm=1.0)
+        args.update(kw)
+        return PrivacyEngine().make_private(**args)
+    for kw, words in [(dict(poisson_sampling=False), "poisson_sampling"), (dict(clipping="per_layer"), "clipping"),
+                      (dict(noise_generator=torch.Generator()), "noise_generator"),
+                      (dict(loss_reduction="sum"), "loss_reduction"), (dict(algorithm="batch-clip"), "public"),
+                      (dict(optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)), "optimizer")]:
+        with pytest.raises(ConfigError, match=words):
+            make(**kw)
+    with pytest.raises(ConfigError, match="gdp"):
+        PrivacyEngine(accountant="gdp")
+    model, opt, dl = make()
+    with pytest.raises(ConfigError, match="without a batch"):
+        opt.step()
+    xb, yb = next(iter(dl))
+    model(xb)
+    model(xb)
+    with pytest.raises(ConfigError, match="2 time"):
+        opt.step()
+
+
+class _BNNet(nn.Module):
+    """A small ResNet-style block with BatchNorm and in-place ReLU (torchvision's resnet18 pattern)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.relu, self.fc = nn.ReLU(inplace=True), nn.Linear(8, K)
+
+    def forward(self, x):
+        h = self.relu(self.bn1(self.conv1(x)))
+        h = self.relu(self.bn2(self.conv2(h)) + h)
+        return self.fc(h.mean((2, 3)))
+
+
+def test_fix_turns_a_batchnorm_resnet_into_one_that_trains_privately():
+    model = _BNNet()
+    problems = clipbias.ModuleValidator.validate(model)
+    assert len(problems) == 2 and all("BatchNorm2d" in str(p) for p in problems)
+    x, y = torch.randn(64, 3, 8, 8), torch.randint(0, K, (64,))
+    m = _BNNet()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(ClipbiasError, match="clipbias.fix"):  # unfixed: refused, with the fix named
+        PrivacyEngine().make_private(module=m, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
+                                     noise_multiplier=1.0, max_grad_norm=1.0)
+    fixed = clipbias.fix(_BNNet())
+    assert clipbias.ModuleValidator.validate(fixed) == [] and isinstance(fixed.bn1, nn.GroupNorm)
+    assert fixed.relu.inplace is False
+    before = [p.detach().clone() for p in fixed.parameters()]
+    pe = PrivacyEngine()
+    mm, oo, dl = pe.make_private(module=fixed, optimizer=torch.optim.SGD(fixed.parameters(), lr=0.1),
+                                 data_loader=DataLoader(TensorDataset(x, y), batch_size=16), noise_multiplier=1.0,
+                                 max_grad_norm=1.0)
+    for xb, yb in dl:
+        oo.zero_grad()
+        nn.functional.cross_entropy(mm(xb), yb).backward()
+        oo.step()
+    assert pe.steps == 4 and pe.privacy_report().certified
+    assert all(not torch.equal(a, b) for a, b in zip(before, fixed.parameters()))

@@ -215,6 +215,26 @@ def test_refusals_name_the_opacus_argument():
         opt.step()
 
 
+def test_inputs_transformed_in_the_loop_make_the_run_uncertified():
+    """An augmentation in the training loop draws from torch's public generator by batch position: the engine
+    cannot vouch for it. Moving or casting the batch is fine."""
+    x, y = _data()
+    m = _model()
+    pe = PrivacyEngine()
+    model, opt, loader = pe.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                         data_loader=DataLoader(TensorDataset(x.double(), y), batch_size=B),
+                                         noise_multiplier=1.0, max_grad_norm=1.0)
+    for i, (xb, yb) in enumerate(loader):
+        opt.zero_grad()
+        xb = xb.float() if i < 3 else xb.float() + 0.1 * torch.randn_like(xb.float())
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        if i == 2:
+            assert pe.privacy_report().certified
+    report = pe.privacy_report(1e-6)
+    assert not report.certified and any("7 of the 10 steps" in c for c in report.caveats)
+
+
 class _BNNet(nn.Module):
     """A small ResNet-style block with BatchNorm and in-place ReLU (torchvision's resnet18 pattern)."""
 

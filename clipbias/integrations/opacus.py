@@ -170,12 +170,14 @@ class PrivacyEngine:
         """The full statement: epsilon, delta, accountant, basis, ``certified`` and its caveats."""
         engine = self._engine()
         if delta is None:
-            return engine.privacy()
-        privacy.check_delta(delta)
-        report = privacy.account(engine.spec, engine.steps_taken, delta, engine.accountant, engine.dice_accounting)
-        for why in engine.privacy().caveats:
-            report = report.with_caveat(why)
-        return report
+            report = engine.privacy()
+        else:
+            privacy.check_delta(delta)
+            report = privacy.account(engine.spec, engine.steps_taken, delta, engine.accountant, engine.dice_accounting)
+            for why in engine.privacy().caveats:
+                report = report.with_caveat(why)
+        moved = self.optimizer.transformed_steps if self.optimizer is not None else 0
+        return report.with_caveat(TRANSFORMED_CAVEAT.format(moved, engine.steps_taken)) if moved else report
 
     @property
     def steps(self) -> int:
@@ -190,7 +192,7 @@ class PrivacyEngine:
     def state_dict(self) -> dict:
         """The private state (secret key, counters, error feedback, your optimizer's state): PRIVATE, never
         release it. Save the model's ``state_dict`` beside it."""
-        return {"engine": self._engine().state_dict()}
+        return {"engine": self._engine().state_dict(), "transformed_steps": self.optimizer.transformed_steps}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue a training from ``state_dict()`` (in a new process: a fresh ``make_private`` with the same
@@ -198,6 +200,7 @@ class PrivacyEngine:
         if not isinstance(state, Mapping) or "engine" not in state:
             raise ConfigError("load_state_dict: pass what PrivacyEngine.state_dict() returned")
         self._engine().load_state_dict(state["engine"])
+        self.optimizer.transformed_steps = int(state.get("transformed_steps", 0))
 
     def save_checkpoint(self, *, path, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                         checkpoint_dict: dict | None = None) -> None:
@@ -213,6 +216,12 @@ class PrivacyEngine:
         module.load_state_dict(ckpt["module_state_dict"])
         self.load_state_dict(ckpt["privacy_engine_state_dict"])
         return ckpt
+
+
+TRANSFORMED_CAVEAT = ("{} of the {} steps called the model on inputs other than the batch the data loader drew (a "
+                      "transform in the training loop): randomness in such a transform (augmentation) is not the "
+                      "engine's secret per-example randomness, and nothing bounds how it couples examples; transform "
+                      "in the Dataset instead")
 
 
 def check_options(*, batch_first: bool, loss_reduction: str, poisson_sampling: bool, clipping: str,
@@ -391,6 +400,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.noise_multiplier, self.max_grad_norm = engine.noise_multiplier, engine.config.clip
         self.expected_batch_size = engine.expected_batch_size
         self._step_supports_amp_scaling = False
+        self.transformed_steps = 0  # steps whose model inputs were not the drawn batch (``privacy_report``)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -448,6 +458,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.module._pending = None
         x, y = self._batch(pending)
         self.engine.step(x, y, pending.indices)
+        self.transformed_steps += not _same_inputs(x, split(pending.data)[0])
         return loss
 
     def _batch(self, pending: _Batch) -> tuple:
@@ -465,6 +476,19 @@ class DPOptimizer(torch.optim.Optimizer):
                               f"holds {len(pending.indices)}: call the model on the batch (or chunk) as drawn, one "
                               f"example per row")
         return x, y
+
+
+def _same_inputs(x: Any, drawn: Any) -> bool:
+    """Whether the model was called on the drawn batch's inputs (moved or cast: the same values); a dict call
+    is compared on the keys both hold."""
+    if isinstance(x, Mapping) and isinstance(drawn, Mapping):
+        keys = set(x) & set(drawn)
+        return bool(keys) and all(_same_inputs(x[k], drawn[k]) for k in keys)
+    if isinstance(x, Tensor) and isinstance(drawn, Tensor):
+        return x.shape == drawn.shape and torch.equal(x.detach().to("cpu", drawn.dtype), drawn)
+    if isinstance(x, (tuple, list)) and isinstance(drawn, (tuple, list)) and len(x) == len(drawn):
+        return all(_same_inputs(a, b) for a, b in zip(x, drawn))
+    return False
 
 
 def _as_batch(rec: tuple) -> Any:

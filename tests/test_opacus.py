@@ -274,3 +274,26 @@ def test_fix_turns_a_batchnorm_resnet_into_one_that_trains_privately():
         oo.step()
     assert pe.steps == 4 and pe.privacy_report().certified
     assert all(not torch.equal(a, b) for a, b in zip(before, fixed.parameters()))
+
+
+def test_param_groups_per_group_lr_workers_and_a_dict_collate():
+    """RMSprop with two parameter groups (the second frozen by lr 0), a scheduler, DataLoader workers and a
+    collate_fn that returns a dict: the loop is the user's, untouched."""
+    x, y = _data()
+    m = _model()
+    opt = torch.optim.RMSprop([{"params": m[0].parameters(), "lr": 0.01}, {"params": m[2].parameters(), "lr": 0.0}])
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.01, 0.0], total_steps=40)
+    collate = (lambda items: {"inputs": torch.stack([a for a, _ in items]), "labels": torch.stack([b for _, b in items])})
+    loader = DataLoader(TensorDataset(x, y), batch_size=B, collate_fn=collate, num_workers=2)
+    pe = PrivacyEngine()
+    model, opt, loader = pe.make_private(module=m, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
+                                         max_grad_norm=1.0)
+    first, last = [p.detach().clone() for p in m[0].parameters()], [p.detach().clone() for p in m[2].parameters()]
+    for batch in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(batch["inputs"]), batch["labels"]).backward()
+        opt.step()
+        sched.step()
+    assert pe.steps == len(loader) == 10 and pe.privacy_report().certified
+    assert all(not torch.equal(a, b) for a, b in zip(first, m[0].parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(last, m[2].parameters()))

@@ -458,7 +458,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.module._pending = None
         x, y = self._batch(pending)
         self.engine.step(x, y, pending.indices)
-        self.transformed_steps += not _same_inputs(x, split(pending.data)[0])
+        self.transformed_steps += not _same_inputs(x, pending.data)
         return loss
 
     def _batch(self, pending: _Batch) -> tuple:
@@ -479,16 +479,11 @@ class DPOptimizer(torch.optim.Optimizer):
 
 
 def _same_inputs(x: Any, drawn: Any) -> bool:
-    """Whether the model was called on the drawn batch's inputs (moved or cast: the same values); a dict call
-    is compared on the keys both hold."""
-    if isinstance(x, Mapping) and isinstance(drawn, Mapping):
-        keys = set(x) & set(drawn)
-        return bool(keys) and all(_same_inputs(x[k], drawn[k]) for k in keys)
-    if isinstance(x, Tensor) and isinstance(drawn, Tensor):
-        return x.shape == drawn.shape and torch.equal(x.detach().to("cpu", drawn.dtype), drawn)
-    if isinstance(x, (tuple, list)) and isinstance(drawn, (tuple, list)) and len(x) == len(drawn):
-        return all(_same_inputs(a, b) for a, b in zip(x, drawn))
-    return False
+    """Whether every tensor the model was called with is one of the drawn batch's tensors (moved or cast: the
+    same shape and values): ``model(x)``, ``model(batch["inputs"])``, ``model(**batch)`` all are."""
+    pool = batch.leaves(drawn)
+    return all(any(t.shape == d.shape and torch.equal(t.detach().to("cpu", d.dtype), d) for d in pool)
+               for t in batch.leaves(x))
 
 
 def _as_batch(rec: tuple) -> Any:

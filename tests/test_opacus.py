@@ -200,6 +200,7 @@ def test_refusals_name_the_opacus_argument():
     for kw, words in [(dict(poisson_sampling=False), "poisson_sampling"), (dict(clipping="per_layer"), "clipping"),
                       (dict(noise_generator=torch.Generator()), "noise_generator"),
                       (dict(loss_reduction="sum"), "loss_reduction"), (dict(algorithm="batch-clip"), "public"),
+                      (dict(max_grad_norm=0.0), "max_grad_norm"), (dict(noise_multiplier=-1), "noise_multiplier"),
                       (dict(optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)), "optimizer")]:
         with pytest.raises(ConfigError, match=words):
             make(**kw)

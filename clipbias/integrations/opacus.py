@@ -122,6 +122,13 @@ class PrivacyEngine:
             raise ConfigError("this PrivacyEngine already made a training private: use one PrivacyEngine per "
                               "training (its accountant counts that training's steps)")
         check_options(**options)
+        for name, value in (("max_grad_norm", max_grad_norm), ("noise_multiplier", noise_multiplier),
+                            ("target_epsilon", epsilon)):
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
+        if delta is not None and not (isinstance(delta, float) and 0 < delta < 1):
+            raise ConfigError(f"target_delta must be a float in (0, 1), got {delta!r}")
         if isinstance(module, DPModule) or isinstance(optimizer, DPOptimizer):
             raise ConfigError("module/optimizer were already made private: pass your own nn.Module and optimizer")
         if not isinstance(module, nn.Module):

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     try:
-        dataset = load_dataset("fashion-mnist", validation=args.validation, seed=0)
+        dataset = load_dataset("fashion-mnist")  # prepare_splits draws the validation part (reproducible key)
     except ClipbiasError as e:
         print(f"benchmark: {e}", file=sys.stderr)
         return 2

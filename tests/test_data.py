@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from clipbias.data import fashion as cd
-from clipbias.data.datasets import DataNotFoundError, IdxFormatError, holdout, load_dataset, read_idx
+from clipbias.data.datasets import DataNotFoundError, IdxFormatError, holdout, keyed_split, load_dataset, read_idx
+from clipbias.errors import ConfigError
+from clipbias.randomness import Purpose, SecretKey
 
 FASHION_DIR = cd.DEFAULT_FASHION_MNIST_DIR
 HAVE_FASHION = all((FASHION_DIR / f).is_file() for f in cd._FASHION_FILES.values())
@@ -146,10 +148,10 @@ def test_fashion_mnist_real_load_and_cache_hit():
 
 @needs_fashion
 def test_fashion_mnist_validation_split():
-    d = load_dataset("fashion-mnist", validation=5000, seed=3)
-    assert d.x_train.shape[0] == 55000 and d.x_val.shape == (5000, 1, 28, 28)
+    d = load_dataset("fashion-mnist", validation=5000, key=SecretKey.from_seed(3))
+    assert d.x_train.shape[0] + d.x_val.shape[0] == 60000 and d.x_val.shape[1:] == (1, 28, 28)
+    assert abs(d.x_val.shape[0] - 5000) < 5 * 69  # Binomial(60000, 1/12): std 68
     assert d.x_test.shape[0] == 10000
-    assert torch.bincount(d.y_val).tolist() == [500] * 10  # stratified
 
 
 # ------------------------------------------------------------------ scikit-learn sets
@@ -197,14 +199,14 @@ def test_split_determinism_no_overlap_and_validation(name):
     a, b = load_dataset(name), load_dataset(name)
     assert torch.equal(a.x_train, b.x_train) and torch.equal(a.y_test, b.y_test)
     assert not _rows(a.x_train) & _rows(a.x_test)
-    v = load_dataset(name, validation=30, seed=1)
-    assert v.x_val.shape[0] == 30 and v.y_val.shape == (30,)
-    assert v.x_train.shape[0] == a.x_train.shape[0] - 30
+    v = load_dataset(name, validation=30, key=SecretKey.from_seed(1))
+    assert v.y_val.shape == (len(v.x_val),) and 0 < len(v.y_val) < 60
+    assert v.x_train.shape[0] + v.x_val.shape[0] == a.x_train.shape[0]
     assert torch.equal(v.y_test, a.y_test)  # the test split never moves
     assert not _rows(v.x_val) & _rows(v.x_test) and not _rows(v.x_val) & _rows(v.x_train)
-    w = load_dataset(name, validation=30, seed=1)
+    w = load_dataset(name, validation=30, key=SecretKey.from_seed(1))
     assert torch.equal(v.x_val, w.x_val)
-    other = load_dataset(name, validation=30, seed=2)
+    other = load_dataset(name, validation=30, key=SecretKey.from_seed(2))
     assert not torch.equal(v.y_val, other.y_val) or not torch.equal(v.x_val, other.x_val)
 
 
@@ -213,18 +215,48 @@ def test_bad_arguments():
         load_dataset("mnist")
     with pytest.raises(ValueError, match="validation"):
         load_dataset("wine", validation=-1)
+    with pytest.raises(ConfigError, match="key="):  # a private split never falls back to a public seed
+        load_dataset("wine", validation=10)
+    with pytest.raises(ConfigError, match="SecretKey"):
+        keyed_split(0, Purpose.VALIDATION_SPLIT, 10, 0.5)
 
 
 def test_holdout():
-    d = load_dataset("digits")
-    rest, public = holdout(d, 100, seed=0)
-    assert public.shape == (100, 64) and rest.num_train == d.num_train - 100
+    d, key = load_dataset("digits"), SecretKey.generate()
+    rest, public = holdout(d, 100, key)
+    assert public.shape[1:] == (64,) and rest.num_train == d.num_train - len(public) and 50 < len(public) < 150
     assert rest.y_train.shape[0] == rest.x_train.shape[0]
     assert not _rows(public) & _rows(rest.x_train)
-    assert torch.equal(holdout(d, 100, seed=0)[1], public)
+    assert torch.equal(holdout(d, 100, key)[1], public)
     assert torch.equal(rest.x_test, d.x_test)
-    with pytest.raises(ValueError):
-        holdout(d, d.num_train)
+    with pytest.raises(ConfigError):
+        holdout(d, d.num_train, key)
+
+
+@pytest.mark.parametrize("n, k", [(40, 5), (1347, 200), (5000, 1), (5000, 2500)])
+def test_a_keyed_split_moves_no_other_example_when_one_is_added_or_removed(n, k):
+    """The attack on the seeded stratified split: adding one example moved a median of 14 others
+    between the parts (digits, validation 100). A keyed split draws each example's part from its own
+    address (purpose, 0, index): with the rate fixed (K/N of the data set as given, public), adding an
+    example at index N or removing the last moves none of the others, under any key."""
+    moved = []
+    for seed in range(20):
+        key = SecretKey.from_seed(seed)
+        for purpose in (Purpose.VALIDATION_SPLIT, Purpose.HOLDOUT):
+            base = keyed_split(key, purpose, n, k / n)
+            grown, shrunk = keyed_split(key, purpose, n + 1, k / n), keyed_split(key, purpose, n - 1, k / n)
+            moved += [int((grown[:n] != base).sum()), int((shrunk != base[:n - 1]).sum())]
+            assert torch.equal(base, keyed_split(key, purpose, n, k / n))  # a pure function of key and index
+    assert moved == [0] * len(moved)
+    taken = sum(int(keyed_split(SecretKey.from_seed(s), Purpose.VALIDATION_SPLIT, n, k / n).sum()) for s in range(20))
+    assert abs(taken / 20 - k) < 4 * (k * (1 - k / n) / 20) ** 0.5 + 0.5  # the expected size is K
+
+
+def test_the_validation_and_holdout_draws_are_independent_streams():
+    key, n = SecretKey.from_seed(7), 4000
+    val = keyed_split(key, Purpose.VALIDATION_SPLIT, n, 0.5)
+    held = keyed_split(key, Purpose.HOLDOUT, n, 0.5)
+    assert not torch.equal(val, held) and abs(int((val & held).sum()) - 1000) < 150  # independent halves
 
 
 def test_corrupted_label_byte_is_a_clear_error_not_a_new_class(tmp_path):

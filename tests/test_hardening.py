@@ -101,3 +101,19 @@ def test_step_misuse_is_a_clear_error_and_changes_nothing(x, y, match):
     with pytest.raises(ConfigError, match=match):
         eng.step(x, y)
     assert eng.steps_taken == 0 and all(torch.equal(a, b) for a, b in zip(before, eng.params))
+
+
+def test_training_past_the_planned_steps_is_refused_not_silently_skipped():
+    """After the planned steps, train_epoch used to return 0.0 having done nothing (the loader yielded
+    no batch): the caller believed it trained. Now it says the plan is done and what to do."""
+    eng = engine(steps=3)  # 3 steps: under one epoch of 10
+    x, y = torch.randn(100, 4), torch.zeros(100, dtype=torch.long)
+    eng.train_epoch(x, y)
+    assert eng.steps_taken == 3
+    before = [p.clone() for p in eng.params]
+    with pytest.raises(ConfigError, match=r"all 3 planned steps .* are taken.*build a new DPEngine"):
+        eng.train_epoch(x, y)
+    assert eng.steps_taken == 3 and all(torch.equal(a, b) for a, b in zip(before, eng.params))
+    from clipbias.engine import run_steps
+    with pytest.raises(ConfigError, match="planned steps"):
+        run_steps(eng, x, y, 1)

@@ -397,8 +397,10 @@ def test_batch_clip_never_reads_a_public_label():
     batchclip_predict(eng.model, rest.x_test, pub, 4, draws=3)
     assert not trap.read & set(taken)
     # holdout: public taken from the training split, N shrinks
-    pub2, rest2 = public_split(ds, 4, "holdout")
-    assert rest2.num_train == N - 4 and pub2.shape == (4, 1, D_IN, D_IN)
+    pub2, rest2 = public_split(ds, N // 2, "holdout", key=SecretKey.from_seed(0))
+    assert rest2.num_train == N - len(pub2) and 0 < len(pub2) < N and pub2.shape[1:] == (1, D_IN, D_IN)
+    with pytest.raises(ConfigError, match="key="):  # held-out private examples are chosen by a secret key only
+        public_split(ds, 4, "holdout")
 
 
 def test_batch_clip_majority_vote():

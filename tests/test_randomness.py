@@ -341,7 +341,6 @@ def _candidate_noises(seeds, d: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------ nothing else on the secret path
 SECRET_FREE = {  # modules whose seeded generators draw public or experimental randomness only
-    "data/dataset.py": "validation split and holdout (public split seeds)",
     "analysis/toy.py": "the toy problems' synthetic data",
     "analysis/symmetry.py": "measurement projections of an instrument that is not private",
     "analysis/instruments.py": "measurement draws of an instrument that is not private",

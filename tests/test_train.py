@@ -182,9 +182,10 @@ def test_authors_accounting_is_not_certified(splits):
 def test_validation_split_and_subset():
     cfg = dataclasses.replace(BASE, algo="dpsgd", ef_clip=None, epochs=1, validation=200, subset=500)
     res = train(cfg)
-    assert res["n"] == 500 and res["dataset"]["num_val"] == 200
+    n, val = res["n"], res["dataset"]["num_val"]
+    assert res["dataset"]["n_given"] == 500 and n + val == 500 and 200 - 60 < val < 200 + 60  # expected 200
     assert 0 <= res["val_accuracy"] <= 1 and "val_accuracy" in res["history"][0]
-    assert res["sample_rate"] == pytest.approx(64 / 500)
+    assert res["sample_rate"] == pytest.approx(64 / n)
 
 
 def test_bad_settings_name_the_flag(splits):

@@ -82,7 +82,8 @@ def test_a_tuning_outputs_the_best_trial_only_and_meets_its_budget():
     assert a["epsilon"] <= 3.0 and a["best"] == b["best"] and a["noise_multiplier"] == b["noise_multiplier"]
     assert a["certified"] is False and a["caveats"]  # a seeded key
     assert set(a) == {"best", "weights", "noise_multiplier", "epsilon", "delta", "accountant", "certified", "caveats",
-                      "basis", "secret", "n_train", "n_validation"}  # nothing per trial, no wall time (it grows with K)
+                      "basis", "secret", "n_train", "n_validation", "outside_guarantee"}  # nothing per trial, no wall time
+    assert a["outside_guarantee"][0].startswith("n_train, n_validation:")  # the realised sizes are private
     assert a["n_train"] + a["n_validation"] == 1347 and 0.5 * 0.1 * 1347 < a["n_validation"] < 1.5 * 0.1 * 1347
     assert 0.05 <= a["best"]["lr"] <= 5.0 and 0.1 <= a["best"]["clip"] <= 10.0
     assert a["best"]["config"]["noise_multiplier"] == a["noise_multiplier"] and a["best"]["test_accuracy"] > 0.5

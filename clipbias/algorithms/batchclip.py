@@ -97,19 +97,23 @@ def check_public(public: object, input_shape: tuple[int, ...] | None = None) -> 
     return public
 
 
-def public_split(dataset, n_public: int = 100, source: str = "test", seed: int = 0):
+def public_split(dataset, n_public: int = 100, source: str = "test", seed: int = 0, key: SecretKey | None = None):
     """``(public_features, dataset_without_them)``: public data disjoint from the private set.
 
-    ``source="test"``: ``n_public`` random images of the *test* split (labels dropped); they are
-    removed from the returned dataset's test split, so evaluation never scores an image the model
-    saw as a public feature. ``source="holdout"``: held out of the training split
-    (``clipbias.data.holdout``), so the private N shrinks by ``n_public``.
+    ``source="test"``: ``n_public`` random images of the *test* split (labels dropped; chosen by the public
+    ``seed``: the test split is public); they are removed from the returned dataset's test split, so
+    evaluation never scores an image the model saw as a public feature. ``source="holdout"``: about
+    ``n_public`` training examples held out by keyed draws under ``key`` (``clipbias.data.holdout``), so
+    the private N shrinks; they are private data that nothing protects (``HOLDOUT_CAVEAT``).
     """
     if not (isinstance(n_public, int) and n_public >= 1):
         raise ConfigError(f"--public-size must be an integer >= 1, got {n_public!r}")
     if source == "holdout":
         from ..data.datasets import holdout
-        rest, x_pub = holdout(dataset, n_public, seed)
+        if key is None:
+            raise ConfigError("public_split(source='holdout') needs key=: the SecretKey whose draws choose the "
+                              "held-out training examples (the run's key)")
+        rest, x_pub = holdout(dataset, n_public, key)
         return x_pub, rest
     if source != "test":
         raise ConfigError(f"--public-source must be 'test' or 'holdout', got {source!r}")

@@ -158,7 +158,9 @@ def _diagnose(args: argparse.Namespace, cfg, sizes: tuple[list[int], list[int]],
     from ..run.build import build_run
     from ..run.report import write_json
     from ..run.splits import splits_for
-    run = build_run(cfg, splits_for(cfg))  # exactly what `clipbias train` builds
+    from ..randomness import SecretKey
+    key = SecretKey.of(cfg.key_seed)  # the data's splits and the engine under one key, as `clipbias train`
+    run = build_run(cfg, splits_for(cfg, key=key), key)  # exactly what `clipbias train` builds
     recorder, picked = _recorder(cfg, run, args, *sizes)
     steps_at, privacy = _record(args, run, recorder)
     records = recorder.records

@@ -119,11 +119,14 @@ def _add_training_group(p: argparse.ArgumentParser, d: dict, req: dict) -> None:
                    help="also keep an exponential moving average of the weights, a = DECAY a + (1 - DECAY) w after "
                         "every step (De et al. 2022; post-processing: no privacy cost), evaluated, reported and "
                         "exported beside the raw weights (e.g. 0.9 for about 100 steps)")
-    t.add_argument("--validation", type=int, default=0, metavar="N",
-                   help="carve N validation examples out of the training split and report val accuracy "
-                        "(tune on it, never on the test set)")
-    t.add_argument("--subset", type=int, default=None, metavar="N",
-                   help="train on the first N training examples (quick runs; accounting uses N)")
+    t.add_argument("--validation", type=int, default=0, metavar="K",
+                   help="carve a validation part out of the training split and report val accuracy (tune on it, "
+                        "never on the test set): each training example joins it with probability K/N by a keyed "
+                        "draw under the run's secret key, so K is the expected size; the realised sizes are private "
+                        "(listed outside the guarantee). Not stratified")
+    t.add_argument("--subset", type=int, default=None, metavar="K",
+                   help="the private data set is the first K training examples (quick runs): it defines the data, "
+                        "so K is public and the accounting uses N = K")
     t.add_argument("--grad-path", choices=("rows", "fast", "auto"), default="auto",
                    help="rows: per-example gradients by torch.func, every algorithm; fast: per-layer norms and "
                         "book-keeping sums, no [B, d] matrix (norm-scaling algorithms: dpsgd, normalized, the dice "
@@ -142,7 +145,9 @@ def _add_training_group(p: argparse.ArgumentParser, d: dict, req: dict) -> None:
     add_method_flags(m)
     m.add_argument("--public-source", choices=("test", "holdout"), default="test",
                    help="batch-clip: public features from the test split (removed from evaluation; "
-                        "default) or held out of the training split (N shrinks)")
+                        "default) or held out of the training split (about --public-size examples by keyed draws; "
+                        "N shrinks; they are private data the guarantee does not protect: the run is reported "
+                        "NOT certified)")
 
 
 def add_method_flags(group) -> None:
@@ -228,7 +233,8 @@ def print_header(h: dict, stream=None) -> None:
         "dataset": f"{h['dataset']} (N={h['N']}, preprocessing: {PREPROCESSING[h['preprocessing']]})",
         "model": f"{h['model']} ({h['params']:,} parameters)",
         "algo": h["algo"],
-        "N": h["N"],
+        "N": h["N"] if h.get("N_given", h["N"]) == h["N"] else
+        f"{h['N']} (the training part of the {h['N_given']} given, by keyed draws: its size is private)",
         "q": f"{h['q']:.6g}",
         "B": f"{h['B']:g} (expected Poisson batch size)",
         "steps": f"{h['steps']} ({h['epochs']} epochs x {h['steps_per_epoch']})",

@@ -4,8 +4,9 @@ the batch structures every later stage walks (``batch``: tensors, tuples, lists 
 
 from .datasets import (CIFAR10_CLASSES, DATASET_NAMES, DataFormatError, DataNotFoundError, Dataset,
                        FASHION_MNIST_MEAN, FASHION_MNIST_STD, IdxFormatError, cache_dir, fashion_mnist_dir,
-                       holdout, load_cifar10, load_dataset, load_fashion_mnist, load_npz, read_idx, with_validation)
+                       HOLDOUT_CAVEAT, holdout, keyed_split, load_cifar10, load_dataset, load_fashion_mnist, load_npz,
+                       read_idx, with_validation)
 
 __all__ = ["CIFAR10_CLASSES", "DATASET_NAMES", "DataFormatError", "DataNotFoundError", "Dataset", "FASHION_MNIST_MEAN",
-           "FASHION_MNIST_STD", "IdxFormatError", "cache_dir", "fashion_mnist_dir", "holdout", "load_cifar10",
+           "FASHION_MNIST_STD", "HOLDOUT_CAVEAT", "IdxFormatError", "cache_dir", "fashion_mnist_dir", "holdout", "keyed_split", "load_cifar10",
            "load_dataset", "load_fashion_mnist", "load_npz", "read_idx", "with_validation"]

@@ -1,5 +1,6 @@
 """The in-memory ``Dataset`` every loader returns, its errors, and the splits carved out of its
-training part (a validation split, public examples held out)."""
+training part (a validation split, examples held out), each a keyed draw per example under the run's
+secret key (``keyed_split``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import ClipbiasError
+from ..errors import ClipbiasError, ConfigError
+from ..randomness import Purpose, SecretKey, poisson_indices
 
 
 class DataNotFoundError(ClipbiasError, FileNotFoundError):
@@ -56,36 +58,70 @@ class Dataset:
 
 
 def stratified_split(y: np.ndarray, size: int | float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Seeded stratified split of ``arange(len(y))`` into (keep, taken) index arrays."""
+    """Seeded stratified split of ``arange(len(y))`` into (keep, taken) index arrays. Only for the fixed
+    test split of the scikit-learn sets (part of the data set's definition, seed 0): never for a split
+    of private training data, where one example's label would move others (``keyed_split``)."""
     from sklearn.model_selection import train_test_split
 
     keep, taken = train_test_split(np.arange(len(y)), test_size=size, random_state=seed, stratify=y)
     return np.sort(keep), np.sort(taken)
 
 
-def with_validation(ds: Dataset, validation: int, seed: int) -> Dataset:
-    """``ds`` with ``validation`` training examples (stratified, chosen by ``seed``) moved to
-    ``x_val``/``y_val``."""
+def keyed_split(key: SecretKey, purpose: int, n: int, rate: float) -> Tensor:
+    """A bool mask over ``arange(n)``: example i is taken independently with probability ``rate``, by its
+    own keyed draw (the i-th 64-bit uniform at ``(purpose, 0, 0)``, ``randomness.poisson_indices``). No
+    other example, no label and not ``n`` enters example i's draw: adding an example (index n) or removing
+    the last moves no other example between the parts."""
+    if not isinstance(key, SecretKey):
+        raise ConfigError(f"a split of the private training data needs the run's clipbias.randomness.SecretKey, "
+                          f"got {type(key).__name__}: a public seed would let anyone recompute which examples "
+                          f"were held out")
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[poisson_indices(key, purpose, 0, n, rate)] = True
+    return mask
+
+
+def with_validation(ds: Dataset, validation: int, key: SecretKey) -> Dataset:
+    """``ds`` with a validation part moved to ``x_val``/``y_val``: each training example joins it
+    independently with probability ``validation / N`` (N = ``ds.num_train``), by its keyed draw under
+    ``key`` (``Purpose.VALIDATION_SPLIT``). ``validation`` is the *expected* size: the realised sizes of
+    both parts are random, and private (they depend on which examples fell where)."""
     if not validation:
         return ds
-    keep, val = stratified_split(ds.y_train.numpy(), validation, seed)
-    return dataclasses.replace(ds, x_train=ds.x_train[keep], y_train=ds.y_train[keep],
+    if not 0 < validation < ds.num_train:
+        raise ConfigError(f"validation must be smaller than the {ds.num_train} training examples, got {validation}")
+    val = keyed_split(key, Purpose.VALIDATION_SPLIT, ds.num_train, validation / ds.num_train)
+    _check_parts(val, "validation")
+    return dataclasses.replace(ds, x_train=ds.x_train[~val], y_train=ds.y_train[~val],
                                x_val=ds.x_train[val], y_val=ds.y_train[val])
 
 
-def holdout(dataset: Dataset, n: int, seed: int = 0) -> tuple[Dataset, Tensor]:
-    """Remove ``n`` random training examples (chosen by ``seed``) and return
-    ``(dataset_without_them, their_features)``.
+def holdout(dataset: Dataset, n: int, key: SecretKey) -> tuple[Dataset, Tensor]:
+    """Hold out about ``n`` training examples and return ``(dataset_without_them, their_features)``: each
+    example is held out independently with probability ``n / N``, by its keyed draw under ``key``
+    (``Purpose.HOLDOUT``); ``n`` is the expected count.
 
-    The removed features can serve as *public* data (e.g. BatchClipping's public
-    features); their labels are dropped. The returned dataset's ``num_train`` shrinks,
-    which is what the privacy accounting must then use.
+    The held-out examples are PRIVATE data: used as public features (BatchClipping), nothing protects
+    them (a run that does so is reported not certified, ``HOLDOUT_CAVEAT``). Their labels are dropped;
+    the returned dataset's ``num_train`` shrinks.
     """
-    if not 0 <= n < dataset.num_train:
-        raise ValueError(f"n must be in [0, {dataset.num_train}), got {n}")
-    perm = torch.from_numpy(np.random.default_rng(seed).permutation(dataset.num_train))
-    taken, keep = perm[:n].sort().values, perm[n:].sort().values
+    if not 0 < n < dataset.num_train:
+        raise ConfigError(f"the number held out must lie in [1, {dataset.num_train}), got {n}")
+    taken = keyed_split(key, Purpose.HOLDOUT, dataset.num_train, n / dataset.num_train)
+    _check_parts(taken, "held-out")
     rest = dataclasses.replace(
-        dataset, x_train=dataset.x_train[keep], y_train=dataset.y_train[keep],
-        notes=(dataset.notes + f" {n} training examples held out as public data (seed {seed}).").strip())
+        dataset, x_train=dataset.x_train[~taken], y_train=dataset.y_train[~taken],
+        notes=(dataset.notes + f" About {n} training examples held out (keyed draws) as public features: they "
+               f"are private data, not protected.").strip())
     return rest, dataset.x_train[taken]
+
+
+HOLDOUT_CAVEAT = ("the training examples held out as public features (--public-source holdout) are private data "
+                  "that the guarantee does not protect: as public features their influence on the weights (and on "
+                  "the majority-vote predictions) is neither bounded nor noised")
+
+
+def _check_parts(taken: Tensor, part: str) -> None:
+    if not 0 < int(taken.sum()) < len(taken):
+        raise ConfigError(f"the keyed draw put {'no' if not taken.any() else 'every'} training example in the "
+                          f"{part} part: use more data or another size")

@@ -1,9 +1,9 @@
 """Real data sets, loaded offline: Fashion-MNIST (Debian files) and three scikit-learn sets.
 
 One entry point, :func:`load_dataset`, returns a :class:`Dataset` of in-memory tensors.
-Everything here is deterministic: the test split is fixed, the validation split (carved
-out of the *training* split, for hyper-parameter tuning that never looks at the test set)
-depends only on ``seed``.
+The test split is fixed (part of each data set's definition). A validation split (carved out of
+the *training* split, for hyper-parameter tuning that never looks at the test set) is a keyed draw
+per example under a ``SecretKey`` (``with_validation``): never a public seed.
 
 Privacy of preprocessing (see ``docs/data.md``):
 
@@ -28,15 +28,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .dataset import (DataFormatError, DataNotFoundError, Dataset, IdxFormatError, holdout, stratified_split,
-                      with_validation)
+from ..errors import ConfigError
+from ..randomness import SecretKey
+from .dataset import (HOLDOUT_CAVEAT, DataFormatError, DataNotFoundError, Dataset, IdxFormatError, holdout,
+                      keyed_split, stratified_split, with_validation)
 from .fashion import (FASHION_MNIST_CLASSES, FASHION_MNIST_MEAN, FASHION_MNIST_STD, cache_dir, fashion_mnist_dir,
                       load_fashion_mnist, read_idx)
 from .own import CIFAR10_CLASSES, load_cifar10, load_npz
 
 __all__ = ["CIFAR10_CLASSES", "DATASET_NAMES", "DataFormatError", "DataNotFoundError", "Dataset", "FASHION_MNIST_MEAN",
-           "FASHION_MNIST_STD", "IdxFormatError", "cache_dir", "fashion_mnist_dir", "holdout", "load_cifar10",
-           "load_dataset", "load_fashion_mnist", "load_npz", "read_idx", "with_validation"]
+           "FASHION_MNIST_STD", "HOLDOUT_CAVEAT", "IdxFormatError", "cache_dir", "fashion_mnist_dir", "holdout",
+           "keyed_split", "load_cifar10", "load_dataset", "load_fashion_mnist", "load_npz", "read_idx",
+           "with_validation"]
 
 DATASET_NAMES = ("fashion-mnist", "digits", "digits-image", "breast-cancer", "wine", "cifar10", "npz")
 """Names accepted by :func:`load_dataset` (``digits-image`` = ``digits`` shaped 1x8x8)."""
@@ -55,11 +58,14 @@ def _sklearn_arrays(name: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def load_dataset(name: str, *, data_dir: str | os.PathLike | None = None, validation: int = 0,
-                 seed: int = 0, image: bool = False, data_path: str | os.PathLike | None = None) -> Dataset:
+                 key: SecretKey | None = None, image: bool = False,
+                 data_path: str | os.PathLike | None = None) -> Dataset:
     """Load a data set by name (see :data:`DATASET_NAMES`).
 
-    ``validation > 0`` moves that many training examples (stratified, chosen by ``seed``)
-    into ``x_val``/``y_val``; the test split never changes. ``image=True`` (or the name
+    ``validation > 0`` moves about that many training examples into ``x_val``/``y_val``: each joins
+    independently with probability ``validation / N``, by its keyed draw under ``key`` (a
+    ``clipbias.randomness.SecretKey``, required then; :func:`with_validation`); the test split never
+    changes. ``image=True`` (or the name
     ``digits-image``) shapes ``digits`` as 1x8x8 images instead of 64 flat features.
     ``data_dir`` overrides the Fashion-MNIST directory and is where ``cifar10`` is read from;
     ``npz`` reads ``data_path`` (see :func:`load_npz`).
@@ -68,25 +74,24 @@ def load_dataset(name: str, *, data_dir: str | os.PathLike | None = None, valida
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")
     if validation < 0:
         raise ValueError(f"validation must be >= 0, got {validation}")
+    if validation and key is None:
+        raise ConfigError("load_dataset(validation=...) needs key=: the SecretKey whose draws choose the validation "
+                          "part (a run's key; SecretKey.generate() for a fresh one)")
     if name == "digits-image":
         name, image = "digits", True
 
     if name in ("cifar10", "npz"):
         ds = load_cifar10(data_dir) if name == "cifar10" else load_npz(data_path)
-        return with_validation(ds, validation, seed)
+        return with_validation(ds, validation, key)
     if name == "fashion-mnist":
         t = load_fashion_mnist(data_dir)
         ds = Dataset(name=name, x_train=t["x_train"], y_train=t["y_train"], x_test=t["x_test"], y_test=t["y_test"],
                      num_classes=FASHION_MNIST_CLASSES, input_shape=(1, 28, 28),
                      notes=(f"pixels/255 then (x-{FASHION_MNIST_MEAN})/{FASHION_MNIST_STD}: public constants, no "
                             "statistic of the private data. Row-by-row sequence view: x.view(-1, 28, 28)."))
-        return with_validation(ds, validation, seed)
+        return with_validation(ds, validation, key)
     x, y = _sklearn_arrays(name)
-    train, test = stratified_split(y, SKLEARN_TEST_SIZE, SKLEARN_SPLIT_SEED)
-    val = np.empty(0, dtype=np.int64)
-    if validation:
-        keep, val = stratified_split(y[train], validation, seed)
-        train, val = train[keep], train[val]
+    train, test = stratified_split(y, SKLEARN_TEST_SIZE, SKLEARN_SPLIT_SEED)  # the data set's fixed test split
     if name == "digits":
         x = (x / 16.0).astype(np.float32)
         notes = "pixels/16 (known 0..16 range): no statistic of the private data."
@@ -101,8 +106,6 @@ def load_dataset(name: str, *, data_dir: str | os.PathLike | None = None, valida
 
     x_tr, y_tr = take(train)
     x_te, y_te = take(test)
-    x_val, y_val = take(val) if validation else (None, None)
-
-    return Dataset(name=name, x_train=x_tr, y_train=y_tr, x_test=x_te, y_test=y_te,
-                   num_classes=int(max(y_tr.max(), y_te.max())) + 1, input_shape=tuple(shape), notes=notes,
-                   x_val=x_val, y_val=y_val)
+    ds = Dataset(name=name, x_train=x_tr, y_train=y_tr, x_test=x_te, y_test=y_te,
+                 num_classes=int(max(y_tr.max(), y_te.max())) + 1, input_shape=tuple(shape), notes=notes)
+    return with_validation(ds, validation, key)

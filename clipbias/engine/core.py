@@ -285,7 +285,8 @@ class DPEngine:
         """One epoch of Poisson batches; returns the mean example loss. The data: in-memory inputs
         ``x`` with labels ``y``, a map-style ``torch.utils.data.Dataset`` (``y`` omitted; ``loader_options``
         such as ``collate_fn`` and ``num_workers`` go to ``clipbias.sampling.PoissonLoader``) or a
-        ``PoissonLoader``."""
+        ``PoissonLoader``. Once the planned steps (``epochs`` or ``steps`` at construction) are all taken
+        it refuses (ConfigError) rather than return having done nothing."""
         if y is not None and (batch.size(x) != batch.size(y) or batch.size(x) != self.n):
             raise ConfigError(f"train_epoch got {batch.size(x)} inputs and {batch.size(y)} labels for an engine "
                               f"built with n={self.n}: the sampler draws from n examples and the accounting assumes "

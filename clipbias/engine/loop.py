@@ -23,7 +23,8 @@ def run_steps(engine: "DPEngine", x: "Batch | Dataset | PoissonLoader", y: Batch
               steps: int | None = None, *, before: Callable[["DPEngine"], None] | None = None,
               after: StepHook | None = None, **loader_options) -> tuple[float, int]:
     """The sample-and-step loop: up to ``steps`` Poisson steps (default: all remaining), stopping at
-    ``engine.total_steps``; returns (sum of the example losses, number of examples). The data are
+    ``engine.total_steps`` (an engine that has taken all its planned steps refuses: ConfigError); returns
+    (sum of the example losses, number of examples). The data are
     in-memory ``(x, y)`` (tensors or structured batches, on the CPU or the GPU), a map-style Dataset
     ``x`` (``y`` None; ``loader_options`` go to ``clipbias.sampling.PoissonLoader``: ``collate_fn``,
     ``num_workers``, ...) or a ``PoissonLoader``: one loop for all (``PoissonLoader.epoch``).
@@ -32,6 +33,7 @@ def run_steps(engine: "DPEngine", x: "Batch | Dataset | PoissonLoader", y: Batch
     alike. In a process group every rank draws the same global sample and steps on its share
     (``engine.local_share``); ``after`` gets this rank's losses, the sums are global.
     """
+    check_steps_left(engine)
     if isinstance(x, PoissonLoader):
         if x.engine is not engine:  # its batches come from that engine's sampler, at that engine's q and n
             raise ConfigError("this PoissonLoader was built for another engine: its batches are that engine's "
@@ -54,3 +56,13 @@ def run_steps(engine: "DPEngine", x: "Batch | Dataset | PoissonLoader", y: Batch
         if after is not None:
             after(engine, losses)
     return total, count
+
+
+def check_steps_left(engine: "DPEngine") -> None:
+    """Refuse to run on once every planned step is taken: the loader would yield nothing and the epoch
+    would silently do nothing."""
+    if engine.steps_taken >= engine.total_steps:
+        raise ConfigError(f"all {engine.total_steps} planned steps of this DPEngine are taken (the noise and the "
+                          f"privacy accounting cover exactly them): there is nothing left to train. To train "
+                          f"longer, build a new DPEngine whose epochs (or steps) cover the whole run, so that its "
+                          f"noise is calibrated to it")

@@ -30,8 +30,9 @@ PROBE_STEP = (1 << STEP_BITS) - 1
 """The step of measurement probes (diagnostics): never a training step."""
 
 
+@enum.unique  # two purposes with one number would silently share a stream
 class Purpose(enum.IntEnum):
-    """What a draw is for: one independent stream each."""
+    """What a draw is for: one independent stream each. A new draw gets a new number, never a used one."""
 
     SAMPLE = 1    # Poisson inclusion of every example (per sampler batch)
     NOISE = 2     # the Gaussian noise of the released update (per noise draw)
@@ -47,6 +48,8 @@ class Purpose(enum.IntEnum):
     TUNE_SCORE = 12    # tuning: the noisy validation count of each trial (per trial)
     TUNE_SPLIT = 13    # tuning: which training examples form the validation part (one draw)
     BAND = 14          # banded noise: each example's participation class mod b (one draw)
+    VALIDATION_SPLIT = 17  # --validation: which training examples form the validation part (one draw)
+    HOLDOUT = 18           # --public-source holdout: which training examples are held out (one draw)
 
 
 class SecretKey:

@@ -28,13 +28,15 @@ class TrainConfig:
 
     ``batch_size`` is the *expected* Poisson batch size B (q = B / N). Private algorithms need
     ``epsilon`` (the engine calibrates the noise multiplier) or ``noise_multiplier``; non-private
-    ones ignore both and report epsilon = inf. ``subset`` trains on the first N training examples
-    (then N is what the accounting uses). ``validation`` carves a validation split out of the
-    training data (fixed split seed ``split_seed``, the same for every training seed, so runs
-    with different seeds are compared on the same split). ``extra`` holds method-specific
+    ones ignore both and report epsilon = inf. ``subset`` makes the private data set the first K training
+    examples (it defines the data: K is public, and N = K is what the accounting uses). ``validation``
+    carves a validation part out of the training data: each example with probability K/N, by a keyed
+    draw under the run's secret key (so K is the expected size; not stratified; ``run.splits``).
+    ``split_seed`` only picks which public *test* images become public features. ``extra`` holds method-specific
     hyper-parameters (the ``Setting`` keys of the algorithms: ``k``, ``p``, ``K``, ``K0``, ``gamma0``,
     ``gamma1``, ``public_size``, ...), only those given; the algorithm validates them. ``batch-clip`` takes ``public_size`` public features from the test split (removed from
-    evaluation; ``public_source="test"``) or held out of the training split (``"holdout"``, N shrinks).
+    evaluation; ``public_source="test"``) or held out of the training split by keyed draws (``"holdout"``, N
+    shrinks; private data used unprotected, so the run is not certified).
     ``ema`` (a decay in (0, 1)) keeps an exponential moving average of the weights (post-processing,
     ``run.average``), evaluated, reported and exported beside the raw weights.
     """

@@ -4,7 +4,8 @@ privacy note in words, and the summary over seeds. JSON never holds a bare infin
 
 ``results.json`` holds the config, per-epoch history, final accuracy, the privacy statement and
 wall times. What it holds besides the model's guarantee is listed in its ``outside_guarantee``
-(``train_loss`` and validation metrics are statistics of the private data, not noised).
+(``train_loss`` and validation metrics are statistics of the private data, not noised; wall times
+depend on the data; the sizes of a keyed split are private).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..data.datasets import HOLDOUT_CAVEAT
 from ..files import atomic_write, jsonable
 from .config import TrainConfig
 
@@ -41,16 +43,32 @@ def statement(run, steps: int | None = None):
     rep = run.engine.privacy(steps)
     if run.algo.private and run.splits.info.get("preprocessing") == "private-statistics":
         rep = rep.with_caveat(PRIVATE_STATISTICS_CAVEAT)
+    if run.algo.private and run.splits.info.get("public_source") == "holdout":
+        rep = rep.with_caveat(HOLDOUT_CAVEAT)
     return rep
 
 
 def outside_guarantee(cfg: TrainConfig) -> list[str]:
-    """What a run outputs that the DP guarantee (which covers the model weights) does not cover."""
+    """What a run outputs that the DP guarantee (which covers the model weights) does not cover. Each entry
+    names its fields (results.json's keys) before the first colon, then why."""
     out = ["train_loss (results.json, console, progress bar): mean loss of the private examples sampled, "
            "not noised"]
     if cfg.validation:
-        out.append("val_accuracy and val_loss: measured on a validation split of the private training data, "
+        out.append("val_accuracy, val_loss: measured on a validation split of the private training data, "
                    "not noised")
+    out.append("wall_time_s, wall_time_per_epoch_s, epoch_time_s, eval_time_s (results.json, history, console): the "
+               "run's wall times depend on the data (realised batch sizes, refused steps, the fast path's probe "
+               "rechecks) and are not noised")
+    out.append("n_given, num_test, num_classes, input_shape (dataset): the training set as given (after --subset), "
+               "its size N, the test split's size and the shapes are declared public; the add/remove guarantee "
+               "does not hide N")
+    split = cfg.validation or (cfg.extra.get("public_size") and cfg.public_source == "holdout")
+    out.append("n, sample_rate, steps, planned_steps, noise_multiplier (results.json; N, q, steps in the header), "
+               "dataset.n, num_val, num_public: " + (
+                   "the realised sizes of the keyed validation / held-out split, and what is computed from the "
+                   "training part's size n (q = B/n, the steps, the calibrated noise multiplier), are private: "
+                   "they depend on which examples fell in which part, and are released exactly"
+                   if split else "n is N, declared public (above); q, the steps and the noise are computed from it"))
     return out
 
 
@@ -90,7 +108,8 @@ def header(run, cfg: TrainConfig, resumed_at_epoch: int | None) -> dict:
     engine, info, private = run.engine, run.splits.info, run.algo.private
     projected = statement(run, engine.total_steps)
     h = {
-        "dataset": info["name"], "N": engine.n, "q": engine.sample_rate, "B": engine.expected_batch_size,
+        "dataset": info["name"], "N": engine.n, "N_given": info.get("n_given", engine.n),
+        "q": engine.sample_rate, "B": engine.expected_batch_size,
         "steps": engine.total_steps, "steps_per_epoch": len(engine.sampler), "epochs": cfg.epochs,
         "model": cfg.model, "params": sum(p.numel() for p in run.model.parameters() if p.requires_grad),
         "algo": cfg.algo, "private": private, "noise_multiplier": engine.noise_multiplier,

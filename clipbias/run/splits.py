@@ -1,16 +1,19 @@
-"""The data of a run: load once, apply ``--validation``/``--subset``/``--public-size``, move to
-the device, and compute scattering features for scatter models (``Splits``, ``prepare_splits``)."""
+"""The data of a run: load once, apply ``--subset``/``--public-size``/``--validation`` (the private
+splits keyed by a secret key), move to the device, and compute scattering features for scatter models
+(``Splits``, ``prepare_splits``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from .. import algorithms
-from ..data.datasets import Dataset, load_dataset
+from ..data.datasets import Dataset, keyed_split, load_dataset
 from ..errors import ClipbiasError, ConfigError
+from ..randomness import Purpose, SecretKey
 from .config import TrainConfig
 
 
@@ -27,7 +30,7 @@ class Splits:
     y_test: Tensor
     x_val: Tensor | None
     y_val: Tensor | None
-    info: dict  # dataset name, n, shapes, notes, preprocessing_private, features
+    info: dict  # dataset name, n_given (public), n and num_val (realised, private), shapes, notes, features
     public_x: Tensor | None = None
 
     @property
@@ -56,85 +59,130 @@ def build_model(cfg: TrainConfig, ds_shape: tuple[int, ...], num_classes: int) -
                           f"shape {tuple(ds_shape)}): {exc}") from exc
 
 
-def prepare_splits(cfg: TrainConfig, dataset: Dataset | None = None) -> Splits:
-    """Load the data once (unless given), apply ``--validation``/``--subset``/``--public-size``,
-    and turn images into scattering features for scatter models (once per split, cached on disk)."""
-    if dataset is None:
-        try:
-            dataset = load_dataset(cfg.data, data_dir=cfg.data_dir, validation=cfg.validation,
-                                   seed=cfg.split_seed, data_path=cfg.data_path)
-        except ClipbiasError:
-            raise
-        except ValueError as exc:  # e.g. a validation split larger than the training set
-            if cfg.validation:
-                raise ConfigError(f"--validation {cfg.validation} must be smaller than the training "
-                                  f"split of {cfg.data} ({exc})") from exc
-            raise ConfigError(f"--data {cfg.data}: {exc}") from exc
-    elif cfg.validation and (dataset.x_val is None or len(dataset.y_val) != cfg.validation):
-        raise ConfigError(f"--validation {cfg.validation}: the given dataset has no validation split "
-                          f"of that size")
-    public_x = None
+def prepare_splits(cfg: TrainConfig, dataset: Dataset | None = None, key: SecretKey | None = None) -> Splits:
+    """Load the data once (unless given), apply ``--subset``, ``--public-size``/``--public-source`` and
+    ``--validation``, and turn images into scattering features for scatter models (cached on disk).
+
+    The private splits (the validation part, examples held out) are keyed draws per example under
+    ``key``: the run's key (``train`` passes it); by default the key of ``--reproducible-noise``'s seed,
+    else a fresh key from the OS (``clipbias compare`` prepares one split this way for all its runs).
+    Their sizes are expected sizes; the realised ones are private (``info``: ``n``, ``num_val``)."""
+    key = key if key is not None else SecretKey.of(cfg.key_seed)
+    dataset = _load(cfg) if dataset is None else _given(cfg, dataset)
+    if cfg.subset is not None:  # the private data set IS the first K examples (the definition of the data)
+        if cfg.subset > dataset.num_train:
+            raise ConfigError(f"--subset must be <= the {dataset.num_train} training examples, got {cfg.subset}")
+        dataset = dataclasses.replace(dataset, x_train=dataset.x_train[:cfg.subset],
+                                      y_train=dataset.y_train[:cfg.subset])
+    n_given = dataset.num_train
     public_size = cfg.extra.get("public_size")
     if public_size is None and algorithms.get(cfg.algo).needs_public:
         raise ConfigError(f"--algo {cfg.algo} needs public features: give --public-size N (taken from "
                           f"the test split, or from the training split with --public-source holdout)")
-    if public_size is not None:
+    public_x = None
+    if public_size is not None and cfg.public_source == "test":  # public data, a public choice
         from ..algorithms import public_split
-        limit = dataset.num_train if cfg.public_source == "holdout" else len(dataset.y_test)
-        if public_size >= limit:
-            raise ConfigError(f"--public-size must be < the {limit} {cfg.public_source} examples, "
-                              f"got {public_size}")
-        public_x, dataset = public_split(dataset, public_size, cfg.public_source, seed=cfg.split_seed)
-    x_tr, y_tr = dataset.x_train, dataset.y_train
-    if cfg.subset is not None:
-        if cfg.subset > len(y_tr):
-            raise ConfigError(f"--subset must be <= the {len(y_tr)} training examples, got {cfg.subset}")
-        x_tr, y_tr = x_tr[:cfg.subset], y_tr[:cfg.subset]
-    x_te, y_te, x_va, y_va = dataset.x_test, dataset.y_test, dataset.x_val, dataset.y_val
-
-    probe = build_model(cfg, dataset.input_shape, dataset.num_classes)
-    features = "raw"
-    if hasattr(probe, "preprocess"):
-        features = f"{type(probe).__name__}.preprocess (scattering, computed once per split)"
-        tag = dataset.name + (f"-sub{cfg.subset}" if cfg.subset else "") + (
-            f"-val{cfg.validation}" if cfg.validation else "") + (f"-pub{public_size}" if public_size else "")
-        x_tr = probe.preprocess(x_tr, cache_key=f"{tag}-train")
-        x_te = probe.preprocess(x_te, cache_key=f"{dataset.name}-test" + (
-            f"-pub{public_size}" if public_size and cfg.public_source == "test" else ""))
-        if x_va is not None:
-            x_va = probe.preprocess(x_va, cache_key=f"{tag}-val")
-        if public_x is not None:
-            public_x = probe.preprocess(public_x, cache_key=f"{tag}-public")
+        if public_size >= len(dataset.y_test):
+            raise ConfigError(f"--public-size must be < the {len(dataset.y_test)} test examples, got {public_size}")
+        public_x, dataset = public_split(dataset, public_size, "test", seed=cfg.split_seed)
+    x_tr, x_te, public_x, features = _features(cfg, dataset, public_size, public_x)
+    y_tr, parts = dataset.y_train, _parts(cfg, n_given, public_size, key)
+    train, val, held = parts["train"], parts.get("val"), parts.get("held")
+    x_va, y_va = (x_tr[val], y_tr[val]) if val is not None else (None, None)
+    if held is not None:
+        public_x = x_tr[held]
+    x_tr, y_tr = x_tr[train], y_tr[train]
     dev = device(cfg.device)
     move = (lambda t: None if t is None else t.to(dev))
-    info = {"name": dataset.name, "n": int(len(y_tr)), "num_test": int(len(y_te)),
+    info = {"name": dataset.name, "n_given": n_given, "n": int(len(y_tr)), "num_test": int(len(dataset.y_test)),
             "num_val": 0 if y_va is None else int(len(y_va)), "input_shape": list(dataset.input_shape),
             "num_classes": dataset.num_classes, "notes": dataset.notes,
             "preprocessing": dataset.preprocessing, "features": features,
             "subset": cfg.subset, "validation": cfg.validation, "public_size": public_size,
             "public_source": cfg.public_source if public_size else None,
-            "model_key": model_key(cfg.model)}
-    return Splits(move(x_tr), move(y_tr), move(x_te), move(y_te), move(x_va), move(y_va), info,
+            "num_public": None if public_x is None else int(len(public_x)), "model_key": model_key(cfg.model)}
+    return Splits(move(x_tr), move(y_tr), move(x_te), move(dataset.y_test), move(x_va), move(y_va), info,
                   move(public_x))
+
+
+def _load(cfg: TrainConfig) -> Dataset:
+    try:
+        return load_dataset(cfg.data, data_dir=cfg.data_dir, data_path=cfg.data_path)
+    except ClipbiasError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(f"--data {cfg.data}: {exc}") from exc
+
+
+def _given(cfg: TrainConfig, dataset: Dataset) -> Dataset:
+    if dataset.x_val is not None:
+        raise ConfigError("the given dataset already holds a validation split (x_val): pass it without one and "
+                          "ask for --validation K (TrainConfig.validation): the run draws that split with its "
+                          "secret key")
+    return dataset
+
+
+def _parts(cfg: TrainConfig, n: int, public_size: int | None, key: SecretKey) -> dict[str, Tensor]:
+    """Bool masks over the N training examples as given: ``train``, and ``val`` (``--validation K``: each
+    example with probability K/N) and ``held`` (``--public-source holdout``: each example not in ``val``
+    with probability P/(N - K)), each a keyed draw of the example's own (``data.keyed_split``)."""
+    k = cfg.validation or 0
+    held_out = public_size if (public_size is not None and cfg.public_source == "holdout") else 0
+    if k + held_out >= n:
+        asked = [f"--validation {k}"] * bool(k) + [f"--public-size {held_out} (--public-source holdout)"] * bool(held_out)
+        raise ConfigError(f"{' plus '.join(asked)} must be smaller than the training split of {cfg.data} ({n} "
+                          f"examples), leaving some for training")
+    parts = {"train": torch.ones(n, dtype=torch.bool)}
+    if k:
+        parts["val"] = keyed_split(key, Purpose.VALIDATION_SPLIT, n, k / n)
+        parts["train"] &= ~parts["val"]
+    if held_out:
+        parts["held"] = parts["train"] & keyed_split(key, Purpose.HOLDOUT, n, held_out / (n - k))
+        parts["train"] &= ~parts["held"]
+    for name, mask in parts.items():
+        if not mask.any():
+            raise ConfigError(f"the keyed split left the {name} part empty (its expected size is too small for "
+                              f"{n} examples): ask for a larger --validation / --public-size, or use more data")
+    return parts
+
+
+def _features(cfg: TrainConfig, dataset: Dataset, public_size: int | None, public_x: Tensor | None):
+    """(training inputs, test inputs, public test features or None, what the model reads): scattering
+    features for scatter models, computed for the whole training set as given, before any keyed split,
+    so that no cache entry depends on (or reveals) a split."""
+    probe = build_model(cfg, dataset.input_shape, dataset.num_classes)
+    x_tr, x_te = dataset.x_train, dataset.x_test
+    if not hasattr(probe, "preprocess"):
+        return x_tr, x_te, public_x, "raw"
+    tag = dataset.name + (f"-sub{cfg.subset}" if cfg.subset else "")
+    test_tag = f"{dataset.name}-test" + (f"-pub{public_size}" if public_x is not None else "")
+    x_tr = probe.preprocess(x_tr, cache_key=f"{tag}-train")
+    x_te = probe.preprocess(x_te, cache_key=test_tag)
+    if public_x is not None:
+        public_x = probe.preprocess(public_x, cache_key=f"{test_tag}-public")
+    return x_tr, x_te, public_x, f"{type(probe).__name__}.preprocess (scattering, computed once per data set)"
 
 
 def model_key(model: str) -> str:
     return "scatter" if model.startswith("scatter") else "raw"
 
 
-def splits_for(cfg: TrainConfig, splits: Splits | None = None, dataset: Dataset | None = None) -> Splits:
-    """``splits`` checked against ``cfg`` (prepared for another config: refused), or prepared now."""
+def splits_for(cfg: TrainConfig, splits: Splits | None = None, dataset: Dataset | None = None,
+               key: SecretKey | None = None) -> Splits:
+    """``splits`` checked against ``cfg`` (prepared for another config: refused), or prepared now (their
+    private splits keyed by ``key``, see :func:`prepare_splits`)."""
     if splits is None:
-        splits = prepare_splits(cfg, dataset)
+        splits = prepare_splits(cfg, dataset, key)
     else:
         if splits.info.get("model_key") != model_key(cfg.model):
             raise ConfigError(f"the prepared data are for {splits.info.get('model_key')} models, not "
                               f"--model {cfg.model}; prepare them with prepare_splits for this model")
-        for key in ("subset", "validation", "public_size"):
-            want = cfg.extra.get(key) if key == "public_size" else getattr(cfg, key)
-            if splits.info.get(key) != (want or (0 if key == "validation" else None)):
-                raise ConfigError(f"the prepared data have {key}={splits.info.get(key)!r} but the run asks "
-                                  f"for --{key.replace('_', '-')} {want!r}; prepare them for this config")
+        public = cfg.extra.get("public_size")
+        for name, want in (("subset", cfg.subset), ("validation", cfg.validation or 0), ("public_size", public),
+                           ("public_source", cfg.public_source if public else None)):
+            if splits.info.get(name) != want:
+                raise ConfigError(f"the prepared data have {name}={splits.info.get(name)!r} but the run asks "
+                                  f"for --{name.replace('_', '-')} {want!r}; prepare them for this config")
     if cfg.batch_size > splits.n:
         raise ConfigError(f"--batch-size must lie in [1, N={splits.n}] (the expected batch cannot exceed the "
                           f"{splits.n} training examples), got {cfg.batch_size:g}")

@@ -36,7 +36,7 @@ from ..engine.core import run_steps
 from ..errors import ConfigError, ResumeMismatchError, TrainingDivergedError
 from ..files import run_lock
 from .build import Run, build_run, evaluate
-from ..randomness.key import derive_seed
+from ..randomness.key import SecretKey, derive_seed
 from .checkpoint import (CHECKPOINT, CHECKPOINT_FORMAT, PRIVATE_NOTE, check_out_dir, export_weights, finish_overwrite,
                          load_checkpoint, open_run_dir, save_private, set_aside, to_cpu)
 from .config import TrainConfig, check_int, default_out
@@ -85,7 +85,8 @@ def _train(config: TrainConfig, ckpt: dict | None, *, dataset: Dataset | None = 
     t_start = time.perf_counter()
     cfg = config
     out = Path(cfg.out) if cfg.out else None
-    run = build_run(cfg, splits_for(cfg, splits, dataset))
+    key = run_key(cfg, ckpt)
+    run = build_run(cfg, splits_for(cfg, splits, dataset, key), key)
     if on_engine is not None:
         on_engine(run.engine)
     history, start_epoch, prior_time = _restore(run, ckpt)
@@ -116,6 +117,15 @@ def _train(config: TrainConfig, ckpt: dict | None, *, dataset: Dataset | None = 
             plot_curves({cfg.algo: [history]}, out / CURVES, title=f"{cfg.data} / {cfg.model} / {eps_label(res)}")
         finish_overwrite(out)
     return res
+
+
+def run_key(cfg: TrainConfig, ckpt: dict | None) -> SecretKey:
+    """The run's secret key, made before its data are split (the validation and held-out parts are keyed
+    draws under it): the checkpoint's on resume (the same split again), the seed's with
+    ``--reproducible-noise``, else 256 fresh OS bits; in a process group, rank 0's on every rank."""
+    state = (ckpt or {}).get("engine", {}).get("secret_key")
+    key = SecretKey.from_state(state) if state is not None else SecretKey.of(cfg.key_seed)
+    return distributed.broadcast_key(key)
 
 
 def _restore(run: Run, ckpt: dict | None) -> tuple[list[dict], int, float]:

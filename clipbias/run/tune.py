@@ -101,7 +101,7 @@ def tune(tc: TuneConfig, key: SecretKey | None = None, splits: Splits | None = N
     tuning's privacy statement. ``key``: the tuning's secret key (default: 256 OS bits)."""
     key = key or SecretKey.generate()
     base = dataclasses.replace(tc.base, validation=0, out=None)
-    part, x_val, y_val = split(splits or prepare_splits(base), tc.validation, key)
+    part, x_val, y_val = split(splits or prepare_splits(base, key=key), tc.validation, key)
     score_std = tc.score_noise if tc.score_noise is not None else max(10.0, 0.01 * len(y_val))
     z, event_of = _calibrate(tc, base, part, score_std)
     trials = tuning.trial_count(_uniform(key, Purpose.TUNE, 0, 0), tc.trials, tc.shape)
@@ -135,7 +135,13 @@ def tune(tc: TuneConfig, key: SecretKey | None = None, splits: Splits | None = N
             "basis": tuning.BASIS.format(shape=tc.shape, mean=tc.trials, score_std=score_std),
             "secret": ("the number of trials and every other trial's result are not output; the run's duration "
                        "grows with the number of trials, so keep it from the adversary (else account K revealed)"),
-            "n_train": part.n, "n_validation": len(y_val)}  # no wall time: it grows with K (module docstring)
+            "n_train": part.n, "n_validation": len(y_val),  # no wall time: it grows with K (module docstring)
+            "outside_guarantee": [OUTSIDE_SIZES]}
+
+
+OUTSIDE_SIZES = ("n_train, n_validation: the realised sizes of the keyed validation split (and so the trials' "
+                 "sampling rate and steps, computed from n_train) are private, since they depend on which examples "
+                 "fell where, and are released exactly; the size of the data as given is declared public")
 
 
 def _calibrate(tc: TuneConfig, base: TrainConfig, part: Splits, score_std: float):

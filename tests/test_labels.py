@@ -127,6 +127,9 @@ def test_results_json_names_every_timing_and_size_field_it_holds(tmp_path):
     assert "private" in sizes and "keyed" in sizes  # with a keyed split the realised sizes are private
     info = res["dataset"]
     assert info["n"] + info["num_val"] == info["n_given"] == 1347 and res["n"] == info["n"]
+    # q and the steps come from the public expected size N - K, not from the realised (private) n
+    assert info["n_expected"] == 1247 and res["sample_rate"] == pytest.approx(64 / 1247)
+    assert res["steps"] == round(1247 / 64)
 
 
 def test_held_out_training_examples_used_as_public_features_void_the_certificate(tmp_path):

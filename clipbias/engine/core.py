@@ -63,7 +63,10 @@ class DPEngine:
 
     Give either ``epsilon`` (the noise multiplier is calibrated for ``steps`` steps, never
     overshooting) or ``noise_multiplier``. ``batch_size`` is the *expected* Poisson batch size B;
-    the sampling rate is q = B / n. ``steps`` defaults to ``epochs * round(n / B)``.
+    the sampling rate is q = B / n. ``steps`` defaults to ``epochs * round(n / B)``. ``sample_rate`` sets q
+    instead, for ``n`` rows that are a keyed random part of a public population (a ``--validation`` split: q =
+    B / the part's expected size, so that q, the steps and the noise do not reveal the realised n; each row
+    joins a batch with probability q, the update is divided by B; ``steps`` defaults to ``epochs * round(1 / q)``).
 
     Error-feedback algorithms (the DiceSGD family) are accounted by ``dice_accounting`` (default
     ``sound``; ``paper`` and ``authors`` are refuted and report ``certified = False``); without
@@ -91,7 +94,8 @@ class DPEngine:
                  dice_accounting: str = privacy.DEFAULT_DICE_ACCOUNTING, config: AlgoConfig | None = None,
                  loss_fn: LossFn = cross_entropy, max_physical_batch: int = 512,
                  noise_seed: int | SecretKey | None = None, grads: RowSource | PerSampleGradients | None = None,
-                 grad_path: str = "auto", bands: int = 1, optimizer: torch.optim.Optimizer | None = None) -> None:
+                 grad_path: str = "auto", bands: int = 1, optimizer: torch.optim.Optimizer | None = None,
+                 sample_rate: float | None = None) -> None:
         self.algo = algorithms.get(algorithm)
         self.undrawn_steps = 0  # steps whose batch the engine's sampler did not draw (``privacy`` caveat)
         self.config = config or AlgoConfig()
@@ -106,11 +110,11 @@ class DPEngine:
         privacy.check_delta(delta)
         privacy.check_accountant(accountant)
         self.n, self.expected_batch_size = n, float(batch_size)
-        self.sample_rate = self.expected_batch_size / n
+        self.sample_rate = self.expected_batch_size / n if sample_rate is None else check_rate(sample_rate)
         check_bands(bands, self.sample_rate)
         check_bandable(self.algo.name, bands)
         self.bands = bands
-        steps_per_epoch = max(1, round(n / self.expected_batch_size))
+        steps_per_epoch = max(1, round(n / self.expected_batch_size) if sample_rate is None else round(1 / sample_rate))
         if steps is None and epochs is None and noise_multiplier is not None:
             steps = math.inf  # open-ended (Opacus's habit): accounted as the steps are taken
         elif steps is None:
@@ -317,8 +321,16 @@ class DPEngine:
         return {"settings": asdict(self.settings), "steps_taken": self.steps_taken, "undrawn_steps": self.undrawn_steps,
                 "optimizer": self.optimizer.state_dict(), "optimizer_class": type(self.optimizer).__name__,
                 "pipeline": self.pipeline.state_dict(),
-                "sampler": self.sampler.state_dict(), "secret_key": self.key.state_dict(),
+                "sampler": self._sampler_state(), "secret_key": self.key.state_dict(),
                 "rows": self.rows.state_dict()}
+
+    def _sampler_state(self) -> dict:
+        """The sampler's state, with the batch it handed out last and no step has used (a loop that stopped
+        after fetching it) first among the batches drawn ahead: the resumed run steps on it next."""
+        state = self.sampler.state_dict()
+        if self.sampler.last is not None:
+            state["ahead"] = [self.sampler.last.clone()] + state["ahead"]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state_dict()``; refuses (ResumeMismatchError) if a privacy setting changed.
@@ -384,6 +396,13 @@ def noise_multiplier_for(engine: DPEngine, epsilon: float | None, noise_multipli
     # in a process group rank 0 calibrates and every rank takes its answer (and its error, if any)
     return distributed.from_rank0(lambda: privacy.calibrate(spec, epsilon, engine.delta, engine.total_steps,
                                                             engine.accountant, engine.dice_accounting))
+
+
+def check_rate(sample_rate: float) -> float:
+    """A given sampling rate: a float in (0, 1]."""
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
+        raise ConfigError(f"sample_rate must be a number in (0, 1], got {sample_rate!r}")
+    return float(sample_rate)
 
 
 def check_base_optimizer(optimizer: torch.optim.Optimizer | None, params: list, names: list[str],

@@ -59,9 +59,16 @@ def build_run(cfg: TrainConfig, splits: Splits, key: SecretKey | None = None) ->
                       delta=cfg.delta, accountant=cfg.accountant, dice_accounting=cfg.dice_accounting,
                       config=algo_cfg, max_physical_batch=cfg.max_physical_batch,
                       noise_seed=key if key is not None else cfg.key_seed, grad_path=cfg.grad_path,
-                      bands=cfg.bands)
+                      bands=cfg.bands, sample_rate=public_rate(cfg, splits))
     ema = WeightAverage(model, cfg.ema) if cfg.ema is not None else None
     return Run(cfg, splits, model, engine, algo, dev, predict, ema)
+
+
+def public_rate(cfg: TrainConfig, splits: Splits) -> float | None:
+    """q = B / the training part's expected size when a keyed split made the realised size private (then q, the
+    steps and the calibrated noise depend only on public numbers); None (q = B / n) otherwise."""
+    expected = splits.info.get("n_expected", splits.n)
+    return None if expected == splits.info.get("n_given", splits.n) else cfg.batch_size / expected
 
 
 def _batchclip(cfg: TrainConfig, splits: Splits, model: nn.Module, algo: algorithms.Algorithm,

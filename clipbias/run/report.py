@@ -59,16 +59,17 @@ def outside_guarantee(cfg: TrainConfig) -> list[str]:
     out.append("wall_time_s, wall_time_per_epoch_s, epoch_time_s, eval_time_s (results.json, history, console): the "
                "run's wall times depend on the data (realised batch sizes, refused steps, the fast path's probe "
                "rechecks) and are not noised")
-    out.append("n_given, num_test, num_classes, input_shape (dataset): the training set as given (after --subset), "
-               "its size N, the test split's size and the shapes are declared public; the add/remove guarantee "
-               "does not hide N")
+    out.append("n_given, n_expected, num_test, num_classes, input_shape (dataset): the training set as given (after "
+               "--subset), its size N, the training part's expected size N - K - P (public parameters), the test "
+               "split's size and the shapes are declared public; the add/remove guarantee does not hide N")
     split = cfg.validation or (cfg.extra.get("public_size") and cfg.public_source == "holdout")
-    out.append("n, sample_rate, steps, planned_steps, noise_multiplier (results.json; N, q, steps in the header), "
-               "dataset.n, num_val, num_public: " + (
-                   "the realised sizes of the keyed validation / held-out split, and what is computed from the "
-                   "training part's size n (q = B/n, the steps, the calibrated noise multiplier), are private: "
-                   "they depend on which examples fell in which part, and are released exactly"
-                   if split else "n is N, declared public (above); q, the steps and the noise are computed from it"))
+    if split:
+        out.append("n, dataset.n, num_val, num_public: the realised sizes of the keyed validation / held-out split "
+                   "are private (they depend on which examples fell in which part) and are released exactly; q, the "
+                   "steps and the noise multiplier are computed from the public expected size N - K - P, not from n")
+    else:
+        out.append("n, sample_rate, steps, planned_steps, noise_multiplier: n is N, declared public (above); q, the "
+                   "steps and the noise are computed from it")
     return out
 
 

@@ -30,7 +30,7 @@ class Splits:
     y_test: Tensor
     x_val: Tensor | None
     y_val: Tensor | None
-    info: dict  # dataset name, n_given (public), n and num_val (realised, private), shapes, notes, features
+    info: dict  # dataset name, n_given and n_expected (public), n and num_val (realised, private), shapes, notes, ...
     public_x: Tensor | None = None
 
     @property
@@ -94,7 +94,8 @@ def prepare_splits(cfg: TrainConfig, dataset: Dataset | None = None, key: Secret
     x_tr, y_tr = x_tr[train], y_tr[train]
     dev = device(cfg.device)
     move = (lambda t: None if t is None else t.to(dev))
-    info = {"name": dataset.name, "n_given": n_given, "n": int(len(y_tr)), "num_test": int(len(dataset.y_test)),
+    expected = n_given - (cfg.validation or 0) - (public_size if public_size and cfg.public_source == "holdout" else 0)
+    info = {"name": dataset.name, "n_given": n_given, "n_expected": expected, "n": int(len(y_tr)), "num_test": int(len(dataset.y_test)),
             "num_val": 0 if y_va is None else int(len(y_va)), "input_shape": list(dataset.input_shape),
             "num_classes": dataset.num_classes, "notes": dataset.notes,
             "preprocessing": dataset.preprocessing, "features": features,

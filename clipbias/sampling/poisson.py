@@ -115,10 +115,8 @@ class PoissonSampler:
             yield self.sample()
 
     def state_dict(self) -> dict:
-        # a batch handed out that no step has used yet (a loop that stopped after fetching it) comes first
-        ahead = ([self._last] if self._last is not None else []) + self._ahead
         return {"drawn": self.drawn, "n": self.n, "q": self.q, "bands": self.bands,
-                "ahead": [t.clone() for t in ahead]}
+                "ahead": [t.clone() for t in self._ahead]}
 
     def load_state_dict(self, state: dict) -> None:
         if state["n"] != self.n or state["q"] != self.q or state.get("bands", 1) != self.bands:

@@ -240,16 +240,19 @@ def snapshot(device: torch.device | str = "cpu") -> tuple:
             random.getstate(), state[1].tobytes() + bytes(str(state[2:]), "ascii"))
 
 
-def check_generators(before: tuple, device: torch.device | str = "cpu", where: str = "the model's forward pass") -> None:
-    """Refuse when a public generator moved since ``before`` (``snapshot``)."""
+_FORWARD_REMEDY = ("Only dropout is drawn in the private forward (per example, from the run's secret key); remove the "
+                   "draw or move it before the model")
+
+
+def check_generators(before: tuple, device: torch.device | str = "cpu", where: str = "the model's forward pass",
+                     remedy: str = _FORWARD_REMEDY) -> None:
+    """Refuse when a public generator moved since ``before`` (``snapshot``): ``where`` drew from it."""
     now = snapshot(device)
     moved = [name for name, a, b in zip(("torch's", "torch's CUDA", "Python's random", "numpy's global"), before, now)
              if not (torch.equal(a, b) if isinstance(a, Tensor) else a == b)]
     if moved:
         raise ConfigError(f"{where} drew random numbers from {moved[0]} generator: its state is a public function of "
-                          f"the seed and its draws go by batch position, so the DP guarantee would not hold. Only "
-                          f"dropout is drawn in the private forward (per example, from the run's secret key); "
-                          f"remove the draw or move it before the model")
+                          f"the seed and its draws go by batch position, so the DP guarantee would not hold. {remedy}")
 
 
 @contextlib.contextmanager

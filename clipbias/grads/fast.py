@@ -913,8 +913,11 @@ def _close(got: list[Tensor], want: tuple, params: list, rtol: float, scale: flo
     diffs, refs = [], []
     for g, t, p in zip(got, want, params):
         t = t.reshape(-1) if t is not None else torch.zeros(p.numel(), dtype=g.dtype, device=g.device)
-        diffs.append(row_norms((g - t).reshape(1, -1))[0])  # float32 blocks, float64 combination: a
-        refs.append(row_norms(t.reshape(1, -1))[0])         # float64 vector_norm is 20x slower (GPT probes)
+        d = (g - t).reshape(1, -1)
+        # an exact match counts 0 (row_norms' bound adds ~1e-19, which failed a gradient of exactly 0: an example
+        # dropped out whole); float32 blocks, float64 combination: a float64 vector_norm is 20x slower (GPT probes)
+        diffs.append(torch.where(d.any(), row_norms(d)[0], 0.0))
+        refs.append(row_norms(t.reshape(1, -1))[0])
     diff, ref = torch.linalg.vector_norm(torch.stack(diffs + refs).view(2, -1), dim=1).tolist()  # one sync
     # finite both: an infinite own gradient made inf <= 1e-4 inf true, and a model that mixes examples
     # through a factor b / (b - 1) (infinite for the probe's batch of one) passed

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..config import Setting, boolean, integer
 from ..errors import ConfigError
 from ..grads.rows import FuncGradients, LossFn, RowSource
-from ..randomness import Purpose, SecretKey, batch_keys, keyed_ints
+from ..randomness import Purpose, SecretKey, batch_keys, forward, keyed_ints
 
 
 class CropFlip:
@@ -105,7 +105,9 @@ class AugmentedGradients(RowSource):
         for start in range(0, len(x), chunk):
             sl = slice(start, start + chunk)
             keys = batch_keys(indices, start, len(x[sl]))
-            g, loss = self.rows(x[sl], y[sl], keys, step)
+            # the K copies of an example draw its keyed dropout masks (clipbias.randomness.forward)
+            with forward.examples(indices[sl].repeat_interleave(self.k) if indices is not None else None):
+                g, loss = self.rows(x[sl], y[sl], keys, step)
             yield g, loss, (indices[sl] if indices is not None else None)
 
 

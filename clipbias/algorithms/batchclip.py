@@ -33,7 +33,7 @@ from torch.func import functional_call, vmap
 from ..config import OPTIONAL, REQUIRED, Setting, integer
 from ..errors import ConfigError
 from ..grads.rows import FuncGradients, LossFn, RowSource
-from ..randomness import Purpose, SecretKey, batch_keys, keyed_ints
+from ..randomness import Purpose, SecretKey, batch_keys, forward, keyed_ints
 from ..transforms import Clip
 from .base import Algorithm, Parts, register
 from .p_avg import P_AVG
@@ -162,7 +162,8 @@ class BatchClipGradients(RowSource):
         for start in range(0, len(x), chunk):
             sl = slice(start, start + chunk)
             keys = batch_keys(indices, start, len(x[sl]))
-            g, loss = self.fg(self.groups(x[sl], keys, step), y[sl])
+            with forward.examples(indices[sl] if indices is not None else None):  # a group draws its example's masks
+                g, loss = self.fg(self.groups(x[sl], keys, step), y[sl])
             yield g, loss, (indices[sl] if indices is not None else None)
 
 

@@ -27,6 +27,7 @@ from .. import distributed
 from ..config import OPTIONAL, AlgoConfig, Setting, boolean, integer, real
 from ..errors import ConfigError
 from ..grads.rows import FuncGradients, LossFn, PerExampleRows, RowSource
+from ..randomness import forward
 from ..transforms import Carried, PerSample, StepContext
 from .base import Algorithm, Parts, clip_or_normalize, register
 
@@ -209,7 +210,8 @@ class InnerMomentumGradients(RowSource):
         self._pending = now
         for start in range(0, batch.size(x), max_physical_batch):
             sl = slice(start, start + max_physical_batch)
-            m, losses = self.inner(batch.take(x, sl), batch.take(y, sl), now)
+            with forward.examples(indices[sl] if indices is not None else None):  # the same masks at every iterate
+                m, losses = self.inner(batch.take(x, sl), batch.take(y, sl), now)
             yield m, losses, (indices[sl] if indices is not None else None)
 
     def commit(self) -> None:

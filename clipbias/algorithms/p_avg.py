@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from ..data import batch
 from ..config import AlgoConfig, Setting, integer
 from ..grads.rows import FuncGradients, LossFn, RowSource, check_finite
-from ..randomness import PROBE_STEP, Purpose, SecretKey, batch_keys, keyed_ints
+from ..randomness import PROBE_STEP, Purpose, SecretKey, batch_keys, forward, keyed_ints
 from ..transforms import Clip
 from .base import Algorithm, Parts, register
 
@@ -86,7 +86,8 @@ class GroupMeanGradients(RowSource):
         losses = []
         for start in range(0, b, max_physical_batch):
             sl = slice(start, start + max_physical_batch)
-            g, loss = self.fg(batch.take(x, sl), batch.take(y, sl))
+            with forward.examples(indices[sl] if indices is not None else None):  # keyed dropout masks
+                g, loss = self.fg(batch.take(x, sl), batch.take(y, sl))
             check_finite(g, indices[sl] if indices is not None else None)
             gi = gid[sl].to(g.device)
             sums.index_add_(0, gi, g)

@@ -29,7 +29,7 @@ from ..grads.rows import (LossFn, PerSampleGradients, RowSource, as_row_source, 
                           cross_entropy, guarded)
 from ..sampling.loader import PoissonLoader
 from ..privacy import PrivacyReport
-from ..randomness import SecretKey
+from ..randomness import SecretKey, forward
 from ..sampling.poisson import PoissonSampler, check_bands
 from ..transforms import StepContext
 from .aggregate import choose_aggregate
@@ -186,17 +186,17 @@ class DPEngine:
         ref_sum = torch.zeros(d, device=dev, dtype=dt) if self.pipeline.error_feedback is not None else None
         proc_sum = torch.zeros(d, device=dev, dtype=dt)
         losses, failure = [], None
-        torch_rng = torch.get_rng_state()  # dropout draws of the model (randomness="different")
         try:
-            for r, p, loss in self._sums(x, y, indices):
-                if ref_sum is not None:
-                    ref_sum += r
-                proc_sum += p
-                losses.append(loss)
-        except ClipbiasError as err:  # a micro-batch failed (NaN, bad shape)
+            with forward.keyed(self.key, self.steps_taken, dev):  # dropout masks from the key, per example index
+                for r, p, loss in self._sums(x, y, indices):
+                    if ref_sum is not None:
+                        ref_sum += r
+                    proc_sum += p
+                    losses.append(loss)
+        except ClipbiasError as err:  # a micro-batch failed (NaN, bad shape, a public random draw)
             failure = err
         except BaseException:  # out of memory, an interrupt: nothing staged may reach the next step
-            self._drop_staged(torch_rng)  # (adaptive clipping's count would hold these examples twice)
+            self._drop_staged()  # (adaptive clipping's count would hold these examples twice)
             raise
         mine = torch.cat(losses) if losses else torch.zeros(0, device=dev)
         self.last_loss = (float(mine.sum()), len(mine))
@@ -204,12 +204,12 @@ class DPEngine:
             proc_sum, ref_sum, loss_sum, count, failure = distributed.reduce_step(proc_sum, ref_sum, mine, failure)
             self.last_loss = (loss_sum, count)
         if failure is not None:  # every stage drops what it staged, on every rank
-            self._drop_staged(torch_rng)
+            self._drop_staged()
             raise failure
         try:
             update = self.pipeline.finish(proc_sum, ref_sum)
         except BaseException:
-            self._drop_staged(torch_rng)
+            self._drop_staged()
             raise
         # once the noisy update exists it counts as released, before it reaches the model (an interrupt
         # between applying it and counting it would let a later step reuse its noise draw, whose
@@ -240,10 +240,10 @@ class DPEngine:
             warnings.warn(UNDRAWN_WARNING, stacklevel=3)
         return ok
 
-    def _drop_staged(self, torch_rng: Tensor) -> None:
-        """Undo a step that did not complete: the model's RNG as before it, every stage's staged state
-        dropped; with bands, the step's batch goes back to the sampler (the retry takes it again)."""
-        torch.set_rng_state(torch_rng)
+    def _drop_staged(self) -> None:
+        """Undo a step that did not complete: every stage's staged state dropped; with bands, the step's
+        batch goes back to the sampler (the retry takes it again). The retry draws the same dropout masks
+        (functions of the key, the step and the indices)."""
         self.rows.rollback()
         self.pipeline.rollback()
         if self.bands > 1 and self.sampler.next_step == self.steps_taken + 1:
@@ -280,8 +280,9 @@ class DPEngine:
             self._aggregate.begin()
         for start in range(0, batch.size(x), self.max_physical_batch):
             sl = slice(start, start + self.max_physical_batch)
-            p, r, loss, norms = guarded(lambda xs, ys: self._aggregate(xs, ys, scale, need_ref),
-                                        batch.take(x, sl), batch.take(y, sl), self.rows.layout.dim)
+            with forward.examples(indices[sl] if indices is not None else None):
+                p, r, loss, norms = guarded(lambda xs, ys: self._aggregate(xs, ys, scale, need_ref),
+                                            batch.take(x, sl), batch.take(y, sl), self.rows.layout.dim)
             check_finite_norms(norms, indices[sl] if indices is not None else None)
             yield r, p, loss
 

@@ -21,8 +21,8 @@ norm and sum from those, ``O(L d)`` per example; ``padding_idx`` rows get no gra
 ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` are refused); and the affine parameters of
 ``nn.GroupNorm`` and ``nn.LayerNorm`` (per-example gradients computed directly from the normalised
 input: one value per channel or feature). Any other trainable parameter makes ``why_unsupported``
-say why, and the engine keeps the rows path. Dropout draws one mask per batch here instead of per
-example: the same distribution.
+say why, and the engine keeps the rows path. Dropout in the engine's step draws row r's masks from
+example r's index and the run's key (``clipbias.randomness.forward``), as the rows path does.
 
 Soundness guards (per-layer norms must be per-example norms, and each example's clipped vector
 must depend on that example alone, or the sensitivity is wrong): tied parameters, parameters other
@@ -57,6 +57,7 @@ from torch.nn import functional as F
 from ..data import batch
 from ..data.batch import Batch
 from ..errors import ConfigError
+from ..randomness import forward
 from .precision import full_float32, row_norms, sq_norms, unit_roundoff
 from .precision import gamma as _gamma
 from . import separable
@@ -453,6 +454,7 @@ class BookKeeping:
         self.slots = [[slot[names[id(p)]] for p in _trainable(m)] for m in self.layers]
         self._check_rng = secrets.SystemRandom()  # the probes: unpredictable, from the OS CSPRNG
         self._vector_loss: bool | None = None  # does loss_fn return per-example losses? (decided once)
+        self._keyed_calls = 0  # keyed dropout calls of the last forward (_backward)
 
     def __call__(self, x: Batch, y: Batch, scale: Callable[[Tensor], Tensor],
                  reference: bool, at: tuple[Callable, float] | None = None) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
@@ -507,7 +509,9 @@ class BookKeeping:
         check_model(self.model)
         params = self.layout.params(self.model)
         dev = params[0].device
-        rng, buffers = _rng_state(dev), [(b, b._version, b.detach().clone()) for b in self.model.buffers()]
+        keyed = forward.active() is not None  # the engine's step: dropout keyed per example, public draws refused
+        rng = forward.snapshot(dev) if keyed else _rng_state(dev)
+        buffers = [(b, b._version, b.detach().clone()) for b in self.model.buffers()]
         self._loss_alone = True  # _losses_alone: the summed loss_fn's gradient taken one example at a time
         with full_float32():  # the batch and the probes in the same (full) float32 arithmetic
             try:
@@ -517,7 +521,11 @@ class BookKeeping:
                     inputs.setdefault(m, []).append(acts[m].dim())
             finally:  # a buffer changed by the forward is restored and refused, whatever else failed
                 _check_buffers(self.model, buffers)
-            stochastic = not _same_rng(rng, _rng_state(dev))  # dropout (or any other draw) in the forward
+            if keyed:
+                forward.check_generators(rng, dev)
+                stochastic = self._keyed_calls > 0
+            else:
+                stochastic = not _same_rng(rng, _rng_state(dev))  # dropout (or any other draw) in the forward
             # with the reference, the plan _unformed_params made from the same shapes: the rules and the
             # split of the reference between rules and autograd rest on one decision
             rules = _rules_of(self.layers, {m: _widen(acts[m], wide) for m in self.layers},
@@ -617,7 +625,9 @@ class BookKeeping:
         try:
             with torch.enable_grad():
                 b = batch.size(x)
-                losses = self._losses(batch.call(call or self.model, x), y, b)
+                with forward.one_pass() as seen:  # keyed dropout: row r's masks from example r's index
+                    losses = self._losses(batch.call(call or self.model, x), y, b)
+                self._keyed_calls = seen.calls
                 self._check_layers(acts, outs, b)
                 changed = [m for m in self.layers if outs[m]._version != versions[m]]
                 if changed:  # the backward would differentiate through the later in-place op
@@ -779,8 +789,14 @@ class BookKeeping:
 
     def _counterfactual(self, x: Batch, y: Batch, i: int, rng: tuple) -> list[Tensor]:
         """Example i's attributed gradient in the batch whose every row is example i, under the
-        random draws of the real step (restored from ``rng``); the RNG continues as before."""
+        random draws of the real step: in the engine's step every row draws example i's keyed masks
+        (``forward.same_example``), elsewhere torch's generator is restored from ``rng`` (and continues
+        as before)."""
         xi, yi = (batch.tree_map(lambda t: t[i:i + 1].expand_as(t).contiguous(), v) for v in (x, y))
+        if forward.active() is not None:
+            with forward.same_example(i):
+                _, acts, grads = self._backward(xi, yi)
+            return self._ordered([r.one(i) for r in _rules_of(self.layers, acts, grads)])
         dev = self.layout.params(self.model)[0].device
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             _set_rng(rng, dev)
@@ -897,8 +913,11 @@ def _close(got: list[Tensor], want: tuple, params: list, rtol: float, scale: flo
     diffs, refs = [], []
     for g, t, p in zip(got, want, params):
         t = t.reshape(-1) if t is not None else torch.zeros(p.numel(), dtype=g.dtype, device=g.device)
-        diffs.append(row_norms((g - t).reshape(1, -1))[0])  # float32 blocks, float64 combination: a
-        refs.append(row_norms(t.reshape(1, -1))[0])         # float64 vector_norm is 20x slower (GPT probes)
+        d = (g - t).reshape(1, -1)
+        # an exact match counts 0 (row_norms' bound adds ~1e-19, which failed a gradient of exactly 0: an example
+        # dropped out whole); float32 blocks, float64 combination: a float64 vector_norm is 20x slower (GPT probes)
+        diffs.append(torch.where(d.any(), row_norms(d)[0], 0.0))
+        refs.append(row_norms(t.reshape(1, -1))[0])
     diff, ref = torch.linalg.vector_norm(torch.stack(diffs + refs).view(2, -1), dim=1).tolist()  # one sync
     # finite both: an infinite own gradient made inf <= 1e-4 inf true, and a model that mixes examples
     # through a factor b / (b - 1) (infinite for the probe's batch of one) passed

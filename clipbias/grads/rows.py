@@ -24,7 +24,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from ..data import batch
 from ..data.batch import Batch
 from ..errors import ConfigError, NonFiniteGradientError, UnsupportedModelError
-from ..randomness import PROBE_STEP, SecretKey
+from ..randomness import PROBE_STEP, SecretKey, forward
 from .precision import full_float32, last_norms, sq_norms
 
 LossFn = Callable[..., Tensor]
@@ -110,7 +110,9 @@ class FuncGradients:
     for a dict). Only trainable parameters get per-example gradients: frozen ones
     (``requires_grad=False``: a frozen base under LoRA adapters) and buffers are passed as constants,
     so their gradients are never computed. Randomness
-    inside the model (dropout) is drawn independently per example. ``grouped=True``: each "example"
+    inside the model (dropout) is drawn independently per example: in the engine's private step from
+    the run's key and the example's index (``clipbias.randomness.forward``; ``at``: the example's
+    position in the micro-batch, which the masks of the batch are looked up by), elsewhere from torch. ``grouped=True``: each "example"
     is a group ``x_i`` of shape ``[p, *input]`` run through the model together (BatchNorm sees the
     group) and the loss is that of the group's first row (BatchClipping); ``check=False`` then lets
     the cross-example BatchNorm through. Otherwise the model is checked at every call, so a
@@ -124,12 +126,13 @@ class FuncGradients:
         self.model, self.loss_fn, self.grouped, self.check = model, loss_fn, grouped, check
         self.layout = ParamLayout.of(model)
 
-        def loss_one(params: dict[str, Tensor], consts: dict[str, Tensor], x: Batch, y: Batch) -> Tensor:
-            out = functional_call(self.model, (params, consts), *batch.arguments(x if grouped else batch.unsqueeze(x)))
+        def loss_one(params: dict[str, Tensor], consts: dict[str, Tensor], x: Batch, y: Batch, at: Tensor) -> Tensor:
+            with forward.one_pass(at):  # in the engine's private step: dropout keyed by this example's index
+                out = functional_call(self.model, (params, consts), *batch.arguments(x if grouped else batch.unsqueeze(x)))
             # the loss of one example (a sum over a batch of one, or a [1] vector of per-example losses)
             return self.loss_fn(out[:1] if grouped else out, batch.unsqueeze(y)).sum()
 
-        self._fn = vmap(grad_and_value(loss_one), in_dims=(None, None, 0, 0), randomness="different")
+        self._fn = vmap(grad_and_value(loss_one), in_dims=(None, None, 0, 0, 0), randomness="different")
 
     def params(self) -> dict[str, Tensor]:
         trainable = set(self.layout.names)
@@ -156,7 +159,8 @@ class FuncGradients:
         before they are concatenated into ``[b, d]``."""
         if self.check:
             check_model(self.model)
-        grads, losses = self._fn(params if params is not None else self.params(), self.consts(), x, y)
+        at = torch.arange(batch.size(x), device=self.device())
+        grads, losses = self._fn(params if params is not None else self.params(), self.consts(), x, y, at)
         return [grads[n] for n in self.layout.names], losses.detach()
 
 
@@ -284,7 +288,8 @@ class PerExampleRows(RowSource):
                   max_physical_batch: int) -> Iterator[Rows]:
         for start in range(0, batch.size(x), max_physical_batch):
             sl = slice(start, start + max_physical_batch)
-            g, loss = guarded(self.grads, batch.take(x, sl), batch.take(y, sl), self.layout.dim)
+            with forward.examples(indices[sl] if indices is not None else None):
+                g, loss = guarded(self.grads, batch.take(x, sl), batch.take(y, sl), self.layout.dim)
             yield g, loss, (indices[sl] if indices is not None else None)
 
 

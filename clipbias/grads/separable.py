@@ -31,7 +31,8 @@ hooks added, between steps):
   records them in the step's forward; ``batched``): a frozen Conv1d given ``[B, L]`` reads the batch
   as one example's B channels and mixes every example into every row;
 * no tensor subclass among the model's inputs, parameters and buffers (its ``__torch_function__``
-  would run inside the layers), and no torch function mode (other than ``with torch.device``),
+  would run inside the layers), and no torch function mode (other than ``with torch.device`` and
+  clipbias's keyed dropout, ``randomness.forward``),
   dispatch mode or saved-tensor hooks are active in the forward (``watch``): their code runs inside
   every layer, or rewrites what the backward reads;
 * no activation works in place: on a batch whose rows share memory (sliding windows from
@@ -63,6 +64,7 @@ from torch.utils._device import DeviceContext as _DeviceContext  # ``with torch.
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_modes
 from torch.utils._pytree import tree_leaves
 
+from ..randomness.forward import KeyedForward
 from ..models import gpt as _gpt, resnet as _resnet, scatter as _scatter, simple as _simple  # reviewed classes
 
 _saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks  # (pack, unpack) or None
@@ -243,7 +245,8 @@ def _subclass(m: nn.Module, inp: tuple) -> str | None:
 def _modes() -> str | None:
     """A torch function or dispatch mode, or saved-tensor hooks, active now. Checked when the model's
     forward starts: the forwards the proof admits enter none of them."""
-    modes = [type(md).__name__ for md in _function_modes() if not isinstance(md, _DeviceContext)] + \
+    modes = [type(md).__name__ for md in _function_modes()  # clipbias's keyed dropout passes every other op through
+             if not isinstance(md, _DeviceContext) and type(md) is not KeyedForward] + \
         [type(md).__name__ for md in _dispatch_modes()]
     if modes:
         return f"a torch function or dispatch mode ({modes[0]}) is active in the forward"

@@ -6,6 +6,7 @@ from .draws import (band_labels, batch_keys, box_muller, inclusion_threshold, ke
                     poisson_indices, secret_int, stream, uint64s)
 from .key import PROBE_STEP, Purpose, SecretKey, check_seed
 from .noise import noise_grid, snap, snapped_gaussian
+from . import forward
 
 __all__ = ["PROBE_STEP", "Purpose", "SecretKey", "band_labels", "batch_keys", "box_muller", "check_seed", "inclusion_threshold",
            "keyed_ints", "keyed_normal", "noise_grid", "normals", "poisson_indices", "secret_int", "snap",

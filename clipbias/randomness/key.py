@@ -48,6 +48,8 @@ class Purpose(enum.IntEnum):
     TUNE_SCORE = 12    # tuning: the noisy validation count of each trial (per trial)
     TUNE_SPLIT = 13    # tuning: which training examples form the validation part (one draw)
     BAND = 14          # banded noise: each example's participation class mod b (one draw)
+    FORWARD = 15       # the private forward pass's dropout masks (per step and example; the block counter runs
+                       # over the dropout calls of one forward pass: clipbias.randomness.forward)
     VALIDATION_SPLIT = 17  # --validation: which training examples form the validation part (one draw)
     HOLDOUT = 18           # --public-source holdout: which training examples are held out (one draw)
 

@@ -204,7 +204,8 @@ def _refuse_diverged(run: Run, rec: dict, history: list[dict], out: Path | None)
 
 def _save(run: Run, out: Path, epoch: int, history: list[dict], wall: float) -> None:
     """The PRIVATE checkpoint, written atomically by rank 0; every rank calls it (the per-rank torch
-    RNG states, which drive dropout, are gathered)."""
+    RNG states are gathered: public randomness outside the private step; its dropout masks are keyed,
+    ``clipbias.randomness.forward``)."""
     dev, info = run.device, run.splits.info
     rngs = distributed.gather_objects(torch.get_rng_state())
     engine_state = to_cpu(run.engine.state_dict())  # a collective for per-example state (dpgd-momentum)

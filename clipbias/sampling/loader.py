@@ -14,7 +14,11 @@ convention: the rest of the dict is the model's keyword arguments). Inputs and t
 it, to depend on example i alone: a ``collate_fn`` that pads to the batch's longest example is sound
 only for a model that ignores the padding (a causal model with right padding and its attention mask:
 tested for GPT-2), and one that builds in-batch matrices is not. Nothing checks this: pad to a fixed
-length when in doubt. In-memory tensors go through the same loop as ``TensorData`` (a batched
+length when in doubt. ``__getitem__`` and ``collate_fn`` must be deterministic: a fetch that draws from
+torch's, Python's or numpy's global generator is refused (``ConfigError``, in the main process and in
+workers alike). Those generators are public functions of the seed (a worker's torch generator keeps 32
+bits of its seed) and hand their draws out in fetch order, so one example's presence would move the
+others' draws; a dataset's own generator object is not seen, and is unsound the same way. In-memory tensors go through the same loop as ``TensorData`` (a batched
 fetch: one indexing operation per step, no per-example collation).
 
 Example::
@@ -37,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from ..data import batch
 from ..data.batch import Batch
 from ..errors import ConfigError
-from ..randomness import Purpose, secret_int
+from ..randomness import Purpose, forward, secret_int
 
 
 
@@ -77,9 +81,16 @@ class _Fetch(Dataset):
             return idx, self.dataset.fetch(idx)
         if not indices:
             return idx, self.template
+        before = forward.snapshot()
         many = getattr(self.dataset, "__getitems__", None)
         items = many(indices) if many is not None else [self.dataset[i] for i in indices]
-        return idx, self.collate(items)
+        out = self.collate(items)
+        forward.check_generators(before, where="the dataset (or collate_fn)", remedy=_DATA_REMEDY)
+        return idx, out
+
+
+_DATA_REMEDY = ("Make __getitem__ and collate_fn deterministic (random augmentation of private examples belongs in "
+                "the keyed draws of the training step: --algo self-aug)")
 
 
 def _as_is(data: Any) -> Any:

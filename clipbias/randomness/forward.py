@@ -1,0 +1,319 @@
+"""Keyed forward randomness: the dropout masks of the private forward pass, per example, from the run's key.
+
+While ``DPEngine`` computes a step's gradients it holds ``keyed(key, step)``, and each forward pass
+of the model in it runs under a ``torch.overrides.TorchFunctionMode`` (``one_pass``) that draws every dropout mask (``torch.nn.functional.dropout``,
+``dropout1d/2d/3d``, ``alpha_dropout``, ``feature_alpha_dropout``, ``torch.dropout``,
+``torch.feature_dropout``, ``torch.native_dropout`` and the in-place forms: what ``nn.Dropout`` and
+its kind, and Hugging Face's eager attention, call) from the ChaCha20 keystream at the address
+``(Purpose.FORWARD, step, example index)``. Within one forward pass the block counter runs on over
+the dropout calls (call c starts where call c - 1's blocks end), so example i's masks are a pure
+function of the key, the step, i and the shapes of its own forward: the same whatever its position in
+the batch and whichever other examples are present, on the rows path and the fast path, on every rank
+and device, and again on resume (nothing to save). An element is kept when its 32-bit word is below
+``floor((1 - p) 2^32)`` (a keep rate within 2^-32 below 1 - p).
+
+Any other random operation the forward calls (``torch.rand``, ``randn``, ``randint``, ``bernoulli``,
+``multinomial``, ``normal``, ``Tensor.uniform_``, ``rrelu`` in training, attention with
+``dropout_p > 0``, ...) is refused (``ConfigError``), and a forward that moved torch's, Python's or
+numpy's global generator anyway (a draw inside a function that does not pass through the mode) is
+refused after the fact (``check_generators``): those generators are public functions of ``--seed``
+and assign their draws by position.
+
+Which rows belong to which example: ``examples(ids)`` around the forwards of a micro-batch (the code
+that slices it knows the indices; ``None``: a step without indices, whose random forward is refused).
+Within it each forward pass is ``one_pass(position)``: the rows path (``FuncGradients``, one example
+per ``vmap`` call) passes the example's position in ``ids`` as a batched 0-d tensor, and a dropout
+input is that example's whole; the batched forward (fast path) passes none, and row r of a dropout
+input is example ``ids[r]`` (an input whose first dimension is not the micro-batch is refused).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import threading
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+from ..errors import ConfigError
+from .chacha import BLOCK_BYTES, MAX_BLOCKS
+from .draws import stream
+from .key import Purpose, SecretKey
+
+_WORD_BYTES = 4
+_SELU_ALPHA = 1.7580993408473766  # torch's alpha_dropout constant
+_local = threading.local()
+
+
+class KeyedForward(TorchFunctionMode):
+    """The mode of ``keyed``: dropout from the keystream, every other random operation refused."""
+
+    def __init__(self, key: SecretKey, step: int) -> None:
+        super().__init__()
+        self.key, self.step = key, int(step)
+        self.ids: list[int] | None = None
+        self.position: Tensor | None = None
+        self.offset = 0  # keystream blocks used by the current forward pass
+        self.calls = 0   # keyed dropout calls of the current forward pass
+        self.inside = False  # within a forward pass (the mode is pushed)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rule = _RULES.get(func)
+        if rule is not None:
+            return rule(self, *args, **kwargs)
+        name = _RANDOM.get(func)
+        if name is not None and _draws(func, args, kwargs):
+            raise ConfigError(f"the model's forward pass calls {name}, a random draw from torch's generator, whose "
+                              f"state is a public function of the seed and whose draws go by batch position: the "
+                              f"DP guarantee would not hold. In the private forward pass only dropout "
+                              f"({_DROPOUT_NAMES}) is drawn, from the run's secret key per example; remove the "
+                              f"draw (or the module's randomness: module.eval()), or draw it before the model")
+        return func(*args, **kwargs)
+
+    # ------------------------------------------------------------------ masks
+    def _rows(self) -> list[int]:
+        if self.ids is None:
+            raise ConfigError("the model's forward pass draws dropout masks, and this step has no example indices: "
+                              "the masks are keyed by each example's index, not its batch position. Pass the "
+                              "indices: engine.step(x, y, indices) with indices = engine.sampler.sample() (or "
+                              "switch the model's dropout off: model.eval() or p = 0)")
+        return self.ids
+
+    def _keep(self, per_example: tuple[int, ...], p: float, device: torch.device) -> Tensor:
+        """``[len(ids), *per_example]`` bool, True where kept: row r from example ``ids[r]``'s keystream,
+        from the pass's next free block."""
+        ids = self._rows()
+        m = math.prod(per_example)
+        nbytes = _WORD_BYTES * m
+        blocks = -(-nbytes // BLOCK_BYTES)
+        counter, self.offset, self.calls = self.offset, self.offset + blocks, self.calls + 1
+        if self.offset > MAX_BLOCKS:
+            raise ConfigError(f"the forward pass's dropout masks need more than {MAX_BLOCKS * BLOCK_BYTES >> 30} GiB "
+                              f"of keystream per example")
+        threshold = np.uint32(min(int((1.0 - p) * 2.0 ** 32), 2 ** 32 - 1))
+        rows = {i: stream(self.key, Purpose.FORWARD, self.step, i, nbytes, counter).view("<u4") < threshold
+                for i in dict.fromkeys(ids)}  # an example present twice (a counterfactual batch) is drawn once
+        keep = np.stack([rows[i] for i in ids]) if ids else np.zeros((0, m), dtype=bool)
+        return torch.from_numpy(keep).view(len(ids), *per_example).to(device)
+
+    def _mask(self, noise_shape: tuple[int, ...], p: float, device: torch.device) -> Tensor:
+        """The keep mask of a dropout input whose noise has ``noise_shape`` (the input's shape, or its
+        first two dimensions for a feature dropout)."""
+        if self.position is not None:  # rows path: the whole (logical) input is the one example's
+            keep = self._keep(noise_shape, p, device)
+            return torch.index_select(keep, 0, self.position.reshape(1)).squeeze(0)
+        if _transform_level() is not None:
+            raise ConfigError("the model draws dropout masks inside a torch.func transform (vmap) that clipbias does "
+                              "not key per example; compute per-example gradients with clipbias (FuncGradients) or "
+                              "switch the model's dropout off (model.eval() or p = 0)")
+        b = len(self._rows())
+        if not noise_shape or noise_shape[0] != b:
+            raise ConfigError(f"a dropout input of shape {list(noise_shape)} in a batched forward of {b} examples: "
+                              f"masks are keyed per example by the first dimension, which must be the batch "
+                              f"(batch-first layout); use --grad-path rows (grad_path='rows')")
+        return self._keep(tuple(noise_shape[1:]), p, device)
+
+    def dropout(self, input: Tensor, p: float, train: bool, *, feature: bool = False, alpha: bool = False,
+                inplace: bool = False) -> Tensor:
+        """ATen's ``_dropout_impl`` with the keyed mask: ``input * mask / (1 - p)``; alpha dropout's
+        affine form (``alpha_dropout``)."""
+        if feature and input.dim() < 2:
+            raise RuntimeError("Feature dropout requires at least 2 dimensions in the input")
+        if p == 1:
+            return input.mul_(0) if inplace else input * torch.zeros((), dtype=input.dtype, device=input.device)
+        shape = tuple(input.shape[:2]) + (1,) * (input.dim() - 2) if feature else tuple(input.shape)
+        noise = self._mask(shape, p, input.device).to(input.dtype)
+        if alpha:
+            a = 1.0 / math.sqrt((_SELU_ALPHA ** 2 * p + 1) * (1 - p))
+            shift = (noise - 1) * (_SELU_ALPHA * a) + _SELU_ALPHA * a * p
+            noise = noise * a
+        else:
+            noise = noise / (1 - p)
+        out = input.mul_(noise) if inplace else input * noise
+        return out.add_(shift) if alpha else out
+
+
+def _transform_level():
+    """The current torch.func transform level, or None outside any (private functorch API; None where absent)."""
+    get = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", None)
+    return get() if get is not None else None
+
+
+# ---------------------------------------------------------------- the dropout family
+def _aten(feature: bool, alpha: bool, inplace: bool):
+    """A handler for ``torch.[feature_][alpha_]dropout[_](input, p, train)``."""
+    def rule(mode: KeyedForward, input: Tensor, p: float, train: bool) -> Tensor:
+        if not train or p == 0 or input.numel() == 0:  # ATen returns the input, no draw
+            return input
+        return mode.dropout(input, p, train, feature=feature, alpha=alpha, inplace=inplace)
+    return rule
+
+
+def _functional(feature: bool, alpha: bool, unbatched_dim: int | None = None, training: bool = True):
+    """A handler for ``F.dropout`` and its kind: ``(input, p, training, inplace)``; ``unbatched_dim``: the
+    input rank that ``dropout1d`` / ``dropout3d`` take as one example without a batch dimension."""
+    def rule(mode: KeyedForward, input: Tensor, p: float = 0.5, training: bool = training,
+             inplace: bool = False) -> Tensor:
+        if p < 0.0 or p > 1.0:
+            raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+        if not training or p == 0 or input.numel() == 0:
+            return input
+        single = unbatched_dim is not None and input.dim() == unbatched_dim
+        x = (input.unsqueeze_(0) if inplace else input.unsqueeze(0)) if single else input
+        out = mode.dropout(x, p, training, feature=feature, alpha=alpha, inplace=inplace)
+        return (out.squeeze_(0) if inplace else out.squeeze(0)) if single else out
+    return rule
+
+
+def _dropout1d(mode: KeyedForward, input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False):
+    if input.dim() not in (2, 3):
+        raise RuntimeError(f"dropout1d: Expected 2D or 3D input, but received a {input.dim()}D input")
+    return _functional(True, False, unbatched_dim=2)(mode, input, p, training, inplace)
+
+
+def _native(mode: KeyedForward, input: Tensor, p: float, train: bool | None = None) -> tuple[Tensor, Tensor]:
+    if train is False or input.numel() == 0:
+        return input.clone(), torch.ones_like(input, dtype=torch.bool)
+    if p == 0:
+        return input.clone(), torch.ones_like(input, dtype=torch.bool)
+    keep = mode._mask(tuple(input.shape), p, input.device) if p < 1 else torch.zeros_like(input, dtype=torch.bool)
+    return (input * keep.to(input.dtype) / (1 - p) if p < 1 else input * 0), keep
+
+
+_RULES = {
+    torch.dropout: _aten(False, False, False), torch.dropout_: _aten(False, False, True),
+    torch.feature_dropout: _aten(True, False, False), torch.feature_dropout_: _aten(True, False, True),
+    torch.alpha_dropout: _aten(False, True, False), torch.alpha_dropout_: _aten(False, True, True),
+    torch.feature_alpha_dropout: _aten(True, True, False), torch.feature_alpha_dropout_: _aten(True, True, True),
+    torch.native_dropout: _native,
+    F.dropout: _functional(False, False), F.dropout1d: _dropout1d, F.dropout2d: _functional(True, False),
+    F.dropout3d: _functional(True, False, unbatched_dim=4),
+    F.alpha_dropout: _functional(False, True, training=False),
+    F.feature_alpha_dropout: _functional(True, True, training=False),
+}
+_DROPOUT_NAMES = "nn.Dropout, Dropout1d/2d/3d, AlphaDropout, FeatureAlphaDropout and their functions"
+
+
+# ---------------------------------------------------------------- refused draws
+def _named(owner, names: str, prefix: str) -> dict:
+    return {getattr(owner, n): prefix + n for n in names.split() if hasattr(owner, n)}
+
+
+_RANDOM = {
+    **_named(torch, "rand rand_like randn randn_like randint randint_like randperm bernoulli multinomial normal "
+                    "poisson binomial _standard_gamma _sample_dirichlet rrelu rrelu_", "torch."),
+    **_named(torch.Tensor, "uniform_ normal_ bernoulli bernoulli_ random_ exponential_ geometric_ cauchy_ "
+                           "log_normal_ multinomial", "Tensor."),
+    **_named(F, "rrelu rrelu_ scaled_dot_product_attention gumbel_softmax", "torch.nn.functional."),
+}
+
+
+def _draws(func, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of a function of ``_RANDOM`` draws random numbers (rrelu only in training,
+    attention only with ``dropout_p > 0``)."""
+    if func in (torch.rrelu, torch.rrelu_, F.rrelu, F.rrelu_):
+        return bool(args[3] if len(args) > 3 else kwargs.get("training", False))
+    if func is F.scaled_dot_product_attention:
+        return float(args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)) > 0
+    return True
+
+
+# ---------------------------------------------------------------- scopes
+def active() -> KeyedForward | None:
+    """The keyed mode of the step being computed, or None."""
+    return getattr(_local, "mode", None)
+
+
+def snapshot(device: torch.device | str = "cpu") -> tuple:
+    """The states of the public generators a forward could draw from: torch's CPU one (and the CUDA
+    one of ``device``), Python's ``random`` and numpy's global one."""
+    device = torch.device(device)
+    state = np.random.get_state()
+    return (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+            random.getstate(), state[1].tobytes() + bytes(str(state[2:]), "ascii"))
+
+
+_FORWARD_REMEDY = ("Only dropout is drawn in the private forward (per example, from the run's secret key); remove the "
+                   "draw or move it before the model")
+
+
+def check_generators(before: tuple, device: torch.device | str = "cpu", where: str = "the model's forward pass",
+                     remedy: str = _FORWARD_REMEDY) -> None:
+    """Refuse when a public generator moved since ``before`` (``snapshot``): ``where`` drew from it."""
+    now = snapshot(device)
+    moved = [name for name, a, b in zip(("torch's", "torch's CUDA", "Python's random", "numpy's global"), before, now)
+             if not (torch.equal(a, b) if isinstance(a, Tensor) else a == b)]
+    if moved:
+        raise ConfigError(f"{where} drew random numbers from {moved[0]} generator: its state is a public function of "
+                          f"the seed and its draws go by batch position, so the DP guarantee would not hold. {remedy}")
+
+
+@contextlib.contextmanager
+def keyed(key: SecretKey, step: int, device: torch.device | str = "cpu") -> Iterator[KeyedForward]:
+    """The private computation of step ``step``: in its forward passes (``one_pass``) dropout keyed per
+    example and other draws refused; on leaving, refused if a public generator moved anywhere in it
+    (``check_generators``)."""
+    if active() is not None:
+        raise RuntimeError("keyed forward scopes do not nest")
+    mode, before = KeyedForward(key, step), snapshot(device)
+    _local.mode = mode
+    try:
+        yield mode
+    finally:
+        _local.mode = None
+    check_generators(before, device)
+
+
+@contextlib.contextmanager
+def examples(ids: Tensor | Sequence[int] | None) -> Iterator[None]:
+    """The forwards inside compute the rows of the examples ``ids`` (in row order; None: unknown)."""
+    mode = active()
+    if mode is None:
+        yield
+        return
+    saved = mode.ids
+    mode.ids = None if ids is None else [int(i) for i in ids]
+    try:
+        yield
+    finally:
+        mode.ids = saved
+
+
+@contextlib.contextmanager
+def same_example(row: int) -> Iterator[None]:
+    """Every row is the example of row ``row`` (the fast path's counterfactual batch of its copies)."""
+    mode = active()
+    ids = mode.ids if mode is not None else None
+    with examples(None if ids is None else [ids[row]] * len(ids)):
+        yield
+
+
+class Pass:
+    """What ``one_pass`` saw: ``calls``, the keyed dropout calls of the forward."""
+    calls = 0
+
+
+@contextlib.contextmanager
+def one_pass(position: Tensor | None = None) -> Iterator[Pass]:
+    """One forward pass of the model, under the mode (only the model's own computation: clipbias's
+    arithmetic around it is not intercepted); the keystream counter starts at block 0.
+    ``position``: the rows path's position of the (vmapped) example in ``ids``."""
+    mode, seen = active(), Pass()
+    if mode is None:
+        yield seen
+        return
+    saved = mode.offset, mode.calls, mode.position, mode.inside
+    mode.offset, mode.calls, mode.position, mode.inside = 0, 0, position, True
+    try:
+        with mode if not saved[3] else contextlib.nullcontext():
+            yield seen
+    finally:
+        seen.calls = mode.calls
+        mode.offset, mode.calls, mode.position, mode.inside = saved

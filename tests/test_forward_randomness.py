@@ -1,0 +1,214 @@
+"""Keyed forward randomness (clipbias.randomness.forward): dropout masks of the private step are a
+function of the run's key, the step and the example's index; other random draws are refused."""
+
+import random
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from clipbias.config import AlgoConfig
+from clipbias.engine.core import DPEngine
+from clipbias.errors import ConfigError
+from clipbias.grads.rows import FuncGradients
+from clipbias.randomness import Purpose, SecretKey, forward, stream
+from clipbias.sampling.loader import PoissonLoader
+
+KEY = SecretKey.from_seed(11)
+
+
+def reference_masks(key: SecretKey, step: int, ids: list[int], m: int, p: float = 0.5) -> torch.Tensor:
+    """Independent reading of the spec: example i keeps element j of its first dropout call when the
+    j-th little-endian 32-bit word of its FORWARD keystream is below floor((1 - p) 2^32)."""
+    t = int((1 - p) * 2 ** 32)
+    return torch.stack([torch.from_numpy((stream(key, Purpose.FORWARD, step, i, 4 * m).view("<u4") < t).copy())
+                        for i in ids])
+
+
+def batched_masks(ids: list[int], m: int, step: int = 0, key: SecretKey = KEY) -> torch.Tensor:
+    """The masks of a batched forward (the fast path's layout: row r is example ids[r])."""
+    with forward.keyed(key, step), forward.examples(ids), forward.one_pass():
+        return F.dropout(torch.ones(len(ids), m), 0.5) != 0
+
+
+def rows_masks(ids: list[int], m: int, step: int = 0) -> torch.Tensor:
+    """The masks of the rows path (one example per vmap call): the per-example gradient of
+    sum(W dropout(1)) is mask / (1 - p)."""
+    model = nn.Sequential(nn.Dropout(0.5), nn.Linear(m, 1, bias=False))
+    fg = FuncGradients(model, lambda out, y: out.sum())
+    with forward.keyed(KEY, step), forward.examples(ids):
+        g, _ = fg(torch.ones(len(ids), m), torch.zeros(len(ids)))
+    return g != 0
+
+
+def test_masks_are_a_function_of_key_step_and_index_only():
+    """Example 5's masks are the same at any position, beside any other examples, on the rows path
+    and the batched path, and equal the keystream read independently; fresh at every step and
+    different for every example."""
+    m = 256
+    want = reference_masks(KEY, 0, [5, 2, 9, 7], m)
+    assert torch.equal(batched_masks([5, 2, 9], m), want[:3])
+    assert torch.equal(batched_masks([7, 5], m), want[[3, 0]])
+    assert torch.equal(rows_masks([9, 5], m), want[[2, 0]])
+    assert torch.equal(rows_masks([5, 5], m)[1], want[0])  # a counterfactual batch of copies: the example's masks
+    other_step, other_key = batched_masks([5], m, step=1)[0], batched_masks([5], m, key=SecretKey.from_seed(12))[0]
+    for other in (other_step, other_key, want[1]):
+        assert 0.3 < (other != want[0]).float().mean() < 0.7  # independent bits differ in about half the places
+    assert 0.4 < want.float().mean() < 0.6
+
+
+@pytest.mark.parametrize("fn,shape,alpha", [
+    (F.dropout, (3, 4, 5), False), (nn.Dropout(0.5), (3, 4, 5), False), (F.dropout1d, (3, 4, 5), False),
+    (F.dropout2d, (3, 4, 5, 2), False), (F.dropout3d, (3, 4, 2, 2, 2), False), (F.alpha_dropout, (3, 4, 5), True),
+    (F.feature_alpha_dropout, (3, 4, 5, 2), True), (torch.dropout, (3, 4, 5), False)])
+def test_the_dropout_family_is_keyed_with_torchs_values(fn, shape, alpha):
+    """Every member of the family gives torch's output values (scale, alpha dropout's affine form) with
+    keyed masks: row r of a batched input is example ids[r]'s whatever the other rows; feature
+    dropouts keep or drop whole channels."""
+    def run(x, ids=None):
+        if isinstance(fn, nn.Module):
+            return fn.train()(x)
+        kw = {"train": True} if fn is torch.dropout else {"training": True}
+        return fn(x, p=0.5, **kw)
+    x = torch.ones(shape)
+    with forward.keyed(KEY, 3), forward.examples([4, 8, 1]), forward.one_pass():
+        out = run(x)
+    with forward.keyed(KEY, 3), forward.examples([1, 4]), forward.one_pass():
+        swapped = run(x[:2])
+    assert torch.equal(out[[2, 0]], swapped)
+    torch.manual_seed(0)
+    assert set(out.unique().tolist()) == set(run(torch.ones(64, *shape[1:])).unique().tolist())
+    if fn in (F.dropout1d, F.dropout2d, F.dropout3d, F.feature_alpha_dropout):
+        assert torch.equal(out, out.flatten(2)[..., :1].expand(out.flatten(2).shape).reshape(shape))
+    assert len(out.unique()) == 2 and alpha == bool(out.min() < 0)  # kept and dropped both present
+
+
+def _canary_engine(path: str) -> DPEngine:
+    model = nn.Sequential(nn.Dropout(0.5), nn.Linear(16, 1, bias=False))
+    nn.init.zeros_(model[1].weight)
+    return DPEngine(model, "dpsgd", n=16, batch_size=4, steps=1, noise_multiplier=1.0, grad_path=path,
+                    config=AlgoConfig(lr=1.0, clip=1.0), loss_fn=lambda out, y: out.sum(), noise_seed=5)
+
+
+@pytest.mark.parametrize("path", ["rows", "fast", "auto"])
+def test_dropout_canary_moves_the_release_by_its_own_contribution_only(path):
+    """The attack: 12 examples whose clipped gradient is C e_j or 0 by one mask bit each. Position-
+    assigned masks would move the release by sqrt(#bits that change) C > C when an example joins in
+    front; keyed masks move it by the joining example's own clipped gradient: the update shift
+    equals -lr/B clip(g*) computed in float64 from the keystream, and is at most lr C / B."""
+    x = torch.zeros(13, 16, dtype=torch.float64)
+    x[torch.arange(13), torch.arange(13)] = 100.0  # example i (index i) lives on coordinate i; x* is index 0
+    ids_a, ids_b = torch.arange(1, 13), torch.arange(13)
+    updates = []
+    for ids in (ids_a, ids_b):
+        eng = _canary_engine(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # indices of the test's choosing: uncertified, on purpose
+            eng.step(x[ids].float(), torch.zeros(len(ids)), ids)
+        updates.append(eng.model[1].weight.detach().double().flatten())
+    keep = reference_masks(eng.key, 0, list(range(13)), 16).double()
+    own = keep[0, 0] * 1.0 * torch.eye(16, dtype=torch.float64)[0]  # g* = keep 100 / (1 - p) e_0, clipped to C
+    shift = updates[1] - updates[0]
+    assert torch.allclose(shift, -own / 4, atol=1e-6) and shift.norm() <= 1.0 / 4 * (1 + 1e-6)
+    by_position = reference_masks(eng.key, 0, list(range(13)), 16).double()  # row r: the mask of position r
+    moved = sum((by_position[r + 1, r + 1] - by_position[r, r + 1]) * torch.eye(16, dtype=torch.float64)[r + 1]
+                for r in range(12)) + by_position[0, 0] * torch.eye(16, dtype=torch.float64)[0]
+    assert moved.norm() > 1.5  # the same data under position-assigned masks: beyond one clip norm
+
+
+def test_rows_and_fast_paths_draw_the_same_masks():
+    """A model with dropout between layers: one step on the rows path and on the fast path (same key)
+    gives the same update: every forward of an example, the fast path's counterfactual recheck
+    included, used the example's masks."""
+    x, y = torch.randn(40, 8, generator=torch.Generator().manual_seed(0)), torch.arange(40) % 3
+    out = []
+    for path in ("rows", "fast"):
+        torch.manual_seed(1)
+        m = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.4), nn.Linear(32, 3))
+        eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=0.5, grad_path=path, noise_seed=3,
+                       config=AlgoConfig(lr=1.0, clip=100.0))  # no clipping: the paths' norms round apart
+        idx = eng.sampler.sample()
+        eng.step(x[idx], y[idx], idx)
+        out.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
+    assert len(idx) > 2 and torch.allclose(out[0], out[1], rtol=0, atol=1e-5)
+
+
+class _Draws(nn.Module):
+    def __init__(self, draw) -> None:
+        super().__init__()
+        self.lin, self.draw = nn.Linear(8, 3), draw
+
+    def forward(self, x):
+        return self.lin(x + 0.01 * self.draw(x))
+
+
+@pytest.mark.parametrize("draw,name,path", [
+    (torch.rand_like, "torch.rand_like", "rows"), (torch.rand_like, "torch.rand_like", "fast"),
+    (lambda x: x.clone().uniform_(), "Tensor.uniform_", "rows"),
+    (lambda x: x * random.random(), "Python's random", "fast")])
+def test_a_forward_drawing_from_a_public_generator_is_refused(draw, name, path):
+    """torch.rand and its kind are refused by name; a draw that bypasses the mode (Python's random) by
+    the moved generator. Nothing changes."""
+    m = _Draws(draw)
+    eng = DPEngine(m, "dpsgd", n=20, batch_size=5, steps=1, noise_multiplier=1.0, grad_path=path)
+    before = [p.detach().clone() for p in m.parameters()]
+    idx = eng.sampler.sample()
+    with pytest.raises(ConfigError, match=name):
+        eng.step(torch.randn(len(idx), 8), torch.zeros(len(idx), dtype=torch.long), idx)
+    assert eng.steps_taken == 0 and all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+
+
+def test_dropout_without_indices_is_refused():
+    m = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 3))
+    eng = DPEngine(m, "dpsgd", n=20, batch_size=5, steps=1, noise_multiplier=1.0, grad_path="rows")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ConfigError, match="indices"):
+            eng.step(torch.randn(4, 8), torch.zeros(4, dtype=torch.long))
+    assert eng.steps_taken == 0
+
+
+def _dropout_run(steps_first: int, p: float = 0.3, state=None):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(p), nn.Linear(16, 3))
+    eng = DPEngine(m, "dpsgd", n=32, batch_size=8, steps=4, noise_multiplier=1.0, noise_seed=9,
+                   config=AlgoConfig(lr=0.5, clip=0.5), max_physical_batch=3)
+    if state is not None:
+        m.load_state_dict(state["model"])
+        eng.load_state_dict(state["engine"])
+        torch.rand(5)  # torch's generator elsewhere than in the first run: the masks do not read it
+    x, y = torch.randn(32, 8, generator=torch.Generator().manual_seed(1)), torch.arange(32) % 3
+    for _ in range(steps_first):
+        idx = eng.sampler.sample()
+        eng.step(x[idx], y[idx], idx)
+    return m, eng
+
+
+def test_resume_with_dropout_is_bit_exact():
+    """Masks are a pure function of (key, step, index): a resumed run draws what the uninterrupted one
+    did, whatever torch's generator holds meanwhile."""
+    whole, _ = _dropout_run(4)
+    half, eng = _dropout_run(2)
+    state = {"model": {k: v.clone() for k, v in half.state_dict().items()}, "engine": eng.state_dict()}
+    resumed, _ = _dropout_run(2, state=state)
+    assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), resumed.parameters()))
+    no_dropout, _ = _dropout_run(4, p=0.0)
+    assert not all(torch.equal(a, b) for a, b in zip(whole.parameters(), no_dropout.parameters()))
+
+
+class _NoisyData(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.randn(4), 0  # torch's global generator: public, in fetch order
+
+
+def test_a_dataset_drawing_from_torchs_generator_is_refused():
+    eng = DPEngine(nn.Linear(4, 2), "dpsgd", n=8, batch_size=4, steps=1, noise_multiplier=1.0, noise_seed=2)
+    with pytest.raises(ConfigError, match="dataset.*torch's generator"):
+        for x, y, idx in PoissonLoader(eng, _NoisyData()).epoch():
+            if len(idx):
+                break

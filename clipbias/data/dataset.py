@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import ClipbiasError
+from ..errors import ClipbiasError, require
 
 
 class DataNotFoundError(ClipbiasError, FileNotFoundError):
@@ -57,8 +57,7 @@ class Dataset:
 
 def stratified_split(y: np.ndarray, size: int | float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Seeded stratified split of ``arange(len(y))`` into (keep, taken) index arrays."""
-    from sklearn.model_selection import train_test_split
-
+    train_test_split = require("sklearn.model_selection", "a stratified split (--validation)").train_test_split
     keep, taken = train_test_split(np.arange(len(y)), test_size=size, random_state=seed, stratify=y)
     return np.sort(keep), np.sort(taken)
 

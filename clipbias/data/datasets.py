@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..errors import require
 from .dataset import (DataFormatError, DataNotFoundError, Dataset, IdxFormatError, holdout, stratified_split,
                       with_validation)
 from .fashion import (FASHION_MNIST_CLASSES, FASHION_MNIST_MEAN, FASHION_MNIST_STD, cache_dir, fashion_mnist_dir,
@@ -45,8 +46,7 @@ SKLEARN_SPLIT_SEED = 0
 
 
 def _sklearn_arrays(name: str) -> tuple[np.ndarray, np.ndarray]:
-    from sklearn import datasets as skd
-
+    skd = require("sklearn.datasets", f"the {name} data set")
     loader = {"digits": skd.load_digits, "breast-cancer": skd.load_breast_cancer,
               "wine": skd.load_wine}[name]
     bunch = loader()
@@ -56,13 +56,13 @@ def _sklearn_arrays(name: str) -> tuple[np.ndarray, np.ndarray]:
 
 def load_dataset(name: str, *, data_dir: str | os.PathLike | None = None, validation: int = 0,
                  seed: int = 0, image: bool = False, data_path: str | os.PathLike | None = None) -> Dataset:
-    """Load a data set by name (see :data:`DATASET_NAMES`).
+    """Load a data set by name (one of ``DATASET_NAMES``).
 
     ``validation > 0`` moves that many training examples (stratified, chosen by ``seed``)
     into ``x_val``/``y_val``; the test split never changes. ``image=True`` (or the name
     ``digits-image``) shapes ``digits`` as 1x8x8 images instead of 64 flat features.
     ``data_dir`` overrides the Fashion-MNIST directory and is where ``cifar10`` is read from;
-    ``npz`` reads ``data_path`` (see :func:`load_npz`).
+    ``npz`` reads ``data_path`` (see ``load_npz``).
     """
     if name not in DATASET_NAMES:
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")

@@ -1,6 +1,6 @@
 """The installable package: the optional dependencies are optional (the library, the engine and a
-training run work without them, and what needs one says which extra installs it), and the extras in
-pyproject.toml are the ones the errors name."""
+training run work without them, and what needs one says which extra installs it), the extras in
+pyproject.toml are the ones the errors name, and the version has one source."""
 
 from __future__ import annotations
 
@@ -140,3 +140,14 @@ def test_the_extras_are_the_ones_the_errors_name():
     assert set(extras["all"][0].partition("[")[2].rstrip("]").split(",")) == {e for _, e in EXTRAS.values()}
     setup = (ROOT / "scripts/setup.sh").read_text()
     assert "-e '.[all,test]'" in setup  # the suite runs everything: the docs build included
+
+
+def test_the_version_is_the_changelogs_latest_release():
+    """One source: ``clipbias.__version__``, which the package metadata reads (pyproject.toml)."""
+    import clipbias
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "clipbias.__version__"}
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert releases and releases[0] == clipbias.__version__
+    assert "## [Unreleased]" in (ROOT / "CHANGELOG.md").read_text()

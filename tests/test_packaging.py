@@ -1,6 +1,7 @@
 """The installable package: the optional dependencies are optional (the library, the engine and a
 training run work without them, and what needs one says which extra installs it), the extras in
-pyproject.toml are the ones the errors name, and the version has one source."""
+pyproject.toml are the ones the errors name, the version has one source, and the API reference
+builds without warnings."""
 
 from __future__ import annotations
 
@@ -139,7 +140,7 @@ def test_the_extras_are_the_ones_the_errors_name():
         assert dist not in names(meta["dependencies"]), f"{dist} is optional"
     assert set(extras["all"][0].partition("[")[2].rstrip("]").split(",")) == {e for _, e in EXTRAS.values()}
     setup = (ROOT / "scripts/setup.sh").read_text()
-    assert "-e '.[all,test]'" in setup  # the suite runs everything: the docs build included
+    assert "-e '.[all,docs,test]'" in setup  # the suite runs everything: the docs build included
 
 
 def test_the_version_is_the_changelogs_latest_release():
@@ -151,3 +152,22 @@ def test_the_version_is_the_changelogs_latest_release():
     releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", (ROOT / "CHANGELOG.md").read_text(), re.M)
     assert releases and releases[0] == clipbias.__version__
     assert "## [Unreleased]" in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_the_api_reference_builds_without_warnings(tmp_path):
+    """``mkdocs build --strict`` (mkdocs.yml: the docs pages and the reference generated from the
+    docstrings by mkdocstrings): a warning (a broken link, bad docstring markup, a missing object) fails."""
+    try:
+        import mkdocstrings_handlers.python  # noqa: F401
+    except ImportError:
+        pytest.fail('the docs build needs the docs extra: pip install -e ".[docs]" (scripts/setup.sh installs it)')
+    site = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    page = (site / "reference" / "index.html").read_text()
+    for name in ("engine.DPEngine", "config.AlgoConfig", "privacy.account", "privacy.calibrate",
+                 "privacy.PrivacyReport", "randomness.SecretKey", "sampling.PoissonSampler",
+                 "sampling.PoissonLoader", "data.load_dataset", "models.build_model", "errors.ConfigError",
+                 "errors.MissingDependencyError"):
+        assert f'id="clipbias.{name}"' in page, name

@@ -79,6 +79,7 @@ def test_clipbias_train_without_matplotlib_skips_the_figure_with_a_notice(tmp_pa
     assert (out / "results.json").exists() and not (out / "curves.png").exists()
     notice = [line for line in r.stderr.splitlines() if "curves.png not written" in line]
     assert len(notice) == 1 and 'pip install "clipbias[plots]"' in notice[0], r.stderr
+    assert f"results           {out}/results.json\n" in r.stdout  # the summary lists only what was written
 
 
 @pytest.fixture

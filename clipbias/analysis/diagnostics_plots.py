@@ -14,7 +14,7 @@ from typing import Sequence
 from ..errors import require
 from ..files import atomic_write
 
-require("matplotlib", "the figures of clipbias diagnose and clipbias toy").use("Agg", force=False)
+require("matplotlib", "drawing the figures of clipbias diagnose and clipbias toy").use("Agg", force=False)
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 

@@ -137,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, reproducible_noise=True)
     sizes = _check_sizes(args)
     if not args.no_figures:  # refused now, not after the recording
-        require("matplotlib", "the figures of clipbias diagnose (--no-figures skips them)")
+        require("matplotlib", "drawing the figures of clipbias diagnose (--no-figures skips them)")
     if args.out or args.run:
         out = Path(args.out or args.run)
         check_out_dir(out)  # a file in the way is refused now, not after the recording; created at the first write

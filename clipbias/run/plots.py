@@ -29,7 +29,7 @@ def _stack(histories: list[list[dict]], key: str) -> tuple[np.ndarray, np.ndarra
 
 def plot_curves(runs: dict[str, list[list[dict]]], path: str | os.PathLike, title: str = "") -> Path:
     """Write a two-panel PNG (accuracy, loss vs. epoch) to ``path``; returns the path."""
-    require("matplotlib", "the training curves (curves.png)").use("Agg", force=False)
+    require("matplotlib", "drawing the training curves").use("Agg", force=False)
     import matplotlib.pyplot as plt
 
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(11, 4.2))

@@ -1,4 +1,5 @@
-"""Exceptions raised by clipbias. Each message says what was wrong and how to fix it."""
+"""Exceptions raised by clipbias. Each message says what was wrong and how to fix it; an optional
+dependency is imported by ``require``, whose error names the extra that installs it."""
 
 from __future__ import annotations
 

@@ -85,7 +85,8 @@ def byte_tokenizer() -> Any:
     vocabulary) would leak that data outside the DP guarantee. (GPT-2's pretrained tokenizer is
     public too; this one needs no download.)
     """
-    require("tokenizers", "byte_tokenizer"), require("transformers", "byte_tokenizer")
+    require("tokenizers", "byte_tokenizer")
+    require("transformers", "byte_tokenizer")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -57,8 +57,8 @@ class ScatterFeatures:
         if self._scattering is None:
             # kymatio.torch pulls in the 3-D frontend, which imports a SciPy function
             # removed in recent SciPy; the 2-D torch frontend imports cleanly.
-            frontend = require("kymatio.scattering2d.frontend.torch_frontend", "the scattering features of the "
-                               "scatter models (scatter-linear, scatter-cnn)")
+            frontend = require("kymatio.scattering2d.frontend.torch_frontend", "computing the scattering "
+                               "features of the scatter models (scatter-linear, scatter-cnn)")
             self._scattering = frontend.ScatteringTorch2D(J=self.J, shape=self.image_shape, L=self.L)
         return self._scattering.to(device)
 

@@ -1,6 +1,16 @@
-"""Exceptions raised by clipbias. Each message says what was wrong and how to fix it."""
+"""Exceptions raised by clipbias. Each message says what was wrong and how to fix it; an optional
+dependency is imported by ``require``, whose error names the extra that installs it."""
 
 from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+EXTRAS = {"kymatio": ("kymatio", "scatter"), "sklearn": ("scikit-learn", "datasets"),
+          "matplotlib": ("matplotlib", "plots"), "transformers": ("transformers", "hf"),
+          "tokenizers": ("tokenizers", "hf"), "peft": ("peft", "hf"), "lightning": ("lightning", "lightning")}
+"""The optional dependencies: top-level module -> (its distribution on PyPI, the extra of clipbias
+that installs it, ``pip install "clipbias[extra]"``; pyproject.toml lists the extras)."""
 
 
 class ClipbiasError(Exception):
@@ -33,3 +43,23 @@ class TrainingDivergedError(ClipbiasError, FloatingPointError):
 
 class WriteError(ClipbiasError, OSError):
     """A file could not be written (disk full, permissions); the previous file, if any, is unchanged."""
+
+
+class MissingDependencyError(ClipbiasError, ImportError):
+    """An optional dependency is not installed; the message names the extra of clipbias that installs it."""
+
+
+def require(module: str, needed_for: str) -> ModuleType:
+    """``importlib.import_module(module)`` for an optional dependency (its top-level name in
+    ``EXTRAS``), or a ``MissingDependencyError`` that says what needs it and the
+    ``pip install "clipbias[extra]"`` that installs it. An installed package that fails to import
+    for another reason raises that error unchanged."""
+    top = module.partition(".")[0]
+    dist, extra = EXTRAS[top]
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.partition(".")[0] != top:
+            raise
+        raise MissingDependencyError(f"{needed_for} needs {dist}, which is not installed: "
+                                     f"pip install \"clipbias[{extra}]\" (or pip install {dist})") from e

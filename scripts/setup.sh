@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up clipbias on a fresh Debian machine: Fashion-MNIST from Debian, a virtualenv with the CPU
-# build of torch (pinned: an unpinned torch pulls a multi-GB CUDA build), and clipbias itself with its
-# test and Hugging Face extras (transformers, tokenizers, peft: examples/gpt2_e2e.py).
+# build of torch (pinned: an unpinned torch pulls a multi-GB CUDA build), and clipbias itself with every
+# extra the test suite uses: all optional features (pyproject.toml), the docs build and the test tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,5 +15,5 @@ fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/pip install -q --disable-pip-version-check -e '.[test,hf]'
+.venv/bin/pip install -q --disable-pip-version-check -e '.[all,docs,test]'
 echo "clipbias installed: $(.venv/bin/clipbias --help | head -1)"

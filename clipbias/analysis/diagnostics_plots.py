@@ -11,13 +11,12 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-import matplotlib
+from ..errors import require
+from ..files import atomic_write
 
-matplotlib.use("Agg", force=False)
+require("matplotlib", "drawing the figures of clipbias diagnose and clipbias toy").use("Agg", force=False)
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-from ..files import atomic_write  # noqa: E402
 
 NOT_DP_NOTE = "diagnostic of raw per-example gradients - NOT differentially private"
 

@@ -186,10 +186,11 @@ def _compare(args: argparse.Namespace, base, variants: list[tuple[str, dict]], s
 
     result = run_many(base, variants, seeds, out=out, splits=splits, progress=not args.quiet,
                       on_run=on_run, on_start=on_start)
-    from ..run.plots import plot_curves
-    plot_curves({label: [r["history"] for r in rs] for label, rs in result["runs"].items()}, out / CURVES,
-                title=f"{base.data} / {base.model} / target epsilon={base.epsilon}, delta={base.delta:g} "
-                      f"(mean over {len(seeds)} seed{'s' if len(seeds) > 1 else ''})")
+    from ..run.plots import plot_curves_or_notice
+    curves = plot_curves_or_notice(
+        {label: [r["history"] for r in rs] for label, rs in result["runs"].items()}, out / CURVES,
+        title=f"{base.data} / {base.model} / target epsilon={base.epsilon}, delta={base.delta:g} "
+              f"(mean over {len(seeds)} seed{'s' if len(seeds) > 1 else ''})")
     summary = {"config": {**base.to_dict(), "algos": algos, "seeds": seeds, "ef_ratio": ratio
                           if args.ef_clip is None else None},
                "dataset": splits.info, "rows": result["summary"],
@@ -203,11 +204,12 @@ def _compare(args: argparse.Namespace, base, variants: list[tuple[str, dict]], s
     summary["best_sound"] = None if best is None else {k: best[k] for k in ("label", "command")}
     write_json(summary, out / COMPARE)
     finish_overwrite(out)
-    _print_summary(args, summary, result["summary"], out, t0)
+    _print_summary(args, summary, result["summary"], out, t0, curves is not None)
     return 0
 
 
-def _print_summary(args: argparse.Namespace, summary: dict, rows: list[dict], out: Path, t0: float) -> None:
+def _print_summary(args: argparse.Namespace, summary: dict, rows: list[dict], out: Path, t0: float,
+                   curves: bool) -> None:
     from ..run.report import COMPARE
     from ..run.training import CURVES
     if args.json:
@@ -223,7 +225,7 @@ def _print_summary(args: argparse.Namespace, summary: dict, rows: list[dict], ou
               "(docs/privacy.md): NOT a guarantee, shown only to reproduce the paper.")
     best = best_sound(summary)  # also in compare.json
     print("\n" + (best["line"] if best else "best sound configuration: none (no row is certified)"))
-    print(f"\nwrote {out / COMPARE} and {out / CURVES} ({time.perf_counter() - t0:.0f} s)")
+    print(f"\nwrote {out / COMPARE}{f' and {out / CURVES}' if curves else ''} ({time.perf_counter() - t0:.0f} s)")
 
 
 def best_sound(summary: dict) -> dict | None:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError
+from ..errors import ConfigError, require
 from ._common import emit, jsonable
 
 if TYPE_CHECKING:
@@ -136,6 +136,8 @@ def _run(args: argparse.Namespace) -> int:
     # diagnostics are not private: reproducible batches and noise, from --seed
     cfg = config_from_args(args, reproducible_noise=True)
     sizes = _check_sizes(args)
+    if not args.no_figures:  # refused now, not after the recording
+        require("matplotlib", "drawing the figures of clipbias diagnose (--no-figures skips them)")
     if args.out or args.run:
         out = Path(args.out or args.run)
         check_out_dir(out)  # a file in the way is refused now, not after the recording; created at the first write

@@ -11,7 +11,7 @@ import math
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, require
 from ._choices import current
 from ..files import new_run_dir
 from ._common import emit
@@ -58,7 +58,8 @@ def _run(args: argparse.Namespace) -> int:
     from ..analysis import toy
     from ..run.checkpoint import check_out_dir
     problem = toy.get_problem(args.problem)
-    if not args.no_figure:  # a file in the way of the figure's directory is refused now, not after the runs
+    if not args.no_figure:  # a missing matplotlib or a file in the figure's way is refused now, not after the runs
+        require("matplotlib", "drawing the figure of clipbias toy (--no-figure skips it)")
         check_out_dir(Path(args.figure).parent if args.figure else Path(args.out or "runs"))
         given = Path(args.figure) if args.figure else Path(args.out) / f"toy-{args.problem}.png" if args.out else None
         if given is not None and given.exists() and not args.overwrite:

@@ -346,7 +346,7 @@ def _train_and_report(args: argparse.Namespace, cfg: TrainConfig) -> int:
         "certified": fmt_certified(res["certified"], private, res.get("caveats", ())),
         "noise multiplier": f"{res['noise_multiplier']:.6g}",
         "wall time": f"{res['wall_time_s']:.1f} s ({res['wall_time_per_epoch_s']:.1f} s/epoch training)",
-        "results": f"{cfg.out}/{RESULTS}, {cfg.out}/{CURVES}",
+        "results": ", ".join(f"{cfg.out}/{f}" for f in (RESULTS, CURVES) if (Path(cfg.out) / f).exists()),
         "checkpoint": f"{cfg.out}/{CHECKPOINT} (PRIVATE; release only `clipbias export`)",
     }
     print()

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import ClipbiasError, ConfigError
+from ..errors import ClipbiasError, ConfigError, require
 from ..randomness import Purpose, SecretKey, poisson_indices
 
 
@@ -61,8 +61,7 @@ def stratified_split(y: np.ndarray, size: int | float, seed: int) -> tuple[np.nd
     """Seeded stratified split of ``arange(len(y))`` into (keep, taken) index arrays. Only for the fixed
     test split of the scikit-learn sets (part of the data set's definition, seed 0): never for a split
     of private training data, where one example's label would move others (``keyed_split``)."""
-    from sklearn.model_selection import train_test_split
-
+    train_test_split = require("sklearn.model_selection", "the scikit-learn data sets' test split").train_test_split
     keep, taken = train_test_split(np.arange(len(y)), test_size=size, random_state=seed, stratify=y)
     return np.sort(keep), np.sort(taken)
 

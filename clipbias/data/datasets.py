@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError
+from ..errors import ConfigError, require
 from ..randomness import SecretKey
 from .dataset import (HOLDOUT_CAVEAT, DataFormatError, DataNotFoundError, Dataset, IdxFormatError, holdout,
                       keyed_split, stratified_split, with_validation)
@@ -48,8 +48,7 @@ SKLEARN_SPLIT_SEED = 0
 
 
 def _sklearn_arrays(name: str) -> tuple[np.ndarray, np.ndarray]:
-    from sklearn import datasets as skd
-
+    skd = require("sklearn.datasets", f"the {name} data set")
     loader = {"digits": skd.load_digits, "breast-cancer": skd.load_breast_cancer,
               "wine": skd.load_wine}[name]
     bunch = loader()
@@ -68,7 +67,7 @@ def load_dataset(name: str, *, data_dir: str | os.PathLike | None = None, valida
     changes. ``image=True`` (or the name
     ``digits-image``) shapes ``digits`` as 1x8x8 images instead of 64 flat features.
     ``data_dir`` overrides the Fashion-MNIST directory and is where ``cifar10`` is read from;
-    ``npz`` reads ``data_path`` (see :func:`load_npz`).
+    ``npz`` reads ``data_path`` (see ``load_npz``).
     """
     if name not in DATASET_NAMES:
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .datasets import DataFormatError, DataNotFoundError
-from ..errors import ConfigError
+from ..errors import ConfigError, require
 
 __all__ = ["E2EDataset", "EOS", "IGNORE", "LMCollate", "SEP", "byte_tokenizer", "lm_collate", "prompt",
            "read_e2e", "sequence_loss", "token_count"]
@@ -85,6 +85,8 @@ def byte_tokenizer() -> Any:
     vocabulary) would leak that data outside the DP guarantee. (GPT-2's pretrained tokenizer is
     public too; this one needs no download.)
     """
+    require("tokenizers", "byte_tokenizer")
+    require("transformers", "byte_tokenizer")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -78,7 +78,7 @@ class DPEngine:
     run reproducible and ``privacy()`` then reports it uncertified. Rows: ``grads`` (a ``RowSource``
     or a per-example gradient function) if given, else the algorithm's own source.
 
-    Example::
+    For example, a loop written by hand:
 
         engine = DPEngine(model, "dice", n=len(x), batch_size=256, epochs=5, epsilon=3, delta=1e-5,
                           config=AlgoConfig(lr=0.5, clip=1.0))

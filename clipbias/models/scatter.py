@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from clipbias.data.datasets import cache_dir
+from clipbias.errors import require
 
 __all__ = ["ScatterFeatures", "ScatterLinear", "ScatterCNN"]
 
@@ -56,9 +57,9 @@ class ScatterFeatures:
         if self._scattering is None:
             # kymatio.torch pulls in the 3-D frontend, which imports a SciPy function
             # removed in recent SciPy; the 2-D torch frontend imports cleanly.
-            from kymatio.scattering2d.frontend.torch_frontend import ScatteringTorch2D
-
-            self._scattering = ScatteringTorch2D(J=self.J, shape=self.image_shape, L=self.L)
+            frontend = require("kymatio.scattering2d.frontend.torch_frontend", "computing the scattering "
+                               "features of the scatter models (scatter-linear, scatter-cnn)")
+            self._scattering = frontend.ScatteringTorch2D(J=self.J, shape=self.image_shape, L=self.L)
         return self._scattering.to(device)
 
     @torch.no_grad()

@@ -8,10 +8,12 @@ per-epoch records that :func:`clipbias.run.train` returns (``results["history"]`
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
 
+from ..errors import MissingDependencyError, require
 from ..files import atomic_write
 
 
@@ -27,8 +29,7 @@ def _stack(histories: list[list[dict]], key: str) -> tuple[np.ndarray, np.ndarra
 
 def plot_curves(runs: dict[str, list[list[dict]]], path: str | os.PathLike, title: str = "") -> Path:
     """Write a two-panel PNG (accuracy, loss vs. epoch) to ``path``; returns the path."""
-    import matplotlib
-    matplotlib.use("Agg", force=False)
+    require("matplotlib", "drawing the training curves").use("Agg", force=False)
     import matplotlib.pyplot as plt
 
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -64,3 +65,13 @@ def plot_curves(runs: dict[str, list[list[dict]]], path: str | os.PathLike, titl
     atomic_write(path, lambda fh: fig.savefig(fh, dpi=110, format="png"))
     plt.close(fig)
     return path
+
+
+def plot_curves_or_notice(runs: dict[str, list[list[dict]]], path: str | os.PathLike, title: str = "") -> Path | None:
+    """:func:`plot_curves`, or, without matplotlib, a one-line notice on stderr and ``None``: the run's
+    results stand without the figure."""
+    try:
+        return plot_curves(runs, path, title)
+    except MissingDependencyError as e:
+        print(f"{Path(path).name} not written: {e}", file=sys.stderr)
+        return None

@@ -113,8 +113,8 @@ def _train(config: TrainConfig, ckpt: dict | None, *, dataset: Dataset | None = 
     if out is not None and lead:
         write_json(res, out / RESULTS)
         if plot:
-            from .plots import plot_curves
-            plot_curves({cfg.algo: [history]}, out / CURVES, title=f"{cfg.data} / {cfg.model} / {eps_label(res)}")
+            from .plots import plot_curves_or_notice
+            plot_curves_or_notice({cfg.algo: [history]}, out / CURVES, title=f"{cfg.data} / {cfg.model} / {eps_label(res)}")
         finish_overwrite(out)
     return res
 

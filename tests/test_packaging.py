@@ -167,7 +167,7 @@ def test_the_api_reference_builds_without_warnings(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     page = (site / "reference" / "index.html").read_text()
-    for name in ("engine.DPEngine", "config.AlgoConfig", "privacy.account", "privacy.calibrate",
+    for name in ("integrations.opacus.PrivacyEngine", "integrations.validators.ModuleValidator", "engine.DPEngine", "config.AlgoConfig", "privacy.account", "privacy.calibrate",
                  "privacy.PrivacyReport", "randomness.SecretKey", "sampling.PoissonSampler",
                  "sampling.PoissonLoader", "data.load_dataset", "models.build_model", "errors.ConfigError",
                  "errors.MissingDependencyError"):

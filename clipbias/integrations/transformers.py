@@ -209,9 +209,12 @@ def check_training_args(args: Any) -> None:
         raise ConfigError(f"DPTrainer runs in one process on one device (world size {args.world_size}, "
                           f"{args.n_gpu} GPUs visible to DataParallel): restrict it to one device, e.g. "
                           f"CUDA_VISIBLE_DEVICES=0 without torchrun/accelerate launch")
-    if getattr(args, "group_by_length", False) or getattr(args, "train_sampling_strategy", "random") != "random":
-        raise ConfigError("group_by_length / train_sampling_strategy would let Hugging Face's sampler choose the "
-                          "batches; the privacy guarantee needs the engine's secret Poisson batches: leave them off")
+    strategy = "group_by_length" if getattr(args, "group_by_length", False) else \
+        getattr(args, "train_sampling_strategy", "random")
+    if strategy != "random":
+        raise ConfigError(f"train_sampling_strategy={strategy!r} would let Hugging Face's sampler "
+                          f"choose the batches; the privacy guarantee needs the engine's secret Poisson batches: "
+                          f"leave it at 'random' (which DPTrainer replaces by Poisson sampling)")
     if getattr(args, "auto_find_batch_size", False):
         raise ConfigError("auto_find_batch_size would change the expected batch size B during the run, and with it "
                           "the sampling rate the accounting assumes: set per_device_train_batch_size yourself")

@@ -1,7 +1,7 @@
 """Private fine-tuning with the Hugging Face Trainer: a tiny random BERT classifies synthetic token sequences.
 
     python examples/hf_trainer.py                  # DPTrainer at epsilon 3, prints epsilon and the eval accuracy
-    python examples/hf_trainer.py --compare        # also a plain Trainer: seconds per optimizer step, same process
+    python examples/hf_trainer.py --compare 3      # also a plain Trainer: median seconds per step, same process
 
 Nothing is downloaded: the model is ``BertForSequenceClassification`` with a random 2-layer configuration and the
 data are random token sequences labelled by their first token (a public toy task). ``DPTrainer`` takes
@@ -14,10 +14,12 @@ docs/integrations.md (BERT then takes ``grad_path="fast"`` with ``PerExampleIds`
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
+import time
 
 import torch
-from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
 
 from clipbias.integrations.transformers import DPArguments, DPTrainer
 
@@ -59,6 +61,38 @@ def arguments(out: str, a: argparse.Namespace, **kw) -> TrainingArguments:
                              **kw)
 
 
+def run_dp(a: argparse.Namespace, out: str, train: Toy, valid: Toy) -> DPTrainer:
+    trainer = DPTrainer(model=model(), args=arguments(out, a), train_dataset=train, eval_dataset=valid,
+                        data_collator=collate, compute_metrics=accuracy, callbacks=[StepTimer()],
+                        dp_args=DPArguments(target_epsilon=a.epsilon, max_grad_norm=1.0))
+    trainer.train()
+    return trainer
+
+
+def run_plain(a: argparse.Namespace, out: str, train: Toy, valid: Toy) -> Trainer:
+    trainer = Trainer(model=model(), args=arguments(out, a), train_dataset=train, eval_dataset=valid,
+                      data_collator=collate, compute_metrics=accuracy, callbacks=[StepTimer()])
+    trainer.train()
+    return trainer
+
+
+class StepTimer(TrainerCallback):
+    """The wall time between consecutive optimizer steps' ends."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(time.perf_counter())
+
+
+def per_step(trainer: Trainer) -> float:
+    """Median seconds per optimizer step after the first (robust to other load on the machine; leaves out the
+    steps that also log, and the first step's one-time costs such as the noise calibration)."""
+    ends = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StepTimer)).ends
+    return statistics.median(b - a for a, b in zip(ends, ends[1:]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--epsilon", type=float, default=3.0, help="target epsilon (default 3)")
@@ -67,27 +101,26 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate (default 5e-3)")
     p.add_argument("--n", type=int, default=256, help="training examples (default 256)")
     p.add_argument("--log-every", type=int, default=8, help="logging_steps (default 8)")
-    p.add_argument("--compare", action="store_true", help="also train a plain Trainer and compare s/step")
+    p.add_argument("--compare", type=int, default=0, metavar="K", help="also train a plain Trainer, K times each "
+                                                                       "alternately, and compare the median s/step")
     a = p.parse_args()
-    train, valid = Toy(a.n), Toy(256, seed=1)
-    out = tempfile.mkdtemp()
-    dp = DPTrainer(model=model(), args=arguments(out, a), train_dataset=train, eval_dataset=valid,
-                   data_collator=collate, compute_metrics=accuracy,
-                   dp_args=DPArguments(target_epsilon=a.epsilon, max_grad_norm=1.0))
-    res = dp.train()
+    train, valid, out = Toy(a.n), Toy(256, seed=1), tempfile.mkdtemp()
+    dp = run_dp(a, out, train, valid)
     report = dp.privacy_report()
-    print(f"DPTrainer: {res.global_step} steps, {res.metrics['train_runtime'] / res.global_step:.3f} s/step, "
-          f"eval accuracy {dp.evaluate()['eval_accuracy']:.3f}")
+    print(f"DPTrainer: {dp.state.global_step} steps, {per_step(dp):.3f} s/step, eval accuracy "
+          f"{dp.evaluate()['eval_accuracy']:.3f}")
     print(f"epsilon {report.epsilon:.3f} at delta {report.delta:.2g} ({report.accountant}), noise multiplier "
           f"{report.noise_multiplier:.3f}, certified {report.certified}")
     if a.compare:
-        plain = Trainer(model=model(), args=arguments(out, a), train_dataset=train, eval_dataset=valid,
-                        data_collator=collate, compute_metrics=accuracy)
-        pres = plain.train()
-        per = pres.metrics["train_runtime"] / pres.global_step
-        dper = res.metrics["train_runtime"] / res.global_step
-        print(f"plain Trainer: {pres.global_step} steps, {per:.3f} s/step, eval accuracy "
-              f"{plain.evaluate()['eval_accuracy']:.3f}; DPTrainer / plain = {dper / per:.2f}x per step")
+        times = {"dp": [], "plain": []}
+        for _ in range(a.compare):
+            times["plain"].append(per_step(plain := run_plain(a, out, train, valid)))
+            times["dp"].append(per_step(run_dp(a, out, train, valid)))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ratios = sorted(d / q for d, q in zip(times["dp"], times["plain"]))
+        print(f"plain Trainer: eval accuracy {plain.evaluate()['eval_accuracy']:.3f}; s/step (median over steps, "
+              f"median of {a.compare} alternating runs each): DPTrainer {med['dp']:.4f}, plain {med['plain']:.4f}; "
+              f"ratio per pair of runs {', '.join(f'{r:.2f}' for r in ratios)}x")
 
 
 if __name__ == "__main__":

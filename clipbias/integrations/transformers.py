@@ -228,6 +228,9 @@ class DPTrainer(transformers.Trainer):
     sampler, step count) beside the optimizer's: release the model's weights, never a checkpoint folder."""
 
     def __init__(self, *args, dp_args: DPArguments | None = None, **kwargs) -> None:
+        if int(transformers.__version__.split(".")[0]) < 5:
+            raise ConfigError(f"DPTrainer needs transformers >= 5 (its training loop's hooks), found "
+                              f"{transformers.__version__}: pip install -U 'transformers>=5'")
         if not isinstance(dp_args, DPOptions):
             raise ConfigError("DPTrainer needs dp_args=DPArguments(target_epsilon=... or noise_multiplier=..., "
                               f"max_grad_norm=...), got {type(dp_args).__name__}")

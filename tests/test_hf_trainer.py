@@ -60,7 +60,7 @@ def bert() -> torch.nn.Module:
 
 def gpt2() -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=64)
+    cfg = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=64, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
 
 

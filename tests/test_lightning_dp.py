@@ -141,3 +141,12 @@ def test_a_checkpoint_resumes_the_same_run(tmp_path):
     assert dp.engine.steps_taken == dp2.engine.steps_taken == 8
     assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(resumed.parameters(), straight.parameters()))
     assert dp.privacy_report().epsilon == pytest.approx(dp2.privacy_report().epsilon)
+
+
+def test_a_second_fit_with_the_same_callback_is_refused():
+    """A second fit would rebuild the engine and restart the accounting at 0 over the same data."""
+    dp = DPCallback(noise_multiplier=1.0)
+    module, _ = fit(dp, max_epochs=1)
+    with pytest.raises(ConfigError, match="accounted 4 steps"):
+        fit(dp, module, max_epochs=1)
+    assert dp.engine.steps_taken == 4

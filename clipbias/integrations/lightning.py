@@ -84,8 +84,10 @@ class DPCallback(L.Callback):
         if len(optimizers) != 1:
             raise ConfigError(f"DPCallback trains with one optimizer; configure_optimizers returned {len(optimizers)}")
         optimizer = optimizers[0]
-        if isinstance(optimizer, _StepOnBatch):
-            return  # a second fit() on the same module and trainer continues the same run
+        if self.engine is not None:
+            raise ConfigError(f"this DPCallback has accounted {self.engine.steps_taken} steps of a run: to continue "
+                              f"that run pass ckpt_path= to fit (a new DPCallback loads its state); a new "
+                              f"DPCallback starts a new run, accounted on its own")
         check_trainable(pl_module)
         n, B = len(self.data.dataset), self.data.batch_size
         self.engine = self.options.engine(pl_module, optimizer, n=n, batch_size=B, steps=planned_steps(trainer),

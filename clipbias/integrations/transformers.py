@@ -150,8 +150,10 @@ class PoissonChunks:
         return self.steps_per_epoch * self.chunks
 
     def __iter__(self):
-        args = self.trainer.args
-        engine = self.trainer.dp_engine
+        args, engine = self.trainer.args, self.trainer.dp_engine
+        if engine is None:
+            raise ConfigError("DPTrainer's private loader draws its batches once training has started: call "
+                              "trainer.train()")
         loader = PoissonLoader(engine, self.dataset, collate_fn=self.collate_fn,
                                num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
                                prefetch_factor=args.dataloader_prefetch_factor, device="cpu")
@@ -272,7 +274,7 @@ class DPTrainer(transformers.Trainer):
         optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
         if self.dp_engine is None:
             self.dp_engine = self._build_engine(optimizer)
-        elif self.dp_engine.optimizer.original is not optimizer:
+        elif self.dp_engine.optimizer.original is not getattr(optimizer, "optimizer", optimizer):  # (accelerate's)
             raise ConfigError("DPTrainer: the optimizer changed after the private engine was built; one DPTrainer "
                               "trains one run")
         return optimizer

@@ -61,8 +61,8 @@ def main() -> None:
     a = p.parse_args()
     torch.manual_seed(0)
     module = MLP(a.lr)
-    dp = DPCallback(**({"noise_multiplier": a.noise_multiplier} if a.noise_multiplier else {"target_epsilon": a.epsilon}),
-                    max_grad_norm=1.0)
+    noise = {"noise_multiplier": a.noise_multiplier} if a.noise_multiplier else {"target_epsilon": a.epsilon}
+    dp = DPCallback(**noise, max_grad_norm=1.0)
     trainer = L.Trainer(max_epochs=a.epochs, accelerator="cpu", callbacks=[dp], logger=False,
                         enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=10)
     trainer.fit(module, DataLoader(data(4000, 0), batch_size=a.batch_size),

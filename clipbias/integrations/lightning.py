@@ -97,7 +97,8 @@ class DPCallback(L.Callback):
             self._state = None
         trainer.strategy.optimizers = [_StepOnBatch(optimizer, self.engine, self)]
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         self._batch = batch
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,

@@ -141,7 +141,8 @@ class PoissonChunks:
     yielded as exactly ``chunks`` (= gradient_accumulation_steps) slices, so that the Trainer's
     accumulation loop takes one optimizer step per logical batch. ``len()`` counts chunks."""
 
-    def __init__(self, trainer: "DPTrainer", dataset: Any, collate_fn: Callable, chunks: int, batch_size: float) -> None:
+    def __init__(self, trainer: "DPTrainer", dataset: Any, collate_fn: Callable, chunks: int,
+                 batch_size: float) -> None:
         self.trainer, self.dataset, self.collate_fn, self.chunks = trainer, dataset, collate_fn, chunks
         self.batch_size = batch_size
         self.steps_per_epoch = max(1, round(len(dataset) / batch_size))
@@ -238,7 +239,8 @@ class DPTrainer(transformers.Trainer):
                               f"max_grad_norm=...), got {type(dp_args).__name__}")
         dp_args.check()
         check_training_args(kwargs["args"] if "args" in kwargs else args[1] if len(args) > 1 else None)
-        if kwargs.get("compute_loss_func") is not None or type(self).compute_loss is not transformers.Trainer.compute_loss:
+        overridden = type(self).compute_loss is not transformers.Trainer.compute_loss
+        if kwargs.get("compute_loss_func") is not None or overridden:
             raise ConfigError("compute_loss / compute_loss_func give the batch's mean loss; the engine needs each "
                               "example's loss: pass DPArguments(per_example_loss=f), f(outputs, labels) -> [batch]")
         data = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)

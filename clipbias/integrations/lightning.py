@@ -1,0 +1,245 @@
+"""Private training with Lightning: add ``DPCallback`` to your ``Trainer`` and fit as usual.
+
+    import lightning as L
+    from clipbias.integrations.lightning import DPCallback
+    dp = DPCallback(target_epsilon=3.0, max_grad_norm=1.0)     # or noise_multiplier=1.1
+    L.Trainer(max_epochs=5, callbacks=[dp]).fit(module, DataLoader(train, batch_size=64))
+    print(dp.privacy_report())
+
+What it does (docs/integrations.md): your train DataLoader's dataset is drawn in secret Poisson batches by the
+engine (expected size B = the DataLoader's ``batch_size``, with its ``collate_fn`` and workers); the
+optimizer from ``configure_optimizers`` is made private (its schedulers keep stepping it); each optimizer step
+runs your ``training_step`` for the loss it returns and logs (without a graph: no backward is run), then the
+engine's private step on the batch: per-example gradients of ``criterion(module(x), y)``, clipping, secret
+noise, and your optimizer's ``step`` on the private update. ``epsilon`` is logged with ``self.log``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from ..engine import DPEngine
+from ..errors import ConfigError
+from ..privacy import PrivacyReport
+from ..sampling.loader import PoissonLoader, split
+from .opacus import DPOptimizer, loss_function
+from .options import DPOptions, EpsilonLog, check_trainable
+
+__all__ = ["DPCallback"]
+
+FLOAT_PRECISIONS = ("32-true", "64-true", "32", "64")
+
+
+class DPCallback(L.Callback):
+    """Makes ``Trainer.fit`` private. ``noise_multiplier`` or ``target_epsilon`` (calibrated for
+    ``max_epochs`` / ``max_steps``), ``target_delta``, ``max_grad_norm`` (per-example clip), ``algorithm``,
+    ``grad_path``, ... as in ``clipbias.integrations.options.DPOptions``.
+
+    ``criterion``: the per-example loss the engine differentiates, evaluated on ``module(x)`` and ``y`` of
+    each batch ``(x, y)`` (or ``module(**inputs)`` and ``labels`` of a dict batch with a ``"labels"`` entry):
+    default the cross-entropy of ``module(x)`` against ``y``; a loss module with ``reduction`` (evaluated per
+    example) or a function returning per-example losses ``[b]``. It should be the loss your
+    ``training_step`` returns: that one is only logged. ``max_physical_batch``: examples per per-example
+    gradient computation (memory only; default 512)."""
+
+    def __init__(self, *, noise_multiplier: float | None = None, target_epsilon: float | None = None,
+                 target_delta: float | None = None, max_grad_norm: float = 1.0, criterion: Callable | None = None,
+                 max_physical_batch: int = 512, **options: Any) -> None:
+        self.options = DPOptions(noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
+                                 target_delta=target_delta, max_grad_norm=max_grad_norm, **options)
+        self.options.check()
+        if isinstance(max_physical_batch, bool) or not isinstance(max_physical_batch, int) or max_physical_batch < 1:
+            raise ConfigError(f"max_physical_batch must be an integer >= 1, got {max_physical_batch!r}")
+        self.loss_fn, self.max_physical_batch = loss_function(criterion), max_physical_batch
+        self.engine: DPEngine | None = None
+        self.data: DataLoader | None = None       # your train DataLoader (its dataset, batch size, collate_fn)
+        self._pending: Tensor | None = None       # indices of the batch the private loader handed out
+        self._batch: Any = None                   # that batch, as the training step received it
+        self._state: dict | None = None           # a checkpoint's private state, loaded once the engine exists
+        self._epsilon = EpsilonLog()
+
+    # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        check_trainer(trainer, pl_module)
+        loop = trainer.fit_loop
+        if not isinstance(loop._data_source, _PrivateSource):
+            loop._data_source = _PrivateSource(loop._data_source, self)
+        loop._combined_loader = None  # built again, through the private source
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.fit_loop._skip_backward = True  # the engine computes the gradients: no backward of the loss
+        trainer.fit_loop._combined_loader = None  # (configure_optimizers may have read the loader's length)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.data is None:
+            raise ConfigError("DPCallback: the train dataloader was not requested through the private source")
+        optimizers = trainer.strategy.optimizers
+        if len(optimizers) != 1:
+            raise ConfigError(f"DPCallback trains with one optimizer; configure_optimizers returned {len(optimizers)}")
+        optimizer = optimizers[0]
+        if self.engine is not None:
+            raise ConfigError(f"this DPCallback has accounted {self.engine.steps_taken} steps of a run: to continue "
+                              f"that run pass ckpt_path= to fit (a new DPCallback loads its state); a new "
+                              f"DPCallback starts a new run, accounted on its own")
+        check_trainable(pl_module)
+        n, B = len(self.data.dataset), self.data.batch_size
+        self.engine = self.options.engine(pl_module, optimizer, n=n, batch_size=B, steps=planned_steps(trainer),
+                                          loss_fn=self.loss_fn, max_physical_batch=self.max_physical_batch)
+        if self._state is not None:
+            self.engine.load_state_dict(self._state)
+            self._state = None
+        trainer.strategy.optimizers = [_StepOnBatch(optimizer, self.engine, self)]
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._batch = batch
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._batch = None
+        last = batch_idx + 1 >= trainer.num_training_batches
+        if self.engine is not None and (trainer.global_step % trainer.log_every_n_steps == 0 or last):
+            pl_module.log("epsilon", self._epsilon(self.engine), on_step=True, on_epoch=False, prog_bar=True)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            trainer.fit_loop._skip_backward = False
+
+    # ------------------------------------------------------------------ privacy and checkpoints
+    def privacy_report(self) -> PrivacyReport:
+        """The guarantee after the steps taken: epsilon, delta, accountant, basis, ``certified``, caveats."""
+        if self.engine is None:
+            raise ConfigError("DPCallback.privacy_report: no private training yet; call trainer.fit first")
+        return self.engine.privacy()
+
+    def get_epsilon(self) -> float:
+        return self.privacy_report().epsilon
+
+    def state_dict(self) -> dict:
+        """The engine's private state (secret key, sampler, steps), saved in Lightning's checkpoints: a
+        checkpoint file is then PRIVATE; release the module's weights only."""
+        return {"engine": self.engine.state_dict()} if self.engine is not None else {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict.get("engine") is not None:
+            self._state = state_dict["engine"]
+
+
+def check_trainer(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    """Refuse, with the reason, what the private step cannot run soundly."""
+    if str(trainer.precision) not in FLOAT_PRECISIONS:
+        raise ConfigError(f"DPCallback trains in 32 or 64 bits: precision={trainer.precision!r} is refused because "
+                          f"16-bit sums of clipped per-example gradients and noise are not yet sound here (rounding "
+                          f"can exceed the clip bound the accounting rests on); use Trainer(precision='32-true')")
+    if trainer.world_size > 1 or trainer.num_devices > 1:
+        raise ConfigError(f"DPCallback runs in one process on one device (devices={trainer.num_devices}, world size "
+                          f"{trainer.world_size}): the engine draws one batch and one noise per step; use devices=1")
+    if trainer.accumulate_grad_batches != 1:
+        raise ConfigError("accumulate_grad_batches: each optimizer step is one Poisson batch of expected size "
+                          "B = the DataLoader's batch_size; set batch_size to B and bound memory with "
+                          "DPCallback(max_physical_batch=...)")
+    if trainer.gradient_clip_val:
+        raise ConfigError("gradient_clip_val clips the batch gradient; DP clips each example's gradient to "
+                          "DPCallback(max_grad_norm=...). Leave gradient_clip_val unset")
+    if trainer.overfit_batches:
+        raise ConfigError("overfit_batches trains on a fixed subset; the guarantee needs secret Poisson batches of "
+                          "the whole dataset")
+    if not pl_module.automatic_optimization:
+        raise ConfigError("DPCallback runs with automatic optimization (training_step returns the loss); manual "
+                          "optimization (self.automatic_optimization = False) is not supported")
+
+
+def planned_steps(trainer: L.Trainer) -> int | None:
+    """Optimizer steps ``fit`` will take: ``max_epochs`` x batches per epoch, at most ``max_steps``."""
+    per_epoch = trainer.num_training_batches
+    epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else None
+    by_epochs = int(epochs * per_epoch) if epochs is not None and per_epoch != float("inf") else None
+    by_steps = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps > 0 else None
+    known = [s for s in (by_epochs, by_steps) if s is not None]
+    return min(known) if known else None
+
+
+class _PrivateSource:
+    """Lightning's train-dataloader source, with your DataLoader replaced by the private Poisson batches."""
+
+    def __init__(self, original: Any, callback: DPCallback) -> None:
+        self.original, self.callback = original, callback
+        self.instance, self.name = original.instance, original.name
+
+    def dataloader(self) -> "PoissonBatches":
+        data = self.original.dataloader()
+        if not isinstance(data, DataLoader):
+            raise ConfigError(f"DPCallback needs one torch DataLoader(dataset, batch_size=B) as the train dataloader, "
+                              f"got {type(data).__name__}: its dataset is drawn in Poisson batches of expected size B")
+        if data.batch_size is None:
+            raise ConfigError("the train DataLoader has no batch_size (a batch_sampler was given): the expected "
+                              "Poisson batch size is read from DataLoader(dataset, batch_size=B)")
+        old = self.callback.data
+        if old is not None and (len(old.dataset) != len(data.dataset) or old.batch_size != data.batch_size):
+            raise ConfigError("the train dataloader changed its dataset size or batch size during the run")
+        self.callback.data = data
+        return PoissonBatches(self.callback, data)
+
+    def is_defined(self) -> bool:
+        return self.original.is_defined()
+
+    def is_module(self) -> bool:
+        return self.original.is_module()
+
+
+class PoissonBatches:
+    """The private train loader Lightning iterates: one epoch is ``round(n / B)`` secret Poisson batches of
+    your DataLoader's dataset, collated by its ``collate_fn``."""
+
+    worker_init_fn = None  # (Lightning may set one; the workers' seeds come from the run's secret key)
+
+    def __init__(self, callback: DPCallback, data: DataLoader) -> None:
+        self.callback, self.data, self.dataset = callback, data, data.dataset
+        self.batch_size = data.batch_size
+
+    def __len__(self) -> int:
+        return max(1, round(len(self.dataset) / self.batch_size))
+
+    def __iter__(self):
+        engine, data = self.callback.engine, self.data
+        if engine is None:
+            raise ConfigError("DPCallback: the private loader was iterated before training started")
+        loader = PoissonLoader(engine, self.dataset, collate_fn=data.collate_fn, num_workers=data.num_workers,
+                               pin_memory=data.pin_memory, prefetch_factor=data.prefetch_factor if data.num_workers
+                               else None, device="cpu")
+        for idx, batch in loader.batches(len(self)):
+            self.callback._pending = idx
+            yield batch
+
+
+class _StepOnBatch(DPOptimizer):
+    """Your optimizer, made private for Lightning: ``step(closure)`` runs the closure (your ``training_step``,
+    without a graph) for its loss, then the engine's private step on the batch the private loader drew."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: DPEngine, callback: DPCallback) -> None:
+        super().__init__(optimizer, engine, None, None)
+        self.callback = callback
+
+    def step(self, closure: Callable | None = None):
+        cb = self.callback
+        loss = None
+        if closure is not None:
+            with torch.no_grad():  # (Lightning runs no backward: fit_loop._skip_backward)
+                loss = closure()
+        if cb._pending is None or cb._batch is None:
+            raise ConfigError("DPCallback: an optimizer step without a batch of the private loader (call "
+                              "optimizer.step once per training batch, through Trainer.fit)")
+        idx, data = cb._pending, cb._batch
+        cb._pending = None
+        for p in self.engine.params:
+            p.grad = None
+        x, y = split(data)
+        self.engine.step(x, y, idx)
+        return loss

@@ -1,0 +1,359 @@
+"""Private training with the Hugging Face ``Trainer``: ``DPTrainer`` is a ``transformers.Trainer`` that
+takes your ``TrainingArguments`` and a ``DPArguments``.
+
+    from clipbias.integrations.transformers import DPArguments, DPTrainer
+    trainer = DPTrainer(model=model, args=TrainingArguments("out", per_device_train_batch_size=16,
+                                                            gradient_accumulation_steps=4, num_train_epochs=3),
+                        train_dataset=train, eval_dataset=valid, data_collator=collator,
+                        dp_args=DPArguments(target_epsilon=3.0, max_grad_norm=1.0))
+    trainer.train()                      # logs "epsilon" beside "loss"
+    print(trainer.privacy_report())
+
+The mapping (docs/integrations.md): each optimizer step is one secret Poisson batch drawn by the engine,
+of expected size B = ``per_device_train_batch_size * gradient_accumulation_steps``; the Trainer's
+gradient-accumulation micro-steps are that batch split in ``gradient_accumulation_steps`` physical chunks,
+and the engine computes the per-example gradients in micro-batches of ``per_device_train_batch_size``.
+At the last chunk the engine clips each example's gradient, adds the secret noise and leaves the private
+update in ``.grad``; the Trainer then steps your optimizer (created from ``TrainingArguments`` as usual,
+scheduler and warmup included) on it. HF's own sampler never picks a private batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import transformers
+from torch import Tensor, nn
+
+from ..data import batch as batches
+from ..data.text import IGNORE
+from ..engine import DPEngine
+from ..errors import ConfigError
+from ..privacy import PrivacyReport
+from ..sampling.loader import PoissonLoader
+from .options import DPOptions, EpsilonLog, check_trainable
+
+__all__ = ["DPArguments", "DPTrainer", "PerExampleIds", "causal_lm_loss", "sequence_classification_loss"]
+
+DP_STATE = "dp_engine.pt"
+"""The private state in each checkpoint folder (secret key, sampler, steps): never release it."""
+
+
+@dataclass
+class DPArguments(DPOptions):
+    """``DPOptions`` (target_epsilon or noise_multiplier, target_delta, max_grad_norm, algorithm, grad_path,
+    ...) and ``per_example_loss``: ``"auto"`` (from the model's class: ``*ForSequenceClassification`` or a
+    causal LM), ``"sequence_classification"``, ``"causal_lm"``, or a function ``(model output, labels) ->
+    per-example losses [b]``."""
+
+    per_example_loss: str | Callable = "auto"
+
+
+def _logits(out: Any) -> Tensor:
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, Mapping) or hasattr(out, "logits"):
+        return out["logits"] if isinstance(out, Mapping) else out.logits
+    return out[0]
+
+
+def sequence_classification_loss(num_labels: int, label_smoothing: float = 0.0) -> Callable:
+    """Per-example loss of a ``*ForSequenceClassification`` model, as the model computes its batch loss
+    (HF's ``problem_type`` rule): mean squared error for one label, cross-entropy for integer labels,
+    binary cross-entropy with logits (mean over labels) for float multi-labels."""
+    def loss(out: Any, labels: Tensor) -> Tensor:
+        logits = _logits(out)
+        if num_labels == 1:
+            return (logits.reshape(-1) - labels.reshape(-1).to(logits.dtype)) ** 2
+        if not labels.is_floating_point():
+            return nn.functional.cross_entropy(logits, labels, reduction="none", label_smoothing=label_smoothing)
+        per = nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none")
+        return per.mean(dim=-1)
+    return loss
+
+
+def causal_lm_loss(out: Any, labels: Tensor) -> Tensor:
+    """Per-example causal-LM loss ``[b]``: cross-entropy of ``logits[:, t]`` predicting ``labels[:, t + 1]``,
+    averaged over each example's target tokens (labels -100 are ignored; an example without any has loss
+    0). The mean over a batch of one is the model's own loss."""
+    logits = _logits(out)
+    tok = nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=IGNORE,
+                                      reduction="none")
+    count = (labels[:, 1:] != IGNORE).sum(dim=1)
+    return tok.sum(dim=1) / count.clamp(min=1).to(tok.dtype)
+
+
+def resolve_loss(choice: str | Callable, model: nn.Module, label_smoothing: float) -> Callable:
+    """The engine's per-example loss for ``DPArguments.per_example_loss``."""
+    if callable(choice):
+        return choice
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    name = type(base).__name__
+    if choice == "auto":
+        choice = ("sequence_classification" if name.endswith("ForSequenceClassification") else
+                  "causal_lm" if name.endswith(("ForCausalLM", "LMHeadModel")) else None)
+        if choice is None:
+            raise ConfigError(f"DPArguments(per_example_loss='auto') knows *ForSequenceClassification and causal "
+                              f"LMs (*ForCausalLM, *LMHeadModel), not {name}: pass per_example_loss=f with "
+                              f"f(model output, labels) -> the per-example losses, shape [batch]")
+    if choice == "sequence_classification":
+        return sequence_classification_loss(int(getattr(base.config, "num_labels", 2)), label_smoothing)
+    if choice == "causal_lm":
+        if label_smoothing:
+            raise ConfigError("label_smoothing_factor with per_example_loss='causal_lm' is not supported; set it to 0")
+        return causal_lm_loss
+    raise ConfigError(f"per_example_loss must be 'auto', 'sequence_classification', 'causal_lm' or a function, "
+                      f"got {choice!r}")
+
+
+class PerExampleIds:
+    """A ``data_collator`` wrapper that adds explicit ``position_ids`` (0 .. T-1 in every row) and
+    ``token_type_ids`` (zeros) where the batch has none, so that every input has one row per example.
+    For models whose default position ids count from 0 (BERT, GPT-2 with right padding), not for
+    RoBERTa-style ones that derive them from the padding."""
+
+    def __init__(self, collator: Callable, token_type_ids: bool = True) -> None:
+        self.collator, self.token_type_ids = collator, token_type_ids
+
+    def __call__(self, items: list) -> dict:
+        out = dict(self.collator(items))
+        ids = out["input_ids"]
+        out.setdefault("position_ids", torch.arange(ids.shape[1]).expand(ids.shape[0], -1).clone())
+        if self.token_type_ids:
+            out.setdefault("token_type_ids", torch.zeros_like(ids))
+        return out
+
+
+class _Pending:
+    """The logical Poisson batch whose chunks the Trainer is working through."""
+
+    def __init__(self, indices: Tensor, data: Any, chunks: int) -> None:
+        self.indices, self.data, self.chunks, self.seen = indices, data, chunks, 0
+
+
+class PoissonChunks:
+    """The Trainer's train "dataloader": each logical batch is a secret Poisson sample drawn by the engine,
+    yielded as exactly ``chunks`` (= gradient_accumulation_steps) slices, so that the Trainer's
+    accumulation loop takes one optimizer step per logical batch. ``len()`` counts chunks."""
+
+    def __init__(self, trainer: "DPTrainer", dataset: Any, collate_fn: Callable, chunks: int,
+                 batch_size: float) -> None:
+        self.trainer, self.dataset, self.collate_fn, self.chunks = trainer, dataset, collate_fn, chunks
+        self.batch_size = batch_size
+        self.steps_per_epoch = max(1, round(len(dataset) / batch_size))
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.chunks
+
+    def __iter__(self):
+        args, engine = self.trainer.args, self.trainer.dp_engine
+        if engine is None:
+            raise ConfigError("DPTrainer's private loader draws its batches once training has started: call "
+                              "trainer.train()")
+        loader = PoissonLoader(engine, self.dataset, collate_fn=self.collate_fn,
+                               num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
+                               prefetch_factor=args.dataloader_prefetch_factor, device="cpu")
+        for idx, data in loader.batches(self.steps_per_epoch):
+            if not isinstance(data, Mapping):
+                raise ConfigError(f"the data collator must return a dict of tensors (input_ids, labels, ...), "
+                                  f"got {type(data).__name__}")
+            self.trainer._dp_pending = _Pending(idx, data, self.chunks)
+            b = batches.size(data)
+            bounds = [round(i * b / self.chunks) for i in range(self.chunks + 1)]
+            for lo, hi in zip(bounds, bounds[1:]):
+                yield batches.tree_map(lambda t, lo=lo, hi=hi: t[lo:hi], data)
+
+
+class _Deferred(torch.optim.Optimizer):
+    """The engine's view of your optimizer: the engine leaves the private update in ``.grad`` and the
+    Trainer steps your optimizer on it (after its logging and callbacks); ``state_dict`` is yours."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # the state is the original's
+        self.original = optimizer
+
+    @property
+    def param_groups(self) -> list:
+        return self.original.param_groups
+
+    @property
+    def state(self):
+        return self.original.state
+
+    def step(self, closure=None):
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict:
+        return self.original.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.original.load_state_dict(state_dict)
+
+
+def check_training_args(args: Any) -> None:
+    """Refuse, with the reason, what ``DPTrainer`` cannot run soundly."""
+    if args is None:
+        return
+    if getattr(args, "fp16", False) or getattr(args, "bf16", False):
+        raise ConfigError("DPTrainer trains in float32: fp16/bf16 are refused because 16-bit sums of clipped "
+                          "per-example gradients and noise are not yet sound here (rounding can exceed the clip "
+                          "bound the accounting rests on); set fp16=False and bf16=False")
+    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None) or getattr(args, "parallelism_config", None):
+        raise ConfigError("DPTrainer runs in one process on one device: DeepSpeed, FSDP and parallelism_config "
+                          "shard or reduce gradients outside the engine, which computes, clips and noises them")
+    if args.world_size > 1 or args.n_gpu > 1:
+        raise ConfigError(f"DPTrainer runs in one process on one device (world size {args.world_size}, "
+                          f"{args.n_gpu} GPUs visible to DataParallel): restrict it to one device, e.g. "
+                          f"CUDA_VISIBLE_DEVICES=0 without torchrun/accelerate launch")
+    strategy = "group_by_length" if getattr(args, "group_by_length", False) else \
+        getattr(args, "train_sampling_strategy", "random")
+    if strategy != "random":
+        raise ConfigError(f"train_sampling_strategy={strategy!r} would let Hugging Face's sampler "
+                          f"choose the batches; the privacy guarantee needs the engine's secret Poisson batches: "
+                          f"leave it at 'random' (which DPTrainer replaces by Poisson sampling)")
+    if getattr(args, "auto_find_batch_size", False):
+        raise ConfigError("auto_find_batch_size would change the expected batch size B during the run, and with it "
+                          "the sampling rate the accounting assumes: set per_device_train_batch_size yourself")
+
+
+class DPTrainer(transformers.Trainer):
+    """A ``transformers.Trainer`` that trains privately (see the module's docstring): every argument of
+    ``Trainer`` plus ``dp_args`` (a ``DPArguments``). ``privacy_report()`` states the guarantee; the
+    ``epsilon`` entry of each training log is the epsilon after the steps taken so far, at
+    ``dp_args.target_delta``. Checkpoints hold the engine's private state (``dp_engine.pt``: secret key,
+    sampler, step count) beside the optimizer's: release the model's weights, never a checkpoint folder."""
+
+    def __init__(self, *args, dp_args: DPArguments | None = None, **kwargs) -> None:
+        if int(transformers.__version__.split(".")[0]) < 5:
+            raise ConfigError(f"DPTrainer needs transformers >= 5 (its training loop's hooks), found "
+                              f"{transformers.__version__}: pip install -U 'transformers>=5'")
+        if not isinstance(dp_args, DPOptions):
+            raise ConfigError("DPTrainer needs dp_args=DPArguments(target_epsilon=... or noise_multiplier=..., "
+                              f"max_grad_norm=...), got {type(dp_args).__name__}")
+        dp_args.check()
+        check_training_args(kwargs["args"] if "args" in kwargs else args[1] if len(args) > 1 else None)
+        overridden = type(self).compute_loss is not transformers.Trainer.compute_loss
+        if kwargs.get("compute_loss_func") is not None or overridden:
+            raise ConfigError("compute_loss / compute_loss_func give the batch's mean loss; the engine needs each "
+                              "example's loss: pass DPArguments(per_example_loss=f), f(outputs, labels) -> [batch]")
+        data = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
+        if data is not None and (isinstance(data, torch.utils.data.IterableDataset) or not hasattr(data, "__len__")):
+            raise ConfigError("train_dataset must be a map-style dataset (len and indexing): secret Poisson sampling "
+                              "draws each of the n examples independently, which a stream cannot offer")
+        super().__init__(*args, **kwargs)
+        check_training_args(self.args)
+        self.dp_args, self.dp_engine = dp_args, None
+        self._dp_pending: _Pending | None = None
+        self._dp_epsilon = EpsilonLog()
+
+    # ------------------------------------------------------------------ the private batches and step
+    @property
+    def expected_batch_size(self) -> int:
+        """B = per_device_train_batch_size * gradient_accumulation_steps."""
+        return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+
+    def get_train_dataloader(self) -> PoissonChunks:
+        if self.train_dataset is None:
+            raise ConfigError("DPTrainer: training requires a train_dataset")
+        dataset, collator = self.train_dataset, self.data_collator
+        if transformers.utils.is_datasets_available():
+            import datasets
+            if isinstance(dataset, datasets.Dataset):
+                dataset = self._remove_unused_columns(dataset, description="Training")
+            else:
+                collator = self._get_collator_with_removed_columns(collator, description="Training")
+        return PoissonChunks(self, dataset, collator, self.args.gradient_accumulation_steps, self.expected_batch_size)
+
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        """Your optimizer (from ``TrainingArguments`` or ``optimizers=``), and the engine that feeds it."""
+        optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
+        if self.dp_engine is None:
+            self.dp_engine = self._build_engine(optimizer)
+        elif self.dp_engine.optimizer.original is not getattr(optimizer, "optimizer", optimizer):  # (accelerate's)
+            raise ConfigError("DPTrainer: the optimizer changed after the private engine was built; one DPTrainer "
+                              "trains one run")
+        return optimizer
+
+    def _build_engine(self, optimizer: torch.optim.Optimizer) -> DPEngine:
+        args, n, B = self.args, len(self.train_dataset), self.expected_batch_size
+        check_trainable(self.model)
+        steps_per_epoch = max(1, round(n / B))
+        steps = args.max_steps if args.max_steps > 0 else max(1, math.ceil(args.num_train_epochs * steps_per_epoch))
+        loss = resolve_loss(self.dp_args.per_example_loss, self.model, args.label_smoothing_factor)
+        engine = self.dp_args.engine(self.model, optimizer, n=n, batch_size=B, steps=steps, loss_fn=loss,
+                                     max_physical_batch=args.per_device_train_batch_size, stepped=_Deferred(optimizer))
+        _log.info(f"DPTrainer: {engine.algo.name}, noise multiplier {engine.noise_multiplier:.4g}, expected batch "
+                  f"B = {B:g} of n = {n} (q = {engine.sample_rate:.4g}), clip {engine.config.clip:g}, delta "
+                  f"{engine.delta:.3g}; per-example gradients: {engine.grad_path_note}")
+        return engine
+
+    def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch: Any = None) -> Tensor:
+        """One chunk of the logical Poisson batch; at its last chunk, the private step on the whole batch
+        (the private update is left in ``.grad`` for the optimizer step). Returns the batch's mean example
+        loss at the last chunk, 0 before (the Trainer sums them per optimizer step)."""
+        pending = self._dp_pending
+        if pending is None or self.dp_engine is None:
+            raise ConfigError("DPTrainer.training_step got a batch that its private data loader did not draw: "
+                              "train with trainer.train(), whose batches come from get_train_dataloader()")
+        pending.seen += 1
+        if pending.seen < pending.chunks:
+            return torch.zeros((), device=self.args.device)
+        self._dp_pending = None
+        model.train()
+        x, y = self._split_labels(pending.data)
+        losses = self.dp_engine.step(self._prepare_input(x), self._prepare_input(y), pending.indices)
+        return (losses.sum() / max(len(losses), 1)).detach().to(self.args.device)
+
+    def _split_labels(self, data: Mapping) -> tuple[dict, Tensor]:
+        names = [k for k in (self.label_names or ["labels"]) if k in data]
+        if len(names) != 1:
+            raise ConfigError(f"DPTrainer needs exactly one label entry in each batch (label_names "
+                              f"{self.label_names}); the batch has keys {sorted(data)}")
+        return {k: v for k, v in data.items() if k != names[0]}, data[names[0]]
+
+    def _clip_grad_norm(self, model):
+        """No clipping of the batch gradient: each example's gradient was clipped to ``max_grad_norm`` of
+        ``DPArguments`` before the noise; the logged ``grad_norm`` is the private update's norm."""
+        return None
+
+    # ------------------------------------------------------------------ privacy, logs, checkpoints
+    def privacy_report(self) -> PrivacyReport:
+        """The guarantee after the steps taken: epsilon, delta, accountant, basis, ``certified``, caveats."""
+        if self.dp_engine is None:
+            raise ConfigError("DPTrainer.privacy_report: no private step yet; call train() first")
+        return self.dp_engine.privacy()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.dp_engine is not None and ("loss" in logs or "train_loss" in logs):
+            logs["epsilon"] = self._dp_epsilon(self.dp_engine)
+        super().log(logs, start_time)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.dp_engine is not None and self.args.should_save:
+            torch.save(self.dp_engine.state_dict(), os.path.join(output_dir, DP_STATE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or self.dp_engine is None:
+            return
+        path = os.path.join(checkpoint, DP_STATE)
+        if not os.path.isfile(path):
+            raise ConfigError(f"{checkpoint} holds no private state ({DP_STATE}): resuming would restart the "
+                              f"accounting at step 0 and reuse no key; resume only from a DPTrainer checkpoint")
+        self.dp_engine.load_state_dict(torch.load(path, weights_only=False))
+
+    def _init_training_state(self, *args, **kwargs):
+        """On resume nothing is fast-forwarded: the engine's sampler continues from its saved state."""
+        epochs_trained, _ = super()._init_training_state(*args, **kwargs)
+        return epochs_trained, 0
+
+
+_log = transformers.utils.logging.get_logger(__name__)

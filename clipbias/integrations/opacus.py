@@ -57,6 +57,7 @@ class _Batch:
     chunks: int = 1                # physical chunks it is yielded in (BatchMemoryManager)
     yielded: int = 0               # chunks yielded so far
     inputs: list = field(default_factory=list)  # the model's recorded inputs, one per chunk
+    reference: Any = None          # a copy of ``data`` taken when it was yielded (the loop may mutate ``data``)
 
 
 class PrivacyEngine:
@@ -301,15 +302,12 @@ class DPModule(nn.Module):
         if pending is None or not self.training or not torch.is_grad_enabled():
             return self._module(*args, **kwargs)
         pending.inputs.append((args, kwargs))
-        buffers = [(b, b._version, b.detach().clone()) for b in self._module.buffers()]
+        before = _buffer_state(self._module)
         with torch.no_grad():
             out = self._module(*args, **kwargs)
-        changed = [(b, old) for b, v, old in buffers if b._version != v]
-        with torch.no_grad():
-            for b, old in changed:
-                b.copy_(old)
+        changed = _restore_buffers(self._module, before)
         if changed:
-            raise ConfigError(f"the model updates {len(changed)} buffer(s) in its forward pass (BatchNorm's running "
+            raise ConfigError(f"the model updates {changed} buffer(s) in its forward pass (BatchNorm's running "
                               f"statistics?): they would hold statistics of the private batch outside the "
                               f"guarantee. Restored; replace BatchNorm with clipbias.fix(model) (GroupNorm)")
         anchor = self._anchor.to(_device_of(out, self._anchor))
@@ -320,6 +318,39 @@ class DPModule(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["_module"], name)
+
+
+def _buffer_state(module: nn.Module) -> dict:
+    """``{(owner, name): (buffer object, copy of its values)}`` of every buffer of ``module``."""
+    return {(owner, name): (b, b.detach().clone()) for _, owner in module.named_modules()
+            for name, b in owner._buffers.items() if b is not None}
+
+
+def _same_values(a: Tensor, b: Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
+
+
+def _restore_buffers(module: nn.Module, before: dict) -> int:
+    """Put back every buffer a forward changed since ``before`` (``_buffer_state``): updated in place (also
+    through ``.data``, which has its own version counter), reassigned (``self.running = 0.9 * self.running +
+    ...``: a new object) or added; returns how many there were."""
+    after = _buffer_state(module)
+    changed = 0
+    with torch.no_grad():
+        for (owner, name), (b, old) in before.items():
+            now = after.get((owner, name))
+            if now is None or now[0] is not b or not _same_values(b.detach(), old):
+                changed += 1
+                b.copy_(old)
+                owner._buffers[name] = b
+        for (owner, name) in after.keys() - before.keys():
+            changed += 1
+            del owner._buffers[name]
+    return changed
 
 
 def _device_of(out: Any, default: Tensor) -> torch.device:
@@ -378,7 +409,8 @@ class DPDataLoader:
     def __iter__(self):
         for idx, data in self.loader.batches():
             chunks = _chunks(data, self.physical_batch_size)
-            self.module._pending = pending = _Batch(idx, data, len(chunks))
+            self.module._pending = pending = _Batch(idx, data, len(chunks),
+                                                    reference=batch.tree_map(lambda t: t.detach().clone(), data))
             for chunk in chunks:
                 pending.yielded += 1
                 yield chunk
@@ -465,7 +497,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self.module._pending = None
         x, y = self._batch(pending)
         self.engine.step(x, y, pending.indices)
-        self.transformed_steps += not _same_inputs(x, pending.data)
+        # the inputs and the targets the engine used, against the batch as it was drawn (a copy: an in-place
+        # transform of the yielded tensors changed ``pending.data`` too); the targets may come from ``labels=``
+        self.transformed_steps += not _same_inputs((x, y), pending.reference)
         return loss
 
     def _batch(self, pending: _Batch) -> tuple:
@@ -487,9 +521,11 @@ class DPOptimizer(torch.optim.Optimizer):
 
 def _same_inputs(x: Any, drawn: Any) -> bool:
     """Whether every tensor the model was called with is one of the drawn batch's tensors (moved or cast: the
-    same shape and values): ``model(x)``, ``model(batch["inputs"])``, ``model(**batch)`` all are."""
+    same shape and values): ``model(x)``, ``model(batch["inputs"])``, ``model(**batch)`` all are. Compared in
+    the recorded tensor's dtype (the drawn tensor cast to it): casting the recorded one to the drawn dtype
+    would truncate, and ``x.float() + delta`` with ``0 <= delta < 1`` would pass for a uint8 batch."""
     pool = batch.leaves(drawn)
-    return all(any(t.shape == d.shape and torch.equal(t.detach().to("cpu", d.dtype), d) for d in pool)
+    return all(any(t.shape == d.shape and torch.equal(t.detach().to("cpu"), d.to(t.dtype)) for d in pool)
                for t in batch.leaves(x))
 
 

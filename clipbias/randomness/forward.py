@@ -68,7 +68,7 @@ class KeyedForward(TorchFunctionMode):
         rule = _RULES.get(func)
         if rule is not None:
             return rule(self, *args, **kwargs)
-        name = _RANDOM.get(func)
+        name = _RANDOM.get(func) or _seeded(func, args, kwargs)
         if name is not None and _draws(func, args, kwargs):
             raise ConfigError(f"the model's forward pass calls {name}, a random draw from torch's generator, whose "
                               f"state is a public function of the seed and whose draws go by batch position: the "
@@ -213,6 +213,21 @@ _RANDOM = {
                            "log_normal_ multinomial", "Tensor."),
     **_named(F, "rrelu rrelu_ scaled_dot_product_attention gumbel_softmax", "torch.nn.functional."),
 }
+
+
+def _seeded(func, args: tuple, kwargs: dict) -> str | None:
+    """The name of a random draw the list above does not hold: an ATen operator called directly
+    (``torch.ops.aten.bernoulli.p``, tagged ``nondeterministic_seeded``), or any call given a
+    ``torch.Generator`` (a generator object of the model's own moves no global generator, so the check after
+    the pass would not see it)."""
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        tags = {t for o in func.overloads() for t in getattr(func, o).tags}
+    else:
+        tags = getattr(func, "tags", ()) if isinstance(func, torch._ops.OpOverload) else ()
+    if torch.Tag.nondeterministic_seeded in tags or any(
+            isinstance(a, torch.Generator) for a in (*args, *kwargs.values())):
+        return getattr(func, "__name__", None) or str(func)
+    return None
 
 
 def _draws(func, args: tuple, kwargs: dict) -> bool:

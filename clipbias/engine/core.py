@@ -310,6 +310,8 @@ class DPEngine:
             report = report.with_caveat(SEEDED_CAVEAT)
         if self.algo.private and self.undrawn_steps:
             report = report.with_caveat(undrawn_caveat(self.undrawn_steps, self.steps_taken, self.sample_rate))
+        if self.algo.private and getattr(getattr(self, "sampler", None), "skipped", 0):  # (None while being built)
+            report = report.with_caveat(SKIPPED_CAVEAT.format(self.sampler.skipped))
         return report
 
     # ------------------------------------------------------------------ checkpoints
@@ -437,6 +439,11 @@ def undrawn_caveat(undrawn: int, steps: int, q: float) -> str:
     return (f"{undrawn} of the {steps} steps took batches the engine's Poisson sampler did not draw: the accounting "
             f"assumes every batch is a secret Poisson sample at rate q = {q:.6g} (each example in independently), "
             f"which nothing guarantees for those batches")
+
+
+SKIPPED_CAVEAT = ("{} batch(es) drawn by the sampler were passed over by the training loop (sampled again before a "
+                  "step used them): a loop that chooses batches by their content (skipping small or empty ones, "
+                  "redrawing) includes examples at another rate than the accounted q")
 
 
 SEEDED_CAVEAT = ("batches and noise derived from a user-given seed (a reproducible run): the guarantee holds only "

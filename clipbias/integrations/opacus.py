@@ -289,7 +289,8 @@ class DPModule(nn.Module):
     """Your module, made private (``_module``, as Opacus's ``GradSampleModule``). In training, on a batch of
     the private data loader, it records its inputs for ``optimizer.step()`` and runs its forward without an
     autograd graph; the outputs are tied to a zero-valued anchor so that ``loss.backward()`` works (and costs
-    almost nothing). Elsewhere (``eval()``, ``torch.no_grad()``, other data) it is your module."""
+    almost nothing). A forward in training mode on such a batch under ``torch.no_grad()`` is not recorded, but
+    it too may not change a buffer. Elsewhere (``eval()``, other data) it is your module."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
@@ -299,19 +300,22 @@ class DPModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         pending = self._pending
-        if pending is None or not self.training or not torch.is_grad_enabled():
+        if pending is None or not self.training:
             return self._module(*args, **kwargs)
-        pending.inputs.append((args, kwargs))
+        record = torch.is_grad_enabled()  # a no_grad pass (a "teacher" forward) is not the step's, but guarded
+        if record:
+            pending.inputs.append((args, kwargs))
         before = _buffer_state(self._module)
-        with torch.no_grad():
-            out = self._module(*args, **kwargs)
-        changed = _restore_buffers(self._module, before)
+        try:
+            with torch.no_grad():
+                out = self._module(*args, **kwargs)
+        finally:
+            changed = _restore_buffers(self._module, before)
         if changed:
             raise ConfigError(f"the model updates {changed} buffer(s) in its forward pass (BatchNorm's running "
                               f"statistics?): they would hold statistics of the private batch outside the "
                               f"guarantee. Restored; replace BatchNorm with clipbias.fix(model) (GroupNorm)")
-        anchor = self._anchor.to(_device_of(out, self._anchor))
-        return _tie(out, anchor)
+        return _tie(out, self._anchor.to(_device_of(out, self._anchor))) if record else out
 
     def __getattr__(self, name: str):
         try:

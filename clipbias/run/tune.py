@@ -80,8 +80,10 @@ def split(splits: Splits, fraction: float, key: SecretKey) -> tuple[Splits, torc
     if not 0 < int(val.sum()) < splits.n:
         raise ConfigError("the validation part is empty or holds every example: use more data or another "
                           "--validation-fraction")
+    # the trials' q, steps and noise come from the part's public expected size, not its realised one
+    expected = splits.info.get("n_expected", splits.n) * (1 - fraction)
     part = dataclasses.replace(splits, x_train=splits.x_train[~val], y_train=splits.y_train[~val], x_val=None,
-                               y_val=None, info={**splits.info, "n": int((~val).sum())})
+                               y_val=None, info={**splits.info, "n": int((~val).sum()), "n_expected": expected})
     return part, splits.x_train[val], splits.y_train[val]
 
 
@@ -139,17 +141,19 @@ def tune(tc: TuneConfig, key: SecretKey | None = None, splits: Splits | None = N
             "outside_guarantee": [OUTSIDE_SIZES]}
 
 
-OUTSIDE_SIZES = ("n_train, n_validation: the realised sizes of the keyed validation split (and so the trials' "
-                 "sampling rate and steps, computed from n_train) are private, since they depend on which examples "
-                 "fell where, and are released exactly; the size of the data as given is declared public")
+OUTSIDE_SIZES = ("n_train, n_validation: the realised sizes of the keyed validation split are private, since they "
+                 "depend on which examples fell where, and are released exactly; the trials' sampling rate, steps "
+                 "and noise multiplier come from the public expected size N (1 - validation fraction), and the "
+                 "size N of the data as given is declared public")
 
 
 def _calibrate(tc: TuneConfig, base: TrainConfig, part: Splits, score_std: float):
     """(z, the training event of one trial as a function of z) for the tuning's target epsilon."""
     algo = algorithms.get(base.algo)
     cfg = base.algo_config()
-    q = base.batch_size / part.n
-    steps = base.epochs * max(1, round(part.n / base.batch_size))
+    expected = part.info["n_expected"]  # public (``split``): the trials' engines use the same q and steps
+    q = base.batch_size / expected
+    steps = base.epochs * max(1, round(1 / q))
 
     def event_of(z: float):  # a trial's own accounting, banded noise included
         return banded_spec(algo.spec(cfg, q, z, base.batch_size), base.bands).dp_event(steps)

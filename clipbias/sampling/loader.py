@@ -185,9 +185,12 @@ class PoissonLoader:
         seed = secret_int(engine.key, Purpose.LOADER, engine.steps_taken)  # ChaCha20 output: reveals no key bit
         loader = DataLoader(self.fetch, batch_sampler=_Plan(engine, steps), collate_fn=_as_is,
                             generator=torch.Generator().manual_seed(seed), **self.options)
-        for idx, data in loader:
-            want = engine.local_share(engine.sampler.sample())
-            if not torch.equal(want, idx):  # the loader and the sampler must agree on every batch
-                raise RuntimeError("PoissonLoader: the fetched batch is not the sampler's next batch (was the "
-                                   "sampler used by another loop at the same time?)")
-            yield idx, data
+        try:
+            for idx, data in loader:
+                want = engine.local_share(engine.sampler.sample())
+                if not torch.equal(want, idx):  # the loader and the sampler must agree on every batch
+                    raise RuntimeError("PoissonLoader: the fetched batch is not the sampler's next batch (was the "
+                                       "sampler used by another loop at the same time?)")
+                yield idx, data
+        finally:  # a loop that stopped (break, an error) before stepping on the last batch: the next loop takes it
+            engine.sampler.give_back()

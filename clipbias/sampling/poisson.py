@@ -43,6 +43,7 @@ class PoissonSampler:
         if not isinstance(key, SecretKey):
             raise ConfigError(f"PoissonSampler needs a clipbias.randomness.SecretKey, got {type(key).__name__}")
         self.key, self.drawn = key, 0  # batches drawn so far: the address of the next one
+        self.skipped = 0  # batches returned by sample() that no step used before the next sample()
         self._last: Tensor | None = None  # what sample() returned last (give_back)
         self._ahead: list[Tensor] = []  # drawn by draw_ahead, not yet returned by sample
         self.handed = 0                # how many of them the current loader was given (read-only outside)
@@ -52,7 +53,11 @@ class PoissonSampler:
         return self.q * self.n
 
     def sample(self) -> Tensor:
-        """The next batch (the oldest one drawn ahead, if any): the indices i with U_i < q."""
+        """The next batch (the oldest one drawn ahead, if any): the indices i with U_i < q. A batch returned
+        before and used by no step is counted in ``skipped``: a loop that skips batches by their content
+        (``if len(x) < 4: continue``) samples by another law than the accountant's."""
+        if self._last is not None:
+            self.skipped += 1
         if self._ahead:
             self.handed = max(0, self.handed - 1)
             self._last = self._ahead.pop(0)
@@ -115,7 +120,7 @@ class PoissonSampler:
             yield self.sample()
 
     def state_dict(self) -> dict:
-        return {"drawn": self.drawn, "n": self.n, "q": self.q, "bands": self.bands,
+        return {"drawn": self.drawn, "n": self.n, "q": self.q, "bands": self.bands, "skipped": self.skipped,
                 "ahead": [t.clone() for t in self._ahead]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -126,7 +131,7 @@ class PoissonSampler:
             raise ConfigError("this sampler state comes from a clipbias version whose batches were drawn by a "
                               "torch generator with a 32-bit seed (recoverable from the released model); it "
                               "cannot be resumed: start a new run")
-        self.drawn = int(state["drawn"])
+        self.drawn, self.skipped = int(state["drawn"]), int(state.get("skipped", 0))
         self._ahead, self.handed, self._last = [t.clone() for t in state.get("ahead", [])], 0, None
 
 

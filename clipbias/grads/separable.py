@@ -101,7 +101,12 @@ _REVIEWED = (_gpt, _resnet, _scatter, _simple)
 ``_shortcut_a``) are what the reviewed forwards call, so they are snapshotted too (``_AS_IMPORTED``)."""
 _NAMESPACES = (torch, F, torch._C._nn, torch.Tensor, torch._C.TensorBase,
                *dict.fromkeys(sys.modules[c.__module__] for c in _CLASSES), *_REVIEWED)  # their globals: F, torch, ...
-_AS_IMPORTED = {ns: {k: v for k, v in _methods(ns).items() if k not in _BUILD} for ns in _CLASSES + _NAMESPACES}
+_NOT_RUN = {torch: ("compile",)}
+"""Functions of a namespace that build callables and compute on no example themselves: ``torch.compile``
+(which Lightning replaces by a wrapper on import, to record its keyword arguments). What they build, a
+compiled module's call, is checked on the instance."""
+_AS_IMPORTED = {ns: {k: v for k, v in _methods(ns).items() if k not in _BUILD and k not in _NOT_RUN.get(ns, ())}
+                for ns in _CLASSES + _NAMESPACES}
 """The torch types' methods (``forward``, ``__call__``, ``_conv_forward``, nn.Module's call machinery,
 ...) and the torch functions their forwards call, as they were when clipbias was imported: one
 replaced later (to rewrite rows with other examples' data) is not trusted."""

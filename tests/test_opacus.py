@@ -326,3 +326,34 @@ def test_a_loop_that_breaks_stays_certified_and_one_that_skips_batches_does_not(
     pe = run(skip=True)
     report = pe.privacy_report()
     assert not report.certified and any("passed over" in c for c in report.caveats)
+
+
+def test_a_model_output_object_reaches_the_criterion_on_the_fast_path():
+    """A Hugging Face ``ModelOutput`` keeps its type through the fast path's checks, so a criterion reading
+    ``out.logits`` works there as on the rows path (it used to get a plain dict)."""
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(D, K)
+
+        def forward(self, x):
+            return SequenceClassifierOutput(logits=self.lin(x))
+    x, y = _data()
+    crit = (lambda out, t: nn.functional.cross_entropy(out.logits, t))
+    got = []
+    for path in ("fast", "rows"):
+        torch.manual_seed(0)
+        m = Net()
+        pe = PrivacyEngine()
+        model, opt, loader = pe.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.5),
+                                             data_loader=DataLoader(TensorDataset(x, y), batch_size=B),
+                                             noise_multiplier=1.0, max_grad_norm=0.1, criterion=crit,
+                                             grad_path=path, noise_seed=5)
+        for xb, yb in loader:
+            opt.zero_grad()
+            crit(model(xb), yb).backward()
+            opt.step()
+        got.append(m.lin.weight.detach().clone())
+    torch.testing.assert_close(got[0], got[1], rtol=1e-4, atol=1e-5)  # the two paths sum in other orders

@@ -22,18 +22,34 @@ Batch = Union[Tensor, tuple, list, Mapping]
 
 
 def tree_map(fn: Callable[[Tensor], Any], x: Batch) -> Batch:
-    """``fn`` applied to every tensor of ``x``, keeping its structure (a Mapping becomes a dict;
-    a namedtuple stays one). Anything else in a batch is refused: it has no example dimension."""
+    """``fn`` applied to every tensor of ``x``, keeping its structure (a Mapping keeps its type where it
+    can be built from its items, a Hugging Face ``ModelOutput`` say, else becomes a dict; a namedtuple
+    stays one). Anything else in a batch is refused: it has no example dimension."""
     if isinstance(x, Tensor):
         return fn(x)
     if isinstance(x, Mapping):
-        return {k: tree_map(fn, v) for k, v in x.items()}
+        return _mapping(type(x), {k: tree_map(fn, v) for k, v in x.items()})
     if isinstance(x, tuple) and hasattr(x, "_fields"):
         return type(x)(*(tree_map(fn, v) for v in x))
     if isinstance(x, (tuple, list)):
         return type(x)(tree_map(fn, v) for v in x)
     raise ConfigError(f"a batch must be a tensor or a tuple, list or dict of tensors, got {type(x).__name__}; "
                       f"make the dataset items (or the collate function's output) tensors")
+
+
+def _mapping(kind: type, items: dict) -> Mapping:
+    """``items`` as a ``kind`` (built from keyword arguments, as a dataclass-like ModelOutput is, or from the
+    dict), or as the dict itself."""
+    if kind is dict:
+        return items
+    for build in (lambda: kind(**items), lambda: kind(items)):
+        try:
+            out = build()
+        except Exception:  # a constructor that takes neither: the plain dict
+            continue
+        if isinstance(out, Mapping) and dict(out.items()).keys() == items.keys():
+            return out
+    return items
 
 
 def leaves(x: Batch) -> list[Tensor]:

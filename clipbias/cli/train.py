@@ -132,7 +132,7 @@ def _add_training_group(p: argparse.ArgumentParser, d: dict, req: dict) -> None:
                         "book-keeping sums, no [B, d] matrix (norm-scaling algorithms: dpsgd, normalized, the dice "
                         "family; Linear, Conv1d/2d, Embedding, GroupNorm, LayerNorm), refused where it does not "
                         "apply; auto (default): fast where it applies and one micro-batch of rows would exceed "
-                        "2 GiB, else rows (faster on CPU for small models). The fast path's per-example "
+                        "1 GiB, else rows (faster on CPU for small models). The fast path's per-example "
                         "sensitivity rests on run-time checks of the model's structure (docs/results.md), not on "
                         "a proof; the header says which path ran")
     t.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

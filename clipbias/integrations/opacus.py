@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from .. import algorithms, privacy
 from ..config import AlgoConfig
@@ -40,7 +40,7 @@ from ..engine import DPEngine
 from ..errors import ConfigError
 from ..grads.rows import cross_entropy
 from ..privacy import PrivacyReport
-from ..sampling.loader import PoissonLoader, split
+from ..sampling.loader import PoissonLoader, TensorData, split
 
 ACCOUNTANTS = {"prv": "pld", "pld": "pld", "rdp": "rdp"}
 """Opacus's accountant names and the clipbias accountant that serves each: its ``prv`` (Gopi et al.'s
@@ -401,7 +401,7 @@ class DPDataLoader:
         self.dataset, self.batch_size = data_loader.dataset, data_loader.batch_size
         self.physical_batch_size: int | None = None
         workers = data_loader.num_workers
-        self.loader = PoissonLoader(engine, data_loader.dataset, collate_fn=data_loader.collate_fn,
+        self.loader = PoissonLoader(engine, _batched(data_loader), collate_fn=data_loader.collate_fn,
                                     num_workers=workers, pin_memory=data_loader.pin_memory,
                                     prefetch_factor=data_loader.prefetch_factor if workers else None,
                                     persistent_workers=data_loader.persistent_workers,
@@ -422,6 +422,15 @@ class DPDataLoader:
                 self.module._pending = None
                 raise ConfigError("the private data loader's batch was used in a forward pass but "
                                   "optimizer.step() was not called before the next batch: call it once per batch")
+
+
+def _batched(data_loader: DataLoader):
+    """The loader's dataset; a ``TensorDataset`` of inputs and targets read with torch's default collate is
+    fetched by one indexing operation a batch (``TensorData``: the same tensors the collate would stack)."""
+    ds = data_loader.dataset
+    if type(ds) is TensorDataset and len(ds.tensors) == 2 and data_loader.collate_fn is default_collate:
+        return TensorData(*ds.tensors)
+    return ds
 
 
 def _chunks(data: Any, size: int | None) -> list:

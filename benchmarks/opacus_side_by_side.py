@@ -6,7 +6,8 @@ Two measurements (docs/results.md, "Side by side with Opacus"):
   StepLR, a DataLoader,
   ``make_private_with_epsilon`` at epsilon 3) run with ``from opacus import PrivacyEngine`` and with
   ``from clipbias import PrivacyEngine``: test accuracy, the certified epsilon, seconds per epoch.
-* ``--part speed``: seconds per step and peak memory (max RSS of a fresh process per arm) of a ResNet-18
+* ``--part speed``: seconds per step and peak memory (max RSS of a fresh process per arm) of that CNN
+  (B = 256), a ResNet-18
   (torchvision's layout, BatchNorm replaced by GroupNorm with each library's fixer) and a small BERT
   (random weights) for a non-private step, clipbias (``grad_path`` auto and fast), Opacus hooks and Opacus
   ghost clipping. Poisson batches vary in size: the median over the steps is reported.
@@ -14,7 +15,7 @@ Two measurements (docs/results.md, "Side by side with Opacus"):
 Opacus is not a dependency: put it on the path, e.g.
 ``pip install --no-deps --target /tmp/opacus_site opacus==1.6.0 opt-einsum`` and
 ``PYTHONPATH=/tmp/opacus_site python benchmarks/opacus_side_by_side.py --part speed``.
-Takes ~3 minutes (speed) and ~6 minutes (accuracy, 3 seeds x 2 libraries x 3 epochs) on 2 CPU cores.
+Takes ~5 minutes (speed) and ~6 minutes (accuracy, 3 seeds x 2 libraries x 3 epochs) on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -149,7 +150,12 @@ class _Logits(nn.Module):
 def arm(model_name: str, which: str, batch_size: int, steps: int) -> dict:
     torch.manual_seed(0)
     n = batch_size * 8
-    if model_name == "resnet18":
+    if model_name == "cnn":
+        model = SampleConvNet()
+        data = TensorDataset(torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,)))
+        call = (lambda m, x: m(x))
+        crit = nn.CrossEntropyLoss()
+    elif model_name == "resnet18":
         model = ResNet18()
         data = TensorDataset(torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,)))
         call = (lambda m, x: m(x))
@@ -229,7 +235,7 @@ def main() -> None:
                 rows.append(script(lib, seed, a.epochs, 256))
                 print(json.dumps(rows[-1]), flush=True)
     else:
-        for model_name, bs in (("resnet18", 32), ("bert", 16)):
+        for model_name, bs in (("cnn", 256), ("resnet18", 32), ("bert", 16)):
             for which in ("nonprivate", "clipbias", "clipbias-fast", "opacus-hooks", "opacus-ghost"):
                 out = subprocess.run([sys.executable, __file__, "--part", "speed", "--threads", str(a.threads), "--arm",
                                       model_name, which, str(bs), str(a.steps)], capture_output=True, text=True)

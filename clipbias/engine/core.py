@@ -68,6 +68,11 @@ class DPEngine:
     B / the part's expected size, so that q, the steps and the noise do not reveal the realised n; each row
     joins a batch with probability q, the update is divided by B; ``steps`` defaults to ``epochs * round(1 / q)``).
 
+    Without ``steps`` and ``epochs``, and with ``noise_multiplier``, the run is open-ended (Opacus's habit):
+    ``total_steps`` is infinite and ``privacy()`` accounts the steps taken. ``optimizer``: your own torch
+    optimizer, holding exactly the model's trainable parameters, takes the private update (default: one built
+    from ``config``: SGD, Adam or AdamW).
+
     Error-feedback algorithms (the DiceSGD family) are accounted by ``dice_accounting`` (default
     ``sound``; ``paper`` and ``authors`` are refuted and report ``certified = False``); without
     ``config.ef_clip`` they use C2 = 0.01 C1 / B (feedback ratio r = 0.01).
@@ -144,7 +149,7 @@ class DPEngine:
         self.params = self.rows.layout.params(model)
         self.pipeline = band_pipeline(self.algo.pipeline(self.config, self.expected_batch_size, z, self.key),
                                       self.algo.name, bands, self._band_momentum(), self.key)
-        self.optimizer = check_base_optimizer(optimizer, self.params, self.rows.layout.names, self.algo.name) or \
+        self.optimizer = check_base_optimizer(optimizer, self.params, self.rows.layout.names) or \
             algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer, self.params, self.config)
         self.sampler = PoissonSampler(n, self.sample_rate, self.key, steps_per_epoch, bands)
         self.max_physical_batch = max_physical_batch
@@ -178,6 +183,10 @@ class DPEngine:
 
         Raises before changing anything (model, optimizer, error feedback, accountant) if a
         per-example gradient is not finite, on every rank when one rank's is not.
+
+        ``indices`` must be the batch ``engine.sampler.sample()`` returned last (this rank's share of it),
+        used by no step before: any other batch (no indices, indices of your choosing, a batch used twice)
+        is taken, with a warning, and makes ``privacy()`` uncertified, with a caveat that counts such steps.
         """
         check_step(self, x, y, indices)
         drawn = self._drawn_by_sampler(indices)
@@ -408,8 +417,8 @@ def check_rate(sample_rate: float) -> float:
     return float(sample_rate)
 
 
-def check_base_optimizer(optimizer: torch.optim.Optimizer | None, params: list, names: list[str],
-                         algorithm: str) -> torch.optim.Optimizer | None:
+def check_base_optimizer(optimizer: torch.optim.Optimizer | None, params: list,
+                         names: list[str]) -> torch.optim.Optimizer | None:
     """The caller's base optimizer (None: the engine builds its own), refused unless it updates exactly the
     model's trainable parameters: the private update covers those, and clipping bounds their joint norm."""
     if optimizer is None:

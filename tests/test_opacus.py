@@ -357,3 +357,28 @@ def test_a_model_output_object_reaches_the_criterion_on_the_fast_path():
             opt.step()
         got.append(m.lin.weight.detach().clone())
     torch.testing.assert_close(got[0], got[1], rtol=1e-4, atol=1e-5)  # the two paths sum in other orders
+
+
+def test_from_the_second_batch_the_forward_takes_the_step_and_returns_its_outputs():
+    """No second forward: once the first batch showed per-example tensor outputs, the wrapped model's forward
+    runs the private step and returns the step's own outputs (the weights are those of the engine loop:
+    test_the_opacus_interface_trains_exactly_as_the_engine_loop); optimizer.step() then closes the batch."""
+    x, y = _data()
+    m = _model()
+    pe = PrivacyEngine()
+    model, opt, loader = pe.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                         data_loader=DataLoader(TensorDataset(x, y), batch_size=B),
+                                         noise_multiplier=1.0, max_grad_norm=1.0)
+    seen = []
+    for i, (xb, yb) in enumerate(loader):
+        opt.zero_grad()
+        before = [p.detach().clone() for p in m.parameters()]
+        out = model(xb)
+        seen.append(pe.steps)
+        if i:  # the step's outputs are the model's at the weights before the step
+            with torch.no_grad():
+                torch.testing.assert_close(out, torch.func.functional_call(
+                    m, {n: b for (n, _), b in zip(m.named_parameters(), before)}, (xb,)), rtol=1e-5, atol=1e-6)
+        nn.functional.cross_entropy(out, yb).backward()
+        opt.step()
+    assert seen[0] == 0 and seen[1:] == list(range(2, len(seen) + 1)) and pe.privacy_report().certified

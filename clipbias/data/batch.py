@@ -37,6 +37,34 @@ def tree_map(fn: Callable[[Tensor], Any], x: Batch) -> Batch:
                       f"make the dataset items (or the collate function's output) tensors")
 
 
+def cat(parts: list) -> Any:
+    """Batches of one structure concatenated along the example dimension (tensors, mappings, tuples)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    if isinstance(first, Tensor):
+        return torch.cat(parts)
+    if isinstance(first, Mapping):
+        return _mapping(type(first), {k: cat([p[k] for p in parts]) for k in first})
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(cat([p[i] for p in parts]) for i in range(len(first))))
+    return type(first)(cat([p[i] for p in parts]) for i in range(len(first)))
+
+
+def detached(x: Any) -> Any:
+    """``x`` with every tensor detached, its structure kept (a ``ModelOutput`` stays one); anything that is
+    not a tensor, tuple, list or mapping (a cache object) is kept as it is."""
+    if isinstance(x, Tensor):
+        return x.detach()
+    if isinstance(x, Mapping):
+        return _mapping(type(x), {k: detached(v) for k, v in x.items()})
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(detached(v) for v in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(detached(v) for v in x)
+    return x
+
+
 def _mapping(kind: type, items: dict) -> Mapping:
     """``items`` as a ``kind`` (built from keyword arguments, as a dataclass-like ModelOutput is, or from the
     dict), or as the dict itself."""

@@ -25,8 +25,8 @@ from ..data.batch import Batch
 from ..config import AlgoConfig
 from ..errors import ClipbiasError, ConfigError, ResumeMismatchError
 from ..grads.fast import BookKeeping
-from ..grads.rows import (LossFn, PerSampleGradients, RowSource, as_row_source, check_finite, check_finite_norms,
-                          cross_entropy, guarded)
+from ..grads.rows import (LossFn, ParamSums, PerSampleGradients, RowSource, as_row_source, check_finite,
+                          check_finite_norms, cross_entropy, guarded)
 from ..sampling.loader import PoissonLoader
 from ..privacy import PrivacyReport
 from ..randomness import SecretKey, forward
@@ -159,6 +159,7 @@ class DPEngine:
         self.own_rows = own_rows  # a given backend may read labels its own way (the audit's canaries: y < 0)
         self.world_size = check_distributed(self.algo.name, self.rows, self.pipeline)
         self.steps_taken, self.last_loss = 0, (0.0, 0)
+        self.last_outputs, self._outputs = None, None  # step(keep_outputs=True)
         self.settings = PrivacySettings(algorithm, n, self.sample_rate, steps, z, delta, accountant,
                                         dice_accounting, self.config.clip, self.config.ef_clip,
                                         self.config.grad_bound, self.config.gamma, epsilon,
@@ -169,7 +170,7 @@ class DPEngine:
         return self.config.momentum if (self.config.optimizer or self.algo.optimizer) == "sgd" else 0.0
 
     # ------------------------------------------------------------------ training
-    def step(self, x: Batch, y: Batch, indices: Tensor | None = None) -> Tensor:
+    def step(self, x: Batch, y: Batch, indices: Tensor | None = None, *, keep_outputs: bool = False) -> Tensor:
         """One logical step on the Poisson batch ``(x, y)``; returns the per-example losses.
 
         ``x`` and ``y`` are tensors or any ``clipbias.data.batch.Batch`` (tuples, dicts of tensors: the
@@ -187,9 +188,16 @@ class DPEngine:
         ``indices`` must be the batch ``engine.sampler.sample()`` returned last (this rank's share of it),
         used by no step before: any other batch (no indices, indices of your choosing, a batch used twice)
         is taken, with a warning, and makes ``privacy()`` uncertified, with a caveat that counts such steps.
+
+        ``keep_outputs`` (where ``outputs_kept`` says the gradient path can): ``last_outputs`` is then the model's
+        output on the batch from the step's own forward (detached), so a loop needs no second forward.
         """
         check_step(self, x, y, indices)
+        if keep_outputs and not self.outputs_kept:
+            raise ConfigError("keep_outputs: this gradient path does not produce the batch's outputs (only the fast "
+                              "path and the per-parameter rows of a norm-scaling algorithm do)")
         drawn = self._drawn_by_sampler(indices)
+        self.last_outputs, self._outputs = None, [] if keep_outputs else None
         d = self.rows.layout.dim
         dev, dt = self.params[0].device, self.params[0].dtype  # a float64 model sums in float64
         ref_sum = torch.zeros(d, device=dev, dtype=dt) if self.pipeline.error_feedback is not None else None
@@ -209,6 +217,8 @@ class DPEngine:
             raise
         mine = torch.cat(losses) if losses else torch.zeros(0, device=dev)
         self.last_loss = (float(mine.sum()), len(mine))
+        if self._outputs:
+            self.last_outputs = batch.cat(self._outputs)
         if self.world_size > 1:  # the one all-reduce of the step: global sums, and did any rank fail
             proc_sum, ref_sum, loss_sum, count, failure = distributed.reduce_step(proc_sum, ref_sum, mine, failure)
             self.last_loss = (loss_sum, count)
@@ -287,13 +297,33 @@ class DPEngine:
         need_ref = self.pipeline.error_feedback is not None
         if hasattr(self._aggregate, "begin"):  # a step-level preparation (DiSK stages the step's iterate)
             self._aggregate.begin()
-        for start in range(0, batch.size(x), self.max_physical_batch):
-            sl = slice(start, start + self.max_physical_batch)
-            with forward.examples(indices[sl] if indices is not None else None):
-                p, r, loss, norms = guarded(lambda xs, ys: self._aggregate(xs, ys, scale, need_ref),
-                                            batch.take(x, sl), batch.take(y, sl), self.rows.layout.dim)
-            check_finite_norms(norms, indices[sl] if indices is not None else None)
-            yield r, p, loss
+        source = self._output_source()
+        if source is not None:
+            source.keep_output = self._outputs is not None
+        try:
+            for start in range(0, batch.size(x), self.max_physical_batch):
+                sl = slice(start, start + self.max_physical_batch)
+                with forward.examples(indices[sl] if indices is not None else None):
+                    p, r, loss, norms = guarded(lambda xs, ys: self._aggregate(xs, ys, scale, need_ref),
+                                                batch.take(x, sl), batch.take(y, sl), self.rows.layout.dim)
+                check_finite_norms(norms, indices[sl] if indices is not None else None)
+                if self._outputs is not None and len(loss):
+                    self._outputs.append(source.last_out)
+                yield r, p, loss
+        finally:
+            if source is not None:
+                source.keep_output, source.last_out = False, None
+
+    def _output_source(self):
+        """What computes the step's forward where it can keep its output: the fast path, or the per-example
+        gradients under the per-parameter rows (``ParamSums``); None elsewhere."""
+        agg = getattr(self, "_aggregate", None)
+        return agg if isinstance(agg, BookKeeping) else agg.grads if isinstance(agg, ParamSums) else None
+
+    @property
+    def outputs_kept(self) -> bool:
+        """Whether ``step(..., keep_outputs=True)`` can hand back the batch's outputs (``last_outputs``)."""
+        return self._output_source() is not None
 
     def train_epoch(self, x: "Batch | Dataset | PoissonLoader", y: Batch | None = None, **loader_options) -> float:
         """One epoch of Poisson batches; returns the mean example loss. The data: in-memory inputs

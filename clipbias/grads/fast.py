@@ -454,6 +454,7 @@ class BookKeeping:
         self.slots = [[slot[names[id(p)]] for p in _trainable(m)] for m in self.layers]
         self._check_rng = secrets.SystemRandom()  # the probes: unpredictable, from the OS CSPRNG
         self._vector_loss: bool | None = None  # does loss_fn return per-example losses? (decided once)
+        self.keep_output, self.last_out = False, None  # the step's own forward output (clipbias.PrivacyEngine)
         self._keyed_calls = 0  # keyed dropout calls of the last forward (_backward)
 
     def __call__(self, x: Batch, y: Batch, scale: Callable[[Tensor], Tensor],
@@ -516,7 +517,8 @@ class BookKeeping:
         with full_float32():  # the batch and the probes in the same (full) float32 arithmetic
             try:
                 with separable.watch(self.model, known=self.layers) as inputs:  # frozen layers' inputs too
-                    losses, acts, grads = self._backward(x, y, params=self._unformed_params if reference else None)
+                    losses, acts, grads = self._backward(x, y, params=self._unformed_params if reference else None,
+                                                         keep=self.keep_output)
                 for m in self.layers:  # the trainable layers' inputs, as the hooks of the backward took them
                     inputs.setdefault(m, []).append(acts[m].dim())
             finally:  # a buffer changed by the forward is restored and refused, whatever else failed
@@ -602,7 +604,7 @@ class BookKeeping:
         return torch.vmap(self._one_loss)(out, y)
 
     def _backward(self, x: Batch, y: Batch, call: Callable | None = None, check_graph: bool = True,
-                  params: list | Callable[[dict, dict], list] | None = None) -> tuple:
+                  params: list | Callable[[dict, dict], list] | None = None, keep: bool = False) -> tuple:
         """One forward and one backward of the summed loss, to the layer outputs only (no parameter
         gradients unless ``params`` are given: then their gradients follow the layers' in the list):
         the per-example losses (detached), every layer's input and output gradient. Refuses, before
@@ -626,7 +628,7 @@ class BookKeeping:
             with torch.enable_grad():
                 b = batch.size(x)
                 with forward.one_pass() as seen:  # keyed dropout: row r's masks from example r's index
-                    losses = self._losses(batch.call(call or self.model, x), y, b)
+                    losses = self._losses(self._kept(batch.call(call or self.model, x), keep), y, b)
                 self._keyed_calls = seen.calls
                 self._check_layers(acts, outs, b)
                 changed = [m for m in self.layers if outs[m]._version != versions[m]]
@@ -647,6 +649,14 @@ class BookKeeping:
             for h in handles:
                 h.remove()
         return losses.detach(), acts, list(grads)
+
+    def _kept(self, out, keep: bool):
+        """``out``, and its detached copy in ``last_out`` when ``keep`` (the step's output, handed to the user's
+        loop instead of a second forward; kept only then, so a language model's logits are otherwise freed
+        once the loss has read them)."""
+        if keep:
+            self.last_out = batch.detached(out)
+        return out
 
     def _check_graph(self, losses: Tensor, outs: dict, ins: dict) -> None:
         """The soundness check of every step, exact and structural: every trainable parameter enters

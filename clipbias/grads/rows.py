@@ -134,6 +134,15 @@ class FuncGradients:
 
         self._fn = vmap(grad_and_value(loss_one), in_dims=(None, None, 0, 0, 0), randomness="different")
 
+        def loss_and_output(params, consts, x, y, at):
+            with forward.one_pass(at):
+                out = functional_call(self.model, (params, consts), *batch.arguments(batch.unsqueeze(x)))
+            return self.loss_fn(out, batch.unsqueeze(y)).sum(), batch.tree_map(lambda t: t.detach()[0], out)
+
+        self._fn_out = vmap(grad_and_value(loss_and_output, has_aux=True), in_dims=(None, None, 0, 0, 0),
+                            randomness="different")
+        self.keep_output, self.last_out = False, None  # the step's own outputs (clipbias.PrivacyEngine)
+
     def params(self) -> dict[str, Tensor]:
         trainable = set(self.layout.names)
         return {n: p.detach() for n, p in self.model.named_parameters() if n in trainable}
@@ -160,7 +169,11 @@ class FuncGradients:
         if self.check:
             check_model(self.model)
         at = torch.arange(batch.size(x), device=self.device())
-        grads, losses = self._fn(params if params is not None else self.params(), self.consts(), x, y, at)
+        p = params if params is not None else self.params()
+        if self.keep_output and not self.grouped:  # the outputs too, from the same forward (one example each)
+            grads, (losses, self.last_out) = self._fn_out(p, self.consts(), x, y, at)
+        else:
+            grads, losses = self._fn(p, self.consts(), x, y, at)
         return [grads[n] for n in self.layout.names], losses.detach()
 
 

@@ -37,7 +37,7 @@ from .. import algorithms, privacy
 from ..config import AlgoConfig
 from ..data import batch
 from ..engine import DPEngine
-from ..errors import ConfigError
+from ..errors import ClipbiasError, ConfigError
 from ..grads.rows import cross_entropy
 from ..privacy import PrivacyReport
 from ..sampling.loader import PoissonLoader, TensorData, split
@@ -58,6 +58,7 @@ class _Batch:
     yielded: int = 0               # chunks yielded so far
     inputs: list = field(default_factory=list)  # the model's recorded inputs, one per chunk
     reference: Any = None          # a copy of ``data`` taken when it was yielded (the loop may mutate ``data``)
+    stepped: bool = False          # the model's forward took the private step (``DPModule``)
 
 
 class PrivacyEngine:
@@ -289,14 +290,20 @@ class DPModule(nn.Module):
     """Your module, made private (``_module``, as Opacus's ``GradSampleModule``). In training, on a batch of
     the private data loader, it records its inputs for ``optimizer.step()`` and runs its forward without an
     autograd graph; the outputs are tied to a zero-valued anchor so that ``loss.backward()`` works (and costs
-    almost nothing). A forward in training mode on such a batch under ``torch.no_grad()`` is not recorded, but
-    it too may not change a buffer. Elsewhere (``eval()``, other data) it is your module."""
+    almost nothing). Where the engine's step can hand back the batch's outputs (its gradient path keeps them,
+    the outputs are tensors with one row per example, no ``labels=`` keyword), the forward takes the private
+    step itself from the second batch on and returns the step's own outputs: no second forward, and
+    ``optimizer.step()`` then only closes the batch. A forward in training mode on such a batch under
+    ``torch.no_grad()`` is not recorded, but it too may not change a buffer. Elsewhere (``eval()``, other
+    data) it is your module."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self._module = module
         self._pending: _Batch | None = None
         self._anchor = torch.zeros((), requires_grad=True)
+        self._eager: bool | None = None  # None until the first recorded forward shows whether the step can
+        self._optimizer: "DPOptimizer | None" = None  # set by DPOptimizer
 
     def forward(self, *args, **kwargs):
         pending = self._pending
@@ -305,6 +312,8 @@ class DPModule(nn.Module):
         record = torch.is_grad_enabled()  # a no_grad pass (a "teacher" forward) is not the step's, but guarded
         if record:
             pending.inputs.append((args, kwargs))
+            if self._eager and pending.chunks == 1 and len(pending.inputs) == 1 and len(pending.indices):
+                return self._step_here(pending)
         before = _buffer_state(self._module)
         try:
             with torch.no_grad():
@@ -315,7 +324,25 @@ class DPModule(nn.Module):
             raise ConfigError(f"the model updates {changed} buffer(s) in its forward pass (BatchNorm's running "
                               f"statistics?): they would hold statistics of the private batch outside the "
                               f"guarantee. Restored; replace BatchNorm with clipbias.fix(model) (GroupNorm)")
+        if record and self._eager is None and self._optimizer is not None:
+            self._eager = self._optimizer.engine.outputs_kept and "labels" not in kwargs and \
+                _per_example(out, len(pending.indices))
         return _tie(out, self._anchor.to(_device_of(out, self._anchor))) if record else out
+
+    def _step_here(self, pending: _Batch):
+        """The private step now, on the recorded call; its outputs, tied to the anchor."""
+        before = _buffer_state(self._module)
+        try:
+            self._optimizer.run(pending, keep_outputs=True)
+        finally:
+            changed = _restore_buffers(self._module, before)
+        if changed:
+            raise ConfigError(f"the model updates {changed} buffer(s) in its forward pass (BatchNorm's running "
+                              f"statistics?): they would hold statistics of the private batch outside the "
+                              f"guarantee. Restored; replace BatchNorm with clipbias.fix(model) (GroupNorm)")
+        pending.stepped = True
+        out = self._optimizer.engine.last_outputs
+        return _tie(out, self._anchor.to(_device_of(out, self._anchor)))
 
     def __getattr__(self, name: str):
         try:
@@ -355,6 +382,15 @@ def _restore_buffers(module: nn.Module, before: dict) -> int:
             changed += 1
             del owner._buffers[name]
     return changed
+
+
+def _per_example(out: Any, b: int) -> bool:
+    """Whether ``out`` is tensors only (in tuples or mappings), each with one row per example."""
+    try:
+        leaves = batch.leaves(out)
+    except ClipbiasError:
+        return False
+    return bool(leaves) and all(t.dim() > 0 and t.shape[0] == b for t in leaves)
 
 
 def _device_of(out: Any, default: Tensor) -> torch.device:
@@ -449,6 +485,8 @@ class DPOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, engine: DPEngine, module: DPModule,
                  data_loader: DPDataLoader) -> None:  # no super().__init__: the state is the original's
         self.original_optimizer, self.engine, self.module, self.data_loader = optimizer, engine, module, data_loader
+        if module is not None:
+            module._optimizer = self
         self.noise_multiplier, self.max_grad_norm = engine.noise_multiplier, engine.config.clip
         self.expected_batch_size = engine.expected_batch_size
         self._step_supports_amp_scaling = False
@@ -503,17 +541,24 @@ class DPOptimizer(torch.optim.Optimizer):
                               "loader that make_private returned and call the model on each batch")
         if pending.yielded < pending.chunks:  # a physical chunk of a larger logical batch (virtual step)
             return loss
+        if pending.stepped and len(pending.inputs) == 1:  # the model's forward took the step (``DPModule``)
+            self.module._pending = None
+            return loss
         if len(pending.inputs) != pending.chunks:
             raise ConfigError(f"the model ran {len(pending.inputs)} time(s) on this batch of the private data loader, "
                               f"in {pending.chunks} chunk(s): call it exactly once per (chunk of a) batch, in training "
                               f"mode with gradients enabled")
         self.module._pending = None
+        self.run(pending)
+        return loss
+
+    def run(self, pending: _Batch, keep_outputs: bool = False) -> None:
+        """``DPEngine.step`` on the logical batch (``keep_outputs``: its outputs in ``engine.last_outputs``)."""
         x, y = self._batch(pending)
-        self.engine.step(x, y, pending.indices)
+        self.engine.step(x, y, pending.indices, keep_outputs=keep_outputs)
         # the inputs and the targets the engine used, against the batch as it was drawn (a copy: an in-place
         # transform of the yielded tensors changed ``pending.data`` too); the targets may come from ``labels=``
         self.transformed_steps += not _same_inputs((x, y), pending.reference)
-        return loss
 
     def _batch(self, pending: _Batch) -> tuple:
         """The logical batch's model inputs (as recorded) and targets (the loader's, or a ``labels`` keyword)."""

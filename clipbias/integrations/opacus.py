@@ -13,11 +13,13 @@ and DataLoader, so that an Opacus training script runs by changing its import.
     print(privacy_engine.get_epsilon(delta=1e-5))
 
 How it works (docs/integrations.md): the returned data loader draws every batch with the engine's secret
-Poisson sampler; the returned module records the inputs it is called with on that batch and runs that
-forward without a graph (its output still supports ``loss.backward()``, which then costs almost nothing);
-``optimizer.step()`` runs ``DPEngine.step`` on the recorded inputs, the loader's targets and the batch's
-indices: per-example gradients of ``criterion`` (rows or the fast path), clipping, the algorithm's stages,
-secret noise, and then your optimizer's own ``step`` on the private update. Everything the engine
+Poisson sampler; the returned module records the inputs it is called with on that batch; ``DPEngine.step`` runs
+on the recorded inputs, the loader's targets and the batch's indices: per-example gradients of ``criterion``
+(rows or the fast path), clipping, the algorithm's stages, secret noise, and then your optimizer's own
+``step`` on the private update. Where the engine can hand back the batch's outputs, the module's forward takes
+that step and returns the step's own outputs (from the second batch on); elsewhere the forward runs without a
+graph and ``optimizer.step()`` takes it. Either way the outputs support ``loss.backward()``, which costs almost
+nothing. Everything the engine
 guarantees holds here unchanged, and ``privacy_report()`` says what the epsilon rests on.
 """
 

@@ -206,3 +206,32 @@ def test_refusals_of_batch_losses_and_streams(tmp_path):
     with pytest.raises(ConfigError, match="per_example_loss"):
         DPTrainer(model=torch.nn.Linear(3, 2), args=targs(tmp_path), train_dataset=data, data_collator=collate,
                   dp_args=DPArguments(noise_multiplier=1.0)).train()
+
+
+def test_bert_broadcast_position_ids_on_the_fast_path_equal_the_rows_path():
+    """BERT builds its position_ids and token_type_ids as one [1, T] row for the whole batch; the fast path
+    expands those Embedding outputs to the batch (each example's output gradient its own) instead of refusing
+    ("a Embedding layer sees a first dimension of 1"). One float64 step under the same key: the same weights as
+    the rows path, and the probe (a Hugging Face model is not proven per-example) accepts the attribution."""
+    from transformers import BertConfig, BertForSequenceClassification
+    from clipbias.config import AlgoConfig
+    from clipbias.engine import DPEngine
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=20,
+                     max_position_embeddings=32, num_labels=2, attn_implementation="eager", hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    state = BertForSequenceClassification(cfg).double().state_dict()
+    ids, y = torch.randint(0, 50, (12, 8)), torch.randint(0, 2, (12,))
+    loss = (lambda out, t: torch.nn.functional.cross_entropy(out.logits, t, reduction="none"))
+    after = {}
+    for path in ("rows", "fast"):
+        m = BertForSequenceClassification(cfg).double()
+        m.load_state_dict(state)
+        e = DPEngine(m, "dpsgd", n=12, batch_size=12, steps=1, noise_multiplier=1e-3, noise_seed=3, loss_fn=loss,
+                     grad_path=path, config=AlgoConfig(lr=0.5, clip=0.05))
+        idx = e.sampler.sample()
+        e.step({"input_ids": ids[idx]}, y[idx], idx)
+        after[path] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    before = torch.cat([state[n].reshape(-1) for n, _ in BertForSequenceClassification(cfg).named_parameters()])
+    assert (after["fast"] - before).norm() > 1e-3
+    torch.testing.assert_close(after["fast"], after["rows"], rtol=0, atol=1e-12)

@@ -17,7 +17,9 @@ One ordinary forward and backward of the summed loss give every ``a_i`` (forward
 example i's, since no module mixes examples: ``check_model``). Supported: ``nn.Linear`` (any input
 rank), ``nn.Conv1d``/``nn.Conv2d`` (``groups=1``, zero padding), weights and biases; ``nn.Embedding``
 (the per-example gradient's nonzero rows are example i's output gradients summed per distinct token:
-norm and sum from those, ``O(L d)`` per example; ``padding_idx`` rows get no gradient;
+norm and sum from those, ``O(L d)`` per example; ``padding_idx`` rows get no gradient; ids shared by
+the whole batch, a ``[1, T]`` input such as Hugging Face's broadcast ``position_ids``, have their output
+expanded to the batch, so that each example's output gradient is its own;
 ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` are refused); and the affine parameters of
 ``nn.GroupNorm`` and ``nn.LayerNorm`` (per-example gradients computed directly from the normalised
 input: one value per channel or feature). Any other trainable parameter makes ``why_unsupported``
@@ -621,12 +623,19 @@ class BookKeeping:
                 raise ConfigError(f"--grad-path fast: a {type(m).__name__} layer runs twice in one forward "
                                   f"pass (shared weights); per-layer norms would understate the per-example "
                                   f"gradient. Use --grad-path rows")
-            acts[m], outs[m], ins[m], versions[m] = inp[0].detach(), out, inp[0].grad_fn, out._version
+            a = inp[0]
+            if isinstance(m, nn.Embedding) and b > 1 and a.dim() > 1 and a.shape[0] == 1:
+                # the same ids for every example (Hugging Face's broadcast position_ids, token_type_ids): the
+                # output expanded to the batch, so that each example's output gradient is its own; broadcasting
+                # it later gives the same values (the probe compares the attribution with each example alone)
+                a, out = a.expand(b, *a.shape[1:]), out.expand(b, *out.shape[1:])
+            acts[m], outs[m], ins[m], versions[m] = a.detach(), out, inp[0].grad_fn, out._version
+            return out
 
+        b = batch.size(x)
         handles = [m.register_forward_hook(hook) for m in self.layers]
         try:
             with torch.enable_grad():
-                b = batch.size(x)
                 with forward.one_pass() as seen:  # keyed dropout: row r's masks from example r's index
                     losses = self._losses(self._kept(batch.call(call or self.model, x), keep), y, b)
                 self._keyed_calls = seen.calls

@@ -152,7 +152,9 @@ def test_a_forward_drawing_from_a_public_generator_is_refused(draw, name, path):
     """torch.rand and its kind are refused by name; a draw that bypasses the mode (Python's random) by
     the moved generator. Nothing changes."""
     m = _Draws(draw)
-    eng = DPEngine(m, "dpsgd", n=20, batch_size=5, steps=1, noise_multiplier=1.0, grad_path=path)
+    # q = 1: every example in the batch (a Poisson batch at q = 1/4 is empty with probability 0.3 %, and an
+    # empty step runs no forward to refuse)
+    eng = DPEngine(m, "dpsgd", n=20, batch_size=20, steps=1, noise_multiplier=1.0, grad_path=path)
     before = [p.detach().clone() for p in m.parameters()]
     idx = eng.sampler.sample()
     with pytest.raises(ConfigError, match=name):

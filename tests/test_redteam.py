@@ -1,5 +1,5 @@
 """Red-team regressions: ways a training loop or a model made a run report ``certified: true`` while its
-per-example sensitivity exceeded C or its randomness was public (redteam/ measures each)."""
+per-example sensitivity exceeded C or its randomness was public (benchmarks/redteam_integrations/ measures each)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _one_step(pe, loader, body):
 
 
 def test_a_batch_mixed_in_place_in_the_loop_is_not_the_batch_as_drawn():
-    """redteam/a1_inplace_mix.py: x.add_(x.mean(0)) mutates the drawn tensor itself, so comparing the model's
+    """benchmarks/redteam_integrations/a1_inplace_mix.py: x.add_(x.mean(0)) mutates the drawn tensor itself, so comparing the model's
     input with the drawn batch compared it with itself (16 C between neighbours, certified)."""
     pe, model, opt, loader = _private(_linear(), torch.randn(32, D), torch.zeros(32, dtype=torch.long))
 
@@ -70,7 +70,7 @@ class _WithLabels(nn.Module):
 
 
 def test_labels_rewritten_in_the_loop_are_not_the_batch_as_drawn():
-    """redteam/a2_labels_kwarg.py: model(x=..., labels=...) takes the targets from the keyword, which was not
+    """benchmarks/redteam_integrations/a2_labels_kwarg.py: model(x=..., labels=...) takes the targets from the keyword, which was not
     compared with the drawn batch (every example given the target's label: 16 C, certified)."""
     pe, model, opt, loader = _private(_WithLabels(), torch.randn(32, D), torch.randint(0, 3, (32,)))
 
@@ -81,7 +81,7 @@ def test_labels_rewritten_in_the_loop_are_not_the_batch_as_drawn():
 
 
 def test_a_sub_unit_perturbation_of_an_integer_batch_is_not_a_cast():
-    """redteam/a4_cast_truncation.py: the model's float input was cast (truncated) to the drawn uint8 dtype
+    """benchmarks/redteam_integrations/a4_cast_truncation.py: the model's float input was cast (truncated) to the drawn uint8 dtype
     before the comparison, so x.float() + delta with 0 <= delta < 1 (from other examples) passed."""
     x = torch.randint(0, 255, (32, D), dtype=torch.uint8)
     pe, model, opt, loader = _private(_linear(), x, torch.zeros(32, dtype=torch.long))
@@ -108,7 +108,7 @@ class _Running(nn.Module):
 
 
 def test_a_forward_that_reassigns_a_buffer_is_refused_and_restored():
-    """redteam/a3_buffers.py: `self.running = 0.9 * self.running + ...` replaces the buffer object, whose
+    """benchmarks/redteam_integrations/a3_buffers.py: `self.running = 0.9 * self.running + ...` replaces the buffer object, whose
     version counter the check read, so the private batch's mean reached the released state_dict, noise-free."""
     net = _Running()
     pe, model, opt, loader = _private(net, torch.randn(32, D), torch.zeros(32, dtype=torch.long))
@@ -123,7 +123,7 @@ def test_a_forward_that_reassigns_a_buffer_is_refused_and_restored():
 
 
 def test_skipping_or_redrawing_batches_makes_the_run_uncertified():
-    """redteam/a5_batch_selection.py: a loop that keeps only batches of its choosing (here: of at least 4 rows)
+    """benchmarks/redteam_integrations/a5_batch_selection.py: a loop that keeps only batches of its choosing (here: of at least 4 rows)
     stays certified though the target's inclusion rate among the released steps is q' = 1.32 q."""
     n, B = 40, 4
     eng = DPEngine(nn.Linear(3, 2), "dpsgd", n=n, batch_size=B, steps=5, noise_multiplier=1.0,
@@ -150,7 +150,7 @@ class _AtenMask(nn.Module):
 
 
 def test_a_draw_from_a_models_own_generator_through_aten_is_refused():
-    """redteam/d2_aten_own_generator.py: neither refused by name (aten OpOverloads are not in the list) nor
+    """benchmarks/redteam_integrations/d2_aten_own_generator.py: neither refused by name (aten OpOverloads are not in the list) nor
     after the fact (no global generator moves): a position-assigned public mask, 2.83 C between neighbours."""
     eng = DPEngine(_AtenMask(), "dpsgd", n=16, batch_size=16, steps=1, noise_multiplier=1.0,
                    config=AlgoConfig(lr=0.1), grad_path="rows")

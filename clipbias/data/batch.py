@@ -51,18 +51,23 @@ def cat(parts: list) -> Any:
     return type(first)(cat([p[i] for p in parts]) for i in range(len(first)))
 
 
-def detached(x: Any) -> Any:
-    """``x`` with every tensor detached, its structure kept (a ``ModelOutput`` stays one); anything that is
-    not a tensor, tuple, list or mapping (a cache object) is kept as it is."""
+def map_tensors(fn: Callable[[Tensor], Any], x: Any) -> Any:
+    """``fn`` applied to every tensor of ``x``, its structure kept (a ``ModelOutput`` stays one); unlike
+    ``tree_map``, anything that is not a tensor, tuple, list or mapping (a cache object) is kept as it is."""
     if isinstance(x, Tensor):
-        return x.detach()
+        return fn(x)
     if isinstance(x, Mapping):
-        return _mapping(type(x), {k: detached(v) for k, v in x.items()})
+        return _mapping(type(x), {k: map_tensors(fn, v) for k, v in x.items()})
     if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(detached(v) for v in x))
+        return type(x)(*(map_tensors(fn, v) for v in x))
     if isinstance(x, (tuple, list)):
-        return type(x)(detached(v) for v in x)
+        return type(x)(map_tensors(fn, v) for v in x)
     return x
+
+
+def detached(x: Any) -> Any:
+    """``x`` with every tensor detached (``map_tensors``)."""
+    return map_tensors(Tensor.detach, x)
 
 
 def _mapping(kind: type, items: dict) -> Mapping:

@@ -152,10 +152,7 @@ class PrivacyEngine:
             raise ConfigError(f"algorithm={algorithm!r} needs public features beside the private data; it runs from "
                               f"the clipbias CLI (--public-size), not through make_private")
         n, B = len(data_loader.dataset), data_loader.batch_size
-        config = AlgoConfig(lr=float(optimizer.param_groups[0].get("lr", 0.1)) or 0.1, clip=max_grad_norm,
-                            ef_clip=extra.get("ef_clip"), optimizer=_base_kind(optimizer),
-                            momentum=float(optimizer.param_groups[0].get("momentum", 0.0) or 0.0),
-                            extra=dict(extra.get("settings") or {}))
+        config = engine_config(optimizer, max_grad_norm, extra.get("ef_clip"), extra.get("settings"))
         self.engine = DPEngine(module, algorithm, n=n, batch_size=B, epochs=epochs, epsilon=epsilon,
                                noise_multiplier=noise_multiplier,
                                delta=delta if delta is not None else extra.get("delta", 1e-5),
@@ -259,6 +256,16 @@ def check_options(*, batch_first: bool, loss_reduction: str, poisson_sampling: b
                           f"per-example gradients; grad_path= chooses them), got {grad_sample_mode!r}")
 
 
+def engine_config(optimizer: torch.optim.Optimizer, clip: float, ef_clip: float | None,
+                  settings: dict | None) -> AlgoConfig:
+    """The engine's settings over the user's optimizer: the clip, the algorithm's settings, and what the
+    engine reads of the optimizer (its family and SGD's momentum shape banded noise; lr is unused)."""
+    group = optimizer.param_groups[0]
+    return AlgoConfig(lr=float(group.get("lr", 0.1)) or 0.1, clip=float(clip), ef_clip=ef_clip,
+                      optimizer=_base_kind(optimizer), momentum=float(group.get("momentum", 0.0) or 0.0),
+                      extra=dict(settings or {}))
+
+
 def _base_kind(optimizer: torch.optim.Optimizer) -> str | None:
     """The engine's name for the optimizer's family where it has one (banded noise shapes its coefficients for
     SGD's momentum); any other optimizer is used as it is."""
@@ -316,35 +323,32 @@ class DPModule(nn.Module):
             pending.inputs.append((args, kwargs))
             if self._eager and pending.chunks == 1 and len(pending.inputs) == 1 and len(pending.indices):
                 return self._step_here(pending)
-        before = _buffer_state(self._module)
-        try:
-            with torch.no_grad():
-                out = self._module(*args, **kwargs)
-        finally:
-            changed = _restore_buffers(self._module, before)
-        if changed:
-            raise ConfigError(f"the model updates {changed} buffer(s) in its forward pass (BatchNorm's running "
-                              f"statistics?): they would hold statistics of the private batch outside the "
-                              f"guarantee. Restored; replace BatchNorm with clipbias.fix(model) (GroupNorm)")
+        with torch.no_grad():
+            out = self._guarded(self._module, *args, **kwargs)
         if record and self._eager is None and self._optimizer is not None:
             self._eager = self._optimizer.engine.outputs_kept and "labels" not in kwargs and \
                 _per_example(out, len(pending.indices))
-        return _tie(out, self._anchor.to(_device_of(out, self._anchor))) if record else out
+        return _tie(out, self._anchor) if record else out
 
     def _step_here(self, pending: _Batch):
         """The private step now, on the recorded call; its outputs, tied to the anchor."""
+        self._guarded(self._optimizer.run, pending, keep_outputs=True)
+        pending.stepped = True
+        out = self._optimizer.engine.last_outputs
+        return _tie(out, self._anchor)
+
+    def _guarded(self, fn: Callable, *args, **kwargs):
+        """``fn(*args, **kwargs)``, refused (and the buffers restored) if it changed a buffer of the module."""
         before = _buffer_state(self._module)
         try:
-            self._optimizer.run(pending, keep_outputs=True)
+            out = fn(*args, **kwargs)
         finally:
             changed = _restore_buffers(self._module, before)
         if changed:
             raise ConfigError(f"the model updates {changed} buffer(s) in its forward pass (BatchNorm's running "
                               f"statistics?): they would hold statistics of the private batch outside the "
                               f"guarantee. Restored; replace BatchNorm with clipbias.fix(model) (GroupNorm)")
-        pending.stepped = True
-        out = self._optimizer.engine.last_outputs
-        return _tie(out, self._anchor.to(_device_of(out, self._anchor)))
+        return out
 
     def __getattr__(self, name: str):
         try:
@@ -395,37 +399,9 @@ def _per_example(out: Any, b: int) -> bool:
     return bool(leaves) and all(t.dim() > 0 and t.shape[0] == b for t in leaves)
 
 
-def _device_of(out: Any, default: Tensor) -> torch.device:
-    leaves = [t for t in _tensors(out)]
-    return leaves[0].device if leaves else default.device
-
-
-def _tensors(out: Any):
-    if isinstance(out, Tensor):
-        yield out
-    elif isinstance(out, Mapping):
-        for v in out.values():
-            yield from _tensors(v)
-    elif isinstance(out, (tuple, list)):
-        for v in out:
-            yield from _tensors(v)
-
-
 def _tie(out: Any, anchor: Tensor) -> Any:
     """``out`` with every floating tensor ``t`` replaced by ``t + 0 * anchor`` (a graph of one node)."""
-    if isinstance(out, Tensor):
-        return out + anchor.to(out.dtype) * 0 if out.is_floating_point() else out
-    if isinstance(out, Mapping):
-        if hasattr(out, "to_tuple"):  # a Hugging Face ModelOutput: its fields, set in place
-            for k in list(out.keys()):
-                out[k] = _tie(out[k], anchor)
-            return out
-        return type(out)({k: _tie(v, anchor) for k, v in out.items()})
-    if isinstance(out, tuple) and hasattr(out, "_fields"):
-        return type(out)(*(_tie(v, anchor) for v in out))
-    if isinstance(out, (tuple, list)):
-        return type(out)(_tie(v, anchor) for v in out)
-    return out
+    return batch.map_tensors(lambda t: t + anchor.to(t.device, t.dtype) * 0 if t.is_floating_point() else t, out)
 
 
 class DPDataLoader:
@@ -564,7 +540,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _batch(self, pending: _Batch) -> tuple:
         """The logical batch's model inputs (as recorded) and targets (the loader's, or a ``labels`` keyword)."""
-        x = _cat([_as_batch(rec) for rec in pending.inputs])
+        x = batch.cat([_as_batch(rec) for rec in pending.inputs])
         if isinstance(x, dict) and "labels" in x:
             x = dict(x)
             y = x.pop("labels")
@@ -598,17 +574,6 @@ def _as_batch(rec: tuple) -> Any:
     if kwargs:
         return {k: v for k, v in kwargs.items() if v is not None}
     return args[0] if len(args) == 1 else tuple(args)
-
-
-def _cat(parts: list) -> Any:
-    if len(parts) == 1:
-        return parts[0]
-    first = parts[0]
-    if isinstance(first, Tensor):
-        return torch.cat(parts)
-    if isinstance(first, Mapping):
-        return {k: _cat([p[k] for p in parts]) for k in first}
-    return type(first)(_cat([p[i] for p in parts]) for i in range(len(first)))
 
 
 class BatchMemoryManager:

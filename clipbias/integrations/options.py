@@ -17,10 +17,9 @@ import torch
 from torch import nn
 
 from .. import algorithms, privacy
-from ..config import AlgoConfig
 from ..engine import DPEngine
 from ..errors import ConfigError
-from .opacus import ACCOUNTANTS, _base_kind
+from .opacus import ACCOUNTANTS, _base_kind, engine_config
 
 
 @dataclass
@@ -87,10 +86,8 @@ class DPOptions:
         self.check()
         if self.target_epsilon is not None and not steps:
             raise ConfigError("target_epsilon needs the number of steps in advance (epochs or max_steps)")
-        group = optimizer.param_groups[0] if isinstance(optimizer, torch.optim.Optimizer) else {}
-        config = AlgoConfig(lr=float(group.get("lr", 0.1)) or 0.1, clip=float(self.max_grad_norm),
-                            ef_clip=self.ef_clip, optimizer=_base_kind(optimizer),
-                            momentum=float(group.get("momentum", 0.0) or 0.0), extra=dict(self.settings or {}))
+        _base_kind(optimizer)  # refuses anything but a torch optimizer, naming it
+        config = engine_config(optimizer, self.max_grad_norm, self.ef_clip, self.settings)
         return DPEngine(model, self.algorithm, n=n, batch_size=batch_size,
                         steps=steps if self.target_epsilon is not None else None,
                         epsilon=self.target_epsilon, noise_multiplier=self.noise_multiplier, delta=self.delta(n),

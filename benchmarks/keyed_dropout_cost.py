@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import statistics
 import time
 
@@ -32,13 +31,7 @@ from clipbias.engine.core import DPEngine
 
 N, D, WIDTH, CLASSES = 4096, 128, 256, 10
 
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
+from speed import cpu_description  # benchmarks/speed.py: name, vector extensions, cores
 
 
 def engine(p: float, path: str, batch: int) -> DPEngine:
@@ -84,7 +77,7 @@ def main() -> None:
             if r >= 2:
                 times[name].append(ms)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(json.dumps({"cpu": cpu_name(), "threads": a.threads, "path": a.path, "batch": a.batch,
+    print(json.dumps({"cpu": cpu_description(), "threads": a.threads, "path": a.path, "batch": a.batch,
                       "ms_per_step": {k: round(v, 2) for k, v in med.items()},
                       "keyed_over_torch": round(med["keyed"] / med["torch"], 3),
                       "p0_over_torch": round(med["keyed-p0"] / med["torch"], 3)}))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import subprocess
 import sys
@@ -32,15 +31,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+from speed import cpu_description  # benchmarks/speed.py: name, vector extensions, cores
 
 
 # ---------------------------------------------------------------- the Opacus-style script
@@ -244,7 +235,7 @@ def main() -> None:
                 else:
                     rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
                 print(json.dumps(rows[-1]), flush=True)
-    result = {"cpu": cpu_name(), "threads": a.threads, "torch": torch.__version__, "part": a.part, "rows": rows}
+    result = {"cpu": cpu_description(), "threads": a.threads, "torch": torch.__version__, "part": a.part, "rows": rows}
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -48,6 +48,7 @@ is skipped. The red-team cases are in ``tests/test_fastclip.py``."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
 from typing import Callable
@@ -60,7 +61,8 @@ from ..data import batch
 from ..data.batch import Batch
 from ..errors import ConfigError
 from ..randomness import forward
-from .precision import full_float32, row_norms, sq_norms, unit_roundoff
+from . import precision
+from .precision import exact32, full_float32, row_norms, sq_norms, unit_roundoff
 from .precision import gamma as _gamma
 from . import separable
 from .conv_rows import conv_weight_rows, input_rows
@@ -364,7 +366,7 @@ def ghost_plan(layers: list[nn.Module], acts: dict, outs: dict | list) -> set[nn
         L, k, o = _sizes(m, a, out)
         if L == 1:
             continue
-        size = out.shape[0] * o * k * a.element_size()
+        size = out.shape[0] * o * k * max(a.element_size(), 4)  # 16-bit inputs are formed in float32 (_rule)
         if L * L <= o * k and used + size > FORMED_BYTES:
             ghost.add(m)
         else:
@@ -393,15 +395,10 @@ def _rules_of(layers: list[nn.Module], acts: dict, outs: list, plan: set | None 
 
 
 def _rule(m: nn.Module, a: Tensor, g: Tensor, ghost: bool):
-    if torch.float16 in (a.dtype, g.dtype):
-        raise ConfigError("--grad-path fast: float16 activations or output gradients (half precision or "
-                          "float16 autocast): their squares underflow and the norms could understate an example's "
-                          "gradient; use float32, or --grad-path rows")
-    if torch.bfloat16 in (a.dtype, g.dtype):  # e.g. autocast entered inside the model's forward
-        raise ConfigError("--grad-path fast: bfloat16 activations or output gradients (autocast inside the model, "
-                          "or a bfloat16 layer): the per-layer sums would be rounded in bfloat16, and one example "
-                          "moved the clipped sum by 1.27 C at B = 256; run the model in float32, or use "
-                          "--grad-path rows (its per-example gradients come back in the parameters' float32)")
+    # bfloat16 / float16 inputs and output gradients (autocast: DPEngine(autocast=...), or inside the model) widen
+    # exactly to float32: every norm, factor and sum below then runs in float32 or float64, as for a float32
+    # model (16-bit sums moved the release by 1.27 C at B = 256; float16 squares underflow at 2^-12)
+    a, g = exact32(a), exact32(g)
     if isinstance(m, (nn.Linear, *_CONV)):
         return _Matrix(m, a, g, ghost)
     return (_Affine if isinstance(m, _NORMS) else _Embed)(m, a, g)
@@ -636,7 +633,10 @@ class BookKeeping:
         handles = [m.register_forward_hook(hook) for m in self.layers]
         try:
             with torch.enable_grad():
-                with forward.one_pass() as seen:  # keyed dropout: row r's masks from example r's index
+                # keyed dropout: row r's masks from example r's index; the step's autocast (DPEngine(autocast=...))
+                # around the model's own forward (not the float64 recheck's: ``call``)
+                mixed = precision.forward_autocast() if call is None else contextlib.nullcontext()
+                with forward.one_pass() as seen, mixed:
                     losses = self._losses(self._kept(batch.call(call or self.model, x), keep), y, b)
                 self._keyed_calls = seen.calls
                 self._check_layers(acts, outs, b)
@@ -653,11 +653,15 @@ class BookKeeping:
                 if callable(params):  # which parameters, decided from the layers' shapes (the reference sum)
                     params = params(acts, outs)
                 targets = [_edge(outs.pop(m)) for m in self.layers]
-                grads = torch.autograd.grad(losses.sum(), targets + (params or []))
+                scale = precision.loss_scale() if call is None else 1.0  # float16: against underflow
+                grads = torch.autograd.grad(losses.sum() * scale if scale != 1.0 else losses.sum(),
+                                            targets + (params or []))
         finally:
             for h in handles:
                 h.remove()
-        return losses.detach(), acts, list(grads)
+        if scale != 1.0:  # a power of two: divided out exactly (widened to float32 first)
+            grads = [exact32(g, scale) for g in grads]
+        return exact32(losses.detach()), acts, list(grads)
 
     def _kept(self, out, keep: bool):
         """``out``, and its detached copy in ``last_out`` when ``keep`` (the step's output, handed to the user's
@@ -728,8 +732,12 @@ class BookKeeping:
         probes = self._check_rng.sample(range(b), min(PROBES, b))
         w, scale = self._probe_weights(sq, probes)
         fast = self._ordered([r.combo(probes, w) for r in rules])
-        mine = self._own(x, y, probes, params, w)
-        if not _close(fast, mine, params, 1e-4, scale) and not self._agree_in_float64(x, y, probes, w, fast):
+        if precision.active_mixed() is not None:  # a 16-bit forward: a batch and one example alone round apart by
+            agree = self._agree_in_float64(x, y, probes, w, fast)  # ~2^-8, so the float64 recheck decides at once
+        else:
+            agree = _close(fast, self._own(x, y, probes, params, w), params, 1e-4, scale) or \
+                self._agree_in_float64(x, y, probes, w, fast)
+        if not agree:
             raise ConfigError(_MIXING.format(i=", ".join(map(str, probes)), alone="each run alone"))
 
     def _probe_weights(self, sq: Tensor, probes: list[int]) -> tuple[list[float], float]:

@@ -25,6 +25,7 @@ from ..data import batch
 from ..data.batch import Batch
 from ..errors import ConfigError, NonFiniteGradientError, UnsupportedModelError
 from ..randomness import PROBE_STEP, SecretKey, forward
+from . import precision
 from .precision import full_float32, last_norms, sq_norms
 
 LossFn = Callable[..., Tensor]
@@ -127,17 +128,20 @@ class FuncGradients:
         self.layout = ParamLayout.of(model)
 
         def loss_one(params: dict[str, Tensor], consts: dict[str, Tensor], x: Batch, y: Batch, at: Tensor) -> Tensor:
-            with forward.one_pass(at):  # in the engine's private step: dropout keyed by this example's index
+            # in the engine's private step: dropout keyed by this example's index, and its autocast (if any)
+            with forward.one_pass(at), precision.forward_autocast():
                 out = functional_call(self.model, (params, consts), *batch.arguments(x if grouped else batch.unsqueeze(x)))
-            # the loss of one example (a sum over a batch of one, or a [1] vector of per-example losses)
-            return self.loss_fn(out[:1] if grouped else out, batch.unsqueeze(y)).sum()
+                # the loss of one example (a sum over a batch of one, or a [1] vector of per-example losses)
+                loss = self.loss_fn(out[:1] if grouped else out, batch.unsqueeze(y)).sum()
+            return _scaled(loss)
 
         self._fn = vmap(grad_and_value(loss_one), in_dims=(None, None, 0, 0, 0), randomness="different")
 
         def loss_and_output(params, consts, x, y, at):
-            with forward.one_pass(at):
+            with forward.one_pass(at), precision.forward_autocast():
                 out = functional_call(self.model, (params, consts), *batch.arguments(batch.unsqueeze(x)))
-            return self.loss_fn(out, batch.unsqueeze(y)).sum(), batch.tree_map(lambda t: t.detach()[0], out)
+                loss = self.loss_fn(out, batch.unsqueeze(y)).sum()
+            return _scaled(loss), batch.tree_map(lambda t: t.detach()[0], out)
 
         self._fn_out = vmap(grad_and_value(loss_and_output, has_aux=True), in_dims=(None, None, 0, 0, 0),
                             randomness="different")
@@ -174,7 +178,17 @@ class FuncGradients:
             grads, (losses, self.last_out) = self._fn_out(p, self.consts(), x, y, at)
         else:
             grads, losses = self._fn(p, self.consts(), x, y, at)
-        return [grads[n] for n in self.layout.names], losses.detach()
+        # under autocast each example's gradient comes back in its parameter's dtype (float32: autograd's cast
+        # back from the 16-bit copy), a function of that example alone; a loss scale (a power of two) divides out
+        s = precision.loss_scale()
+        return [grads[n] if s == 1.0 else grads[n] / s for n in self.layout.names], losses.detach() / s
+
+
+def _scaled(loss: Tensor) -> Tensor:
+    """One example's loss for its gradient: widened from 16 bits (autocast), times the step's loss scale."""
+    s = precision.loss_scale()
+    loss = precision.exact32(loss)
+    return loss if s == 1.0 else loss * s
 
 
 class ParamSums:

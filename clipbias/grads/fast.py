@@ -738,7 +738,8 @@ class BookKeeping:
             agree = _close(fast, self._own(x, y, probes, params, w), params, 1e-4, scale) or \
                 self._agree_in_float64(x, y, probes, w, fast)
         if not agree:
-            raise ConfigError(_MIXING.format(i=", ".join(map(str, probes)), alone="each run alone"))
+            raise ConfigError(_MIXING.format(i=", ".join(map(str, probes)), alone="each run alone")
+                              + (_MIXED_HINT if precision.active_mixed() is not None else ""))
 
     def _probe_weights(self, sq: Tensor, probes: list[int]) -> tuple[list[float], float]:
         """The probes' secret weights ``w_k = u_k / ||g_k||`` (``u_k`` uniform in [1, 2] from the OS
@@ -843,6 +844,10 @@ _MIXING = ("--grad-path fast: the gradient of example(s) {i} as the per-layer ru
            "own gradient (the example(s) {alone}): the model lets examples see each other (batch statistics, "
            "mixup, cross-example attention, a sequence-first layout), so per-layer norms are not per-example "
            "norms. Use --grad-path rows")
+
+
+_MIXED_HINT = ("; or, under autocast, the 16-bit forward and backward lost more than 5 % of these examples' "
+               "gradient against float64 (float16 output gradients flushed to zero: raise loss_scale)")
 
 
 def _attributed_norms(sq: Tensor, probes: list[int]) -> list[float]:

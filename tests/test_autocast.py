@@ -189,3 +189,17 @@ def test_autocast_settings_are_checked_and_a_callers_autocast_is_pointed_to_them
     eng = DPEngine(m, "dpsgd", **kw)
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ConfigError, match=r"autocast=torch.bfloat16"):
         eng.step(torch.randn(2, 4), torch.tensor([0, 1]), torch.arange(2))
+
+
+def test_a_reviewed_model_stays_proven_per_example_under_autocast(monkeypatch):
+    """autocast adds no torch function mode to the fast path's forward: the cnn of ``clipbias.models`` is
+    still proven per-example by its structure (``grads.separable``), and no probe runs."""
+    from clipbias.models import build_model
+    torch.manual_seed(0)
+    monkeypatch.setattr(BookKeeping, "_check_examples", lambda *a, **k: pytest.fail("probed"))
+    eng = DPEngine(build_model("cnn", (1, 28, 28), 10), "dpsgd", n=32, batch_size=8, steps=2, noise_multiplier=1.0,
+                   accountant="rdp", grad_path="fast", autocast=torch.bfloat16, config=AlgoConfig(lr=0.1, clip=1.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng.step(torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,)), torch.arange(8))
+    assert eng.steps_taken == 1

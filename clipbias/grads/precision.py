@@ -219,14 +219,16 @@ _LAYER_NORMS = (torch.nn.functional.layer_norm, torch.layer_norm)
 
 
 @contextlib.contextmanager
-def forward_autocast() -> Iterator[None]:
-    """``torch.autocast`` for a model forward inside ``mixed(spec)`` (nothing outside it), with layer norms
-    in float32 (``_LayerNormInFloat32``)."""
+def forward_autocast(layer_norm32: bool = False) -> Iterator[None]:
+    """``torch.autocast`` for a model forward inside ``mixed(spec)`` (nothing outside it); ``layer_norm32``:
+    with layer norms in float32 (``_LayerNormInFloat32``: the rows path, under ``vmap``). The fast path
+    enters no function mode: one would void ``grads.separable``'s proof that the model is per-example."""
     spec = active_mixed()
     if spec is None:
         yield
         return
-    with torch.autocast(spec.device_type, dtype=spec.dtype), _LayerNormInFloat32():
+    with torch.autocast(spec.device_type, dtype=spec.dtype), \
+            (_LayerNormInFloat32() if layer_norm32 else contextlib.nullcontext()):
         yield
 
 

@@ -203,3 +203,52 @@ def test_a_reviewed_model_stays_proven_per_example_under_autocast(monkeypatch):
         warnings.simplefilter("ignore")
         eng.step(torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,)), torch.arange(8))
     assert eng.steps_taken == 1
+
+
+def test_the_opacus_interface_and_dp_options_take_autocast():
+    """``make_private(..., autocast=torch.bfloat16)``: the user's loop is unchanged (no torch.autocast, no
+    GradScaler of theirs); the engine's step runs its forward in bfloat16. ``DPOptions`` checks the setting."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from clipbias.integrations.opacus import PrivacyEngine
+    from clipbias.integrations.options import DPOptions
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    seen = []
+    model[1].register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    pe = PrivacyEngine()
+    model, opt, loader = pe.make_private(module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y),
+                                         batch_size=16), noise_multiplier=1.0, max_grad_norm=0.5,
+                                         autocast=torch.bfloat16, grad_path="rows")
+    for xb, yb in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        break
+    assert pe.steps == 1 and pe.engine.autocast == (torch.bfloat16, 1.0) and torch.bfloat16 in seen
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
+    DPOptions(noise_multiplier=1.0, autocast="bfloat16").check()
+    with pytest.raises(ConfigError, match="autocast must be"):
+        DPOptions(noise_multiplier=1.0, autocast="float32").check()
+
+
+@pytest.mark.slow  # transformers' import and the Trainer's setup
+def test_the_hugging_face_trainer_takes_autocast_through_dp_arguments(tmp_path):
+    """``DPArguments(autocast="bfloat16")`` with ``bf16=False``: GPT-2 trains, its layers in bfloat16 in the
+    engine's step, its weights float32 and finite."""
+    pytest.importorskip("transformers")
+    from transformers import TrainingArguments
+    from clipbias.integrations.transformers import DPArguments, DPTrainer
+    from test_hf_trainer import Tokens, collate, gpt2
+    model = gpt2()
+    seen = []
+    model.transformer.h[0].mlp.act.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    args = TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2, learning_rate=0.05,
+                             save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+    trainer = DPTrainer(model=model, args=args, train_dataset=Tokens(24, 8, causal=True), data_collator=collate,
+                        optimizers=(torch.optim.SGD(model.parameters(), lr=0.05), None),
+                        dp_args=DPArguments(noise_multiplier=1.0, grad_path="rows", autocast="bfloat16"))
+    trainer.train()
+    assert trainer.dp_engine.steps_taken == 2 and torch.bfloat16 in seen
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())

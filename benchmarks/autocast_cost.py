@@ -7,12 +7,13 @@ parameters). For each model and gradient path (``fast``, ``rows``), and for a no
 
 * time: both precisions in one process, their steps interleaved (the machine's load drifts alike for
   both), the median of ``--steps`` steps after one warm-up step each;
-* memory: one fresh process per arm (peak RSS is per process): the peak RSS minus the RSS before the
-  first step, what the steps themselves add (``benchmarks/memory.py``'s measure).
+* memory: one fresh process per arm: the peak RSS of the steps (Linux's VmHWM, reset just before the
+  first step) minus the RSS before it, what the steps themselves add.
 
 Usage::
 
     python benchmarks/autocast_cost.py --models gpt,cnn --paths nonprivate,fast,rows --steps 5
+    python benchmarks/autocast_cost.py --memory-only
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ BATCH = {"gpt": 32, "cnn": 256}
 def _rss_gb() -> float:
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * resource.getpagesize() / 2**30
+
+
+def _reset_peak() -> None:
+    """Linux: the peak RSS (VmHWM) restarts from the current RSS, so that a peak of the start-up (the
+    imports, the engine's noise calibration) does not hide the steps' own."""
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+
+
+def _peak_gb() -> float:
+    with open("/proc/self/status") as fh:
+        kb = next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
+    return kb / 2**20
 
 
 def _setup(model_name: str):
@@ -87,10 +101,10 @@ def one_memory(model_name: str, path: str, precision: str, steps: int) -> dict:
     warnings.simplefilter("ignore")
     step = _stepper(model_name, path, _dtype(precision))
     before = _rss_gb()
+    _reset_peak()
     for _ in range(steps):
         step()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    return {"step_gb": round(peak - before, 3)}
+    return {"step_gb": round(_peak_gb() - before, 3)}
 
 
 def interleaved_times(model_name: str, path: str, steps: int) -> dict:
@@ -113,6 +127,7 @@ def main() -> None:
     ap.add_argument("--models", default="gpt,cnn")
     ap.add_argument("--paths", default="nonprivate,fast,rows")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--memory-only", action="store_true", help="skip the timing")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # model,path,precision: the memory of one arm
     a = ap.parse_args()
     if a.one:
@@ -125,7 +140,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for m in a.models.split(","):
         for path in a.paths.split(","):
-            t = interleaved_times(m, path, a.steps)
+            t = {"float32": float("nan"), "bfloat16": float("nan")} if a.memory_only else \
+                interleaved_times(m, path, a.steps)
             mem = {}
             for p in ("float32", "bfloat16"):
                 r = subprocess.run([sys.executable, __file__, "--one", f"{m},{path},{p}", "--steps", "2"],

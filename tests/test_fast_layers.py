@@ -225,6 +225,34 @@ def test_unbatched_conv_input_and_instance_norm_running_stats_are_refused(float6
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+def test_the_new_layers_in_a_sequential_are_per_example_by_construction(monkeypatch):
+    """A depthwise-separable CNN with InstanceNorm and RMSNorm, and a Conv3d one, in ``nn.Sequential``:
+    ``separable`` proves them per-example, so the step runs without the probe."""
+    import clipbias.grads.fast as fc
+    from clipbias.grads import separable
+    sep = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.InstanceNorm2d(4, affine=True), nn.ReLU(),
+                        nn.Conv2d(4, 4, 3, groups=4, padding=1, padding_mode="reflect"), nn.Conv2d(4, 6, 1),
+                        nn.MaxPool2d(2), nn.Flatten(2), nn.RMSNorm(16), nn.Flatten(), nn.Linear(96, 3))
+    cube = nn.Sequential(nn.Unflatten(1, (1, 4, 4, 4)), nn.Conv3d(1, 2, (1, 3, 3), padding=(0, 1, 1)),
+                         nn.InstanceNorm3d(2, affine=True), nn.AvgPool3d((1, 2, 2)), nn.Flatten(), nn.Linear(32, 3))
+    assert separable.why_not(sep) is None
+    assert "Unflatten" in separable.why_not(cube)  # not whitelisted: the probe stays
+    probes = []
+    monkeypatch.setattr(fc.BookKeeping, "_check_examples", lambda self, *a: probes.append(1))
+    x, y = _data(6)
+    BookKeeping(cube)(x.flatten(1), y, lambda n: clip_scale(n, 1.0), False)
+    assert probes == [1]
+    cube[0] = nn.Identity()
+    assert separable.why_not(cube) is None
+    for m, inp in ((sep, x), (cube, x.reshape(6, 1, 4, 4, 4))):
+        BookKeeping(m)(inp, y, lambda n: clip_scale(n, 1.0), False)
+    assert probes == [1]  # no probe on the proven models
+    # the batch dimension is part of the proof (watch records every such layer's inputs, frozen ones too)
+    assert separable.batched({cube[1]: [5], cube[2]: [5], sep[7]: [3]})
+    assert not separable.batched({cube[1]: [4]}) and not separable.batched({cube[2]: [4]})
+    assert not separable.batched({sep[7]: [1]})
+
+
 def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)

@@ -158,8 +158,8 @@ def test_input_rows_times_the_weight_is_the_convolution():
     """``input_rows`` (im2col, the ghost norm's and the one-position rule's input rows) times the
     flattened weight is the layer's output: Conv3d, and Conv2d with a non-zero padding mode."""
     from clipbias.grads.conv_rows import input_rows
-    for layer, shape in [(nn.Conv3d(2, 3, (2, 3, 2), stride=(2, 1, 1), padding=(1, 1, 0), dilation=(1, 2, 1), bias=False),
-                          (3, 2, 6, 7, 5)),
+    for layer, shape in [(nn.Conv3d(2, 3, (2, 3, 2), stride=(2, 1, 1), padding=(1, 1, 0), dilation=(1, 2, 1),
+                                    bias=False), (3, 2, 6, 7, 5)),
                          (nn.Conv2d(3, 4, 3, padding=2, padding_mode="reflect", bias=False), (2, 3, 5, 6))]:
         layer = layer.double()
         a = torch.randn(*shape, dtype=torch.float64)

@@ -132,7 +132,7 @@ def _bucket(b: int) -> int:
 def _key(m: nn.Module, a: Tensor, g: Tensor) -> tuple:
     return (type(m), _bucket(a.shape[0]), tuple(a.shape[1:]), tuple(g.shape[1:]), tuple(m.kernel_size),
             tuple(m.stride), m.padding, m.padding_mode, m.groups, tuple(m.dilation), a.dtype, a.device,
-            torch.get_num_threads(), a.is_contiguous(), g.is_contiguous())  # the layouts (channels-last or not): the speeds depend on them
+            torch.get_num_threads(), a.is_contiguous(), g.is_contiguous())  # the layouts: the speeds depend on them
 
 
 CHOICE_ROUNDS = 9

@@ -134,7 +134,8 @@ def why_unsupported(model: nn.Module) -> str | None:
 
 def _trainable_pair(m: nn.Module) -> tuple[bool, bool]:
     """Whether the layer's weight, its bias, is a trainable parameter (an RMSNorm has no bias)."""
-    return tuple(isinstance(p, Tensor) and p.requires_grad for p in (getattr(m, "weight", None), getattr(m, "bias", None)))
+    w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+    return isinstance(w, Tensor) and w.requires_grad, isinstance(b, Tensor) and b.requires_grad
 
 
 def _trainable(m: nn.Module) -> list[nn.Parameter]:
@@ -322,8 +323,9 @@ class _Affine:
         else:
             n = rms.trailing(m)
             if tuple(m.weight.shape) != tuple(a.shape[a.dim() - n:]) or a.dim() <= n:
-                raise ConfigError(f"grad_path=\"fast\": a {type(m).__name__} layer's weight {tuple(m.weight.shape)} does "
-                                  f"not match the trailing dimensions of its input {tuple(a.shape)}; use grad_path=\"rows\"")
+                raise ConfigError(f"grad_path=\"fast\": a {type(m).__name__} layer's weight {tuple(m.weight.shape)} "
+                                  f"does not match the trailing dimensions of its input {tuple(a.shape)}; use "
+                                  f"grad_path=\"rows\"")
             xhat, dims = rms.normalised(m, a), tuple(range(1, a.dim() - n))
         parts = []
         weight, bias = _trainable_pair(m)

@@ -341,3 +341,24 @@ def test_each_clipped_contribution_is_within_the_clip_in_float32(model_cls):
         assert float(norms[0]) > 10 * clip
         worst = max(worst, float(got.double().norm()))
     assert clip * 0.99 < worst <= clip * (1 + 1e-6)  # the float32 sum's own rounding aside (docs/privacy.md)
+
+
+@pytest.mark.parametrize("name", ["Qwen2", "Qwen3", "Mistral"])
+def test_the_other_reviewed_decoders_run_on_the_fast_path_equal_to_the_rows_path(name, float64):
+    """Qwen2 (biased q/k/v), Qwen3 (RMSNorm on every head's queries and keys: positions and heads
+    summed) and Mistral, tiny and random, with grouped-query attention: norms and sums equal the rows
+    path's."""
+    config, model = getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
+    torch.manual_seed(0)
+    cfg = config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=16, use_cache=False, tie_word_embeddings=False,
+                 **({"head_dim": 16} if name == "Qwen3" else {}))
+    m = _perturbed(model._from_config(cfg, attn_implementation="eager", dtype=torch.float64))
+    assert why_unsupported(m) is None
+    tokens = torch.randint(0, 97, (5, 9), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    scale = lambda n: clip_scale(n, 0.5)  # noqa: E731
+    fast = BookKeeping(m, _token_loss)(x, y, scale, True)
+    rows = ParamSums(FuncGradients(m, _token_loss))(x, y, scale, True)
+    for got, want in zip(fast, rows):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -568,6 +568,7 @@ class BookKeeping:
         feedback's hidden buffer, which the sound DiceSGD bound allows to be anything
         (docs/privacy.md), so its rounding does not enter the guarantee."""
         check_model(self.model)
+        _check_running_stats(self.model)
         params = self.layout.params(self.model)
         dev = params[0].device
         keyed = forward.active() is not None  # the engine's step: dropout keyed per example, public draws refused
@@ -953,6 +954,18 @@ def _check_hooks(layers: list) -> None:
         raise ConfigError(f"--grad-path fast: a forward hook is registered on a {type(hooked[0]).__name__} layer "
                           f"(or globally): it may change the layer's output after the layer ran. Remove it, or "
                           f"use --grad-path rows")
+
+
+def _check_running_stats(model: nn.Module) -> None:
+    """An InstanceNorm tracking running statistics updates them from the batch in a training forward:
+    refused before the forward, by name (``_check_buffers`` would refuse any buffer the forward changes)."""
+    for name, m in model.named_modules():
+        if isinstance(m, _INSTANCE) and m.training and m.track_running_stats:
+            raise ConfigError(f"grad_path=\"fast\": module '{name}' ({type(m).__name__}) has track_running_stats=True "
+                              f"in training mode: its forward would update running statistics from the private batch, "
+                              f"released without noise. Build it with track_running_stats=False (clipbias.fix(model) "
+                              f"does), or put the layer in evaluation mode (.eval()) to use its running statistics as "
+                              f"constants")
 
 
 def _check_buffers(model: nn.Module, before: list) -> None:

@@ -129,6 +129,8 @@ def test_the_probes_combined_attribution_is_the_weighted_sum_of_their_own(model_
     (nn.Conv2d(6, 4, (2, 3), groups=2, stride=(1, 2), dilation=(2, 1), padding=1), (3, 6, 7, 8)),
     (nn.Conv1d(6, 9, 3, groups=3, padding="same", dilation=2, padding_mode="circular"), (4, 6, 11)),
     (nn.Conv2d(3, 5, 3, padding="same", padding_mode="replicate"), (2, 3, 6, 6)),
+    (nn.Conv2d(2, 4, (2, 4), padding="same", dilation=(1, 3)), (3, 2, 5, 9)),                 # asymmetric zeros
+    (nn.Conv1d(2, 3, 4, padding="valid", groups=1, stride=2), (3, 2, 9)),
     (nn.Conv3d(2, 3, (2, 3, 2), stride=(1, 2, 1), padding=(1, 0, 1), dilation=(1, 1, 2)), (3, 2, 5, 6, 5)),
     (nn.Conv3d(4, 4, 2, groups=2, padding=1, padding_mode="circular"), (2, 4, 3, 4, 3)),
 ])

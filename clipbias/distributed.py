@@ -22,6 +22,7 @@ Outside an initialised process group (or with one process) every function here i
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import TYPE_CHECKING, Callable, TypeVar
 
@@ -193,3 +194,103 @@ def gather_objects(obj: object) -> list:
     every: list = [None] * world
     dist.all_gather_object(every, obj)
     return every
+
+
+# ---------------------------------------------------------------- FSDP2 (torch.distributed.fsdp.fully_shard)
+FSDP_HOW = ("shard the model with torch.distributed.fsdp.fully_shard on its blocks and then on the model itself "
+            "(the root), with the default policies, and train it on the fast path (grad_path='fast' or 'auto'); "
+            "an unsharded model trains data-parallel on any path (every rank a full replica)")
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether a trainable parameter of ``model`` is a DTensor (sharded: FSDP2's ``fully_shard``, tensor
+    parallelism)."""
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(p, DTensor) for p in model.parameters() if p.requires_grad)
+
+
+def _fsdp_groups(model: torch.nn.Module) -> list:
+    """The FSDP parameter groups of every ``fully_shard`` unit in ``model`` (each once)."""
+    from torch.distributed.fsdp import FSDPModule
+    groups: dict[int, object] = {}
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            for g in m._get_fsdp_state()._fsdp_param_groups:
+                groups.setdefault(id(g), g)
+    return list(groups.values())
+
+
+def check_sharded(model: torch.nn.Module, fast_path: bool, why_not_fast: str | None) -> None:
+    """Refuses (ConfigError) a model with DTensor parameters that ``unsharded`` cannot gather whole: every
+    trainable DTensor parameter must belong to a ``fully_shard`` unit inside ``model``, ``model`` itself
+    must be one (the root, whose forward runs first), the units must keep their parameters and gradients
+    in the parameters' own dtype on their device (no MixedPrecisionPolicy casts, no CPU offload), and the
+    step must run on the fast path (``fast_path``; ``why_not_fast`` says why it does not)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+    from torch.distributed.tensor import DTensor
+    if not isinstance(model, FSDPModule):
+        raise ConfigError(f"the model has sharded (DTensor) parameters but is not itself a fully_shard module: "
+                          f"{FSDP_HOW}")
+    groups = _fsdp_groups(model)
+    managed = {id(fp.sharded_param) for g in groups for fp in g.fsdp_params}
+    other = [n for n, p in model.named_parameters() if isinstance(p, DTensor) and id(p) not in managed]
+    if other:
+        raise ConfigError(f"parameters {other[:3]} are DTensors that fully_shard does not manage (tensor "
+                          f"parallelism?): the private step gathers only fully_shard's shards. {FSDP_HOW}")
+    for g in groups:
+        mp = g.mp_policy
+        if any(t is not None for t in (mp.param_dtype, mp.reduce_dtype, mp.output_dtype)) or \
+                isinstance(g.offload_policy, CPUOffloadPolicy):
+            raise ConfigError("fully_shard with a MixedPrecisionPolicy that casts, or with CPUOffloadPolicy: the "
+                              "per-example norms and the clipped sum are computed on the gathered parameters in "
+                              f"their own dtype and device; {FSDP_HOW}")
+    if not fast_path:
+        raise ConfigError(f"a model sharded with fully_shard trains on the fast path only (per-layer norms and "
+                          f"book-keeping sums), which does not apply here: {why_not_fast}. {FSDP_HOW}")
+
+
+@contextlib.contextmanager
+def unsharded(model: torch.nn.Module):
+    """The whole of a ``fully_shard`` model gathered on every rank for one private step, then sharded again.
+
+    Inside, every unit's parameters are registered unsharded (plain tensors, all-gathered once on entry:
+    a collective, every rank enters), forward and backward do not reshard them, and FSDP reduces no
+    gradient: the step differentiates with ``torch.autograd.grad``, the per-example norms and clipped sums
+    are those of the unwrapped model, and the ranks, which run different numbers of forward and backward
+    passes on their shares, issue no collective inside. On exit (also on an error) FSDP's settings are
+    restored and the parameters are sharded again (the gathered copies freed). Identity for a model
+    without ``fully_shard`` units."""
+    groups = _fsdp_groups(model)
+    if not groups:
+        yield
+        return
+    model._get_fsdp_state()._lazy_init()  # the root decides its reshard-after-forward once, before we save it
+    saved = [(g, g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads, g.all_reduce_grads)
+             for g in groups]
+    try:
+        for g in groups:
+            g.post_forward_mesh_info, g.reshard_after_backward = None, False  # no reshard within the step
+            g.reduce_grads = g.all_reduce_grads = False  # no reduce-scatter: nothing reaches .grad anyway
+        from torch.distributed.fsdp import FSDPModule
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.unshard()
+        yield
+    except BaseException:
+        model.reset_iter_state()  # a forward or backward cut short: FSDP's per-iteration state cleared
+        raise
+    finally:
+        for g, *before in saved:
+            g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads, g.all_reduce_grads = before
+        for g in groups:
+            g.reshard()
+
+
+def shard_like(param: Tensor, full: Tensor) -> Tensor:
+    """``full`` (the whole update of ``param``, identical on every rank) as ``param`` holds it: this rank's
+    slice as a DTensor of ``param``'s mesh and placements (no communication), or ``full`` itself for a
+    plain tensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    if not isinstance(param, DTensor):
+        return full
+    return distribute_tensor(full.contiguous(), param.device_mesh, param.placements, src_data_rank=None)

@@ -9,6 +9,7 @@ accounted like any other.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -153,9 +154,9 @@ class DPEngine:
             algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer, self.params, self.config)
         self.sampler = PoissonSampler(n, self.sample_rate, self.key, steps_per_epoch, bands)
         self.max_physical_batch = max_physical_batch
-        self._aggregate, self.grad_path_note = choose_aggregate(grad_path, own_rows, model, loss_fn, self.algo,
-                                                                self.pipeline, self.rows, max_physical_batch,
-                                                                self.expected_batch_size)
+        self.sharded = distributed.is_sharded(model)  # fully_shard: gathered whole for each step (``_gathered``)
+        self._aggregate, self.grad_path_note = self._choose_aggregate(grad_path, own_rows, model, loss_fn,
+                                                                      max_physical_batch)
         self.own_rows = own_rows  # a given backend may read labels its own way (the audit's canaries: y < 0)
         self.world_size = check_distributed(self.algo.name, self.rows, self.pipeline)
         self.steps_taken, self.last_loss = 0, (0.0, 0)
@@ -164,6 +165,32 @@ class DPEngine:
                                         dice_accounting, self.config.clip, self.config.ef_clip,
                                         self.config.grad_bound, self.config.gamma, epsilon,
                                         tuple(sorted((k, canon(v)) for k, v in self.config.extra.items())), bands)
+
+    def _choose_aggregate(self, grad_path: str, own_rows: bool, model: nn.Module, loss_fn: LossFn,
+                          max_physical_batch: int):
+        """``choose_aggregate``'s (aggregate, note); a model sharded with fully_shard takes the fast path
+        (``auto`` means ``fast``) or is refused (``distributed.check_sharded``)."""
+        if not self.sharded:
+            return choose_aggregate(grad_path, own_rows, model, loss_fn, self.algo, self.pipeline, self.rows,
+                                    max_physical_batch, self.expected_batch_size)
+        if grad_path == "rows":
+            distributed.check_sharded(model, False, "grad_path='rows' was asked for")
+        try:
+            agg, note = choose_aggregate("fast" if grad_path == "auto" else grad_path, own_rows, model, loss_fn,
+                                         self.algo, self.pipeline, self.rows, max_physical_batch,
+                                         self.expected_batch_size)
+        except ConfigError as e:
+            if not hasattr(e, "why"):
+                raise
+            distributed.check_sharded(model, False, e.why)
+        distributed.check_sharded(model, type(agg) is BookKeeping,
+                                  f"{self.algo.name} evaluates gradients at points other than the current parameters")
+        return agg, note + "; fully_shard: the parameters gathered whole for the step, the update applied per shard"
+
+    def _gathered(self):
+        """The step's sums over the whole model: a fully_shard model gathered on every rank
+        (``distributed.unsharded``), any other as it is."""
+        return distributed.unsharded(self.model) if self.sharded else contextlib.nullcontext()
 
     def _band_momentum(self) -> float:
         """The momentum the banded noise's coefficients are shaped for: the base SGD's (0 for Adam)."""
@@ -204,7 +231,8 @@ class DPEngine:
         proc_sum = torch.zeros(d, device=dev, dtype=dt)
         losses, failure = [], None
         try:
-            with forward.keyed(self.key, self.steps_taken, dev):  # dropout masks from the key, per example index
+            # dropout masks from the key, per example index; a fully_shard model gathered whole for the sums
+            with forward.keyed(self.key, self.steps_taken, dev), self._gathered():
                 for r, p, loss in self._sums(x, y, indices):
                     if ref_sum is not None:
                         ref_sum += r
@@ -241,7 +269,7 @@ class DPEngine:
         self.sampler.settle()
         try:
             for param, u in zip(self.params, self.rows.layout.unflatten(update)):
-                param.grad = u.to(param.dtype)
+                param.grad = distributed.shard_like(param, u.to(param.dtype))  # a shard's slice of the one update
             self.optimizer.step()
         finally:
             self.optimizer.zero_grad(set_to_none=True)

@@ -220,12 +220,11 @@ def _fsdp_groups(model: torch.nn.Module) -> list:
     return list(groups.values())
 
 
-def check_sharded(model: torch.nn.Module, fast_path: bool, why_not_fast: str | None) -> None:
+def check_sharded(model: torch.nn.Module) -> None:
     """Refuses (ConfigError) a model with DTensor parameters that ``unsharded`` cannot gather whole: every
     trainable DTensor parameter must belong to a ``fully_shard`` unit inside ``model``, ``model`` itself
-    must be one (the root, whose forward runs first), the units must keep their parameters and gradients
-    in the parameters' own dtype on their device (no MixedPrecisionPolicy casts, no CPU offload), and the
-    step must run on the fast path (``fast_path``; ``why_not_fast`` says why it does not)."""
+    must be one (the root, whose forward runs first), and the units must keep their parameters and
+    gradients in the parameters' own dtype on their device (no MixedPrecisionPolicy casts, no CPU offload)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
     from torch.distributed.tensor import DTensor
     if not isinstance(model, FSDPModule):
@@ -244,9 +243,12 @@ def check_sharded(model: torch.nn.Module, fast_path: bool, why_not_fast: str | N
             raise ConfigError("fully_shard with a MixedPrecisionPolicy that casts, or with CPUOffloadPolicy: the "
                               "per-example norms and the clipped sum are computed on the gathered parameters in "
                               f"their own dtype and device; {FSDP_HOW}")
-    if not fast_path:
-        raise ConfigError(f"a model sharded with fully_shard trains on the fast path only (per-layer norms and "
-                          f"book-keeping sums), which does not apply here: {why_not_fast}. {FSDP_HOW}")
+
+
+def refuse_sharded_path(why: str) -> None:
+    """A fully_shard model whose step would not run on the fast path (``why``): refused (ConfigError)."""
+    raise ConfigError(f"a model sharded with fully_shard trains on the fast path only (per-layer norms and "
+                      f"book-keeping sums), which does not apply here: {why}. {FSDP_HOW}")
 
 
 @contextlib.contextmanager

@@ -106,6 +106,9 @@ class DPEngine:
         self.undrawn_steps = 0  # steps whose batch the engine's sampler did not draw (``privacy`` caveat)
         self.config = config or AlgoConfig()
         n = check_arguments(model, n, batch_size, self.config)
+        self.sharded = distributed.is_sharded(model)  # fully_shard: gathered whole for each step (``_gathered``)
+        if self.sharded:
+            distributed.check_sharded(model)
         if self.algo.accounting == "dice" and self.config.ef_clip is None:
             # the privacy cost of error feedback grows with r = B C2 / C1: default r = 0.01
             self.config = replace(self.config, ef_clip=privacy.dice.default_ef_clip(self.config.clip, batch_size))
@@ -154,7 +157,6 @@ class DPEngine:
             algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer, self.params, self.config)
         self.sampler = PoissonSampler(n, self.sample_rate, self.key, steps_per_epoch, bands)
         self.max_physical_batch = max_physical_batch
-        self.sharded = distributed.is_sharded(model)  # fully_shard: gathered whole for each step (``_gathered``)
         self._aggregate, self.grad_path_note = self._choose_aggregate(grad_path, own_rows, model, loss_fn,
                                                                       max_physical_batch)
         self.own_rows = own_rows  # a given backend may read labels its own way (the audit's canaries: y < 0)
@@ -169,12 +171,12 @@ class DPEngine:
     def _choose_aggregate(self, grad_path: str, own_rows: bool, model: nn.Module, loss_fn: LossFn,
                           max_physical_batch: int):
         """``choose_aggregate``'s (aggregate, note); a model sharded with fully_shard takes the fast path
-        (``auto`` means ``fast``) or is refused (``distributed.check_sharded``)."""
+        (``auto`` means ``fast``) or is refused (``distributed.refuse_sharded_path``)."""
         if not self.sharded:
             return choose_aggregate(grad_path, own_rows, model, loss_fn, self.algo, self.pipeline, self.rows,
                                     max_physical_batch, self.expected_batch_size)
         if grad_path == "rows":
-            distributed.check_sharded(model, False, "grad_path='rows' was asked for")
+            distributed.refuse_sharded_path("grad_path='rows' was asked for")
         try:
             agg, note = choose_aggregate("fast" if grad_path == "auto" else grad_path, own_rows, model, loss_fn,
                                          self.algo, self.pipeline, self.rows, max_physical_batch,
@@ -182,9 +184,10 @@ class DPEngine:
         except ConfigError as e:
             if not hasattr(e, "why"):
                 raise
-            distributed.check_sharded(model, False, e.why)
-        distributed.check_sharded(model, type(agg) is BookKeeping,
-                                  f"{self.algo.name} evaluates gradients at points other than the current parameters")
+            distributed.refuse_sharded_path(e.why)
+        if type(agg) is not BookKeeping:
+            distributed.refuse_sharded_path(f"{self.algo.name} evaluates gradients at points other than the "
+                                            f"current parameters")
         return agg, note + "; fully_shard: the parameters gathered whole for the step, the update applied per shard"
 
     def _gathered(self):

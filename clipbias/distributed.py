@@ -197,7 +197,7 @@ def gather_objects(obj: object) -> list:
 
 
 # ---------------------------------------------------------------- FSDP2 (torch.distributed.fsdp.fully_shard)
-FSDP_HOW = ("shard the model with torch.distributed.fsdp.fully_shard on its blocks and then on the model itself "
+FSDP_HOW = ("Shard the model with torch.distributed.fsdp.fully_shard on its blocks and then on the model itself "
             "(the root), with the default policies, and train it on the fast path (grad_path='fast' or 'auto'); "
             "an unsharded model trains data-parallel on any path (every rank a full replica)")
 
@@ -223,13 +223,22 @@ def _fsdp_groups(model: torch.nn.Module) -> list:
 def check_sharded(model: torch.nn.Module) -> None:
     """Refuses (ConfigError) a model with DTensor parameters that ``unsharded`` cannot gather whole: every
     trainable DTensor parameter must belong to a ``fully_shard`` unit inside ``model``, ``model`` itself
-    must be one (the root, whose forward runs first), and the units must keep their parameters and
+    must be one (the root, whose forward runs first), no unit may be a layer with a fast-path rule (Linear,
+    Conv, Embedding, the norms: the fast path refuses hooks on them), and the units must keep their parameters and
     gradients in the parameters' own dtype on their device (no MixedPrecisionPolicy casts, no CPU offload)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
     from torch.distributed.tensor import DTensor
     if not isinstance(model, FSDPModule):
-        raise ConfigError(f"the model has sharded (DTensor) parameters but is not itself a fully_shard module: "
+        raise ConfigError(f"the model has sharded (DTensor) parameters but is not itself a fully_shard module. "
                           f"{FSDP_HOW}")
+    from .grads.fast import _SUPPORTED
+    layer = next(((n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule) and isinstance(m, _SUPPORTED)),
+                 None)
+    if layer is not None:  # the fast path refuses hooks on its layers: FSDP's would be refused at the first step
+        kind = next(c for c in _SUPPORTED if isinstance(layer[1], c)).__name__
+        raise ConfigError(f"fully_shard was applied to the layer {repr(layer[0]) if layer[0] else 'the model'} "
+                          f"({kind}) itself; apply it to the blocks that contain the layers (FSDP's hooks sit on the "
+                          f"module it wraps, and the per-layer norms refuse hooks on their layers). {FSDP_HOW}")
     groups = _fsdp_groups(model)
     managed = {id(fp.sharded_param) for g in groups for fp in g.fsdp_params}
     other = [n for n, p in model.named_parameters() if isinstance(p, DTensor) and id(p) not in managed]
@@ -242,7 +251,7 @@ def check_sharded(model: torch.nn.Module) -> None:
                 isinstance(g.offload_policy, CPUOffloadPolicy):
             raise ConfigError("fully_shard with a MixedPrecisionPolicy that casts, or with CPUOffloadPolicy: the "
                               "per-example norms and the clipped sum are computed on the gathered parameters in "
-                              f"their own dtype and device; {FSDP_HOW}")
+                              f"their own dtype and device. {FSDP_HOW}")
 
 
 def refuse_sharded_path(why: str) -> None:

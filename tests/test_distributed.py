@@ -325,14 +325,17 @@ def _sharded_rank(rank: int, result: str) -> None:
     fully_shard(model[2])
     fully_shard(model)
     eng, msg, before, after = _sharded_run(model)
-    local = {n: (isinstance(p, DTensor), tuple(p.to_local().shape), tuple(eng.optimizer.state[p]["momentum_buffer"]
-                                                                         .to_local().shape)) for n, p in model.named_parameters()}
+    local = {n: (isinstance(p, DTensor), tuple(p.to_local().shape),
+                 tuple(eng.optimizer.state[p]["momentum_buffer"].to_local().shape))
+             for n, p in model.named_parameters()}
     refused = {}
     for name, kw, shard in [("rows", {"grad_path": "rows"}, "all"), ("p-avg", {"algo": "p-avg"}, "all"),
-                            ("no root", {}, "block"), ("cast", {}, "cast")]:
+                            ("no root", {}, "block"), ("cast", {}, "cast"), ("layer", {}, "layer")]:
         m = _sharded_model()
-        fully_shard(m[2]) if shard == "block" else fully_shard(
-            m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32) if shard == "cast" else MixedPrecisionPolicy())
+        if shard in ("block", "layer"):
+            fully_shard(m[2] if shard == "block" else m[0])
+        if shard != "block":
+            fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32 if shard == "cast" else None))
         try:
             from clipbias.engine.core import DPEngine
             DPEngine(m, kw.get("algo", "dpsgd"), n=60, batch_size=20, steps=3, noise_multiplier=1.0, noise_seed=5,
@@ -368,8 +371,9 @@ def test_fully_shard_gives_the_single_process_run(tmp_path):
         for name, rows in shards.items():
             assert res["local"][name] == (True, rows, rows)  # a DTensor shard, its momentum the same shard
         got = res["refused"]
-        assert set(got) == {"rows", "p-avg", "no root", "cast"}
+        assert set(got) == {"rows", "p-avg", "no root", "cast", "layer"}
         assert "fast path only" in got["rows"] and "grad_path='rows'" in got["rows"]
         assert "fast path only" in got["p-avg"] and "p-avg" in got["p-avg"]
         assert "not itself a fully_shard module" in got["no root"]
         assert "MixedPrecisionPolicy" in got["cast"]
+        assert "applied to the layer '0' (Linear) itself" in got["layer"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
@@ -203,10 +204,18 @@ FSDP_HOW = ("Shard the model with torch.distributed.fsdp.fully_shard on its bloc
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether a trainable parameter of ``model`` is a DTensor (sharded: FSDP2's ``fully_shard``, tensor
-    parallelism)."""
-    from torch.distributed.tensor import DTensor
-    return any(isinstance(p, DTensor) for p in model.parameters() if p.requires_grad)
+    """Whether ``model`` holds a ``fully_shard`` unit or a DTensor parameter (trainable or frozen: a frozen
+    shard must be gathered for the forward too). Neither exists before its torch module is imported, so
+    without those imported this imports nothing (FSDP's import costs about a second)."""
+    fsdp, tensor = sys.modules.get("torch.distributed.fsdp"), sys.modules.get("torch.distributed.tensor")
+    return (fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules())) or \
+        (tensor is not None and any(isinstance(p, tensor.DTensor) for p in model.parameters()))
+
+
+_FSDP_INTERNALS = ("fsdp_params", "mp_policy", "offload_policy", "post_forward_mesh_info", "reshard_after_backward",
+                   "reduce_grads", "all_reduce_grads", "reshard")
+"""What ``unsharded`` reads and sets on each FSDP parameter group (torch 2.13's FSDP2); ``check_sharded`` refuses
+a torch whose groups lack one, rather than fail inside a step."""
 
 
 def _fsdp_groups(model: torch.nn.Module) -> list:
@@ -220,17 +229,26 @@ def _fsdp_groups(model: torch.nn.Module) -> list:
     return list(groups.values())
 
 
+def _missing_internals(model: torch.nn.Module) -> list[str]:
+    """The FSDP2 internals ``unsharded`` uses that this torch's ``fully_shard`` units lack (none on torch 2.13)."""
+    state = getattr(model, "_get_fsdp_state", lambda: None)()
+    if state is None or not hasattr(state, "_fsdp_param_groups") or not hasattr(state, "_lazy_init"):
+        return ["FSDPModule._get_fsdp_state()._fsdp_param_groups / _lazy_init"]
+    return sorted({a for g in _fsdp_groups(model) for a in _FSDP_INTERNALS if not hasattr(g, a)})
+
+
 def check_sharded(model: torch.nn.Module) -> None:
-    """Refuses (ConfigError) a model with DTensor parameters that ``unsharded`` cannot gather whole: every
-    trainable DTensor parameter must belong to a ``fully_shard`` unit inside ``model``, ``model`` itself
+    """Refuses (ConfigError) a sharded model that ``unsharded`` cannot gather whole: every DTensor
+    parameter must belong to a ``fully_shard`` unit inside ``model``, ``model`` itself
     must be one (the root, whose forward runs first), no unit may be a layer with a fast-path rule (Linear,
-    Conv, Embedding, the norms: the fast path refuses hooks on them), and the units must keep their parameters and
-    gradients in the parameters' own dtype on their device (no MixedPrecisionPolicy casts, no CPU offload)."""
+    Conv, Embedding, the norms: the fast path refuses hooks on them), the units must keep their parameters
+    and gradients in the parameters' own dtype on their device (no MixedPrecisionPolicy casts, no CPU
+    offload), and torch's FSDP2 must have the internals ``unsharded`` drives (``_FSDP_INTERNALS``)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
     from torch.distributed.tensor import DTensor
     if not isinstance(model, FSDPModule):
-        raise ConfigError(f"the model has sharded (DTensor) parameters but is not itself a fully_shard module. "
-                          f"{FSDP_HOW}")
+        raise ConfigError(f"the model holds fully_shard units or DTensor parameters but is not itself a fully_shard "
+                          f"module. {FSDP_HOW}")
     from .grads.fast import _SUPPORTED
     layer = next(((n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule) and isinstance(m, _SUPPORTED)),
                  None)
@@ -239,6 +257,11 @@ def check_sharded(model: torch.nn.Module) -> None:
         raise ConfigError(f"fully_shard was applied to the layer {repr(layer[0]) if layer[0] else 'the model'} "
                           f"({kind}) itself; apply it to the blocks that contain the layers (FSDP's hooks sit on the "
                           f"module it wraps, and the per-layer norms refuse hooks on their layers). {FSDP_HOW}")
+    missing = _missing_internals(model)
+    if missing:
+        raise ConfigError(f"this torch ({torch.__version__}) has FSDP2 internals other than those the private step "
+                          f"drives (tested with torch 2.13; missing: {', '.join(missing)}): train the model "
+                          f"unsharded, data-parallel")
     groups = _fsdp_groups(model)
     managed = {id(fp.sharded_param) for g in groups for fp in g.fsdp_params}
     other = [n for n, p in model.named_parameters() if isinstance(p, DTensor) and id(p) not in managed]

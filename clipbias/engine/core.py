@@ -210,7 +210,9 @@ class DPEngine:
         In a process group of N ranks, ``(x, y, indices)`` is this rank's share of the global batch
         (``engine.local_share`` of the sampled indices; ``run_steps`` does it): the partial sums
         are all-reduced once and every rank applies the same update. ``last_loss`` is the global
-        (loss sum, example count) of the step.
+        (loss sum, example count) of the step. A model sharded with ``fully_shard`` is gathered whole on
+        every rank for the sums (``distributed.unsharded``) and each rank applies its shards' slice of the
+        update (docs/architecture.md, "Sharded models").
 
         Raises before changing anything (model, optimizer, error feedback, accountant) if a
         per-example gradient is not finite, on every rank when one rank's is not.

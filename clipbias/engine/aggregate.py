@@ -61,7 +61,9 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
             return ParamSums(rows.grads), "rows (per-example gradients, torch.func, summed per parameter" + (
                 f"; the fast path does not apply: {why})" if grad_path == "auto" and why else ")")
     if grad_path == "fast":
-        raise ConfigError(f"--grad-path fast is not available: {why}; use --grad-path auto or rows")
+        err = ConfigError(f"--grad-path fast is not available: {why}; use --grad-path auto or rows")
+        err.why = why  # the reason alone (a model sharded with fully_shard has no other path to suggest)
+        raise err
     return None, "rows (per-example gradients, torch.func)" + (f"; the fast path does not apply: {why}"
                                                                 if grad_path == "auto" and why else "")
 

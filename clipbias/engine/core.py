@@ -9,6 +9,7 @@ accounted like any other.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -105,6 +106,9 @@ class DPEngine:
         self.undrawn_steps = 0  # steps whose batch the engine's sampler did not draw (``privacy`` caveat)
         self.config = config or AlgoConfig()
         n = check_arguments(model, n, batch_size, self.config)
+        self.sharded = distributed.is_sharded(model)  # fully_shard: gathered whole for each step (``_gathered``)
+        if self.sharded:
+            distributed.check_sharded(model)
         if self.algo.accounting == "dice" and self.config.ef_clip is None:
             # the privacy cost of error feedback grows with r = B C2 / C1: default r = 0.01
             self.config = replace(self.config, ef_clip=privacy.dice.default_ef_clip(self.config.clip, batch_size))
@@ -153,9 +157,8 @@ class DPEngine:
             algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer, self.params, self.config)
         self.sampler = PoissonSampler(n, self.sample_rate, self.key, steps_per_epoch, bands)
         self.max_physical_batch = max_physical_batch
-        self._aggregate, self.grad_path_note = choose_aggregate(grad_path, own_rows, model, loss_fn, self.algo,
-                                                                self.pipeline, self.rows, max_physical_batch,
-                                                                self.expected_batch_size)
+        self._aggregate, self.grad_path_note = self._choose_aggregate(grad_path, own_rows, model, loss_fn,
+                                                                      max_physical_batch)
         self.own_rows = own_rows  # a given backend may read labels its own way (the audit's canaries: y < 0)
         self.world_size = check_distributed(self.algo.name, self.rows, self.pipeline)
         self.steps_taken, self.last_loss = 0, (0.0, 0)
@@ -164,6 +167,33 @@ class DPEngine:
                                         dice_accounting, self.config.clip, self.config.ef_clip,
                                         self.config.grad_bound, self.config.gamma, epsilon,
                                         tuple(sorted((k, canon(v)) for k, v in self.config.extra.items())), bands)
+
+    def _choose_aggregate(self, grad_path: str, own_rows: bool, model: nn.Module, loss_fn: LossFn,
+                          max_physical_batch: int):
+        """``choose_aggregate``'s (aggregate, note); a model sharded with fully_shard takes the fast path
+        (``auto`` means ``fast``) or is refused (``distributed.refuse_sharded_path``)."""
+        if not self.sharded:
+            return choose_aggregate(grad_path, own_rows, model, loss_fn, self.algo, self.pipeline, self.rows,
+                                    max_physical_batch, self.expected_batch_size)
+        if grad_path == "rows":
+            distributed.refuse_sharded_path("grad_path='rows' was asked for")
+        try:
+            agg, note = choose_aggregate("fast" if grad_path == "auto" else grad_path, own_rows, model, loss_fn,
+                                         self.algo, self.pipeline, self.rows, max_physical_batch,
+                                         self.expected_batch_size)
+        except ConfigError as e:
+            if not hasattr(e, "why"):
+                raise
+            distributed.refuse_sharded_path(e.why)
+        if type(agg) is not BookKeeping:
+            distributed.refuse_sharded_path(f"{self.algo.name} evaluates gradients at points other than the "
+                                            f"current parameters")
+        return agg, note + "; fully_shard: the parameters gathered whole for the step, the update applied per shard"
+
+    def _gathered(self):
+        """The step's sums over the whole model: a fully_shard model gathered on every rank
+        (``distributed.unsharded``), any other as it is."""
+        return distributed.unsharded(self.model) if self.sharded else contextlib.nullcontext()
 
     def _band_momentum(self) -> float:
         """The momentum the banded noise's coefficients are shaped for: the base SGD's (0 for Adam)."""
@@ -180,7 +210,9 @@ class DPEngine:
         In a process group of N ranks, ``(x, y, indices)`` is this rank's share of the global batch
         (``engine.local_share`` of the sampled indices; ``run_steps`` does it): the partial sums
         are all-reduced once and every rank applies the same update. ``last_loss`` is the global
-        (loss sum, example count) of the step.
+        (loss sum, example count) of the step. A model sharded with ``fully_shard`` is gathered whole on
+        every rank for the sums (``distributed.unsharded``) and each rank applies its shards' slice of the
+        update (docs/architecture.md, "Sharded models").
 
         Raises before changing anything (model, optimizer, error feedback, accountant) if a
         per-example gradient is not finite, on every rank when one rank's is not.
@@ -204,7 +236,8 @@ class DPEngine:
         proc_sum = torch.zeros(d, device=dev, dtype=dt)
         losses, failure = [], None
         try:
-            with forward.keyed(self.key, self.steps_taken, dev):  # dropout masks from the key, per example index
+            # dropout masks from the key, per example index; a fully_shard model gathered whole for the sums
+            with forward.keyed(self.key, self.steps_taken, dev), self._gathered():
                 for r, p, loss in self._sums(x, y, indices):
                     if ref_sum is not None:
                         ref_sum += r
@@ -241,7 +274,7 @@ class DPEngine:
         self.sampler.settle()
         try:
             for param, u in zip(self.params, self.rows.layout.unflatten(update)):
-                param.grad = u.to(param.dtype)
+                param.grad = distributed.shard_like(param, u.to(param.dtype))  # a shard's slice of the one update
             self.optimizer.step()
         finally:
             self.optimizer.zero_grad(set_to_none=True)

@@ -346,6 +346,16 @@ def same_example(row: int) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def only(row: int) -> Iterator[None]:
+    """The forwards inside compute example ``row`` of the current ones alone (the rows path run one
+    example at a time, for a model ``vmap`` cannot run)."""
+    mode = active()
+    ids = mode.ids if mode is not None else None
+    with examples(None if ids is None else [ids[row]]):
+        yield
+
+
 class Pass:
     """What ``one_pass`` saw: ``calls``, the keyed dropout calls of the forward."""
     calls = 0

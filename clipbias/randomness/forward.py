@@ -42,7 +42,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PathRefusal
 from .chacha import BLOCK_BYTES, MAX_BLOCKS
 from .draws import stream
 from .key import Purpose, SecretKey
@@ -116,9 +116,9 @@ class KeyedForward(TorchFunctionMode):
                               "switch the model's dropout off (model.eval() or p = 0)")
         b = len(self._rows())
         if not noise_shape or noise_shape[0] != b:
-            raise ConfigError(f"a dropout input of shape {list(noise_shape)} in a batched forward of {b} examples: "
+            raise PathRefusal("fast", f"a dropout input of shape {list(noise_shape)} in a batched forward of {b} examples: "
                               f"masks are keyed per example by the first dimension, which must be the batch "
-                              f"(batch-first layout); use --grad-path rows (grad_path='rows')")
+                              f"(batch-first layout); use grad_path='rows'")
         return self._keep(tuple(noise_shape[1:]), p, device)
 
     def dropout(self, input: Tensor, p: float, train: bool, *, feature: bool = False, alpha: bool = False,

@@ -207,6 +207,26 @@ def test_auto_falls_back_once_and_releases_once():
         assert (path == "auto") == any("fast path refused" in str(w.message) for w in seen)
     torch.testing.assert_close(got["auto"], got["rows"], rtol=0, atol=1e-6)
 
+    class Branches(Twice):  # and a branch on tensor values, which vmap cannot run: refused by both paths' first try
+        def forward(self, x):
+            return super().forward(x if bool(x.sum() > -1e9) else -x)
+
+    for path in ("auto", "rows"):
+        torch.manual_seed(0)
+        m = Branches()
+        e = DPEngine(m, "dpsgd", n=10, batch_size=10, steps=2, noise_multiplier=0.5, noise_seed=3, grad_path=path,
+                     config=AlgoConfig(lr=1.0, clip=0.05), loss_fn=lambda o, t: nn.functional.cross_entropy(o, t, reduction="sum"))
+        idx = e.sampler.sample()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            e.step(xs[idx], ys[idx], idx)
+        got[path] = (flat(m), e)
+    torch.testing.assert_close(got["auto"][0], got["rows"][0], rtol=0, atol=1e-6)
+    e = got["auto"][1]
+    assert e.fast is None and e.steps_taken == 1 and got["rows"][1].grad_path_fallback is None
+    assert e.grad_path_fallback.startswith("rows -> fast: torch.func.vmap") and "; then fast -> rows" in e.grad_path_fallback
+    assert e.rows.grads.unvectorizable == "loop" and not e.rows.grads.vectorized  # outside a step: one at a time
+
 
 def test_sdpa_attention_dropout_is_keyed_per_example_in_bert():
     """BERT (SDPA) with attention dropout only, in the engine's batched forward: example 7's logits are the

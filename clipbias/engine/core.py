@@ -163,7 +163,6 @@ class DPEngine:
         self._other_path = other_path(grad_path, own_rows, model, loss_fn, self.algo, self.pipeline, self.rows,
                                       max_physical_batch, self.expected_batch_size, self._aggregate) \
             if grad_path == "auto" and self.world_size == 1 else None
-        self._set_unvectorizable("refuse" if self._other_path is not None else "loop")
         self.steps_taken, self.last_loss = 0, (0.0, 0)
         self.last_outputs, self._outputs = None, None  # step(keep_outputs=True)
         self.settings = PrivacySettings(algorithm, n, self.sample_rate, steps, z, delta, accountant,
@@ -210,6 +209,8 @@ class DPEngine:
             ref_sum = torch.zeros(d, device=dev, dtype=dt) if self.pipeline.error_feedback is not None else None
             proc_sum = torch.zeros(d, device=dev, dtype=dt)
             losses, failure = [], None
+            # vmap refusing the model: auto's other path, while it has one (else one example at a time)
+            self._set_unvectorizable("refuse" if self._other_path is not None else "loop")
             try:
                 with forward.keyed(self.key, self.steps_taken, dev):  # dropout masks from the key, per example index
                     for r, p, loss in self._sums(x, y, indices):
@@ -220,14 +221,15 @@ class DPEngine:
             except ClipbiasError as err:  # a micro-batch failed (NaN, bad shape, a public random draw)
                 failure = err
             except BaseException:  # out of memory, an interrupt: nothing staged may reach the next step
+                self._set_unvectorizable("loop")
                 self._drop_staged()  # (adaptive clipping's count would hold these examples twice)
                 raise
             if not (isinstance(failure, PathRefusal) and self._fall_back(failure)):
                 break
             self._outputs = [] if keep_outputs else None
+        self._set_unvectorizable("loop")
         if self._other_path is not None and batch.size(x) and failure is None:
             self._other_path = None  # auto's choice stands from the first step that ran the model
-            self._set_unvectorizable("loop")
         mine = torch.cat(losses) if losses else torch.zeros(0, device=dev)
         self.last_loss = (float(mine.sum()), len(mine))
         if self._outputs:
@@ -274,14 +276,13 @@ class DPEngine:
         before = self._path_name()
         self._aggregate, note = self._other_path
         self._other_path = None
-        if self._path_name() == "rows":
-            self._set_unvectorizable("loop")
-        else:  # should the fast path refuse too, the rows path one example at a time takes the step
+        if self._path_name() == "fast":  # should the fast path refuse too, the rows path one example at a time takes the step
             self._other_path = other_path("auto", self.own_rows, self.model, self.loss_fn, self.algo, self.pipeline,
                                           self.rows, self.max_physical_batch, self.expected_batch_size,
                                           self._aggregate)
         reason = str(err).split(". ")[0]
-        self.grad_path_fallback = f"{before} -> {self._path_name()}: {reason}"
+        self.grad_path_fallback = (f"{self.grad_path_fallback}; then " if self.grad_path_fallback else "") + \
+            f"{before} -> {self._path_name()}: {reason}"
         self.grad_path_note = f"{note}; grad_path='auto' took it at the first step, where the {before} path " \
                               f"refused the model ({reason})"
         warnings.warn(f"grad_path='auto': the {before} path refused the model at the first step ({reason}); "

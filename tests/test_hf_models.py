@@ -70,7 +70,8 @@ def tokens(b: int, T: int, lens: list[int], pad: int = 0, seed: int = 1) -> dict
     return {"input_ids": ids.masked_fill(mask == 0, pad), "attention_mask": mask}
 
 
-def step(model: nn.Module, x, y, path: str, loss, algo: str = "dpsgd", clip: float = 0.05, seed: int = 3) -> torch.Tensor:
+def step(model: nn.Module, x, y, path: str, loss, algo: str = "dpsgd", clip: float = 0.05,
+         seed: int = 3) -> torch.Tensor:
     """The model's parameters after one step on all n examples (q = 1) under a fixed key."""
     n = len(y)
     e = DPEngine(model, algo, n=n, batch_size=n, steps=1, noise_multiplier=None if algo == "clip-sgd" else 0.5,
@@ -215,7 +216,8 @@ def test_auto_falls_back_once_and_releases_once():
         torch.manual_seed(0)
         m = Branches()
         e = DPEngine(m, "dpsgd", n=10, batch_size=10, steps=2, noise_multiplier=0.5, noise_seed=3, grad_path=path,
-                     config=AlgoConfig(lr=1.0, clip=0.05), loss_fn=lambda o, t: nn.functional.cross_entropy(o, t, reduction="sum"))
+                     config=AlgoConfig(lr=1.0, clip=0.05),
+                     loss_fn=lambda o, t: nn.functional.cross_entropy(o, t, reduction="sum"))
         idx = e.sampler.sample()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -224,7 +226,8 @@ def test_auto_falls_back_once_and_releases_once():
     torch.testing.assert_close(got["auto"][0], got["rows"][0], rtol=0, atol=1e-6)
     e = got["auto"][1]
     assert e.fast is None and e.steps_taken == 1 and got["rows"][1].grad_path_fallback is None
-    assert e.grad_path_fallback.startswith("rows -> fast: torch.func.vmap") and "; then fast -> rows" in e.grad_path_fallback
+    assert e.grad_path_fallback.startswith("rows -> fast: torch.func.vmap")
+    assert "; then fast -> rows: --grad-path fast: a Linear layer runs twice" in e.grad_path_fallback
     assert e.rows.grads.unvectorizable == "loop" and not e.rows.grads.vectorized  # outside a step: one at a time
 
 

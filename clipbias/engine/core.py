@@ -276,7 +276,7 @@ class DPEngine:
         before = self._path_name()
         self._aggregate, note = self._other_path
         self._other_path = None
-        if self._path_name() == "fast":  # should the fast path refuse too, the rows path one example at a time takes the step
+        if self._path_name() == "fast":  # should it refuse too: the rows path, one example at a time
             self._other_path = other_path("auto", self.own_rows, self.model, self.loss_fn, self.algo, self.pipeline,
                                           self.rows, self.max_physical_batch, self.expected_batch_size,
                                           self._aggregate)

@@ -886,8 +886,8 @@ def _check_hooks(layers: list) -> None:
     layer sees what they return)."""
     hooked = [m for m in layers if m._forward_hooks] or (layers if nn.modules.module._global_forward_hooks else [])
     if hooked:
-        raise PathRefusal("fast", f"--grad-path fast: a forward hook is registered on a {type(hooked[0]).__name__} layer "
-                          f"(or globally): it may change the layer's output after the layer ran. Remove it, or "
+        raise PathRefusal("fast", f"--grad-path fast: a forward hook is registered on a {type(hooked[0]).__name__} "
+                          f"layer (or globally): it may change the layer's output after the layer ran. Remove it, or "
                           f"use --grad-path rows")
 
 

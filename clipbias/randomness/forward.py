@@ -15,10 +15,11 @@ and device, and again on resume (nothing to save). An element is kept when its 3
 ``floor((1 - p) 2^32)`` (a keep rate within 2^-32 below 1 - p).
 
 Any other random operation the forward calls (``torch.rand``, ``randn``, ``randint``, ``bernoulli``,
-``multinomial``, ``normal``, ``Tensor.uniform_``, ``rrelu`` in training, ``gumbel_softmax``, ...) is refused (``ConfigError``), and a forward that moved torch's, Python's or
-numpy's global generator anyway (a draw inside a function that does not pass through the mode) is
-refused after the fact (``check_generators``): those generators are public functions of ``--seed``
-and assign their draws by position.
+``multinomial``, ``normal``, ``Tensor.uniform_``, ``rrelu`` in training, ``gumbel_softmax``, ...) is
+refused (``ConfigError``), and a forward that moved torch's, Python's or numpy's global generator
+anyway (a draw inside a function that does not pass through the mode) is refused after the fact
+(``check_generators``): those generators are public functions of ``--seed`` and assign their draws by
+position.
 
 Which rows belong to which example: ``examples(ids)`` around the forwards of a micro-batch (the code
 that slices it knows the indices; ``None``: a step without indices, whose random forward is refused).
@@ -116,8 +117,8 @@ class KeyedForward(TorchFunctionMode):
                               "switch the model's dropout off (model.eval() or p = 0)")
         b = len(self._rows())
         if not noise_shape or noise_shape[0] != b:
-            raise PathRefusal("fast", f"a dropout input of shape {list(noise_shape)} in a batched forward of {b} examples: "
-                              f"masks are keyed per example by the first dimension, which must be the batch "
+            raise PathRefusal("fast", f"a dropout input of shape {list(noise_shape)} in a batched forward of {b} "
+                              f"examples: masks are keyed per example by the first dimension, which must be the batch "
                               f"(batch-first layout); use grad_path='rows'")
         return self._keep(tuple(noise_shape[1:]), p, device)
 
@@ -180,7 +181,8 @@ def _dropout1d(mode: KeyedForward, input: Tensor, p: float = 0.5, training: bool
 
 
 def _sdpa(mode: KeyedForward, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
-          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Tensor:
+          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+          enable_gqa: bool = False) -> Tensor:
     """``F.scaled_dot_product_attention``: torch's own kernel where it draws nothing (``dropout_p == 0``);
     with attention dropout, the math form torch documents (and its math backend computes),
     ``dropout(softmax(Q K^T scale + bias)) V``, with the attention weights' mask keyed per example like

@@ -179,22 +179,23 @@ def test_auto_falls_back_once_and_releases_once():
     refuses."""
     x, y = tokens(8, 8, [8, 5, 3, 8, 6, 7, 2, 8]), torch.arange(8) % 2
     runs = {}
-    for path in ("auto", "fast"):
-        m = bert(0.1).train()
-        e = DPEngine(m, "dpsgd", n=8, batch_size=4, steps=3, noise_multiplier=1.0, noise_seed=5, loss_fn=classify,
-                     grad_path=path, config=AlgoConfig(lr=0.5, clip=1.0))
+    for path, bands in (("auto", 1), ("fast", 1), ("auto", 2), ("fast", 2)):  # bands: a refused step gives back
+        m = bert(0.1).train()                                                 # its batch; a fall-back keeps it
+        e = DPEngine(m, "dpsgd", n=8, batch_size=4 / bands, steps=3, noise_multiplier=1.0, noise_seed=5,
+                     loss_fn=classify, grad_path=path, bands=bands, config=AlgoConfig(lr=0.5, clip=1.0))
         assert (e.fast is None) == (path == "auto")
         idx = e.sampler.sample()
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             e.step({k: v[idx] for k, v in x.items()}, y[idx], idx)
         fell = [str(w.message) for w in seen if "grad_path='auto'" in str(w.message)]
-        runs[path] = (flat(m), e.sampler.sample(), e.privacy().epsilon, e.steps_taken, fell, e)
-    auto, fast = runs["auto"], runs["fast"]
-    torch.testing.assert_close(auto[0], fast[0], rtol=0, atol=1e-6)
-    assert torch.equal(auto[1], fast[1]) and auto[2] == fast[2] and auto[3] == fast[3] == 1
-    assert len(auto[4]) == 1 and "rows path refused" in auto[4][0] and not fast[4]
-    e = auto[5]
+        runs[path, bands] = (flat(m), e.sampler.sample(), e.privacy().epsilon, e.steps_taken, fell, e)
+    for bands in (1, 2):
+        auto, fast = runs["auto", bands], runs["fast", bands]
+        torch.testing.assert_close(auto[0], fast[0], rtol=0, atol=1e-6)
+        assert torch.equal(auto[1], fast[1]) and auto[2] == fast[2] and auto[3] == fast[3] == 1
+        assert len(auto[4]) == 1 and "rows path refused" in auto[4][0] and not fast[4]
+    e = runs["auto", 1][5]
     assert e.fast is not None and e.grad_path_fallback.startswith("rows -> fast: torch.func.vmap")
     assert "took it at the first step" in e.grad_path_note
 

@@ -67,7 +67,7 @@ from torch.nn import functional as F
 
 from ..data import batch
 from ..data.batch import Batch
-from ..errors import ConfigError
+from ..errors import ConfigError, PathRefusal
 from ..randomness import forward
 from .precision import full_float32, row_norms, sq_norms, unit_roundoff
 from .precision import gamma as _gamma
@@ -679,7 +679,7 @@ class BookKeeping:
 
         def hook(m: nn.Module, inp: tuple, out: Tensor) -> None:
             if m in acts:  # a layer used twice: its per-example gradient sums both uses
-                raise ConfigError(f"--grad-path fast: a {type(m).__name__} layer runs twice in one forward "
+                raise PathRefusal("fast", f"--grad-path fast: a {type(m).__name__} layer runs twice in one forward "
                                   f"pass (shared weights); per-layer norms would understate the per-example "
                                   f"gradient. Use --grad-path rows")
             a = inp[0]
@@ -701,7 +701,7 @@ class BookKeeping:
                 self._check_layers(acts, outs, b)
                 changed = [m for m in self.layers if outs[m]._version != versions[m]]
                 if changed:  # the backward would differentiate through the later in-place op
-                    raise ConfigError(f"--grad-path fast: the output of a {type(changed[0]).__name__} layer is "
+                    raise PathRefusal("fast", f"--grad-path fast: the output of a {type(changed[0]).__name__} layer is "
                                       f"modified in place after the layer ran (e.g. ReLU(inplace=True) or h *= c); "
                                       f"use the out-of-place operation, or --grad-path rows")
                 if check_graph:  # off only for the float64 recheck, whose leaves are copies
@@ -739,8 +739,8 @@ class BookKeeping:
             for p in _trainable(m):
                 if uses.get(id(p), 0) != 1 or local.get(id(p), 0) != 1:
                     name = self.layout.names[slots[_trainable(m).index(p)]]
-                    raise ConfigError(
-                        f"--grad-path fast: parameter '{name}' enters the forward pass {uses.get(id(p), 0)} "
+                    raise PathRefusal(
+                        "fast", f"--grad-path fast: parameter '{name}' enters the forward pass {uses.get(id(p), 0)} "
                         f"time(s), {local.get(id(p), 0)} of them inside its {type(m).__name__} layer: a use "
                         f"outside its layer's forward (e.g. read directly by the model) would make per-layer "
                         f"norms understate the per-example norms. Use --grad-path rows")
@@ -748,11 +748,11 @@ class BookKeeping:
     def _check_layers(self, acts: dict, outs: dict, b: int) -> None:
         missing = [m for m in self.layers if m not in outs]
         if missing:
-            raise ConfigError(f"--grad-path fast: the {type(missing[0]).__name__} layer holding trainable "
+            raise PathRefusal("fast", f"--grad-path fast: the {type(missing[0]).__name__} layer holding trainable "
                               f"parameters did not run in the forward pass; use --grad-path rows")
         bad = [m for m in self.layers if acts[m].shape[:1] != (b,) or outs[m].shape[:1] != (b,)]
         if bad:  # tokens folded into the batch, a sequence-first layout, a batch-shared input
-            raise ConfigError(f"--grad-path fast: a {type(bad[0]).__name__} layer sees a first dimension of "
+            raise PathRefusal("fast", f"--grad-path fast: a {type(bad[0]).__name__} layer sees a first dimension of "
                               f"{acts[bad[0]].shape[0]}, not the batch of {b}: its rows are not one per "
                               f"example, so per-layer norms would not be per-example norms. Use --grad-path rows")
         unbatched = [m for m in self.layers if acts[m].dim() != _batched_dims(m, acts[m].dim())]
@@ -788,14 +788,14 @@ class BookKeeping:
         if rng is not None:
             i = self._check_rng.randrange(b)
             if not _close(self._ordered([r.one(i) for r in rules]), self._counterfactual(x, y, i, rng), params, 1e-4):
-                raise ConfigError(_MIXING.format(i=i, alone="among copies of itself"))
+                raise PathRefusal("fast", _MIXING.format(i=i, alone="among copies of itself"))
             return
         probes = self._check_rng.sample(range(b), min(PROBES, b))
         w, scale = self._probe_weights(sq, probes)
         fast = self._ordered([r.combo(probes, w) for r in rules])
         mine = self._own(x, y, probes, params, w)
         if not _close(fast, mine, params, 1e-4, scale) and not self._agree_in_float64(x, y, probes, w, fast):
-            raise ConfigError(_MIXING.format(i=", ".join(map(str, probes)), alone="each run alone"))
+            raise PathRefusal("fast", _MIXING.format(i=", ".join(map(str, probes)), alone="each run alone"))
 
     def _probe_weights(self, sq: Tensor, probes: list[int]) -> tuple[list[float], float]:
         """The probes' secret weights ``w_k = u_k / ||g_k||`` (``u_k`` uniform in [1, 2] from the OS
@@ -951,8 +951,8 @@ def _check_hooks(layers: list) -> None:
     layer sees what they return)."""
     hooked = [m for m in layers if m._forward_hooks] or (layers if nn.modules.module._global_forward_hooks else [])
     if hooked:
-        raise ConfigError(f"--grad-path fast: a forward hook is registered on a {type(hooked[0]).__name__} layer "
-                          f"(or globally): it may change the layer's output after the layer ran. Remove it, or "
+        raise PathRefusal("fast", f"--grad-path fast: a forward hook is registered on a {type(hooked[0]).__name__} "
+                          f"layer (or globally): it may change the layer's output after the layer ran. Remove it, or "
                           f"use --grad-path rows")
 
 

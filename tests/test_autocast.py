@@ -252,3 +252,23 @@ def test_the_hugging_face_trainer_takes_autocast_through_dp_arguments(tmp_path):
     trainer.train()
     assert trainer.dp_engine.steps_taken == 2 and torch.bfloat16 in seen
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_newer_fast_path_layers_run_under_autocast_on_both_paths():
+    """Grouped and depthwise convolutions, InstanceNorm and RMSNorm under ``autocast=torch.bfloat16``: the
+    fast path's rules get them widened, the rows path's ``vmap`` computes instance norm in float32 (its
+    bfloat16 backward fails there); the sums are float32 on both paths."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4, 10, 10), torch.randint(0, 3, (8,))
+    for path in ("fast", "rows"):
+        m = nn.Sequential(nn.Conv2d(4, 8, 3, groups=2), nn.InstanceNorm2d(8, affine=True), nn.GELU(),
+                          nn.Conv2d(8, 8, 3, groups=8, padding="same"), nn.Flatten(), nn.Linear(8 * 64, 16),
+                          nn.RMSNorm(16), nn.Linear(16, 3))
+        eng = DPEngine(m, "dpsgd", n=80, batch_size=8, steps=2, noise_multiplier=1.0, accountant="rdp",
+                       grad_path=path, autocast=torch.bfloat16, config=AlgoConfig(lr=0.1, clip=1.0))
+        sums, finish = [], eng.pipeline.finish
+        eng.pipeline.finish = lambda p, r: (sums.append(p.dtype), finish(p, r))[1]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            eng.step(x, y, torch.arange(8))
+        assert sums == [torch.float32] and all(torch.isfinite(p).all() for p in m.parameters()), path

@@ -204,31 +204,32 @@ def active_mixed() -> Mixed | None:
     return getattr(_local, "spec", None)
 
 
-class _LayerNormInFloat32(TorchFunctionMode):
-    """Layer norm of a 16-bit input computed in float32, as CUDA's autocast does everywhere. The CPU's
-    autocast leaves it in bfloat16, and the backward of that under ``torch.func.vmap`` (the rows path)
-    fails on the mixed bfloat16 input and float32 weight (torch 2.13)."""
+class _NormsInFloat32(TorchFunctionMode):
+    """Layer and instance norms of a 16-bit input computed in float32 (CUDA's autocast runs layer norm
+    in float32 everywhere). The CPU's autocast leaves them in bfloat16, and their backward under
+    ``torch.func.vmap`` (the rows path) fails on the mixed bfloat16 input and float32 weight (torch 2.13)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _LAYER_NORMS and args and isinstance(args[0], Tensor) and args[0].dtype in HALF:
+        if func in _WIDENED_NORMS and args and isinstance(args[0], Tensor) and args[0].dtype in HALF:
             args = (args[0].float(), *args[1:])
         return func(*args, **(kwargs or {}))
 
 
-_LAYER_NORMS = (torch.nn.functional.layer_norm, torch.layer_norm)
+_WIDENED_NORMS = (torch.nn.functional.layer_norm, torch.layer_norm, torch.nn.functional.instance_norm,
+                  torch.instance_norm)
 
 
 @contextlib.contextmanager
-def forward_autocast(layer_norm32: bool = False) -> Iterator[None]:
-    """``torch.autocast`` for a model forward inside ``mixed(spec)`` (nothing outside it); ``layer_norm32``:
-    with layer norms in float32 (``_LayerNormInFloat32``: the rows path, under ``vmap``). The fast path
+def forward_autocast(norms32: bool = False) -> Iterator[None]:
+    """``torch.autocast`` for a model forward inside ``mixed(spec)`` (nothing outside it); ``norms32``:
+    with layer and instance norms in float32 (``_NormsInFloat32``: the rows path, under ``vmap``). The fast path
     enters no function mode: one would void ``grads.separable``'s proof that the model is per-example."""
     spec = active_mixed()
     if spec is None:
         yield
         return
     with torch.autocast(spec.device_type, dtype=spec.dtype), \
-            (_LayerNormInFloat32() if layer_norm32 else contextlib.nullcontext()):
+            (_NormsInFloat32() if norms32 else contextlib.nullcontext()):
         yield
 
 

@@ -137,7 +137,7 @@ class FuncGradients:
 
         def loss_one(params: dict[str, Tensor], consts: dict[str, Tensor], x: Batch, y: Batch, at: Tensor) -> Tensor:
             # in the engine's private step: dropout keyed by this example's index, and its autocast (if any)
-            with forward.one_pass(at), precision.forward_autocast(layer_norm32=True):
+            with forward.one_pass(at), precision.forward_autocast(norms32=True):
                 out = functional_call(self.model, (params, consts), *batch.arguments(x if grouped else batch.unsqueeze(x)))
                 # the loss of one example (a sum over a batch of one, or a [1] vector of per-example losses)
                 loss = self.loss_fn(out[:1] if grouped else out, batch.unsqueeze(y)).sum()
@@ -147,7 +147,7 @@ class FuncGradients:
         self._fn = vmap(self._one, in_dims=(None, None, 0, 0, 0), randomness="different")
 
         def loss_and_output(params, consts, x, y, at):
-            with forward.one_pass(at), precision.forward_autocast(layer_norm32=True):
+            with forward.one_pass(at), precision.forward_autocast(norms32=True):
                 out = functional_call(self.model, (params, consts), *batch.arguments(batch.unsqueeze(x)))
                 loss = self.loss_fn(out, batch.unsqueeze(y)).sum()
             return _scaled(loss), batch.tree_map(lambda t: t.detach()[0], out)

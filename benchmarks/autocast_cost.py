@@ -1,8 +1,8 @@
 """What ``DPEngine(autocast=torch.bfloat16)`` saves against float32: time per private step and peak memory.
 
-Two models: ``gpt`` (``clipbias.models.gpt.GPT``, vocabulary 4096, context 64, width 256, 2 layers, 4
-heads: 2.7M parameters; next-token loss per sequence) and ``cnn`` (the Fashion-MNIST cnn, 26k
-parameters). For each model and gradient path (``fast``, ``rows``), and for a non-private step
+Models: ``gpt`` (``clipbias.models.gpt.GPT``, vocabulary 4096, context 64, width 256, 2 layers, 4
+heads: 3.7M parameters; next-token loss per sequence, B = 32), ``gpt512`` (vocabulary 8192, width 512, 4
+layers: 21M parameters, B = 16) and ``cnn`` (the Fashion-MNIST cnn, 26k parameters, B = 256). For each model and gradient path (``fast``, ``rows``), and for a non-private step
 (one forward and backward of the summed loss), the float32 and the bfloat16 step:
 
 * time: both precisions in one process, their steps interleaved (the machine's load drifts alike for
@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-BATCH = {"gpt": 32, "cnn": 256}
+BATCH = {"gpt": 32, "gpt512": 16, "cnn": 256}
 
 
 def _rss_gb() -> float:
@@ -58,9 +58,10 @@ def _setup(model_name: str):
     torch.set_num_threads(2)
     torch.manual_seed(0)
     b = BATCH[model_name]
-    if model_name == "gpt":
-        model, T = GPT(vocab=4096, context=64, width=256, layers=2, heads=4), 64
-        x = torch.randint(0, 4096, (b, T))
+    if model_name in ("gpt", "gpt512"):
+        vocab, width, layers = (4096, 256, 2) if model_name == "gpt" else (8192, 512, 4)
+        model, T = GPT(vocab=vocab, context=64, width=width, layers=layers, heads=4), 64
+        x = torch.randint(0, vocab, (b, T))
         return model, x, x.roll(-1, 1), lm_loss
     from clipbias.grads.rows import cross_entropy
     return build_model("cnn", (1, 28, 28), 10), torch.randn(b, 1, 28, 28), torch.randint(0, 10, (b,)), cross_entropy

@@ -1,0 +1,175 @@
+"""Tied weights on the fast path: an Embedding sharing its weight with a Linear head (GPT-2's wte and
+lm_head), Hugging Face's Conv1D, and the tied pair's cross term under cancellation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from clipbias.config import AlgoConfig
+from clipbias.engine.core import DPEngine
+from clipbias.errors import ConfigError
+from clipbias.grads.fast import BookKeeping, why_unsupported
+from clipbias.grads.rows import FuncGradients
+from clipbias.transforms import clip_scale
+
+
+class TiedLM(nn.Module):
+    """Token and position embeddings, a Linear over the positions, LayerNorm, and a head whose weight
+    is the token embedding's (with a bias of its own); padding id 0."""
+
+    def __init__(self, vocab=13, width=6, context=5) -> None:
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(vocab, width, padding_idx=0), nn.Embedding(context, width)
+        self.mid, self.ln = nn.Linear(width, width), nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        h = self.emb(x) + self.pos(torch.arange(x.shape[1], device=x.device).unsqueeze(0))
+        return self.head(self.ln(torch.tanh(self.mid(h))))
+
+
+def lm_loss(logits, y):
+    """Per-example summed token cross-entropy (ignore -100)."""
+    return F.cross_entropy(logits.transpose(1, 2), y, ignore_index=-100, reduction="none").sum(1)
+
+
+def _tokens(n=30, vocab=13, length=5):
+    g = torch.Generator().manual_seed(0)
+    t = torch.randint(0, vocab, (n, length + 1), generator=g)
+    t[::4, 1:3] = t[::4, 0:1]  # repeated tokens within a sequence
+    x, y = t[:, :-1], t[:, 1:].clone()
+    y[::3, -2:] = -100
+    return x, y
+
+
+@pytest.fixture
+def float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+@pytest.fixture(params=["formed", "ghost"])
+def branch(request, monkeypatch):
+    """The head's weight gradient formed per example, or its norm from the ghost norm."""
+    import clipbias.grads.fast as fc
+    if request.param == "ghost":
+        monkeypatch.setattr(fc, "FORMED_BYTES", -1)
+    return request.param
+
+
+def test_tied_embedding_and_head_norms_and_clipped_sum_equal_the_rows_path(float64, branch):
+    """The per-example norm of the tied weight's summed gradient and the clipped sum, from the rules
+    with the cross term, equal the rows path's (torch.func, the tied parameter once) to 1e-10."""
+    torch.manual_seed(1)
+    m = TiedLM()
+    assert m.head.weight is m.emb.weight and why_unsupported(m) is None
+    x, y = _tokens(8)
+    rows, _ = FuncGradients(m, lm_loss)(x, y)
+    want_norms = rows.norm(dim=1)
+    C = float(want_norms.median())
+    want = (rows * clip_scale(want_norms, C).unsqueeze(1)).sum(0)
+    bk = BookKeeping(m, lm_loss)
+    assert [(bk.layers[e], bk.layers[j]) for e, j in bk.ties] == [(m.emb, m.head)]
+    proc, _, _, norms = bk(x, y, lambda n: clip_scale(n, C), False)
+    torch.testing.assert_close(norms, want_norms, rtol=1e-10, atol=0)
+    torch.testing.assert_close(proc, want, rtol=1e-10, atol=1e-13)
+    # the cross term matters: without it the norms differ
+    untied = sum(r.sq for r in __import__("clipbias.grads.fast", fromlist=["_rules_of"])._rules_of(
+        bk.layers, *_acts_outs(bk, x, y)))
+    assert not torch.allclose(untied.sqrt(), want_norms, rtol=1e-3)
+
+
+def _acts_outs(bk, x, y):
+    _, acts, grads = bk._backward(x, y)
+    return acts, grads[:len(bk.layers)]
+
+
+@pytest.mark.parametrize("algo,cfg", [("dpsgd", {}), ("dice", {"ef_clip": 0.01})])
+def test_tied_model_fast_path_update_equals_the_rows_path(algo, cfg, float64, branch):
+    """A few private steps (same noise key) on both paths give the same parameters."""
+    x, y = _tokens()
+
+    def run(path):
+        torch.manual_seed(1)
+        m = TiedLM()
+        eng = DPEngine(m, algo, n=30, batch_size=8.0, steps=2, noise_multiplier=1.0, accountant="rdp",
+                       loss_fn=lm_loss, grad_path=path, config=AlgoConfig(lr=0.5, clip=0.3, **cfg), noise_seed=3,
+                       max_physical_batch=5)
+        for _ in range(2):
+            idx = eng.sampler.sample()
+            eng.step(x[idx], y[idx], idx)
+        return torch.cat([p.detach().flatten() for p in m.parameters()]), eng
+
+    rows, e_rows = run("rows")
+    fast, e_fast = run("fast")
+    assert e_fast.fast is not None and e_rows.fast is None
+    torch.testing.assert_close(fast, rows, rtol=1e-10, atol=1e-12)
+
+
+class _Cancel(nn.Module):
+    """One token through a tied Embedding and head: ``logits = W (W[t] + z)``, a loss linear in the
+    logits with weights ``Y``: the embedding's gradient row is ``Y[t] W[t]``-like and the head's
+    ``Y[:, t] (W[t] + z)``; ``z = -2 W[t] + delta`` makes their sum ``y delta`` while each is ``~ y W[t]``."""
+
+    def __init__(self, vocab=5, width=4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        tok, z = x
+        return self.head(self.emb(tok) + z)
+
+
+def test_a_cancelling_tied_example_cannot_beat_the_clip():
+    """Red team: the two uses' gradients of one example cancel to 1e-3 ... 0 of their size (float32).
+    The computed squared norm with its rounding margin bounds the true one (float64, formed from the
+    same float32 values), so the clipped contribution stays within C (1 + 1e-12)."""
+    torch.manual_seed(0)
+    m = _Cancel()
+    bk = BookKeeping(m, lambda out, Y: (out * Y).sum((1, 2)))
+    W = m.emb.weight.detach()
+    C, worst, big = 1e-3, 0.0, 0.0
+    for delta in (1e-3, 1e-5, 1e-7, 1e-9, 0.0):
+        for trial in range(5):
+            t = trial % 5
+            tok = torch.full((1, 1), t)
+            z = (-2 * W[t] + delta * torch.randn(4)).reshape(1, 1, 4)
+            Y = torch.zeros(1, 1, 5)
+            Y[0, 0, t] = 10.0 ** (trial - 2)
+            proc, _, _, norms = bk(((tok, z),), (Y,)[0], lambda n: clip_scale(n, C), False)
+            # the true per-example gradient in float64 from the same float32 values
+            h = (W[t] + z[0, 0]).double()
+            E = torch.zeros(5, 4, dtype=torch.float64)
+            E[t] = Y[0, 0].double() @ W.double()
+            G = Y[0, 0].double().unsqueeze(1) * h.unsqueeze(0)
+            true = (E + G).norm()
+            assert float(norms[0]) ** 2 >= float(true) ** 2 * (1 - 1e-12) - 1e-300
+            worst = max(worst, float(clip_scale(norms, C)[0]) * float(true) / C)
+            big = max(big, float(E.norm() / max(float(true), 1e-300)))
+            assert proc.dtype == torch.float32
+    assert worst <= 1 + 1e-12 and big > 1e3  # a real cancellation was reached
+
+
+def test_shared_weights_the_fast_path_cannot_bound_are_refused():
+    """Two Linears sharing their weight (no cross-term rule), an Embedding's weight shared with a
+    Linear's bias-free head of another kind, and a module registered twice: refused with the reason."""
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    assert "tied weights" in why_unsupported(nn.Sequential(a, nn.Tanh(), b))
+    lin = nn.Linear(4, 4)
+    assert "several names (tied weights" in why_unsupported(nn.Sequential(lin, nn.Tanh(), lin))
+    e1, e2 = nn.Embedding(5, 4), nn.Embedding(5, 4)
+    e2.weight = e1.weight
+    m = nn.ModuleDict({"a": e1, "b": e2})
+    assert "tied weights" in why_unsupported(m)
+    with pytest.raises(ConfigError, match="tied weights"):
+        DPEngine(nn.Sequential(a, nn.Tanh(), b), "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0,
+                 grad_path="fast")

@@ -128,34 +128,51 @@ class _Cancel(nn.Module):
         return self.head(self.emb(tok) + z)
 
 
-def test_a_cancelling_tied_example_cannot_beat_the_clip():
-    """Red team: the two uses' gradients of one example cancel to 1e-3 ... 0 of their size (float32).
-    The computed squared norm with its rounding margin bounds the true one (float64, formed from the
-    same float32 values), so the clipped contribution stays within C (1 + 1e-12)."""
+@pytest.mark.parametrize("positions", [1, 2])
+def test_a_cancelling_tied_example_cannot_beat_the_clip(positions, branch):
+    """Red team (float32): one example whose two uses' gradients cancel to 1e-3 ... 0 of their size
+    (``z = -2 W[t] + delta``), and with two positions also cancelling within the head (``h_0 = B r``,
+    ``h_1 = -B r - 2 W[t] + delta``, B up to 1e4). Its norm bounds the true one (float64, from the same
+    float32 values) wherever the head's rule does not form ``G_i`` (one position, ghost), so the clipped
+    contribution is within C (1 + 1e-12); the released sum (float32, both uses added) is within
+    C (1 + 1e-4) on every branch. (Where the head forms ``G_i`` in float32, the probe refuses some of
+    these examples: their float32 gradient alone differs from the attributed one.)"""
     torch.manual_seed(0)
     m = _Cancel()
     bk = BookKeeping(m, lambda out, Y: (out * Y).sum((1, 2)))
     W = m.emb.weight.detach()
-    C, worst, big = 1e-3, 0.0, 0.0
-    for delta in (1e-3, 1e-5, 1e-7, 1e-9, 0.0):
+    C, worst, released, big, refused = 1e-3, 0.0, 0.0, 0.0, 0
+    exact = positions == 1 or branch == "ghost"
+    for delta in (1e-3, 1e-5, 1e-7, 0.0):
         for trial in range(5):
-            t = trial % 5
-            tok = torch.full((1, 1), t)
-            z = (-2 * W[t] + delta * torch.randn(4)).reshape(1, 1, 4)
-            Y = torch.zeros(1, 1, 5)
-            Y[0, 0, t] = 10.0 ** (trial - 2)
-            proc, _, _, norms = bk(((tok, z),), (Y,)[0], lambda n: clip_scale(n, C), False)
-            # the true per-example gradient in float64 from the same float32 values
-            h = (W[t] + z[0, 0]).double()
+            t, y = trial, 10.0 ** (trial - 2)
+            tok = torch.full((1, positions), t)
+            r, d = torch.randn(4), delta * torch.randn(4)
+            if positions == 1:
+                z = (-2 * W[t] + d).reshape(1, 1, 4)
+            else:
+                B = 10.0 ** trial
+                z = torch.stack([B * r - W[t], -B * r - 3 * W[t] + d]).unsqueeze(0)
+            Y = torch.zeros(1, positions, 5)
+            Y[0, :, t] = y
+            try:
+                proc, _, _, norms = bk(((tok, z),), Y, lambda n: clip_scale(n, C), False)
+            except ConfigError:  # the probe: float32 rows of the crafted example differ from its attribution
+                refused += 1
+                continue
+            h = (W[tok[0]] + z[0]).double()  # the head's input as the model computes it, [positions, 4]
             E = torch.zeros(5, 4, dtype=torch.float64)
-            E[t] = Y[0, 0].double() @ W.double()
-            G = Y[0, 0].double().unsqueeze(1) * h.unsqueeze(0)
-            true = (E + G).norm()
-            assert float(norms[0]) ** 2 >= float(true) ** 2 * (1 - 1e-12) - 1e-300
-            worst = max(worst, float(clip_scale(norms, C)[0]) * float(true) / C)
-            big = max(big, float(E.norm() / max(float(true), 1e-300)))
+            E[t] = (Y[0].double() @ W.double()).sum(0)
+            G = Y[0].double().t() @ h
+            true = float((E + G).norm())
+            if exact:
+                assert float(norms[0]) >= true * (1 - 1e-15)
+                worst = max(worst, float(clip_scale(norms, C)[0]) * true / C)
+            released = max(released, float(proc.double().norm()) / C)
+            big = max(big, float(E.norm()) / max(true, 1e-300))
             assert proc.dtype == torch.float32
-    assert worst <= 1 + 1e-12 and big > 1e3  # a real cancellation was reached
+    assert worst <= 1 + 1e-12 and released <= 1 + 1e-4 and big > 1e3  # a real cancellation was reached
+    assert refused <= 10  # most steps ran (a refusal stops the run: no release)
 
 
 def test_shared_weights_the_fast_path_cannot_bound_are_refused():
@@ -165,7 +182,7 @@ def test_shared_weights_the_fast_path_cannot_bound_are_refused():
     b.weight = a.weight
     assert "tied weights" in why_unsupported(nn.Sequential(a, nn.Tanh(), b))
     lin = nn.Linear(4, 4)
-    assert "several names (tied weights" in why_unsupported(nn.Sequential(lin, nn.Tanh(), lin))
+    assert "several names" in why_unsupported(nn.Sequential(lin, nn.Tanh(), lin))
     e1, e2 = nn.Embedding(5, 4), nn.Embedding(5, 4)
     e2.weight = e1.weight
     m = nn.ModuleDict({"a": e1, "b": e2})

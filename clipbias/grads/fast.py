@@ -15,25 +15,35 @@ gradients ``b_i`` (``[L, o]``) the per-example weight gradient is ``G_i = b_i^T 
 One ordinary forward and backward of the summed loss give every ``a_i`` (forward hooks) and ``b_i``
 (``autograd.grad`` w.r.t. the layer outputs; the summed loss's gradient at example i's output is
 example i's, since no module mixes examples: ``check_model``). Supported: ``nn.Linear`` (any input
-rank), ``nn.Conv1d``/``nn.Conv2d`` (``groups=1``, zero padding), weights and biases; ``nn.Embedding``
+rank), ``nn.Conv1d``/``nn.Conv2d`` (``groups=1``, zero padding), weights and biases; Hugging Face's
+``transformers.pytorch_utils.Conv1D`` (GPT-2's layers: ``y = x W + b`` with ``W [in, out]``, a Linear
+with its weight transposed; that class exactly, with the reviewed ``forward``, ``_CONV1D_FORWARD``;
+transformers is not imported by clipbias); ``nn.Embedding``
 (the per-example gradient's nonzero rows are example i's output gradients summed per distinct token:
 norm and sum from those, ``O(L d)`` per example; ``padding_idx`` rows get no gradient; ids shared by
 the whole batch, a ``[1, T]`` input such as Hugging Face's broadcast ``position_ids``, have their output
 expanded to the batch, so that each example's output gradient is its own;
 ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` are refused); and the affine parameters of
 ``nn.GroupNorm`` and ``nn.LayerNorm`` (per-example gradients computed directly from the normalised
-input: one value per channel or feature). Any other trainable parameter makes ``why_unsupported``
-say why, and the engine keeps the rows path. Dropout in the engine's step draws row r's masks from
+input: one value per channel or feature). A weight shared by an ``nn.Embedding`` and a Linear or
+Conv1D (a language model's tied input and output embeddings: GPT-2's ``wte`` and ``lm_head``) has the
+sum of both uses' per-example gradients: its squared norm is ``||E_i||^2 + ||G_i||^2 + 2 <E_i, G_i>``,
+the cross term gathered at example i's tokens (``_tie_cross``: ``O(b L P d)``, no ``[V, d]`` per
+example) with a bound on its rounding (the expansion cancels when the uses' gradients do), and both
+layers' sums go into the parameter's one slot. Any other trainable parameter, or weight shared
+otherwise, makes ``why_unsupported`` say why, and the engine keeps the rows path. Dropout in the engine's step draws row r's masks from
 example r's index and the run's key (``clipbias.randomness.forward``), as the rows path does.
 
 Soundness guards (per-layer norms must be per-example norms, and each example's clipped vector
-must depend on that example alone, or the sensitivity is wrong): tied parameters, parameters other
-than a layer's own ``weight``/``bias`` and a layer ``forward`` overridden (by a subclass or on the
-instance) are refused when the engine is built; at every step, before any state changes: a user
+must depend on that example alone, or the sensitivity is wrong): tied parameters other than an
+Embedding's weight shared with one Linear/Conv1D, parameters other than a layer's own
+``weight``/``bias`` and a layer ``forward`` overridden (by a subclass or on the instance) are refused
+when the engine is built; at every step, before any state changes: a user
 forward hook on a supported layer, a layer that runs twice or not at all, a layer whose first
 dimension is not the batch, a layer output modified in place after the layer ran, and a forward that
 updates a buffer (restored) are refused; every trainable parameter must enter the autograd graph
-exactly once, inside its own layer's forward (exact, structural); and secret random examples'
+exactly once, inside its own layer's forward (a tied weight: once inside each of its two layers and
+nowhere else; exact, structural); and secret random examples'
 attributed gradients must equal their own: when the forward is deterministic, ``PROBES`` examples
 each run alone (a batch of one; all in one vectorised forward and one backward), and a secret random
 combination of their attributed gradients, each scaled to unit norm, must equal the same combination
@@ -493,6 +503,9 @@ def _tie_cross(emb: "_Embed", mat: "_Matrix") -> Tensor:
     the weight (``mat``), from the same backward. Only E's nonzero rows meet G, so
     ``<E_i, G_i> = sum_t E_i[t] . (sum_l g_i[l, t] a_i[l])``: the head's output gradients gathered at
     example i's token columns, ``O(b L P d)`` for P distinct tokens an example, no ``[V, d]`` per example.
+    Where the Linear's rule formed ``G_i`` (``mat.pe``: what its sums release) the cross term is taken
+    from ``G_i``'s rows at the tokens instead, ``O(b P d)``, with ``M_i = sum_t ||G_i[t]|| ||E_i[t]||``
+    and ``n = d + P + 3``.
 
     The expansion ``||E||^2 + ||G||^2 + 2 <E, G>`` cancels when the two uses' gradients nearly cancel
     (an input can be crafted so), and its rounding could then exceed the true norm. The cross term is
@@ -516,6 +529,12 @@ def _tie_cross(emb: "_Embed", mat: "_Matrix") -> Tensor:
     R[owner, pos] = emb.rows.double()
     tok = torch.zeros(b, P, dtype=torch.long, device=a.device)  # absent rows: token 0 against a zero row
     tok[owner, pos] = emb.token
+    if mat.pe is not None:  # the formed per-example gradients (what the sums release): their rows at the tokens
+        rows = mat.pe.gather(1, tok.unsqueeze(2).expand(b, P, d)).double()  # [b, P, d]
+        cross = (rows * R).sum((1, 2))
+        mag = (torch.linalg.vector_norm(rows, dim=2) * torch.linalg.vector_norm(R, dim=2)).sum(1)
+        n = max(emb.terms, mat.terms, d + P + 3)
+        return 2 * cross + 2 * _gamma(n, 2.0 ** -53) * (emb.sq + mat.sq + 2 * mag)
     gt = g.gather(2, tok.unsqueeze(1).expand(b, L, P)).double()  # [b, L, P]: g_i[l, t]
     ad = a.double()
     cross = (torch.bmm(ad, R.transpose(1, 2)) * gt).sum((1, 2))

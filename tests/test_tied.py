@@ -265,3 +265,17 @@ def test_gpt2_trains_privately_on_the_fast_path_with_dropout():
         idx = eng.sampler.sample()
         eng.step({k: v[idx] for k, v in x.items()}, y[idx], idx)
     assert eng.steps_taken == 4 and loss() < before
+
+
+def test_disk_with_a_tied_weight_keeps_the_rows_path(monkeypatch):
+    """DiSK combines each example's gradients at two points; the tied uses' cross terms between the
+    points are not bounded: grad_path="fast" is refused when the engine is built, "auto" keeps the rows."""
+    import clipbias.engine.aggregate as agg
+    with pytest.raises(ConfigError, match="DiSK's two points with tied weights"):
+        DPEngine(TiedLM(), "disk", n=30, batch_size=8, steps=2, noise_multiplier=1.0, loss_fn=lm_loss,
+                 grad_path="fast")
+    monkeypatch.setattr(agg, "AUTO_ROWS_BYTES", 0)  # auto would take the fast path
+    eng = DPEngine(TiedLM(), "disk", n=30, batch_size=8, steps=2, noise_multiplier=1.0, loss_fn=lm_loss)
+    assert eng.fast is None and "DiSK's two points with tied weights" in eng.grad_path_note
+    eng = DPEngine(TiedLM(), "dpsgd", n=30, batch_size=8, steps=2, noise_multiplier=1.0, loss_fn=lm_loss)
+    assert eng.fast is not None

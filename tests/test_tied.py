@@ -279,3 +279,45 @@ def test_disk_with_a_tied_weight_keeps_the_rows_path(monkeypatch):
     assert eng.fast is None and "DiSK's two points with tied weights" in eng.grad_path_note
     eng = DPEngine(TiedLM(), "dpsgd", n=30, batch_size=8, steps=2, noise_multiplier=1.0, loss_fn=lm_loss)
     assert eng.fast is not None
+
+
+class _Conv1Ds(nn.Module):
+    """transformers' Conv1D over a sequence and on one position (a Linear with its weight transposed)."""
+
+    def __init__(self, dropout=0.0) -> None:
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+        self.seq, self.out, self.drop = Conv1D(5, 4), Conv1D(3, 15), nn.Dropout(dropout)
+        nn.init.normal_(self.seq.bias)
+
+    def forward(self, x):
+        return self.out(self.drop(torch.tanh(self.seq(x))).flatten(1))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_conv1d_rule_equals_the_rows_path(float64, branch, dropout):
+    """Conv1D's norms and clipped sums equal the rows path's, formed or on the ghost norm, with the
+    probe (deterministic forward) and the counterfactual recomputation (dropout); a Conv1D subclass
+    or an instance forward is refused."""
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+    torch.manual_seed(0)
+    m = _Conv1Ds(dropout)
+    assert why_unsupported(m) is None
+    x, y = torch.randn(6, 3, 4), torch.randint(0, 3, (6,))
+    bk = BookKeeping(m)
+    proc, _, _, norms = bk(x, y, lambda n: clip_scale(n, 0.5), False)  # dropout: checked among copies of one example
+    if dropout:  # torch's masks differ between the two paths: compare with dropout off
+        m.eval()
+        proc, _, _, norms = bk(x, y, lambda n: clip_scale(n, 0.5), False)
+    rows, _ = FuncGradients(m)(x, y)
+    torch.testing.assert_close(norms, rows.norm(dim=1), rtol=1e-10, atol=0)
+    torch.testing.assert_close(proc, (rows * clip_scale(rows.norm(dim=1), 0.5).unsqueeze(1)).sum(0), rtol=1e-10,
+                               atol=1e-13)
+
+    class Sub(Conv1D):
+        pass
+    assert "(Sub) has trainable parameters and no fast-path rule" in why_unsupported(nn.Sequential(Sub(3, 4)))
+    c = Conv1D(3, 4)
+    c.forward = lambda x: x @ c.weight
+    assert "reviewed" in why_unsupported(nn.Sequential(c))

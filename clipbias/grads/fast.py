@@ -79,6 +79,8 @@ _INSTANCE = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 _NORMS = (nn.GroupNorm, nn.LayerNorm, *_INSTANCE, *rms.TORCH_RMSNORM)
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _SUPPORTED = (nn.Linear, *_CONV, nn.Embedding, *_NORMS)
+SUPPORTED_LAYERS = _SUPPORTED
+"""The torch layer types with a fast-path rule (the engine's check of ``fully_shard`` units)."""
 _BATCHED_DIMS = {nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5, nn.InstanceNorm1d: 3, nn.InstanceNorm2d: 4,
                  nn.InstanceNorm3d: 5}  # an input of one dimension less is one unbatched example
 

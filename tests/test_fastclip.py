@@ -326,7 +326,7 @@ class _Doubled(nn.Linear):
                                        (torch.nn.utils.weight_norm(nn.Linear(2, 2)), "besides weight and bias"),
                                        (torch.nn.utils.parametrizations.orthogonal(nn.Linear(2, 2)), "no fast-path rule"),
                                        (nn.Embedding(5, 2, scale_grad_by_freq=True), "scale_grad_by_freq"),
-                                       (nn.Conv1d(2, 2, 1, groups=2), "groups")])
+                                       (nn.ConvTranspose2d(2, 2, 1), "no fast-path rule")])
 def test_fast_path_names_layers_it_cannot_handle(layer, why):
     from clipbias.grads.fast import why_unsupported
     assert why in why_unsupported(nn.Sequential(layer))

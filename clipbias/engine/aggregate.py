@@ -67,9 +67,31 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
             return ParamSums(rows.grads), "rows (per-example gradients, torch.func, summed per parameter" + (
                 f"; the fast path does not apply: {why})" if grad_path == "auto" and why else ")")
     if grad_path == "fast":
-        raise ConfigError(f"--grad-path fast is not available: {why}; use --grad-path auto or rows")
+        err = ConfigError(f"--grad-path fast is not available: {why}; use --grad-path auto or rows")
+        err.why = why  # the reason alone (a model sharded with fully_shard has no other path to suggest)
+        raise err
     return None, "rows (per-example gradients, torch.func)" + (f"; the fast path does not apply: {why}"
                                                                 if grad_path == "auto" and why else "")
+
+
+def other_path(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: LossFn, algo, pipeline: Pipeline,
+               rows: RowSource, max_physical_batch: int, expected_batch_size: float, chosen):
+    """Under ``grad_path="auto"``, the path not ``chosen`` as ``choose_aggregate`` builds it, ``(aggregate,
+    note)``, or None where it does not apply: the rows path (per-parameter rows) for the fast path,
+    the fast path for a norm-scaling step on the rows path whose model it takes."""
+    if grad_path != "auto":
+        return None
+    if isinstance(getattr(chosen, "inner", chosen), BookKeeping):
+        other = "rows"
+    elif isinstance(getattr(chosen, "inner", chosen), ParamSums) and why_unsupported(model) is None:
+        other = "fast"
+    else:
+        return None
+    try:
+        return choose_aggregate(other, own_rows, model, loss_fn, algo, pipeline, rows, max_physical_batch,
+                                expected_batch_size)
+    except (ConfigError, ValueError):
+        return None
 
 
 def fast_wins(model: nn.Module, loss_fn: LossFn = cross_entropy, rows_bytes: float = math.inf) -> bool:

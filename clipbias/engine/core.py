@@ -9,6 +9,7 @@ accounted like any other.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -23,16 +24,16 @@ from ..data import batch
 from .. import distributed
 from ..data.batch import Batch
 from ..config import AlgoConfig
-from ..errors import ClipbiasError, ConfigError, ResumeMismatchError
-from ..grads.fast import BookKeeping
-from ..grads.rows import (LossFn, ParamSums, PerSampleGradients, RowSource, as_row_source, check_finite,
+from ..errors import ClipbiasError, ConfigError, PathRefusal, ResumeMismatchError
+from ..grads.fast import SUPPORTED_LAYERS, BookKeeping
+from ..grads.rows import (FuncGradients, LossFn, ParamSums, PerSampleGradients, RowSource, as_row_source, check_finite,
                           check_finite_norms, cross_entropy, guarded)
 from ..sampling.loader import PoissonLoader
 from ..privacy import PrivacyReport
 from ..randomness import SecretKey, forward
 from ..sampling.poisson import PoissonSampler, check_bands
 from ..transforms import StepContext
-from .aggregate import choose_aggregate
+from .aggregate import choose_aggregate, other_path
 from .checks import canon, check_arguments, check_distributed, check_optimizer_resume, check_resume, check_step
 from .loop import run_steps
 
@@ -105,6 +106,9 @@ class DPEngine:
         self.undrawn_steps = 0  # steps whose batch the engine's sampler did not draw (``privacy`` caveat)
         self.config = config or AlgoConfig()
         n = check_arguments(model, n, batch_size, self.config)
+        self.sharded = distributed.is_sharded(model)  # fully_shard: gathered whole for each step (``_gathered``)
+        if self.sharded:
+            distributed.check_sharded(model, SUPPORTED_LAYERS)
         if self.algo.accounting == "dice" and self.config.ef_clip is None:
             # the privacy cost of error feedback grows with r = B C2 / C1: default r = 0.01
             self.config = replace(self.config, ef_clip=privacy.dice.default_ef_clip(self.config.clip, batch_size))
@@ -153,17 +157,48 @@ class DPEngine:
             algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer, self.params, self.config)
         self.sampler = PoissonSampler(n, self.sample_rate, self.key, steps_per_epoch, bands)
         self.max_physical_batch = max_physical_batch
-        self._aggregate, self.grad_path_note = choose_aggregate(grad_path, own_rows, model, loss_fn, self.algo,
-                                                                self.pipeline, self.rows, max_physical_batch,
-                                                                self.expected_batch_size)
+        self._aggregate, self.grad_path_note = self._choose_aggregate(grad_path, own_rows, model, loss_fn,
+                                                                      max_physical_batch)
         self.own_rows = own_rows  # a given backend may read labels its own way (the audit's canaries: y < 0)
         self.world_size = check_distributed(self.algo.name, self.rows, self.pipeline)
+        # grad_path="auto": the other path, taken once if the chosen one refuses the model at its first step
+        self.grad_path_fallback: str | None = None  # what happened, once it has
+        self._other_path = other_path(grad_path, own_rows, model, loss_fn, self.algo, self.pipeline, self.rows,
+                                      max_physical_batch, self.expected_batch_size, self._aggregate) \
+            if grad_path == "auto" and self.world_size == 1 else None
         self.steps_taken, self.last_loss = 0, (0.0, 0)
         self.last_outputs, self._outputs = None, None  # step(keep_outputs=True)
         self.settings = PrivacySettings(algorithm, n, self.sample_rate, steps, z, delta, accountant,
                                         dice_accounting, self.config.clip, self.config.ef_clip,
                                         self.config.grad_bound, self.config.gamma, epsilon,
                                         tuple(sorted((k, canon(v)) for k, v in self.config.extra.items())), bands)
+
+    def _choose_aggregate(self, grad_path: str, own_rows: bool, model: nn.Module, loss_fn: LossFn,
+                          max_physical_batch: int):
+        """``choose_aggregate``'s (aggregate, note); a model sharded with fully_shard takes the fast path
+        (``auto`` means ``fast``) or is refused (``distributed.refuse_sharded_path``)."""
+        if not self.sharded:
+            return choose_aggregate(grad_path, own_rows, model, loss_fn, self.algo, self.pipeline, self.rows,
+                                    max_physical_batch, self.expected_batch_size)
+        if grad_path == "rows":
+            distributed.refuse_sharded_path("grad_path='rows' was asked for")
+        try:
+            agg, note = choose_aggregate("fast" if grad_path == "auto" else grad_path, own_rows, model, loss_fn,
+                                         self.algo, self.pipeline, self.rows, max_physical_batch,
+                                         self.expected_batch_size)
+        except ConfigError as e:
+            if not hasattr(e, "why"):
+                raise
+            distributed.refuse_sharded_path(e.why)
+        if type(agg) is not BookKeeping:
+            distributed.refuse_sharded_path(f"{self.algo.name} evaluates gradients at points other than the "
+                                            f"current parameters")
+        return agg, note + "; fully_shard: the parameters gathered whole for the step, the update applied per shard"
+
+    def _gathered(self):
+        """The step's sums over the whole model: a fully_shard model gathered on every rank
+        (``distributed.unsharded``), any other as it is."""
+        return distributed.unsharded(self.model) if self.sharded else contextlib.nullcontext()
 
     def _band_momentum(self) -> float:
         """The momentum the banded noise's coefficients are shaped for: the base SGD's (0 for Adam)."""
@@ -180,7 +215,9 @@ class DPEngine:
         In a process group of N ranks, ``(x, y, indices)`` is this rank's share of the global batch
         (``engine.local_share`` of the sampled indices; ``run_steps`` does it): the partial sums
         are all-reduced once and every rank applies the same update. ``last_loss`` is the global
-        (loss sum, example count) of the step.
+        (loss sum, example count) of the step. A model sharded with ``fully_shard`` is gathered whole on
+        every rank for the sums (``distributed.unsharded``) and each rank applies its shards' slice of the
+        update (docs/architecture.md, "Sharded models").
 
         Raises before changing anything (model, optimizer, error feedback, accountant) if a
         per-example gradient is not finite, on every rank when one rank's is not.
@@ -198,23 +235,10 @@ class DPEngine:
                               "path and the per-parameter rows of a norm-scaling algorithm do)")
         drawn = self._drawn_by_sampler(indices)
         self.last_outputs, self._outputs = None, [] if keep_outputs else None
-        d = self.rows.layout.dim
-        dev, dt = self.params[0].device, self.params[0].dtype  # a float64 model sums in float64
-        ref_sum = torch.zeros(d, device=dev, dtype=dt) if self.pipeline.error_feedback is not None else None
-        proc_sum = torch.zeros(d, device=dev, dtype=dt)
-        losses, failure = [], None
-        try:
-            with forward.keyed(self.key, self.steps_taken, dev):  # dropout masks from the key, per example index
-                for r, p, loss in self._sums(x, y, indices):
-                    if ref_sum is not None:
-                        ref_sum += r
-                    proc_sum += p
-                    losses.append(loss)
-        except ClipbiasError as err:  # a micro-batch failed (NaN, bad shape, a public random draw)
-            failure = err
-        except BaseException:  # out of memory, an interrupt: nothing staged may reach the next step
-            self._drop_staged()  # (adaptive clipping's count would hold these examples twice)
-            raise
+        dev = self.params[0].device
+        proc_sum, ref_sum, losses, failure = self._attempt_sums(x, y, indices, keep_outputs)
+        if self._other_path is not None and batch.size(x) and failure is None:
+            self._other_path = None  # auto's choice stands from the first step that ran the model
         mine = torch.cat(losses) if losses else torch.zeros(0, device=dev)
         self.last_loss = (float(mine.sum()), len(mine))
         if self._outputs:
@@ -241,11 +265,84 @@ class DPEngine:
         self.sampler.settle()
         try:
             for param, u in zip(self.params, self.rows.layout.unflatten(update)):
-                param.grad = u.to(param.dtype)
+                param.grad = distributed.shard_like(param, u.to(param.dtype))  # a shard's slice of the one update
             self.optimizer.step()
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         return mine
+
+    def _attempt_sums(self, x: Batch, y: Batch, indices: Tensor | None, keep_outputs: bool) -> tuple:
+        """The step's (processed sum, reference sum or None, per-example losses, failure or None) on this
+        rank, under the keyed forward (and a fully_shard model gathered whole); computed once more on the
+        other path where ``grad_path="auto"`` takes it (``_fall_back``)."""
+        d = self.rows.layout.dim
+        dev, dt = self.params[0].device, self.params[0].dtype  # a float64 model sums in float64
+        while True:  # once more only where grad_path="auto" takes its other path (_fall_back)
+            ref_sum = torch.zeros(d, device=dev, dtype=dt) if self.pipeline.error_feedback is not None else None
+            proc_sum = torch.zeros(d, device=dev, dtype=dt)
+            losses, failure = [], None
+            # vmap refusing the model: auto's other path, while it has one (else one example at a time)
+            self._set_unvectorizable("refuse" if self._other_path is not None else "loop")
+            try:
+                # dropout masks from the key, per example index; a fully_shard model gathered whole for the sums
+                with forward.keyed(self.key, self.steps_taken, dev), self._gathered():
+                    for r, p, loss in self._sums(x, y, indices):
+                        if ref_sum is not None:
+                            ref_sum += r
+                        proc_sum += p
+                        losses.append(loss)
+            except ClipbiasError as err:  # a micro-batch failed (NaN, bad shape, a public random draw)
+                failure = err
+            except BaseException:  # out of memory, an interrupt: nothing staged may reach the next step
+                self._set_unvectorizable("loop")
+                self._drop_staged()  # (adaptive clipping's count would hold these examples twice)
+                raise
+            if not (isinstance(failure, PathRefusal) and self._fall_back(failure)):
+                break
+            self._outputs = [] if keep_outputs else None
+        self._set_unvectorizable("loop")
+        return proc_sum, ref_sum, losses, failure
+
+    def _fall_back(self, err: PathRefusal) -> bool:
+        """``grad_path="auto"``, before its first step that ran the model completed: the path it chose
+        refused the model (``err``, a structural refusal raised while the step's sums were computed: nothing
+        released, no noise drawn, the sampler's batch still in hand). Drop what the attempt staged, take the
+        other path (kept for the rest of the run) and say so; the caller computes the step again on the same
+        batch (the same dropout masks: functions of the key, the step and the indices). False where there
+        is no other path (then the refusal stands)."""
+        if self._other_path is None or err.path != self._path_name():
+            return False
+        self.rows.rollback()  # not _drop_staged: the batch stays this step's (with bands too)
+        self.pipeline.rollback()
+        before = self._path_name()
+        self._aggregate, note = self._other_path
+        self._other_path = None
+        if self._path_name() == "fast":  # should it refuse too: the rows path, one example at a time
+            self._other_path = other_path("auto", self.own_rows, self.model, self.loss_fn, self.algo, self.pipeline,
+                                          self.rows, self.max_physical_batch, self.expected_batch_size,
+                                          self._aggregate)
+        reason = str(err).split(". ")[0]
+        self.grad_path_fallback = (f"{self.grad_path_fallback}; then " if self.grad_path_fallback else "") + \
+            f"{before} -> {self._path_name()}: {reason}"
+        self.grad_path_note = f"{note}; grad_path='auto' took it at the first step, where the {before} path " \
+                              f"refused the model ({reason})"
+        warnings.warn(f"grad_path='auto': the {before} path refused the model at the first step ({reason}); "
+                      f"nothing had changed, and the step runs on the {self._path_name()} path, which the run "
+                      f"keeps (engine.grad_path_fallback). Pass grad_path='{self._path_name()}' to choose it "
+                      f"yourself", stacklevel=3)
+        return True
+
+    def _path_name(self) -> str:
+        """``"fast"`` or ``"rows"``: the path the step's sums take."""
+        return "fast" if self.fast is not None else "rows"
+
+    def _set_unvectorizable(self, what: str) -> None:
+        """What the rows path's ``FuncGradients`` does with a model ``vmap`` cannot run: ``"loop"`` (one
+        example at a time) or ``"refuse"`` (``PathRefusal``: auto's other path takes the step)."""
+        agg = getattr(self._aggregate, "inner", self._aggregate)
+        grads = agg.grads if isinstance(agg, ParamSums) else getattr(self.rows, "grads", None)
+        if isinstance(grads, FuncGradients):
+            grads.unvectorizable = what
 
     def _drawn_by_sampler(self, indices: Tensor | None) -> bool:
         """Whether the step's batch is (this rank's share of) the one the engine's sampler drew last and

@@ -15,23 +15,32 @@ gradients ``b_i`` (``[L, o]``) the per-example weight gradient is ``G_i = b_i^T 
 One ordinary forward and backward of the summed loss give every ``a_i`` (forward hooks) and ``b_i``
 (``autograd.grad`` w.r.t. the layer outputs; the summed loss's gradient at example i's output is
 example i's, since no module mixes examples: ``check_model``). Supported: ``nn.Linear`` (any input
-rank), ``nn.Conv1d``/``nn.Conv2d`` (``groups=1``, zero padding), weights and biases; Hugging Face's
+rank), ``nn.Conv1d``/``nn.Conv2d``/``nn.Conv3d`` (any ``groups``, depthwise included, whose per-example
+gradients are always formed, group by group: ``conv_rows``; any padding mode and ``padding="same"``,
+the input padded as the layer pads it), weights and biases; Hugging Face's
 ``transformers.pytorch_utils.Conv1D`` (GPT-2's layers: ``y = x W + b`` with ``W [in, out]``, a Linear
-with its weight transposed; that class exactly, with the reviewed ``forward``, ``_CONV1D_FORWARD``;
+with its weight transposed; that class exactly, with the reviewed ``forward``, ``_reviewed_conv1d``;
 transformers is not imported by clipbias); ``nn.Embedding``
 (the per-example gradient's nonzero rows are example i's output gradients summed per distinct token:
 norm and sum from those, ``O(L d)`` per example; ``padding_idx`` rows get no gradient; ids shared by
 the whole batch, a ``[1, T]`` input such as Hugging Face's broadcast ``position_ids``, have their output
 expanded to the batch, so that each example's output gradient is its own;
 ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` are refused); and the affine parameters of
-``nn.GroupNorm`` and ``nn.LayerNorm`` (per-example gradients computed directly from the normalised
-input: one value per channel or feature). A weight shared by an ``nn.Embedding`` and a Linear or
-Conv1D (a language model's tied input and output embeddings: GPT-2's ``wte`` and ``lm_head``) has the
-sum of both uses' per-example gradients: its squared norm is ``||E_i||^2 + ||G_i||^2 + 2 <E_i, G_i>``,
-the cross term gathered at example i's tokens (``_tie_cross``: ``O(b L P d)``, no ``[V, d]`` per
-example) with a bound on its rounding (the expansion cancels when the uses' gradients do), and both
-layers' sums go into the parameter's one slot. Any other trainable parameter, or weight shared
-otherwise, makes ``why_unsupported`` say why, and the engine keeps the rows path. Dropout in the engine's step draws row r's masks from
+``nn.GroupNorm``, ``nn.LayerNorm``, ``nn.InstanceNorm1d/2d/3d`` (a training forward that tracks running
+statistics updates buffers: refused at the step) and ``nn.RMSNorm``, and the weight of Hugging Face's
+RMSNorm classes reviewed in ``grads.rms`` (Llama, Qwen2, Qwen3, Mistral; their ``forward`` checked to
+be the reviewed one): per-example gradients computed directly from the normalised input, one value
+per channel or feature. All of these form the per-example gradients they sum, so their norms are
+``sq_norms``' upper bounds on what is summed, whatever the rounding; only the ghost norm of a
+``groups=1`` Linear/Conv over several positions needs its own rounding bound (``ghost_norm_bound``).
+A Conv or InstanceNorm given an input without its batch dimension is refused at the step.
+A weight shared by an ``nn.Embedding`` and a Linear or Conv1D (a language model's tied input and
+output embeddings: GPT-2's ``wte`` and ``lm_head``) has the sum of both uses' per-example gradients:
+its squared norm is ``||E_i||^2 + ||G_i||^2 + 2 <E_i, G_i>``, the cross term gathered at example i's
+tokens (``_tie_cross``: ``O(b L P d)``, no ``[V, d]`` per example) with a bound on its rounding (the
+expansion cancels when the uses' gradients do), and both layers' sums go into the parameter's one
+slot. Any other trainable parameter, or weight shared otherwise, makes ``why_unsupported``
+say why, and the engine keeps the rows path. Dropout in the engine's step draws row r's masks from
 example r's index and the run's key (``clipbias.randomness.forward``), as the rows path does.
 
 Soundness guards (per-layer norms must be per-example norms, and each example's clipped vector
@@ -58,11 +67,9 @@ is skipped. The red-team cases are in ``tests/test_fastclip.py``."""
 
 from __future__ import annotations
 
-import inspect
 import math
 import secrets
 import sys
-import textwrap
 from typing import Callable
 
 import torch
@@ -71,29 +78,52 @@ from torch.nn import functional as F
 
 from ..data import batch
 from ..data.batch import Batch
-from ..errors import ConfigError
+from ..errors import ConfigError, PathRefusal
 from ..randomness import forward
 from .precision import full_float32, row_norms, sq_norms, unit_roundoff
 from .precision import gamma as _gamma
-from . import separable
+from . import rms, separable
 from .conv_rows import conv_weight_rows, input_rows
 from .rows import LossFn, ParamLayout, check_model, cross_entropy
 
-_SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.GroupNorm, nn.LayerNorm)
-_NORMS = (nn.GroupNorm, nn.LayerNorm)
-_CONV = (nn.Conv1d, nn.Conv2d)
+_INSTANCE = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+_NORMS = (nn.GroupNorm, nn.LayerNorm, *_INSTANCE, *rms.TORCH_RMSNORM)
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_SUPPORTED = (nn.Linear, *_CONV, nn.Embedding, *_NORMS)
+SUPPORTED_LAYERS = _SUPPORTED
+"""The torch layer types with a fast-path rule (the engine's check of ``fully_shard`` units)."""
+_BATCHED_DIMS = {nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5, nn.InstanceNorm1d: 3, nn.InstanceNorm2d: 4,
+                 nn.InstanceNorm3d: 5}  # an input of one dimension less is one unbatched example
+
+
+def _batched_dims(m: nn.Module, default: int) -> int:
+    """The number of dimensions of a Conv/InstanceNorm layer's batched input, ``default`` for other layers."""
+    return next((d for t, d in _BATCHED_DIMS.items() if isinstance(m, t)), default)
+
+
+def _supported(m: nn.Module) -> bool:
+    """A layer with a fast-path rule: one of ``_SUPPORTED``, a reviewed Hugging Face RMSNorm class
+    (``grads.rms``) or transformers' ``Conv1D`` (their forward checked by ``why_unsupported``)."""
+    return isinstance(m, _SUPPORTED) or rms.hf_class(m) or _is_conv1d(m)
+
+
+def _is_norm(m: nn.Module) -> bool:
+    """A layer whose rule is ``_Affine``."""
+    return isinstance(m, _NORMS) or rms.hf_class(m)
+
 
 _CONV1D_MODULE, _CONV1D_NAME = "transformers.pytorch_utils", "Conv1D"
-_CONV1D_FORWARD = """def forward(self, x):
+
+
+# The reviewed ``forward`` of Hugging Face's ``Conv1D`` (GPT-2's layers): ``y = x W + b`` over the last
+# dimension with ``W`` of shape ``[in, out]``, a Linear with its weight transposed. A Conv1D is accepted
+# when its class's ``forward`` has this function's bytecode, constants, names and arguments and reads the
+# real ``torch`` (``rms.same_code``), and the instance has no ``forward`` of its own.
+def _reviewed_conv1d(self, x):
     size_out = x.size()[:-1] + (self.nf,)
     x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
     x = x.view(size_out)
     return x
-"""
-"""The reviewed ``forward`` of Hugging Face's ``Conv1D`` (GPT-2's layers): ``y = x W + b`` over the last
-dimension with ``W`` of shape ``[in, out]``, a Linear with its weight transposed."""
-
-_reviewed_sources: dict = {}
 
 
 def _is_conv1d(m: nn.Module) -> bool:
@@ -103,27 +133,9 @@ def _is_conv1d(m: nn.Module) -> bool:
     return mod is not None and type(m) is getattr(mod, _CONV1D_NAME, None)
 
 
-def _conv1d_reviewed(m: nn.Module) -> bool:
-    """Whether a ``Conv1D``'s forward is the reviewed one: the class's function's source is
-    ``_CONV1D_FORWARD`` (up to indentation), ``torch`` in its module is torch, and the instance has no
-    function of its own."""
-    fn = type(m).forward
-    if fn not in _reviewed_sources:
-        try:
-            src = inspect.getsource(fn)
-        except (OSError, TypeError):  # no source to review
-            src = None
-        _reviewed_sources[fn] = src is not None and textwrap.dedent(src) == _CONV1D_FORWARD
-    return _reviewed_sources[fn] and fn.__globals__.get("torch") is torch and "forward" not in m.__dict__
-
-
 def _is_matrix(m: nn.Module) -> bool:
-    """A layer whose weight gradient is ``g^T a`` (``_Matrix``): Linear, Conv1d/Conv2d, transformers' Conv1D."""
+    """A layer whose weight gradient is ``g^T a`` (``_Matrix``): Linear, Conv, transformers' Conv1D."""
     return isinstance(m, (nn.Linear, *_CONV)) or _is_conv1d(m)
-
-
-def _supported(m: nn.Module) -> bool:
-    return isinstance(m, _SUPPORTED) or _is_conv1d(m)
 
 
 def _why_not_tied(uses: list[tuple[str, str, nn.Module]]) -> str | None:
@@ -159,26 +171,33 @@ def why_unsupported(model: nn.Module) -> str | None:
         if not any(p.requires_grad for p in m.parameters(recurse=False)):
             continue
         if _is_conv1d(m):
-            if not _conv1d_reviewed(m):
-                return f"module '{name}' (Conv1D) has a forward other than the reviewed transformers Conv1D.forward"
-            own = {n for n, p in m.named_parameters(recurse=False) if p.requires_grad}
-            if not own <= {"weight", "bias"}:
-                return f"module '{name}' (Conv1D) has parameters {sorted(own)} besides weight and bias"
-            continue
-        if not isinstance(m, _SUPPORTED):
+            if "forward" in m.__dict__ or not rms.same_code(type(m).forward, _reviewed_conv1d):
+                return f"module '{name}' (Conv1D): its forward is not the reviewed transformers Conv1D.forward"
+        elif rms.hf_class(m):
+            why = rms.why_not_hf(m)
+            if why is not None:
+                return f"module '{name}': {why}"
+        elif not isinstance(m, _SUPPORTED):
             return f"module '{name}' ({type(m).__name__}) has trainable parameters and no fast-path rule"
-        base = next(c for c in _SUPPORTED if isinstance(m, c))
-        if type(m).forward is not base.forward or "forward" in m.__dict__:  # the rules assume the standard function
-            return f"module '{name}' ({type(m).__name__}) overrides {base.__name__}.forward"
+        else:
+            base = next(c for c in _SUPPORTED if isinstance(m, c))
+            if type(m).forward is not base.forward or "forward" in m.__dict__:  # the rules assume the standard one
+                return f"module '{name}' ({type(m).__name__}) overrides {base.__name__}.forward"
         own = {n for n, p in m.named_parameters(recurse=False) if p.requires_grad}
         if not own <= {"weight", "bias"}:  # e.g. weight_norm's weight_g / weight_v
             return f"module '{name}' ({type(m).__name__}) has parameters {sorted(own)} besides weight and bias"
-        if isinstance(m, _CONV) and (m.groups != 1 or m.padding_mode != "zeros" or isinstance(m.padding, str)):
-            return f"module '{name}' ({type(m).__name__}) uses groups, a non-zero padding mode or string padding"
+        if isinstance(m, _CONV) and m.padding_mode not in ("zeros", "reflect", "replicate", "circular"):
+            return f"module '{name}' ({type(m).__name__}) uses padding_mode={m.padding_mode!r}"
         if isinstance(m, nn.Embedding) and (m.max_norm is not None or m.scale_grad_by_freq or m.sparse):
             return (f"module '{name}' (Embedding) uses max_norm (rewrites the weights in the forward pass), "
                     f"scale_grad_by_freq (scales by counts over the whole batch) or sparse gradients")
     return None
+
+
+def _trainable_pair(m: nn.Module) -> tuple[bool, bool]:
+    """Whether the layer's weight, its bias, is a trainable parameter (an RMSNorm has no bias)."""
+    w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+    return isinstance(w, Tensor) and w.requires_grad, isinstance(b, Tensor) and b.requires_grad
 
 
 def _trainable(m: nn.Module) -> list[nn.Parameter]:
@@ -258,11 +277,13 @@ class _Matrix:
             a, g = a.reshape(b, -1, a.shape[-1]), g.reshape(b, -1, g.shape[-1])
         self.t = _is_conv1d(m)
         self.w, self.bias = m.weight.requires_grad, m.bias is not None and m.bias.requires_grad
-        self.ghost = ghost and L > 1 and L * L <= o * k
+        grouped = conv and m.groups > 1  # groups (depthwise too): the per-example gradient formed, group by group
+        self.ghost = ghost and L > 1 and L * L <= o * k and not grouped
+        formed = (L > 1 or grouped) and not self.ghost
         # the longest float64 sum behind sq and cross (DiSK's combination bounds its rounding with it)
-        self.terms = (k + o if L == 1 else L * L + k + o if self.ghost else o * k) + o + 1
+        self.terms = (o * k if formed else k + o if L == 1 else L * L + k + o) + o + 1
         self.pe: Tensor | None = None
-        if L > 1 and not self.ghost:  # the per-example weight gradient, kept for the sums
+        if formed:  # the per-example weight gradient, kept for the sums
             self.pe = conv_weight_rows(m, a, g) if conv else \
                 torch.bmm(a.transpose(1, 2), g) if self.t else torch.bmm(g.transpose(1, 2), a)
             if conv:
@@ -357,20 +378,36 @@ class _Matrix:
 
 
 class _Affine:
-    """GroupNorm/LayerNorm: the per-example gradients of the affine weight and bias are small (one
-    value per channel or normalised feature): computed directly from the normalised input."""
+    """GroupNorm/LayerNorm/InstanceNorm/RMSNorm: the per-example gradients of the affine weight and
+    bias are small (one value per channel or normalised feature): computed directly from the
+    normalised input (an InstanceNorm's from the statistics its forward uses: the example's own in
+    training or without running statistics, the constant running ones in evaluation; a Hugging Face
+    RMSNorm's normalised in float32 and cast back, as its forward does: ``grads.rms``)."""
 
     def __init__(self, m: nn.Module, a: Tensor, g: Tensor) -> None:
         b = a.shape[0]
         if isinstance(m, nn.GroupNorm):
             xhat, dims = F.group_norm(a, m.num_groups, eps=m.eps), tuple(range(2, a.dim()))
-        else:
+        elif isinstance(m, _INSTANCE):
+            own = m.training or not m.track_running_stats  # the forward's use_input_stats
+            xhat = F.instance_norm(a, None if own else m.running_mean, None if own else m.running_var,
+                                   use_input_stats=own, eps=m.eps)
+            dims = tuple(range(2, a.dim()))
+        elif isinstance(m, nn.LayerNorm):
             xhat = F.layer_norm(a, m.normalized_shape, eps=m.eps)
             dims = tuple(range(1, a.dim() - len(m.normalized_shape)))  # leading positions
+        else:
+            n = rms.trailing(m)
+            if tuple(m.weight.shape) != tuple(a.shape[a.dim() - n:]) or a.dim() <= n:
+                raise ConfigError(f"grad_path=\"fast\": a {type(m).__name__} layer's weight {tuple(m.weight.shape)} "
+                                  f"does not match the trailing dimensions of its input {tuple(a.shape)}; use "
+                                  f"grad_path=\"rows\"")
+            xhat, dims = rms.normalised(m, a), tuple(range(1, a.dim() - n))
         parts = []
-        if m.weight is not None and m.weight.requires_grad:
+        weight, bias = _trainable_pair(m)
+        if weight:
             parts.append(((xhat * g).sum(dims) if dims else xhat * g).reshape(b, -1))
-        if m.bias is not None and m.bias.requires_grad:
+        if bias:
             parts.append((g.sum(dims) if dims else g).reshape(b, -1))
         self.rows = parts
         self.sq = sum(sq_norms(r) for r in parts)
@@ -458,10 +495,11 @@ def ghost_plan(layers: list[nn.Module], acts: dict, outs: dict | list) -> set[nn
             continue
         a, out = acts[m], outs[m]
         L, k, o = _sizes(m, a, out)
-        if L == 1:
+        grouped = isinstance(m, _CONV) and m.groups > 1  # formed always (_Matrix)
+        if L == 1 and not grouped:
             continue
         size = out.shape[0] * o * k * a.element_size()
-        if L * L <= o * k and used + size > FORMED_BYTES:
+        if L * L <= o * k and not grouped and used + size > FORMED_BYTES:
             ghost.add(m)
         else:
             used += size
@@ -473,7 +511,7 @@ def _own_reference(m: nn.Module, ghost: set) -> bool:
     layer, a Linear/Conv that forms its per-example gradients (``_Matrix.pe``), or a one-position
     layer, whose float64 sums convert each cached block of inputs once for both rows (cheaper than
     autograd's float32 weight gradient, which reads the whole input again); ``ghost``: ``ghost_plan``'s."""
-    if isinstance(m, _NORMS):
+    if _is_norm(m):
         return True
     if not _is_matrix(m):
         return False
@@ -556,7 +594,7 @@ def _rule(m: nn.Module, a: Tensor, g: Tensor, ghost: bool):
                           "--grad-path rows (its per-example gradients come back in the parameters' float32)")
     if _is_matrix(m):
         return _Matrix(m, a, g, ghost)
-    return (_Affine if isinstance(m, _NORMS) else _Embed)(m, a, g)
+    return (_Affine if _is_norm(m) else _Embed)(m, a, g)
 
 
 class _Combined:
@@ -674,6 +712,7 @@ class BookKeeping:
         feedback's hidden buffer, which the sound DiceSGD bound allows to be anything
         (docs/privacy.md), so its rounding does not enter the guarantee."""
         check_model(self.model)
+        _check_running_stats(self.model)
         params = self.layout.params(self.model)
         dev = params[0].device
         keyed = forward.active() is not None  # the engine's step: dropout keyed per example, public draws refused
@@ -788,7 +827,7 @@ class BookKeeping:
 
         def hook(m: nn.Module, inp: tuple, out: Tensor) -> None:
             if m in acts:  # a layer used twice: its per-example gradient sums both uses
-                raise ConfigError(f"--grad-path fast: a {type(m).__name__} layer runs twice in one forward "
+                raise PathRefusal("fast", f"--grad-path fast: a {type(m).__name__} layer runs twice in one forward "
                                   f"pass (shared weights); per-layer norms would understate the per-example "
                                   f"gradient. Use --grad-path rows")
             a = inp[0]
@@ -810,7 +849,7 @@ class BookKeeping:
                 self._check_layers(acts, outs, b)
                 changed = [m for m in self.layers if outs[m]._version != versions[m]]
                 if changed:  # the backward would differentiate through the later in-place op
-                    raise ConfigError(f"--grad-path fast: the output of a {type(changed[0]).__name__} layer is "
+                    raise PathRefusal("fast", f"--grad-path fast: the output of a {type(changed[0]).__name__} layer is "
                                       f"modified in place after the layer ran (e.g. ReLU(inplace=True) or h *= c); "
                                       f"use the out-of-place operation, or --grad-path rows")
                 if check_graph:  # off only for the float64 recheck, whose leaves are copies
@@ -849,8 +888,8 @@ class BookKeeping:
             for p in _trainable(m):  # a tied weight: once inside each of its layers (self.ties), nowhere else
                 if uses.get(id(p), 0) != self._users[id(p)] or local.get(id(p), 0) != 1:
                     name = self.layout.names[slots[_trainable(m).index(p)]]
-                    raise ConfigError(
-                        f"--grad-path fast: parameter '{name}' enters the forward pass {uses.get(id(p), 0)} "
+                    raise PathRefusal(
+                        "fast", f"--grad-path fast: parameter '{name}' enters the forward pass {uses.get(id(p), 0)} "
                         f"time(s), {local.get(id(p), 0)} of them inside its {type(m).__name__} layer: a use "
                         f"outside its layer's forward (e.g. read directly by the model) would make per-layer "
                         f"norms understate the per-example norms. Use --grad-path rows")
@@ -858,13 +897,19 @@ class BookKeeping:
     def _check_layers(self, acts: dict, outs: dict, b: int) -> None:
         missing = [m for m in self.layers if m not in outs]
         if missing:
-            raise ConfigError(f"--grad-path fast: the {type(missing[0]).__name__} layer holding trainable "
+            raise PathRefusal("fast", f"--grad-path fast: the {type(missing[0]).__name__} layer holding trainable "
                               f"parameters did not run in the forward pass; use --grad-path rows")
         bad = [m for m in self.layers if acts[m].shape[:1] != (b,) or outs[m].shape[:1] != (b,)]
         if bad:  # tokens folded into the batch, a sequence-first layout, a batch-shared input
-            raise ConfigError(f"--grad-path fast: a {type(bad[0]).__name__} layer sees a first dimension of "
+            raise PathRefusal("fast", f"--grad-path fast: a {type(bad[0]).__name__} layer sees a first dimension of "
                               f"{acts[bad[0]].shape[0]}, not the batch of {b}: its rows are not one per "
                               f"example, so per-layer norms would not be per-example norms. Use --grad-path rows")
+        unbatched = [m for m in self.layers if acts[m].dim() != _batched_dims(m, acts[m].dim())]
+        if unbatched:  # e.g. a Conv1d given [b, L]: the batch read as one example's channels
+            m = unbatched[0]
+            raise ConfigError(f"grad_path=\"fast\": a {type(m).__name__} layer receives a {acts[m].dim()}-D input, "
+                              f"which it reads as one example without a batch dimension: its rows are not one per "
+                              f"example. Give it a {_batched_dims(m, 0)}-D input, or use grad_path=\"rows\"")
 
     def _assemble(self, per_layer: list[list[Tensor]]) -> Tensor:
         """Per-layer, per-parameter flat pieces concatenated in ``ParamLayout`` order."""
@@ -892,14 +937,14 @@ class BookKeeping:
         if rng is not None:
             i = self._check_rng.randrange(b)
             if not _close(self._ordered([r.one(i) for r in rules]), self._counterfactual(x, y, i, rng), params, 1e-4):
-                raise ConfigError(_MIXING.format(i=i, alone="among copies of itself"))
+                raise PathRefusal("fast", _MIXING.format(i=i, alone="among copies of itself"))
             return
         probes = self._check_rng.sample(range(b), min(PROBES, b))
         w, scale = self._probe_weights(sq, probes)
         fast = self._ordered([r.combo(probes, w) for r in rules])
         mine = self._own(x, y, probes, params, w)
         if not _close(fast, mine, params, 1e-4, scale) and not self._agree_in_float64(x, y, probes, w, fast):
-            raise ConfigError(_MIXING.format(i=", ".join(map(str, probes)), alone="each run alone"))
+            raise PathRefusal("fast", _MIXING.format(i=", ".join(map(str, probes)), alone="each run alone"))
 
     def _probe_weights(self, sq: Tensor, probes: list[int]) -> tuple[list[float], float]:
         """The probes' secret weights ``w_k = u_k / ||g_k||`` (``u_k`` uniform in [1, 2] from the OS
@@ -1055,9 +1100,21 @@ def _check_hooks(layers: list) -> None:
     layer sees what they return)."""
     hooked = [m for m in layers if m._forward_hooks] or (layers if nn.modules.module._global_forward_hooks else [])
     if hooked:
-        raise ConfigError(f"--grad-path fast: a forward hook is registered on a {type(hooked[0]).__name__} layer "
-                          f"(or globally): it may change the layer's output after the layer ran. Remove it, or "
+        raise PathRefusal("fast", f"--grad-path fast: a forward hook is registered on a {type(hooked[0]).__name__} "
+                          f"layer (or globally): it may change the layer's output after the layer ran. Remove it, or "
                           f"use --grad-path rows")
+
+
+def _check_running_stats(model: nn.Module) -> None:
+    """An InstanceNorm tracking running statistics updates them from the batch in a training forward:
+    refused before the forward, by name (``_check_buffers`` would refuse any buffer the forward changes)."""
+    for name, m in model.named_modules():
+        if isinstance(m, _INSTANCE) and m.training and m.track_running_stats:
+            raise ConfigError(f"grad_path=\"fast\": module '{name}' ({type(m).__name__}) has track_running_stats=True "
+                              f"in training mode: its forward would update running statistics from the private batch, "
+                              f"released without noise. Build it with track_running_stats=False (clipbias.fix(model) "
+                              f"does), or put the layer in evaluation mode (.eval()) to use its running statistics as "
+                              f"constants")
 
 
 def _check_buffers(model: nn.Module, before: list) -> None:

@@ -3,6 +3,8 @@ lm_head), Hugging Face's Conv1D, and the tied pair's cross term under cancellati
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -192,12 +194,12 @@ def test_shared_weights_the_fast_path_cannot_bound_are_refused():
                  grad_path="fast")
 
 
-def _gpt2(seed=0, dropout=0.0):
+def _gpt2(seed=0, dropout=0.0, attention="eager"):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=101, n_positions=32, bos_token_id=100,
                                   eos_token_id=100, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
-    return transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
+    return transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation=attention)
 
 
 def _gpt2_batch(n=24, length=12):
@@ -211,9 +213,10 @@ def _gpt2_batch(n=24, length=12):
 
 
 def test_gpt2_full_fine_tuning_on_the_fast_path_equals_the_rows_path(float64):
-    """A random tiny GPT-2 (tied wte / lm_head, Conv1D layers, LayerNorm, padding): every weight trained;
-    the fast path's per-example norms equal the rows path's to 1e-10, and two private steps (same noise
-    key) give the same parameters."""
+    """A random tiny GPT-2 (tied wte / lm_head, Conv1D layers, LayerNorm, padding), eager attention: every
+    weight trained; the fast path's per-example norms equal the rows path's to 1e-10, and two private
+    steps (same noise key) give the same parameters. Then under SDPA with dropout 0.1 (attention dropout
+    included, keyed per example), the same on both paths."""
     from clipbias.data.text import sequence_loss
     m = _gpt2()
     assert m.lm_head.weight is m.transformer.wte.weight and why_unsupported(m) is None
@@ -225,19 +228,22 @@ def test_gpt2_full_fine_tuning_on_the_fast_path_equals_the_rows_path(float64):
     torch.testing.assert_close(norms, rows.norm(dim=1), rtol=1e-10, atol=0)
     torch.testing.assert_close(proc, (rows * clip_scale(rows.norm(dim=1), C).unsqueeze(1)).sum(0), rtol=1e-10,
                                atol=1e-13)
-    out = {}
-    for path in ("rows", "fast"):
-        m = _gpt2()
-        eng = DPEngine(m, "dpsgd", n=24, batch_size=8.0, steps=2, noise_multiplier=0.01, accountant="rdp",
-                       loss_fn=sequence_loss, grad_path=path, config=AlgoConfig(lr=0.5, clip=0.3), noise_seed=3)
-        assert (eng.fast is not None) == (path == "fast")
-        for _ in range(2):
-            idx = eng.sampler.sample()
-            eng.step({k: v[idx] for k, v in x.items()}, y[idx], idx)
-        out[path] = torch.cat([p.detach().flatten() for p in m.parameters()])
     start = torch.cat([p.detach().flatten() for p in _gpt2().parameters()])
-    assert (out["rows"] - start).abs().max() > 1e-3
-    torch.testing.assert_close(out["fast"], out["rows"], rtol=1e-10, atol=1e-12)
+    for kind in ({}, {"dropout": 0.1, "attention": "sdpa"}):
+        out = {}
+        for path in ("rows", "fast"):
+            m = _gpt2(**kind).train()
+            eng = DPEngine(m, "dpsgd", n=24, batch_size=8.0, steps=2, noise_multiplier=0.01, accountant="rdp",
+                           loss_fn=sequence_loss, grad_path=path, config=AlgoConfig(lr=0.5, clip=0.3), noise_seed=3)
+            assert (eng.fast is not None) == (path == "fast")
+            for _ in range(2):
+                idx = eng.sampler.sample()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # SDPA's mask code: the rows path one example at a time
+                    eng.step({k: v[idx] for k, v in x.items()}, y[idx], idx)
+            out[path] = torch.cat([p.detach().flatten() for p in m.parameters()])
+        assert (out["rows"] - start).abs().max() > 1e-3
+        torch.testing.assert_close(out["fast"], out["rows"], rtol=1e-10, atol=1e-12)
 
 
 def test_gpt2_trains_privately_on_the_fast_path_with_dropout():

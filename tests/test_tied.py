@@ -327,3 +327,29 @@ def test_conv1d_rule_equals_the_rows_path(float64, branch, dropout):
     c = Conv1D(3, 4)
     c.forward = lambda x: x @ c.weight
     assert "reviewed" in why_unsupported(nn.Sequential(c))
+
+
+def test_a_llama_with_tied_word_embeddings_equals_the_rows_path():
+    """A tiny random Llama with ``tie_word_embeddings=True`` (embed_tokens is lm_head's weight) in float64:
+    the clipped sum, the reference sum, the losses and the norms equal the rows path's."""
+    transformers = pytest.importorskip("transformers")
+    from clipbias.grads.rows import ParamSums
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+                                   use_cache=False, tie_word_embeddings=True)
+    m = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager", dtype=torch.float64)
+    assert m.lm_head.weight is m.model.embed_tokens.weight and why_unsupported(m) is None
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 97, (5, 9), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:].clone()
+    y[::3, -2:] = -100
+
+    def loss(out, y):
+        return F.cross_entropy(out.logits.transpose(1, 2), y, reduction="none", ignore_index=-100).sum(1)
+
+    scale = lambda n: clip_scale(n, 0.5)  # noqa: E731
+    fast = BookKeeping(m, loss)(x, y, scale, True)
+    rows = ParamSums(FuncGradients(m, loss))(x, y, scale, True)
+    for got, want in zip(fast, rows):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

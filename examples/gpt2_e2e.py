@@ -70,7 +70,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (default 0)")
     p.add_argument("--max-physical-batch", type=int, default=8, help="examples per vmap call (memory only)")
     p.add_argument("--grad-path", choices=("rows", "fast", "auto"), default="auto",
-                   help="per-example gradients: rows (torch.func) or fast (book-keeping; applies with --lora)")
+                   help="per-example gradients: rows (torch.func) or fast (book-keeping, no rows; full fine-tuning and --lora)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model initialisation (public)")
     p.add_argument("--reproducible-noise", action="store_true", help="derive the secret streams from --seed "
                                                                      "(tests; the guarantee then needs it secret)")

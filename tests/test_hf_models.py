@@ -140,7 +140,7 @@ def test_vit_fast_path_equals_rows_path_and_rows_equal_independent_gradients():
 
 
 def test_gpt2_sdpa_with_padding_rows_equal_independent_gradients():
-    """GPT-2 as it comes (SDPA, lm_head tied to wte: the fast path refuses the tie) on a right-padded batch with
+    """GPT-2 as it comes (SDPA, lm_head tied to wte) on a right-padded batch with
     its attention mask: the rows path's clipped sum equals per-example autograd in a loop. With its Conv1D
     layers and the tied embedding frozen (position embeddings and LayerNorms trained) and dropout 0.1, attention
     dropout included, the fast path's clipped sum equals the rows path's, and the masks were drawn."""

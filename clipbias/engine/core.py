@@ -26,7 +26,7 @@ from ..data.batch import Batch
 from ..config import AlgoConfig
 from ..errors import ClipbiasError, ConfigError, PathRefusal, ResumeMismatchError
 from ..grads import precision
-from ..grads.fast import BookKeeping
+from ..grads.fast import SUPPORTED_LAYERS, BookKeeping
 from ..grads.rows import (FuncGradients, LossFn, ParamSums, PerSampleGradients, RowSource, as_row_source, check_finite,
                           check_finite_norms, cross_entropy, guarded)
 from ..sampling.loader import PoissonLoader
@@ -124,7 +124,7 @@ class DPEngine:
         n = check_arguments(model, n, batch_size, self.config)
         self.sharded = distributed.is_sharded(model)  # fully_shard: gathered whole for each step (``_gathered``)
         if self.sharded:
-            distributed.check_sharded(model)
+            distributed.check_sharded(model, SUPPORTED_LAYERS)
         if self.algo.accounting == "dice" and self.config.ef_clip is None:
             # the privacy cost of error feedback grows with r = B C2 / C1: default r = 0.01
             self.config = replace(self.config, ef_clip=privacy.dice.default_ef_clip(self.config.clip, batch_size))
@@ -251,34 +251,8 @@ class DPEngine:
                               "path and the per-parameter rows of a norm-scaling algorithm do)")
         drawn = self._drawn_by_sampler(indices)
         self.last_outputs, self._outputs = None, [] if keep_outputs else None
-        d = self.rows.layout.dim
-        dev, dt = self.params[0].device, self.params[0].dtype  # a float64 model sums in float64
-        while True:  # once more only where grad_path="auto" takes its other path (_fall_back)
-            ref_sum = torch.zeros(d, device=dev, dtype=dt) if self.pipeline.error_feedback is not None else None
-            proc_sum = torch.zeros(d, device=dev, dtype=dt)
-            losses, failure = [], None
-            # vmap refusing the model: auto's other path, while it has one (else one example at a time)
-            self._set_unvectorizable("refuse" if self._other_path is not None else "loop")
-            try:
-                # dropout masks from the key, per example index; a fully_shard model gathered whole for the sums;
-                # under autocast=, the model's forwards in 16 bits
-                with forward.keyed(self.key, self.steps_taken, dev), self._gathered(), \
-                        precision.mixed(self._mixed(dev)):
-                    for r, p, loss in self._sums(x, y, indices):
-                        if ref_sum is not None:
-                            ref_sum += r
-                        proc_sum += p
-                        losses.append(loss)
-            except ClipbiasError as err:  # a micro-batch failed (NaN, bad shape, a public random draw)
-                failure = err
-            except BaseException:  # out of memory, an interrupt: nothing staged may reach the next step
-                self._set_unvectorizable("loop")
-                self._drop_staged()  # (adaptive clipping's count would hold these examples twice)
-                raise
-            if not (isinstance(failure, PathRefusal) and self._fall_back(failure)):
-                break
-            self._outputs = [] if keep_outputs else None
-        self._set_unvectorizable("loop")
+        dev = self.params[0].device
+        proc_sum, ref_sum, losses, failure = self._attempt_sums(x, y, indices, keep_outputs)
         if self._other_path is not None and batch.size(x) and failure is None:
             self._other_path = None  # auto's choice stands from the first step that ran the model
         mine = torch.cat(losses) if losses else torch.zeros(0, device=dev)
@@ -312,6 +286,40 @@ class DPEngine:
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         return mine
+
+    def _attempt_sums(self, x: Batch, y: Batch, indices: Tensor | None, keep_outputs: bool) -> tuple:
+        """The step's (processed sum, reference sum or None, per-example losses, failure or None) on this
+        rank, under the keyed forward (and a fully_shard model gathered whole); computed once more on the
+        other path where ``grad_path="auto"`` takes it (``_fall_back``)."""
+        d = self.rows.layout.dim
+        dev, dt = self.params[0].device, self.params[0].dtype  # a float64 model sums in float64
+        while True:  # once more only where grad_path="auto" takes its other path (_fall_back)
+            ref_sum = torch.zeros(d, device=dev, dtype=dt) if self.pipeline.error_feedback is not None else None
+            proc_sum = torch.zeros(d, device=dev, dtype=dt)
+            losses, failure = [], None
+            # vmap refusing the model: auto's other path, while it has one (else one example at a time)
+            self._set_unvectorizable("refuse" if self._other_path is not None else "loop")
+            try:
+                # dropout masks from the key, per example index; a fully_shard model gathered whole for the sums;
+                # under autocast=, the model's forwards in 16 bits
+                with forward.keyed(self.key, self.steps_taken, dev), self._gathered(), \
+                        precision.mixed(self._mixed(dev)):
+                    for r, p, loss in self._sums(x, y, indices):
+                        if ref_sum is not None:
+                            ref_sum += r
+                        proc_sum += p
+                        losses.append(loss)
+            except ClipbiasError as err:  # a micro-batch failed (NaN, bad shape, a public random draw)
+                failure = err
+            except BaseException:  # out of memory, an interrupt: nothing staged may reach the next step
+                self._set_unvectorizable("loop")
+                self._drop_staged()  # (adaptive clipping's count would hold these examples twice)
+                raise
+            if not (isinstance(failure, PathRefusal) and self._fall_back(failure)):
+                break
+            self._outputs = [] if keep_outputs else None
+        self._set_unvectorizable("loop")
+        return proc_sum, ref_sum, losses, failure
 
     def _fall_back(self, err: PathRefusal) -> bool:
         """``grad_path="auto"``, before its first step that ran the model completed: the path it chose

@@ -17,7 +17,10 @@ One ordinary forward and backward of the summed loss give every ``a_i`` (forward
 example i's, since no module mixes examples: ``check_model``). Supported: ``nn.Linear`` (any input
 rank), ``nn.Conv1d``/``nn.Conv2d``/``nn.Conv3d`` (any ``groups``, depthwise included, whose per-example
 gradients are always formed, group by group: ``conv_rows``; any padding mode and ``padding="same"``,
-the input padded as the layer pads it), weights and biases; ``nn.Embedding``
+the input padded as the layer pads it), weights and biases; Hugging Face's
+``transformers.pytorch_utils.Conv1D`` (GPT-2's layers: ``y = x W + b`` with ``W [in, out]``, a Linear
+with its weight transposed; that class exactly, with the reviewed ``forward``, ``_reviewed_conv1d``;
+transformers is not imported by clipbias); ``nn.Embedding``
 (the per-example gradient's nonzero rows are example i's output gradients summed per distinct token:
 norm and sum from those, ``O(L d)`` per example; ``padding_idx`` rows get no gradient; ids shared by
 the whole batch, a ``[1, T]`` input such as Hugging Face's broadcast ``position_ids``, have their output
@@ -31,18 +34,25 @@ per channel or feature. All of these form the per-example gradients they sum, so
 ``sq_norms``' upper bounds on what is summed, whatever the rounding; only the ghost norm of a
 ``groups=1`` Linear/Conv over several positions needs its own rounding bound (``ghost_norm_bound``).
 A Conv or InstanceNorm given an input without its batch dimension is refused at the step.
-Any other trainable parameter makes ``why_unsupported``
+A weight shared by an ``nn.Embedding`` and a Linear or Conv1D (a language model's tied input and
+output embeddings: GPT-2's ``wte`` and ``lm_head``) has the sum of both uses' per-example gradients:
+its squared norm is ``||E_i||^2 + ||G_i||^2 + 2 <E_i, G_i>``, the cross term gathered at example i's
+tokens (``_tie_cross``: ``O(b L P d)``, no ``[V, d]`` per example) with a bound on its rounding (the
+expansion cancels when the uses' gradients do), and both layers' sums go into the parameter's one
+slot. Any other trainable parameter, or weight shared otherwise, makes ``why_unsupported``
 say why, and the engine keeps the rows path. Dropout in the engine's step draws row r's masks from
 example r's index and the run's key (``clipbias.randomness.forward``), as the rows path does.
 
 Soundness guards (per-layer norms must be per-example norms, and each example's clipped vector
-must depend on that example alone, or the sensitivity is wrong): tied parameters, parameters other
-than a layer's own ``weight``/``bias`` and a layer ``forward`` overridden (by a subclass or on the
-instance) are refused when the engine is built; at every step, before any state changes: a user
+must depend on that example alone, or the sensitivity is wrong): tied parameters other than an
+Embedding's weight shared with one Linear/Conv1D, parameters other than a layer's own
+``weight``/``bias`` and a layer ``forward`` overridden (by a subclass or on the instance) are refused
+when the engine is built; at every step, before any state changes: a user
 forward hook on a supported layer, a layer that runs twice or not at all, a layer whose first
 dimension is not the batch, a layer output modified in place after the layer ran, and a forward that
 updates a buffer (restored) are refused; every trainable parameter must enter the autograd graph
-exactly once, inside its own layer's forward (exact, structural); and secret random examples'
+exactly once, inside its own layer's forward (a tied weight: once inside each of its two layers and
+nowhere else; exact, structural); and secret random examples'
 attributed gradients must equal their own: when the forward is deterministic, ``PROBES`` examples
 each run alone (a batch of one; all in one vectorised forward and one backward), and a secret random
 combination of their attributed gradients, each scaled to unit norm, must equal the same combination
@@ -60,6 +70,7 @@ from __future__ import annotations
 import contextlib
 import math
 import secrets
+import sys
 from typing import Callable
 
 import torch
@@ -81,6 +92,8 @@ _INSTANCE = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 _NORMS = (nn.GroupNorm, nn.LayerNorm, *_INSTANCE, *rms.TORCH_RMSNORM)
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _SUPPORTED = (nn.Linear, *_CONV, nn.Embedding, *_NORMS)
+SUPPORTED_LAYERS = _SUPPORTED
+"""The torch layer types with a fast-path rule (the engine's check of ``fully_shard`` units)."""
 _BATCHED_DIMS = {nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5, nn.InstanceNorm1d: 3, nn.InstanceNorm2d: 4,
                  nn.InstanceNorm3d: 5}  # an input of one dimension less is one unbatched example
 
@@ -91,9 +104,9 @@ def _batched_dims(m: nn.Module, default: int) -> int:
 
 
 def _supported(m: nn.Module) -> bool:
-    """A layer with a fast-path rule: one of ``_SUPPORTED``, or a reviewed Hugging Face RMSNorm class
-    (``grads.rms``; its forward is checked by ``why_unsupported``)."""
-    return isinstance(m, _SUPPORTED) or rms.hf_class(m)
+    """A layer with a fast-path rule: one of ``_SUPPORTED``, a reviewed Hugging Face RMSNorm class
+    (``grads.rms``) or transformers' ``Conv1D`` (their forward checked by ``why_unsupported``)."""
+    return isinstance(m, _SUPPORTED) or rms.hf_class(m) or _is_conv1d(m)
 
 
 def _is_norm(m: nn.Module) -> bool:
@@ -101,19 +114,68 @@ def _is_norm(m: nn.Module) -> bool:
     return isinstance(m, _NORMS) or rms.hf_class(m)
 
 
+_CONV1D_MODULE, _CONV1D_NAME = "transformers.pytorch_utils", "Conv1D"
+
+
+# The reviewed ``forward`` of Hugging Face's ``Conv1D`` (GPT-2's layers): ``y = x W + b`` over the last
+# dimension with ``W`` of shape ``[in, out]``, a Linear with its weight transposed. A Conv1D is accepted
+# when its class's ``forward`` has this function's bytecode, constants, names and arguments and reads the
+# real ``torch`` (``rms.same_code``), and the instance has no ``forward`` of its own.
+def _reviewed_conv1d(self, x):
+    size_out = x.size()[:-1] + (self.nf,)
+    x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+    x = x.view(size_out)
+    return x
+
+
+def _is_conv1d(m: nn.Module) -> bool:
+    """Whether ``m`` is exactly transformers' ``Conv1D`` (its class, not a subclass; transformers is not
+    imported here: a model holding one has imported it)."""
+    mod = sys.modules.get(_CONV1D_MODULE)
+    return mod is not None and type(m) is getattr(mod, _CONV1D_NAME, None)
+
+
+def _is_matrix(m: nn.Module) -> bool:
+    """A layer whose weight gradient is ``g^T a`` (``_Matrix``): Linear, Conv, transformers' Conv1D."""
+    return isinstance(m, (nn.Linear, *_CONV)) or _is_conv1d(m)
+
+
+def _why_not_tied(uses: list[tuple[str, str, nn.Module]]) -> str | None:
+    """None when a parameter's uses ``(module name, parameter name, module)`` are ones whose per-example
+    gradients' cross term the fast path bounds (``_tie_cross``): one ``nn.Embedding``'s weight and one
+    Linear's (or ``Conv1D``'s) weight of the same shape, e.g. GPT-2's ``wte`` and ``lm_head``."""
+    names = " and ".join(f"'{n}' ({type(m).__name__})" for n, _, m in uses)
+    if len({id(m) for _, _, m in uses}) < len(uses):  # one module under two names: it may run twice
+        return f"one module registered under several names: {names} (tied weights: it may run more than once)"
+    emb = [u for u in uses if isinstance(u[2], nn.Embedding)]
+    mat = [u for u in uses if isinstance(u[2], nn.Linear) or _is_conv1d(u[2])]
+    if len(uses) == 2 and len(emb) == 1 and len(mat) == 1 and all(pn == "weight" for _, pn, _ in uses):
+        return None
+    return (f"parameter shared by modules {names} (tied weights): the fast path bounds a tied parameter's "
+            f"per-example norm only for the weight of one Embedding shared with one Linear or Conv1D "
+            f"(a language model's tied input and output embeddings)")
+
+
 def why_unsupported(model: nn.Module) -> str | None:
     """None when every trainable parameter belongs to a supported layer, else the reason."""
-    owners: dict[int, str] = {}
+    owners: dict[int, list] = {}
     for name, m in model.named_modules(remove_duplicate=False):
-        for p in m.parameters(recurse=False):
-            if p.requires_grad and owners.setdefault(id(p), name) != name:
-                # a tied parameter's per-example gradient is the sum of both uses: per-layer norms
-                # would understate it (and with it the sensitivity)
-                return f"parameter shared by modules '{owners[id(p)]}' and '{name}' (tied weights)"
+        for pname, p in m.named_parameters(recurse=False):
+            if p.requires_grad:
+                owners.setdefault(id(p), []).append((name, pname, m))
+    for uses in owners.values():
+        # a tied parameter's per-example gradient is the sum of its uses': per-layer norms would understate
+        # it (and with it the sensitivity) unless the uses' cross terms are added (_tie_cross)
+        why = _why_not_tied(uses) if len(uses) > 1 else None
+        if why is not None:
+            return why
     for name, m in model.named_modules():
         if not any(p.requires_grad for p in m.parameters(recurse=False)):
             continue
-        if rms.hf_class(m):
+        if _is_conv1d(m):
+            if "forward" in m.__dict__ or not rms.same_code(type(m).forward, _reviewed_conv1d):
+                return f"module '{name}' (Conv1D): its forward is not the reviewed transformers Conv1D.forward"
+        elif rms.hf_class(m):
             why = rms.why_not_hf(m)
             if why is not None:
                 return f"module '{name}': {why}"
@@ -205,13 +267,17 @@ class _Matrix:
     clipped contribution is at most C however its positions cancel) and the sums as one float64
     product ``(s * g)^T a`` over (example, position) pairs: float64, so that an example whose
     position terms are large and cancel (bounded by the clip: ``s_i U_i <= C / sqrt(coef)``) cannot
-    round other examples' terms away (in float32 one changed the released sum by 8.15 C)."""
+    round other examples' terms away (in float32 one changed the released sum by 8.15 C).
+
+    transformers' ``Conv1D`` (``y = x W + b``, ``W [k, o]``) is a Linear with its weight transposed
+    (``t``): the same norms, and its weight's pieces laid out ``[k, o]`` (``a_i^T g_i``)."""
 
     def __init__(self, m: nn.Module, a: Tensor, g: Tensor, ghost: bool) -> None:
         b, conv = g.shape[0], isinstance(m, _CONV)
         L, k, o = _sizes(m, a, g)
         if not conv:
             a, g = a.reshape(b, -1, a.shape[-1]), g.reshape(b, -1, g.shape[-1])
+        self.t = _is_conv1d(m)
         self.w, self.bias = m.weight.requires_grad, m.bias is not None and m.bias.requires_grad
         grouped = conv and m.groups > 1  # groups (depthwise too): the per-example gradient formed, group by group
         self.ghost = ghost and L > 1 and L * L <= o * k and not grouped
@@ -220,7 +286,8 @@ class _Matrix:
         self.terms = (o * k if formed else k + o if L == 1 else L * L + k + o) + o + 1
         self.pe: Tensor | None = None
         if formed:  # the per-example weight gradient, kept for the sums
-            self.pe = conv_weight_rows(m, a, g) if conv else torch.bmm(g.transpose(1, 2), a)
+            self.pe = conv_weight_rows(m, a, g) if conv else \
+                torch.bmm(a.transpose(1, 2), g) if self.t else torch.bmm(g.transpose(1, 2), a)
             if conv:
                 a, g = None, g.flatten(2).transpose(1, 2)
             sq = sq_norms(self.pe)
@@ -260,6 +327,8 @@ class _Matrix:
         out = gs.new_zeros(gs.shape[0], k)
         for i in range(0, b, step):  # accumulated in place: no temporary product per block
             out.addmm_(gs[:, i:i + step], a[i:i + step].double())
+        if self.t:  # [n, o, k] -> Conv1D's [n, k, o]
+            out = out.reshape(len(S), -1, k).transpose(1, 2)
         return out.reshape(len(S), -1).to(self.g.dtype)
 
     def _wide_sum(self, s: Tensor) -> Tensor:
@@ -270,6 +339,11 @@ class _Matrix:
         g = self.g.reshape(b * L, -1)
         sa = (self.a.double() * s.double().view(-1, 1, 1)).reshape(b * L, k)
         step = max(1, WIDE_BLOCK_BYTES // (8 * b * L))
+        if self.t:  # Conv1D's layout [k, o]
+            out = self.g.new_empty(k, g.shape[1])
+            for j in range(0, g.shape[1], step):
+                out[:, j:j + step] = sa.t() @ g[:, j:j + step].double()  # rounded once, on assignment
+            return out.reshape(-1)
         out = self.g.new_empty(g.shape[1], k)
         for j in range(0, g.shape[1], step):
             out[j:j + step] = g[:, j:j + step].t().double() @ sa  # rounded once, on assignment
@@ -277,7 +351,7 @@ class _Matrix:
 
     def one(self, i: int) -> list[Tensor]:
         """Example i's gradient, one flat tensor per parameter."""
-        w = self.pe[i] if self.pe is not None else self.g[i].t() @ self.a[i]
+        w = self.pe[i] if self.pe is not None else self.a[i].t() @ self.g[i] if self.t else self.g[i].t() @ self.a[i]
         return ([w.reshape(-1)] if self.w else []) + ([self.g[i].sum(0)] if self.bias else [])
 
     def combo(self, idx: list[int], w: list[float]) -> list[Tensor]:
@@ -286,9 +360,11 @@ class _Matrix:
         wt = torch.tensor(w, dtype=self.g.dtype, device=self.g.device)
         g = self.g[idx] * wt.view(-1, 1, 1)
         out = []
-        if self.w:
-            out.append(wt @ self.pe[idx].flatten(1) if self.pe is not None else
-                       (g.reshape(-1, g.shape[-1]).t() @ self.a[idx].reshape(-1, self.a.shape[-1])).reshape(-1))
+        if self.w and self.pe is not None:
+            out.append(wt @ self.pe[idx].flatten(1))
+        elif self.w:
+            a, gf = self.a[idx].reshape(-1, self.a.shape[-1]), g.reshape(-1, g.shape[-1])
+            out.append((a.t() @ gf if self.t else gf.t() @ a).reshape(-1))
         return out + ([g.sum((0, 1))] if self.bias else [])
 
     def cross(self, o: "_Matrix") -> Tensor:
@@ -417,7 +493,7 @@ def ghost_plan(layers: list[nn.Module], acts: dict, outs: dict | list) -> set[nn
         outs = dict(zip(layers, outs))
     ghost, used = set(), 0
     for m in layers:
-        if not isinstance(m, (nn.Linear, *_CONV)):
+        if not _is_matrix(m):
             continue
         a, out = acts[m], outs[m]
         L, k, o = _sizes(m, a, out)
@@ -439,17 +515,73 @@ def _own_reference(m: nn.Module, ghost: set) -> bool:
     autograd's float32 weight gradient, which reads the whole input again); ``ghost``: ``ghost_plan``'s."""
     if _is_norm(m):
         return True
-    if not isinstance(m, (nn.Linear, *_CONV)):
+    if not _is_matrix(m):
         return False
     return m not in ghost
 
 
-def _rules_of(layers: list[nn.Module], acts: dict, outs: list, plan: set | None = None) -> list:
+def _rules_of(layers: list[nn.Module], acts: dict, outs: list, plan: set | None = None,
+              ties: list[tuple[int, int]] = ()) -> list:
     """Every layer's rule (inputs ``acts``, output gradients ``outs`` in ``layers``' order), each
     Linear/Conv over several positions on formed gradients or the ghost norm as ``ghost_plan`` says
-    (``plan``: its answer for these shapes, where the caller has it)."""
+    (``plan``: its answer for these shapes, where the caller has it). ``ties``: pairs (Embedding,
+    Linear/Conv1D) of indices into ``layers`` sharing their weight: twice the cross term of their
+    per-example gradients and its rounding margin (``_tie_cross``) are added to the Embedding rule's
+    ``sq``, so that the rules' summed ``sq`` bounds the squared norm of the tied parameter's summed
+    per-example gradient."""
     plan = ghost_plan(layers, acts, outs) if plan is None else plan
-    return [_rule(m, acts[m], g, m in plan) for m, g in zip(layers, outs)]
+    rules = [_rule(m, acts[m], g, m in plan) for m, g in zip(layers, outs)]
+    for e, j in ties:
+        rules[e].sq = rules[e].sq + _tie_cross(rules[e], rules[j])
+    return rules
+
+
+def _tie_cross(emb: "_Embed", mat: "_Matrix") -> Tensor:
+    """``2 <E_i, G_i>`` plus a bound on its rounding, per example ``[b]``: ``E_i`` an Embedding's
+    per-example weight gradient (``emb.rows``: one row per distinct token t of example i), ``G_i`` the
+    per-example weight gradient of a Linear (``g_i^T a_i``, ``[V, d]``) or Conv1D (``a_i^T g_i``) sharing
+    the weight (``mat``), from the same backward. Only E's nonzero rows meet G, so
+    ``<E_i, G_i> = sum_t E_i[t] . (sum_l g_i[l, t] a_i[l])``: the head's output gradients gathered at
+    example i's token columns, ``O(b L P d)`` for P distinct tokens an example, no ``[V, d]`` per example.
+    Where the Linear's rule formed ``G_i`` (``mat.pe``: what its sums release) the cross term is taken
+    from ``G_i``'s rows at the tokens instead, ``O(b P d)``, with ``M_i = sum_t ||G_i[t]|| ||E_i[t]||``
+    and ``n = d + P + 3``.
+
+    The expansion ``||E||^2 + ||G||^2 + 2 <E, G>`` cancels when the two uses' gradients nearly cancel
+    (an input can be crafted so), and its rounding could then exceed the true norm. The cross term is
+    computed in float64 from the float32 (or float64) values, exact as products; with
+    ``M_i = sum_{t, l} |g_i[l, t]| ||a_i[l]|| ||E_i[t]||`` (computed, float64), every dot product
+    ``a_i[l] . E_i[t]`` is within ``gamma_d ||a_i[l]|| ||E_i[t]||`` and the sum of the ``L P`` products
+    adds ``gamma_{L P + 1}`` of their magnitudes, so the computed cross term is within
+    ``gamma_n M_i`` of the true one (``n = d + L P + 3``, unit roundoff ``2^-53``). The rules' ``sq``
+    are upper bounds (``sq_norms``, ``ghost_norm_bound``) or float64 sums within ``gamma_n`` of them
+    (a one-position layer: ``n >= k + 2 o + 1 = terms``), so the true squared norm of ``E_i + G_i``
+    is at most ``sq_E + sq_G + 2 cross + gamma_n (sq_E + sq_G + 2 M_i)``, with n the largest of these
+    counts; the margin is taken twice over for the terms of second order (the computed ``M_i``
+    and ``sq`` themselves rounded). ``sq_G`` may hold the Linear's bias too: a larger margin."""
+    a, g = (mat.g, mat.a) if mat.t else (mat.a, mat.g)  # g's last dimension indexes the table's rows
+    b, L, d = a.shape
+    owner = emb.owner
+    counts = torch.bincount(owner, minlength=b)
+    pos = torch.arange(len(owner), device=owner.device) - (counts.cumsum(0) - counts)[owner]  # rank within example
+    P = int(counts.max()) if len(owner) else 0
+    R = torch.zeros(b, P, d, dtype=torch.float64, device=a.device)
+    R[owner, pos] = emb.rows.double()
+    tok = torch.zeros(b, P, dtype=torch.long, device=a.device)  # absent rows: token 0 against a zero row
+    tok[owner, pos] = emb.token
+    if mat.pe is not None:  # the formed per-example gradients (what the sums release): their rows at the tokens
+        rows = mat.pe.gather(1, tok.unsqueeze(2).expand(b, P, d)).double()  # [b, P, d]
+        cross = (rows * R).sum((1, 2))
+        mag = (torch.linalg.vector_norm(rows, dim=2) * torch.linalg.vector_norm(R, dim=2)).sum(1)
+        n = max(emb.terms, mat.terms, d + P + 3)
+        return 2 * cross + 2 * _gamma(n, 2.0 ** -53) * (emb.sq + mat.sq + 2 * mag)
+    gt = g.gather(2, tok.unsqueeze(1).expand(b, L, P)).double()  # [b, L, P]: g_i[l, t]
+    ad = a.double()
+    cross = (torch.bmm(ad, R.transpose(1, 2)) * gt).sum((1, 2))
+    mag = (torch.linalg.vector_norm(ad, dim=2).unsqueeze(2) * torch.linalg.vector_norm(R, dim=2).unsqueeze(1)
+           * gt.abs()).sum((1, 2))
+    n = max(emb.terms, mat.terms, d + L * P + 3)
+    return 2 * cross + 2 * _gamma(n, 2.0 ** -53) * (emb.sq + mat.sq + 2 * mag)
 
 
 def _rule(m: nn.Module, a: Tensor, g: Tensor, ghost: bool):
@@ -457,7 +589,7 @@ def _rule(m: nn.Module, a: Tensor, g: Tensor, ghost: bool):
     # exactly to float32: every norm, factor and sum below then runs in float32 or float64, as for a float32
     # model (16-bit sums moved the release by 1.27 C at B = 256; float16 squares underflow at 2^-12)
     a, g = exact32(a), exact32(g)
-    if isinstance(m, (nn.Linear, *_CONV)):
+    if _is_matrix(m):
         return _Matrix(m, a, g, ghost)
     return (_Affine if _is_norm(m) else _Embed)(m, a, g)
 
@@ -509,6 +641,14 @@ class BookKeeping:
         names = {id(p): n for n, p in model.named_parameters()}
         slot = {n: i for i, n in enumerate(self.layout.names)}
         self.slots = [[slot[names[id(p)]] for p in _trainable(m)] for m in self.layers]
+        users: dict[int, list[int]] = {}  # the layers using each parameter (several: a tied weight)
+        for j, m in enumerate(self.layers):
+            for p in _trainable(m):
+                users.setdefault(id(p), []).append(j)
+        self._users = {k: len(v) for k, v in users.items()}
+        # (Embedding, Linear/Conv1D) sharing their weight, as why_unsupported allows: their cross term (_tie_cross)
+        self.ties = [tuple(sorted(js, key=lambda j: not isinstance(self.layers[j], nn.Embedding)))
+                     for js in users.values() if len(js) > 1]
         self._check_rng = secrets.SystemRandom()  # the probes: unpredictable, from the OS CSPRNG
         self._vector_loss: bool | None = None  # does loss_fn return per-example losses? (decided once)
         self.keep_output, self.last_out = False, None  # the step's own forward output (clipbias.PrivacyEngine)
@@ -529,6 +669,10 @@ class BookKeeping:
         else:
             enter, c = at
             wide = c != 1.0
+            if wide and self.ties:
+                raise ConfigError("grad_path=\"fast\" with DiSK's two points: tied weights (an Embedding sharing its "
+                                  "weight with a Linear) have no bound on the cross terms between the points; use "
+                                  "grad_path=\"rows\"")
             with enter():
                 losses, rules, _ = self._rules(x, y, wide)
             if wide:
@@ -590,7 +734,7 @@ class BookKeeping:
             # split of the reference between rules and autograd rest on one decision
             rules = _rules_of(self.layers, {m: _widen(acts[m], wide) for m in self.layers},
                               [_widen(g, wide) for g in grads[:len(self.layers)]],
-                              self._plan if reference and not wide else None)
+                              self._plan if reference and not wide else None, self.ties)
             sq = sum(r.sq for r in rules)
             # else the caller refuses the step; a model per-example by construction, under a loss of one
             # example at a time (a loss_fn returning per-example losses may combine them), needs no probe
@@ -609,8 +753,12 @@ class BookKeeping:
         reference sum themselves (``_own_reference``), which the reference sum takes from autograd; kept
         in ``self._unformed`` (and the ghost plan in ``self._plan``) for ``_rules``."""
         self._plan = plan = ghost_plan(self.layers, acts, outs)
-        self._unformed = [p for m in self.layers if not _own_reference(m, plan)
-                          for p in _trainable(m)]
+        unformed = [not _own_reference(m, plan) for m in self.layers]
+        for e, j in self.ties:  # autograd's reference of a tied weight is both layers': theirs all from it
+            unformed[e] = unformed[j] = unformed[e] or unformed[j]
+        seen: set[int] = set()
+        self._unformed = [p for m, u in zip(self.layers, unformed) if u for p in _trainable(m)
+                          if id(p) not in seen and not seen.add(id(p))]
         return self._unformed
 
     def _losses(self, out, y: Batch, b: int) -> Tensor:
@@ -736,12 +884,13 @@ class BookKeeping:
         the layer's output without passing its input). Then the parameter's gradient is the
         layer-local ``g^T a`` the rules attribute, and per-layer norms are the per-example norms. A
         parameter read anywhere else (directly by the model, a second layer, a reparametrisation
-        before the layer) would make them understate the sensitivity: refused. O(graph nodes)."""
+        before the layer) would make them understate the sensitivity: refused. A tied weight
+        (``self.ties``) enters once inside each of its layers and nowhere else. O(graph nodes)."""
         uses = _leaf_uses([losses.grad_fn], stop=set())
         for m, slots in zip(self.layers, self.slots):
             local = _leaf_uses([outs[m].grad_fn], stop={ins[m]} if ins[m] is not None else set())
-            for p in _trainable(m):
-                if uses.get(id(p), 0) != 1 or local.get(id(p), 0) != 1:
+            for p in _trainable(m):  # a tied weight: once inside each of its layers (self.ties), nowhere else
+                if uses.get(id(p), 0) != self._users[id(p)] or local.get(id(p), 0) != 1:
                     name = self.layout.names[slots[_trainable(m).index(p)]]
                     raise PathRefusal(
                         "fast", f"--grad-path fast: parameter '{name}' enters the forward pass {uses.get(id(p), 0)} "
@@ -773,8 +922,8 @@ class BookKeeping:
     def _ordered(self, per_layer: list[list[Tensor]]) -> list[Tensor]:
         parts: list[Tensor | None] = [None] * len(self.layout.names)
         for slots, pieces in zip(self.slots, per_layer):
-            for s, t in zip(slots, pieces):
-                parts[s] = t
+            for s, t in zip(slots, pieces):  # a tied parameter: the sum of its layers' pieces
+                parts[s] = t if parts[s] is None else parts[s] if t is None else parts[s] + t
         return parts
 
     def _check_examples(self, rules: list, sq: Tensor, x: Batch, y: Batch, params: list, rng: tuple | None) -> None:
@@ -871,7 +1020,7 @@ class BookKeeping:
         xw = batch.tree_map(lambda t: t.double() if t.is_floating_point() else t, x)
         try:
             _, acts, grads = self._backward(xw, y, call=call, check_graph=False)
-            rules = _rules_of(self.layers, acts, grads)
+            rules = _rules_of(self.layers, acts, grads, ties=self.ties)
             attributed = self._ordered([r.combo(probes, w) for r in rules])
             together = self._own(xw, y, probes, leaves, w, call=call)
         except (RuntimeError, ConfigError):  # an op without float64 support, a dtype clash inside the model
@@ -890,12 +1039,12 @@ class BookKeeping:
         if forward.active() is not None:
             with forward.same_example(i):
                 _, acts, grads = self._backward(xi, yi)
-            return self._ordered([r.one(i) for r in _rules_of(self.layers, acts, grads)])
+            return self._ordered([r.one(i) for r in _rules_of(self.layers, acts, grads, ties=self.ties)])
         dev = self.layout.params(self.model)[0].device
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             _set_rng(rng, dev)
             _, acts, grads = self._backward(xi, yi)
-        return self._ordered([r.one(i) for r in _rules_of(self.layers, acts, grads)])
+        return self._ordered([r.one(i) for r in _rules_of(self.layers, acts, grads, ties=self.ties)])
 
 
 PROBES = 4

@@ -52,10 +52,10 @@ _FIELDS = ("co_code", "co_consts", "co_names", "co_varnames", "co_argcount", "co
            "co_kwonlyargcount", "co_freevars", "co_cellvars")
 
 
-def _same_code(f: object) -> bool:
-    """``f`` computes what ``_reviewed_forward`` computes: same bytecode, constants, names and
-    arguments (line numbers and file aside), no defaults, and ``torch`` in its globals is torch."""
-    code, want = getattr(f, "__code__", None), _reviewed_forward.__code__
+def same_code(f: object, reviewed=_reviewed_forward) -> bool:
+    """``f`` computes what ``reviewed`` computes: same bytecode, constants, names and arguments (line
+    numbers and file aside), no defaults, and ``torch`` in its globals is torch."""
+    code, want = getattr(f, "__code__", None), reviewed.__code__
     if code is None or getattr(f, "__defaults__", None) or getattr(f, "__kwdefaults__", None):
         return False
     consts = tuple(c for c in code.co_consts if not isinstance(c, str))  # a docstring aside
@@ -78,7 +78,7 @@ def why_not_hf(m: nn.Module) -> str | None:
     not overridden on the instance), with a one-dimensional weight; else why not."""
     if not hf_class(m):
         return f"{type(m).__name__} is not a reviewed RMSNorm class"
-    if "forward" in m.__dict__ or not _same_code(type(m).forward):
+    if "forward" in m.__dict__ or not same_code(type(m).forward):
         return f"{type(m).__name__}.forward is not the reviewed RMSNorm forward (replaced or edited)"
     w = getattr(m, "weight", None)
     if not isinstance(w, Tensor) or w.dim() != 1 or not isinstance(getattr(m, "variance_epsilon", None), float):

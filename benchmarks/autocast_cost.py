@@ -2,8 +2,9 @@
 
 Models: ``gpt`` (``clipbias.models.gpt.GPT``, vocabulary 4096, context 64, width 256, 2 layers, 4
 heads: 3.7M parameters; next-token loss per sequence, B = 32), ``gpt512`` (vocabulary 8192, width 512, 4
-layers: 21M parameters, B = 16) and ``cnn`` (the Fashion-MNIST cnn, 26k parameters, B = 256). For each model and gradient path (``fast``, ``rows``), and for a non-private step
-(one forward and backward of the summed loss), the float32 and the bfloat16 step:
+layers: 21M parameters, B = 16) and ``cnn`` (the Fashion-MNIST cnn, 26k parameters, B = 256). For each
+model and gradient path (``fast``, ``rows``), and for a non-private step (one forward and backward of the
+summed loss), the float32 and the bfloat16 step:
 
 * time: both precisions in one process, their steps interleaved (the machine's load drifts alike for
   both), the median of ``--steps`` steps after one warm-up step each;

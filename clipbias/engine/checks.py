@@ -15,6 +15,7 @@ from ..config import AlgoConfig
 from ..data import batch
 from ..data.batch import Batch
 from ..errors import ConfigError, ResumeMismatchError
+from ..grads.precision import check_autocast
 from ..grads.rows import RowSource, cross_entropy
 
 
@@ -145,6 +146,18 @@ def check_precision(params: list[Tensor]) -> None:
                           f"floats, so one example could move it by more than the clip; convert the model with "
                           f"model.float() (or .double()), and pass autocast=torch.bfloat16 (or torch.float16) to "
                           f"DPEngine for 16-bit forwards and backwards")
+
+
+def check_mixed(autocast, loss_scale, grads) -> tuple | None:
+    """``DPEngine(autocast=..., loss_scale=...)`` as ``(dtype, loss scale)`` or None
+    (``grads.precision.check_autocast``), refused with a given ``grads`` backend: autocast applies to the
+    gradients the engine computes itself."""
+    mixed = check_autocast(autocast, loss_scale)
+    if mixed is not None and grads is not None:
+        raise ConfigError("autocast applies to the per-example gradients the engine computes itself; a given "
+                          "grads backend computes its own (enter torch.autocast inside it, around the model's "
+                          "forward, and return float32 gradients): drop autocast= or grads=")
+    return mixed
 
 
 def check_batch(x: Batch, y: Batch, indices: Tensor | None, class_labels: bool, own_rows: bool) -> None:

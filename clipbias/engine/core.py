@@ -35,7 +35,8 @@ from ..randomness import SecretKey, forward
 from ..sampling.poisson import PoissonSampler, check_bands
 from ..transforms import StepContext
 from .aggregate import choose_aggregate, other_path
-from .checks import canon, check_arguments, check_distributed, check_optimizer_resume, check_resume, check_step
+from .checks import (canon, check_arguments, check_distributed, check_mixed, check_optimizer_resume, check_resume,
+                     check_step)
 from .loop import run_steps
 
 
@@ -114,11 +115,7 @@ class DPEngine:
                  sample_rate: float | None = None, autocast: torch.dtype | str | None = None,
                  loss_scale: float | None = None) -> None:
         self.algo = algorithms.get(algorithm)
-        self.autocast = precision.check_autocast(autocast, loss_scale)  # (dtype, loss scale) or None
-        if self.autocast is not None and grads is not None:
-            raise ConfigError("autocast applies to the per-example gradients the engine computes itself; a given "
-                              "grads backend computes its own (enter torch.autocast inside it, around the model's "
-                              "forward, and return float32 gradients): drop autocast= or grads=")
+        self.autocast = check_mixed(autocast, loss_scale, grads)  # (dtype, loss scale) or None
         self.undrawn_steps = 0  # steps whose batch the engine's sampler did not draw (``privacy`` caveat)
         self.config = config or AlgoConfig()
         n = check_arguments(model, n, batch_size, self.config)

@@ -29,10 +29,11 @@ def _aligned(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return x0 * (10 + 10 * torch.rand(B, 1, 1, generator=g)), y0.expand(B, 3, 4).clone()
 
 
-def _clipped_sum(path: str, autocast, x, y, keep) -> torch.Tensor:
+def _clipped_sum(path: str, autocast, x, y, keep, device: str = "cpu") -> torch.Tensor:
     """The clipped sum ``sum_i s_i g_i`` a step of ``dpsgd`` hands to its noise stage (float64 copy)."""
     torch.manual_seed(1)  # the same initial model in every call
-    m = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+    m = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4)).to(device)
+    x, y = x.to(device), y.to(device)
     eng = DPEngine(m, "dpsgd", n=4 * B, batch_size=B, steps=1, noise_multiplier=1.0, accountant="rdp",
                    grad_path=path, autocast=autocast, loss_fn=lambda out, t: (out.float() * t).sum((1, 2)),
                    config=AlgoConfig(lr=0.1, clip=C), max_physical_batch=B, noise_seed=3)
@@ -42,24 +43,31 @@ def _clipped_sum(path: str, autocast, x, y, keep) -> torch.Tensor:
         warnings.simplefilter("ignore")  # indices of our choosing: the run is reported uncertified
         eng.step(x[keep], y[keep], torch.nonzero(keep).flatten())
     assert got[0].dtype == torch.float32
-    return got[0].double()
+    return got[0].double().cpu()
 
 
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.bfloat16), ("cpu", torch.float16),
+                                           pytest.param("cuda", torch.float16, marks=_CUDA),
+                                           pytest.param("cuda", torch.bfloat16, marks=_CUDA)])
 @pytest.mark.parametrize("path", ["rows", "fast"])
-def test_removing_one_aligned_example_moves_the_autocast_release_by_at_most_C(path):
+def test_removing_one_aligned_example_moves_the_autocast_release_by_at_most_C(path, device, dtype):
     """The red team's attack on 16-bit sums: B = 256 nearly aligned clipped gradients, one removed. With
     the clipped sum rounded in bfloat16 (as under a caller's autocast) the release moved by 1.22 C; under
     ``autocast=torch.bfloat16`` the forward and backward run in bfloat16, the sums in float32 or float64,
-    and the release moves by C up to float32 rounding, as in the float32 run."""
+    and the release moves by C up to float32 rounding, as in the float32 run. (float16, with its loss
+    scale, and CUDA where there is one.)"""
     x, y = _aligned()
     everyone = torch.ones(B, dtype=torch.bool)
-    for autocast in (None, torch.bfloat16):
-        full = _clipped_sum(path, autocast, x, y, everyone)
+    for autocast in (None, dtype):
+        full = _clipped_sum(path, autocast, x, y, everyone, device)
         assert float(full.norm()) > 0.99 * B * C  # nearly aligned: the sum is almost B C long
         for j in ((0, 255) if autocast else (0,)):
             keep = everyone.clone()
             keep[j] = False
-            move = float((full - _clipped_sum(path, autocast, x, y, keep)).norm()) / C
+            move = float((full - _clipped_sum(path, autocast, x, y, keep, device)).norm()) / C
             assert 1 - 1e-4 < move <= 1 + 1e-4, (autocast, j, move)
 
 

@@ -298,3 +298,19 @@ def test_removing_an_example_leaves_every_other_examples_16_bit_gradient_bit_ide
         full, less = bk._rules(x, y)[1], bk._rules(x[keep], y[keep])[1]
     for j, i in list(enumerate(torch.nonzero(keep).flatten().tolist()))[::3]:
         assert all(torch.equal(a, b) for r, s in zip(full, less) for a, b in zip(r.one(i), s.one(j))), i
+
+
+@pytest.mark.slow  # lightning's import and the Trainer's setup
+def test_the_lightning_callback_takes_autocast():
+    """``DPCallback(autocast="bfloat16")`` with ``precision="32-true"``: the engine's step runs the module's
+    layers in bfloat16, its weights stay float32 and finite."""
+    pytest.importorskip("lightning")
+    from clipbias.integrations.lightning import DPCallback
+    from test_lightning_dp import MLP, fit
+    module = MLP()
+    seen = []
+    module.net[1].register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    dp = DPCallback(noise_multiplier=1.0, max_grad_norm=1.0, autocast="bfloat16")
+    fit(dp, module, max_epochs=1)
+    assert dp.engine.steps_taken == 4 and dp.engine.autocast == (torch.bfloat16, 1.0) and torch.bfloat16 in seen
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in module.parameters())

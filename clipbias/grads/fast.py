@@ -90,8 +90,6 @@ _INSTANCE = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 _NORMS = (nn.GroupNorm, nn.LayerNorm, *_INSTANCE, *rms.TORCH_RMSNORM)
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _SUPPORTED = (nn.Linear, *_CONV, nn.Embedding, *_NORMS)
-SUPPORTED_LAYERS = _SUPPORTED
-"""The torch layer types with a fast-path rule (the engine's check of ``fully_shard`` units)."""
 _BATCHED_DIMS = {nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5, nn.InstanceNorm1d: 3, nn.InstanceNorm2d: 4,
                  nn.InstanceNorm3d: 5}  # an input of one dimension less is one unbatched example
 
@@ -105,6 +103,17 @@ def _supported(m: nn.Module) -> bool:
     """A layer with a fast-path rule: one of ``_SUPPORTED``, a reviewed Hugging Face RMSNorm class
     (``grads.rms``) or transformers' ``Conv1D`` (their forward checked by ``why_unsupported``)."""
     return isinstance(m, _SUPPORTED) or rms.hf_class(m) or _is_conv1d(m)
+
+
+def rule_kind(m: nn.Module) -> str | None:
+    """The name of the layer class whose fast-path rule ``m`` would take, looked up along its class's
+    bases (so that a class FSDP derives from a layer still counts), or None: the engine's check that
+    no ``fully_shard`` unit is itself such a layer."""
+    for c in type(m).__mro__:
+        if c in _SUPPORTED or (c.__module__, c.__qualname__) in rms.REVIEWED or \
+                (c.__module__, c.__name__) == (_CONV1D_MODULE, _CONV1D_NAME):
+            return c.__name__
+    return None
 
 
 def _is_norm(m: nn.Module) -> bool:

@@ -657,7 +657,6 @@ class BookKeeping:
         for j, m in enumerate(self.layers):
             for p in _trainable(m):
                 users.setdefault(id(p), []).append(j)
-        self._users = {k: len(v) for k, v in users.items()}
         # (Embedding, Linear/Conv1D) sharing their weight, as why_unsupported allows: their cross term (_tie_cross)
         self.ties = [tuple(sorted(js, key=lambda j: not isinstance(self.layers[j], nn.Embedding)))
                      for js in users.values() if len(js) > 1]
@@ -892,10 +891,14 @@ class BookKeeping:
         before the layer) would make them understate the sensitivity: refused. A tied weight
         (``self.ties``) enters once inside each of its layers and nowhere else. O(graph nodes)."""
         uses = _leaf_uses([losses.grad_fn], stop=set())
+        users: dict[int, int] = {}  # the layers holding each parameter now (a fully_shard model's are swapped in)
+        for m in self.layers:
+            for p in _trainable(m):
+                users[id(p)] = users.get(id(p), 0) + 1
         for m, slots in zip(self.layers, self.slots):
             local = _leaf_uses([outs[m].grad_fn], stop={ins[m]} if ins[m] is not None else set())
             for p in _trainable(m):  # a tied weight: once inside each of its layers (self.ties), nowhere else
-                if uses.get(id(p), 0) != self._users[id(p)] or local.get(id(p), 0) != 1:
+                if uses.get(id(p), 0) != users[id(p)] or local.get(id(p), 0) != 1:
                     name = self.layout.names[slots[_trainable(m).index(p)]]
                     raise PathRefusal(
                         "fast", f"--grad-path fast: parameter '{name}' enters the forward pass {uses.get(id(p), 0)} "

@@ -237,23 +237,23 @@ def _missing_internals(model: torch.nn.Module) -> list[str]:
     return sorted({a for g in _fsdp_groups(model) for a in _FSDP_INTERNALS if not hasattr(g, a)})
 
 
-def check_sharded(model: torch.nn.Module, layers: tuple[type, ...]) -> None:
+def check_sharded(model: torch.nn.Module, rule_kind: Callable[[torch.nn.Module], str | None]) -> None:
     """Refuses (ConfigError) a sharded model that ``unsharded`` cannot gather whole: every DTensor
     parameter must belong to a ``fully_shard`` unit inside ``model``, ``model`` itself
     must be one (the root, whose forward runs first), no unit may be a layer with a fast-path rule (Linear,
     Conv, Embedding, the norms: the fast path refuses hooks on them), the units must keep their parameters
     and gradients in the parameters' own dtype on their device (no MixedPrecisionPolicy casts, no CPU
-    offload), and torch's FSDP2 must have the internals ``unsharded`` drives (``_FSDP_INTERNALS``). ``layers``:
-    the layer types with fast-path rules (``clipbias.grads.fast``'s, passed in by the engine)."""
+    offload), and torch's FSDP2 must have the internals ``unsharded`` drives (``_FSDP_INTERNALS``). ``rule_kind``:
+    the name of a module's fast-path layer class or None (``clipbias.grads.fast.rule_kind``, passed in by the engine)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
     from torch.distributed.tensor import DTensor
     if not isinstance(model, FSDPModule):
         raise ConfigError(f"the model holds fully_shard units or DTensor parameters but is not itself a fully_shard "
                           f"module. {FSDP_HOW}")
-    layer = next(((n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule) and isinstance(m, layers)),
+    layer = next(((n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule) and rule_kind(m)),
                  None)
     if layer is not None:  # the fast path refuses hooks on its layers: FSDP's would be refused at the first step
-        kind = next(c for c in layers if isinstance(layer[1], c)).__name__
+        kind = rule_kind(layer[1])
         raise ConfigError(f"fully_shard was applied to the layer {repr(layer[0]) if layer[0] else 'the model'} "
                           f"({kind}) itself; apply it to the blocks that contain the layers (FSDP's hooks sit on the "
                           f"module it wraps, and the per-layer norms refuse hooks on their layers). {FSDP_HOW}")

@@ -26,7 +26,7 @@ from ..data.batch import Batch
 from ..config import AlgoConfig
 from ..errors import ClipbiasError, ConfigError, PathRefusal, ResumeMismatchError
 from ..grads import precision
-from ..grads.fast import SUPPORTED_LAYERS, BookKeeping
+from ..grads.fast import BookKeeping, rule_kind
 from ..grads.rows import (FuncGradients, LossFn, ParamSums, PerSampleGradients, RowSource, as_row_source, check_finite,
                           check_finite_norms, cross_entropy, guarded)
 from ..sampling.loader import PoissonLoader
@@ -121,7 +121,7 @@ class DPEngine:
         n = check_arguments(model, n, batch_size, self.config)
         self.sharded = distributed.is_sharded(model)  # fully_shard: gathered whole for each step (``_gathered``)
         if self.sharded:
-            distributed.check_sharded(model, SUPPORTED_LAYERS)
+            distributed.check_sharded(model, rule_kind)
         if self.algo.accounting == "dice" and self.config.ef_clip is None:
             # the privacy cost of error feedback grows with r = B C2 / C1: default r = 0.01
             self.config = replace(self.config, ef_clip=privacy.dice.default_ef_clip(self.config.clip, batch_size))

@@ -92,8 +92,6 @@ _INSTANCE = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 _NORMS = (nn.GroupNorm, nn.LayerNorm, *_INSTANCE, *rms.TORCH_RMSNORM)
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _SUPPORTED = (nn.Linear, *_CONV, nn.Embedding, *_NORMS)
-SUPPORTED_LAYERS = _SUPPORTED
-"""The torch layer types with a fast-path rule (the engine's check of ``fully_shard`` units)."""
 _BATCHED_DIMS = {nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5, nn.InstanceNorm1d: 3, nn.InstanceNorm2d: 4,
                  nn.InstanceNorm3d: 5}  # an input of one dimension less is one unbatched example
 
@@ -107,6 +105,17 @@ def _supported(m: nn.Module) -> bool:
     """A layer with a fast-path rule: one of ``_SUPPORTED``, a reviewed Hugging Face RMSNorm class
     (``grads.rms``) or transformers' ``Conv1D`` (their forward checked by ``why_unsupported``)."""
     return isinstance(m, _SUPPORTED) or rms.hf_class(m) or _is_conv1d(m)
+
+
+def rule_kind(m: nn.Module) -> str | None:
+    """The name of the layer class whose fast-path rule ``m`` would take, looked up along its class's
+    bases (so that a class FSDP derives from a layer still counts), or None: the engine's check that
+    no ``fully_shard`` unit is itself such a layer."""
+    for c in type(m).__mro__:
+        if c in _SUPPORTED or (c.__module__, c.__qualname__) in rms.REVIEWED or \
+                (c.__module__, c.__name__) == (_CONV1D_MODULE, _CONV1D_NAME):
+            return c.__name__
+    return None
 
 
 def _is_norm(m: nn.Module) -> bool:
@@ -645,7 +654,6 @@ class BookKeeping:
         for j, m in enumerate(self.layers):
             for p in _trainable(m):
                 users.setdefault(id(p), []).append(j)
-        self._users = {k: len(v) for k, v in users.items()}
         # (Embedding, Linear/Conv1D) sharing their weight, as why_unsupported allows: their cross term (_tie_cross)
         self.ties = [tuple(sorted(js, key=lambda j: not isinstance(self.layers[j], nn.Embedding)))
                      for js in users.values() if len(js) > 1]
@@ -887,10 +895,14 @@ class BookKeeping:
         before the layer) would make them understate the sensitivity: refused. A tied weight
         (``self.ties``) enters once inside each of its layers and nowhere else. O(graph nodes)."""
         uses = _leaf_uses([losses.grad_fn], stop=set())
+        users: dict[int, int] = {}  # the layers holding each parameter now (a fully_shard model's are swapped in)
+        for m in self.layers:
+            for p in _trainable(m):
+                users[id(p)] = users.get(id(p), 0) + 1
         for m, slots in zip(self.layers, self.slots):
             local = _leaf_uses([outs[m].grad_fn], stop={ins[m]} if ins[m] is not None else set())
             for p in _trainable(m):  # a tied weight: once inside each of its layers (self.ties), nowhere else
-                if uses.get(id(p), 0) != self._users[id(p)] or local.get(id(p), 0) != 1:
+                if uses.get(id(p), 0) != users[id(p)] or local.get(id(p), 0) != 1:
                     name = self.layout.names[slots[_trainable(m).index(p)]]
                     raise PathRefusal(
                         "fast", f"--grad-path fast: parameter '{name}' enters the forward pass {uses.get(id(p), 0)} "

@@ -25,6 +25,7 @@ from .. import distributed
 from ..data.batch import Batch
 from ..config import AlgoConfig
 from ..errors import ClipbiasError, ConfigError, PathRefusal, ResumeMismatchError
+from ..grads import precision
 from ..grads.fast import BookKeeping, rule_kind
 from ..grads.rows import (FuncGradients, LossFn, ParamSums, PerSampleGradients, RowSource, as_row_source, check_finite,
                           check_finite_norms, cross_entropy, guarded)
@@ -34,7 +35,8 @@ from ..randomness import SecretKey, forward
 from ..sampling.poisson import PoissonSampler, check_bands
 from ..transforms import StepContext
 from .aggregate import choose_aggregate, other_path
-from .checks import canon, check_arguments, check_distributed, check_optimizer_resume, check_resume, check_step
+from .checks import (canon, check_arguments, check_distributed, check_mixed, check_optimizer_resume, check_resume,
+                     check_step)
 from .loop import run_steps
 
 
@@ -78,6 +80,15 @@ class DPEngine:
     ``sound``; ``paper`` and ``authors`` are refuted and report ``certified = False``); without
     ``config.ef_clip`` they use C2 = 0.01 C1 / B (feedback ratio r = 0.01).
 
+    Mixed precision: ``autocast=torch.bfloat16`` (CPU or CUDA) or ``torch.float16`` runs each step's forward
+    and backward under ``torch.autocast`` on the parameters' device, while the parameters, the per-example
+    norms, the clip factors and every sum across examples stay in float32 (float64 where the fast path uses
+    it): 16-bit activations and output gradients are widened to float32, exactly, before any of them
+    (docs/privacy.md, "Floating point in the fast path"). ``loss_scale`` (a power of two; default 1 under
+    bfloat16, 256 under float16) multiplies the loss before the backward and is divided out exactly after:
+    float16 output gradients below 2^-24 would otherwise flush to zero. A step called inside the caller's
+    own ``torch.autocast`` is refused (the sums would be 16-bit), as are 16-bit parameters.
+
     Randomness: the model init is the caller's (public). The batches, the noise and every keyed draw
     are ChaCha20 draws under one 256-bit ``SecretKey`` (``clipbias.randomness``): by default 256 OS bits,
     kept only in the private ``state_dict``; ``noise_seed`` (an integer below 2^256, or a key) makes a
@@ -101,8 +112,10 @@ class DPEngine:
                  loss_fn: LossFn = cross_entropy, max_physical_batch: int = 512,
                  noise_seed: int | SecretKey | None = None, grads: RowSource | PerSampleGradients | None = None,
                  grad_path: str = "auto", bands: int = 1, optimizer: torch.optim.Optimizer | None = None,
-                 sample_rate: float | None = None) -> None:
+                 sample_rate: float | None = None, autocast: torch.dtype | str | None = None,
+                 loss_scale: float | None = None) -> None:
         self.algo = algorithms.get(algorithm)
+        self.autocast = check_mixed(autocast, loss_scale, grads)  # (dtype, loss scale) or None
         self.undrawn_steps = 0  # steps whose batch the engine's sampler did not draw (``privacy`` caveat)
         self.config = config or AlgoConfig()
         n = check_arguments(model, n, batch_size, self.config)
@@ -284,8 +297,10 @@ class DPEngine:
             # vmap refusing the model: auto's other path, while it has one (else one example at a time)
             self._set_unvectorizable("refuse" if self._other_path is not None else "loop")
             try:
-                # dropout masks from the key, per example index; a fully_shard model gathered whole for the sums
-                with forward.keyed(self.key, self.steps_taken, dev), self._gathered():
+                # dropout masks from the key, per example index; a fully_shard model gathered whole for the sums;
+                # under autocast=, the model's forwards in 16 bits
+                with forward.keyed(self.key, self.steps_taken, dev), self._gathered(), \
+                        precision.mixed(self._mixed(dev)):
                     for r, p, loss in self._sums(x, y, indices):
                         if ref_sum is not None:
                             ref_sum += r
@@ -343,6 +358,12 @@ class DPEngine:
         grads = agg.grads if isinstance(agg, ParamSums) else getattr(self.rows, "grads", None)
         if isinstance(grads, FuncGradients):
             grads.unvectorizable = what
+
+    def _mixed(self, dev: torch.device) -> precision.Mixed | None:
+        """The step's autocast on the parameters' device (``autocast=``), or None."""
+        if self.autocast is None:
+            return None
+        return precision.Mixed(dev.type, *self.autocast)
 
     def _drawn_by_sampler(self, indices: Tensor | None) -> bool:
         """Whether the step's batch is (this rank's share of) the one the engine's sampler drew last and

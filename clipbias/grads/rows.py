@@ -26,6 +26,7 @@ from ..data import batch
 from ..data.batch import Batch
 from ..errors import ConfigError, NonFiniteGradientError, PathRefusal, UnsupportedModelError
 from ..randomness import PROBE_STEP, SecretKey, forward
+from . import precision
 from .precision import full_float32, last_norms, sq_norms
 
 LossFn = Callable[..., Tensor]
@@ -135,18 +136,21 @@ class FuncGradients:
         self.layout = ParamLayout.of(model)
 
         def loss_one(params: dict[str, Tensor], consts: dict[str, Tensor], x: Batch, y: Batch, at: Tensor) -> Tensor:
-            with forward.one_pass(at):  # in the engine's private step: dropout keyed by this example's index
+            # in the engine's private step: dropout keyed by this example's index, and its autocast (if any)
+            with forward.one_pass(at), precision.forward_autocast(norms32=True):
                 out = functional_call(self.model, (params, consts), *batch.arguments(x if grouped else batch.unsqueeze(x)))
-            # the loss of one example (a sum over a batch of one, or a [1] vector of per-example losses)
-            return self.loss_fn(out[:1] if grouped else out, batch.unsqueeze(y)).sum()
+                # the loss of one example (a sum over a batch of one, or a [1] vector of per-example losses)
+                loss = self.loss_fn(out[:1] if grouped else out, batch.unsqueeze(y)).sum()
+            return _scaled(loss)
 
         self._one = grad_and_value(loss_one)
         self._fn = vmap(self._one, in_dims=(None, None, 0, 0, 0), randomness="different")
 
         def loss_and_output(params, consts, x, y, at):
-            with forward.one_pass(at):
+            with forward.one_pass(at), precision.forward_autocast(norms32=True):
                 out = functional_call(self.model, (params, consts), *batch.arguments(batch.unsqueeze(x)))
-            return self.loss_fn(out, batch.unsqueeze(y)).sum(), batch.tree_map(lambda t: t.detach()[0], out)
+                loss = self.loss_fn(out, batch.unsqueeze(y)).sum()
+            return _scaled(loss), batch.tree_map(lambda t: t.detach()[0], out)
 
         self._one_out = grad_and_value(loss_and_output, has_aux=True)
         self._fn_out = vmap(self._one_out, in_dims=(None, None, 0, 0, 0), randomness="different")
@@ -175,7 +179,14 @@ class FuncGradients:
 
     def per_param(self, x: Batch, y: Batch, params: dict[str, Tensor] | None = None) -> tuple[list[Tensor], Tensor]:
         """(per-example gradients ``[b, *shape]`` per parameter in layout order, losses): the rows
-        before they are concatenated into ``[b, d]``."""
+        before they are concatenated into ``[b, d]``. Under autocast each example's gradient comes back
+        in its parameter's dtype (float32: autograd's cast back from the 16-bit copy), a function of that
+        example alone; a loss scale (a power of two) is divided out."""
+        grads, losses = self._per_param(x, y, params)
+        s = precision.loss_scale()
+        return (grads, losses) if s == 1.0 else ([g / s for g in grads], losses / s)
+
+    def _per_param(self, x: Batch, y: Batch, params: dict[str, Tensor] | None) -> tuple[list[Tensor], Tensor]:
         if self.check:
             check_model(self.model)
         at = torch.arange(batch.size(x), device=self.device())
@@ -221,6 +232,13 @@ class FuncGradients:
         if out:
             self.last_out = batch.cat(outs)
         return [torch.stack([g[n] for g in rows]) for n in self.layout.names], torch.stack(losses)
+
+
+def _scaled(loss: Tensor) -> Tensor:
+    """One example's loss for its gradient: widened from 16 bits (autocast), times the step's loss scale."""
+    s = precision.loss_scale()
+    loss = precision.exact32(loss)
+    return loss if s == 1.0 else loss * s
 
 
 class ParamSums:

@@ -19,8 +19,10 @@ disjoint, and each such block is one Gaussian release of sensitivity C / B at th
 subsampled Gaussian at rate b q composed ceil(T / b) times (``AccountingSpec.bands``). b = 1 is the
 plain noise stage.
 
-Coefficients: the first b Taylor coefficients of ``((1 - x)(1 - beta x))^(-1/2)`` (the square root of
-the workload of SGD with momentum beta, the run's momentum), scaled to unit norm.
+Coefficients (``bands_strategy``): ``taylor``, the first b Taylor coefficients of ``((1 - x)(1 - beta
+x))^(-1/2)`` (the square root of the workload of SGD with momentum beta, the run's momentum), scaled to
+unit norm; or ``optimized``, the unit-norm coefficients that minimise the expected total squared error
+of the T iterates, ``||A C^{-1}||_F^2`` (``band_strategy``). Either is private with the same proof.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from .. import distributed
 from ..errors import ConfigError
 from ..privacy import AccountingSpec
 from ..randomness import SecretKey, snapped_gaussian
@@ -64,6 +67,28 @@ def coefficients(bands: int, momentum: float = 0.0) -> tuple[float, ...]:
     c = [sum(r[j] * r[k - j] * momentum ** (k - j) for j in range(k + 1)) for k in range(bands)]
     norm = math.sqrt(sum(x * x for x in c))
     return tuple(x / norm for x in c)
+
+
+def check_strategy(strategy: str) -> None:
+    """Refuse a ``bands_strategy`` that is not one of ``band_strategy.STRATEGIES``."""
+    from .band_strategy import STRATEGIES
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"bands_strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+
+
+def band_coefficients(bands: int, momentum: float = 0.0, strategy: str = "taylor",
+                      steps: float | None = None) -> tuple[float, ...]:
+    """The coefficients of ``strategy`` (``taylor`` or ``optimized``, which needs the run's finite number of
+    ``steps``); with torchrun, rank 0's (every rank then bands with the same bits)."""
+    from .band_strategy import optimized
+    check_strategy(strategy)
+    if strategy == "taylor" or bands == 1:
+        return coefficients(bands, momentum)
+    coefficients(bands, momentum)  # refuses a momentum outside [0, 1)
+    if not (isinstance(steps, int) and steps >= 1):
+        raise ConfigError(f"bands_strategy='optimized' shapes the noise for the run's length: give epochs or steps "
+                          f"(got steps={steps!r})")
+    return distributed.from_rank0(lambda: optimized(bands, steps, momentum))
 
 
 class BandedNoise(Stage):
@@ -116,24 +141,31 @@ class BandedNoise(Stage):
                 "outputs": [t.clone() for t in self.outputs]}
 
     def load_state_dict(self, state: dict) -> None:
-        if tuple(state.get("coefs", ())) != self.coefs:
+        saved = tuple(float(c) for c in state.get("coefs", ()))
+        # optimised coefficients recomputed on another machine may differ in the last bits: the run goes on
+        # with the saved ones (any unit-norm c with c_0 > 0 is private; the same c as before the interrupt)
+        if len(saved) != self.bands or max(abs(a - b) for a, b in zip(saved, self.coefs)) > 1e-9 \
+                or saved[0] <= 0 or not math.isclose(sum(c * c for c in saved), 1.0, rel_tol=1e-12):
             raise ConfigError(f"banded noise state has coefficients {state.get('coefs')}, this run {list(self.coefs)}: "
-                              f"resume with the same --bands and momentum")
+                              f"resume with the same --bands, --bands-strategy, momentum and steps")
+        self.coefs = saved
         self.draws = int(state["draws"])
         self.inputs = [t.to(torch.float64) for t in state["inputs"]]
         self.outputs = [t.to(torch.float64) for t in state["outputs"]]
         self._pending = None
 
 
-def band_pipeline(pipeline: Pipeline, algorithm: str, bands: int, momentum: float, key: SecretKey) -> Pipeline:
-    """``pipeline`` with its noise stage replaced by ``BandedNoise`` of ``bands`` bands (the same std);
-    refuses algorithms whose rows or releases the banded accounting does not cover."""
+def band_pipeline(pipeline: Pipeline, algorithm: str, bands: int, momentum: float, key: SecretKey,
+                  strategy: str = "taylor", steps: float | None = None) -> Pipeline:
+    """``pipeline`` with its noise stage replaced by ``BandedNoise`` of ``bands`` bands (the same std) and
+    the coefficients of ``strategy`` for ``steps`` steps (``band_coefficients``); refuses algorithms whose
+    rows or releases the banded accounting does not cover."""
     if bands == 1:
         return pipeline
     check_bandable(algorithm, bands)
     if not isinstance(pipeline.noise, GaussianNoise) or pipeline.noise_per_bound is not None:
         raise ConfigError(f"--bands {bands}: {algorithm} has no fixed Gaussian noise stage to band")
-    pipeline.noise = BandedNoise(pipeline.noise.std, key, coefficients(bands, momentum))
+    pipeline.noise = BandedNoise(pipeline.noise.std, key, band_coefficients(bands, momentum, strategy, steps))
     return pipeline
 
 

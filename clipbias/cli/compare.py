@@ -34,7 +34,8 @@ DEFAULT_SEEDS = [0, 1, 2]
 
 def parse_variant(spec: str) -> tuple[str, dict]:
     """``NAME``, ``NAME:ACCOUNTING`` (e.g. ``dice:authors``) or ``NAME:bands=B`` (banded noise, e.g.
-    ``dpsgd:bands=4``) -> (label, config overrides)."""
+    ``dpsgd:bands=4``; ``NAME:bands=B:optimized`` with the optimised coefficients) -> (label, config
+    overrides)."""
     from .. import algorithms
     from ..privacy.dice import check_basis
     name, _, acc = spec.partition(":")
@@ -47,10 +48,16 @@ def parse_variant(spec: str) -> tuple[str, dict]:
                           f"{', '.join(sorted(algorithms.ALGORITHMS))}, or BASE+disk (DiSK added to BASE)") from None
     over: dict = {"algo": name}
     if acc.startswith("bands="):
+        count, _, strategy = acc[len("bands="):].partition(":")
         try:
-            over["bands"] = int(acc[len("bands="):])
+            over["bands"] = int(count)
         except ValueError:
             raise ConfigError(f"--algos {spec}: bands=B takes a whole number, e.g. {name}:bands=4") from None
+        if strategy:
+            if strategy not in ("taylor", "optimized"):
+                raise ConfigError(f"--algos {spec}: bands=B:STRATEGY takes taylor or optimized, e.g. "
+                                  f"{name}:bands=4:optimized")
+            over["bands_strategy"] = strategy
     elif acc:
         if algo.accounting != "dice":
             raise ConfigError(f"--algos {spec}: ':{acc}' (DiceSGD accounting) applies only to DiceSGD "
@@ -262,6 +269,8 @@ def train_command(c: dict) -> str:
             parts.append(f"{flag} {v:g}" if isinstance(v, float) else f"{flag} {v}")
     if c.get("bands", 1) != 1:
         parts.append(f"--bands {c['bands']}")
+        if c.get("bands_strategy", "taylor") != "taylor":
+            parts.append(f"--bands-strategy {c['bands_strategy']}")
     flags = {st["key"]: st for st in current()["settings"]}
     for key, v in sorted((c.get("extra") or {}).items()):
         st = flags.get(key)
@@ -285,10 +294,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "clip 0.054 (chosen by clipbias tune), seeds 0 1 2, all available cores. Measured on 2 shared AMD EPYC cores: 74 s "
                     "with the scattering features cached; the first run adds 60-70 s to compute and cache "
                     "them (docs/cli.md).")
-    p.add_argument("--algos", nargs="+", default=None, metavar="NAME[:ACCOUNTING|:bands=B]",
+    p.add_argument("--algos", nargs="+", default=None, metavar="NAME[:ACCOUNTING|:bands=B[:optimized]]",
                    help="algorithms (default: dpsgd dice); NAME:ACCOUNTING picks DiceSGD's accounting "
                         "per row, e.g. dice:sound dice:paper (paper and authors are refuted: reproduction only); "
-                        "NAME:bands=B runs that row with banded noise (--bands), e.g. dpsgd:bands=4")
+                        "NAME:bands=B runs that row with banded noise (--bands), e.g. dpsgd:bands=4, and "
+                        "NAME:bands=B:optimized with its optimised coefficients (--bands-strategy optimized)")
     p.add_argument("--seeds", nargs="+", type=int, default=None, metavar="S",
                    help=f"seeds (default: {' '.join(map(str, DEFAULT_SEEDS))})")
     add_training_flags(p, algo=False, defaults=DEFAULTS)

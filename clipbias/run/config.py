@@ -78,6 +78,7 @@ class TrainConfig:
     data_path: str | None = None
     ema: float | None = None
     bands: int = 1
+    bands_strategy: str = "taylor"
 
     @property
     def private(self) -> bool:
@@ -169,6 +170,8 @@ class TrainConfig:
             from .average import check_decay
             check_decay(self.ema)
         _check_bands(self.bands, self.algo)
+        from ..algorithms.bands import check_strategy
+        check_strategy(self.bands_strategy)
         if self.subset is not None:
             check_int(self.subset, "--subset", 1)
         given = {k: v for k, v in self.extra.items() if v is not None}

@@ -412,16 +412,17 @@ def test_cache_command_shows_and_clears_only_its_own_files(tmp_path, monkeypatch
     cal.mkdir()
     monkeypatch.setenv("CLIPBIAS_CACHE_DIR", str(data))
     monkeypatch.setenv("CLIPBIAS_CACHE", str(cal))
-    mine = [data / "fashion-mnist-abc.pt", data / "scatter" / "train-J2.pt", cal / "calibrations.json"]
+    mine = [data / "fashion-mnist-abc.pt", data / "scatter" / "train-J2.pt", cal / "calibrations.json",
+            cal / "band_strategies.json"]
     for f in mine:
         f.write_bytes(b"x" * 1000)
     other = data / "notes.txt"
     other.write_text("keep me")
     assert main(["cache", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got["files"] == 3 and got["bytes"] == 3000
+    assert got["files"] == 4 and got["bytes"] == 4000
     assert main(["cache", "--clear", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["cleared"] == 3
+    assert json.loads(capsys.readouterr().out)["cleared"] == 4
     assert not any(f.exists() for f in mine) and other.read_text() == "keep me"
 
 

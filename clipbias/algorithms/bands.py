@@ -98,7 +98,7 @@ class BandedNoise(Stage):
     State: the draw counter, the last b - 1 inputs ``v`` (PRIVATE: clipped sums without noise, saved
     only in the engine's private ``state_dict``) and the last b - 1 outputs ``g``, all float64."""
 
-    def __init__(self, std: float, key: SecretKey, coefs: tuple[float, ...]) -> None:
+    def __init__(self, std: float, key: SecretKey, coefs: tuple[float, ...], strategy: str = "taylor") -> None:
         if not std > 0:
             raise ConfigError(f"banded noise needs a noise std > 0, got {std!r}")
         if not coefs or coefs[0] <= 0 or not math.isclose(sum(c * c for c in coefs), 1.0, rel_tol=1e-12):
@@ -106,6 +106,7 @@ class BandedNoise(Stage):
         if not isinstance(key, SecretKey):
             raise ConfigError(f"BandedNoise needs a clipbias.randomness.SecretKey, got {type(key).__name__}")
         self.std, self.key, self.coefs = float(std), key, tuple(float(c) for c in coefs)
+        self.strategy = strategy  # the name of the coefficients' strategy (band_strategy.STRATEGIES)
         self.draws = 0
         self.inputs: list[Tensor] = []   # v_{t-1}, v_{t-2}, ... (at most b - 1)
         self.outputs: list[Tensor] = []  # g_{t-1}, g_{t-2}, ...
@@ -137,17 +138,22 @@ class BandedNoise(Stage):
         self._pending = None
 
     def state_dict(self) -> dict:
-        return {"draws": self.draws, "coefs": list(self.coefs), "inputs": [t.clone() for t in self.inputs],
-                "outputs": [t.clone() for t in self.outputs]}
+        return {"draws": self.draws, "coefs": list(self.coefs), "strategy": self.strategy,
+                "inputs": [t.clone() for t in self.inputs], "outputs": [t.clone() for t in self.outputs]}
 
     def load_state_dict(self, state: dict) -> None:
-        saved = tuple(float(c) for c in state.get("coefs", ()))
-        # optimised coefficients recomputed on another machine may differ in the last bits: the run goes on
-        # with the saved ones (any unit-norm c with c_0 > 0 is private; the same c as before the interrupt)
-        if len(saved) != self.bands or max(abs(a - b) for a, b in zip(saved, self.coefs)) > 1e-9 \
-                or saved[0] <= 0 or not math.isclose(sum(c * c for c in saved), 1.0, rel_tol=1e-12):
-            raise ConfigError(f"banded noise state has coefficients {state.get('coefs')}, this run {list(self.coefs)}: "
-                              f"resume with the same --bands, --bands-strategy, momentum and steps")
+        saved, strategy = tuple(float(c) for c in state.get("coefs", ())), state.get("strategy", "taylor")
+        # A run keeps one c from its first step to its last: a c changed mid-run would give the columns of
+        # C that straddle the change a norm above 1 (docs/privacy.md, "Banded noise"). So a resumed run goes
+        # on with the saved c: taylor's must equal this run's (the same --bands and momentum); optimised ones
+        # are kept as they are (recomputed elsewhere they may differ in the last bits; an extended run's
+        # steps would give others)
+        valid = len(saved) == self.bands and saved[0] > 0 and \
+            math.isclose(sum(c * c for c in saved), 1.0, rel_tol=1e-12)
+        if strategy != self.strategy or not valid or strategy == "taylor" and saved != self.coefs:
+            raise ConfigError(f"banded noise state has {strategy} coefficients {state.get('coefs')}, this run "
+                              f"{self.strategy} {list(self.coefs)}: resume with the same --bands, --bands-strategy "
+                              f"and momentum")
         self.coefs = saved
         self.draws = int(state["draws"])
         self.inputs = [t.to(torch.float64) for t in state["inputs"]]
@@ -165,7 +171,7 @@ def band_pipeline(pipeline: Pipeline, algorithm: str, bands: int, momentum: floa
     check_bandable(algorithm, bands)
     if not isinstance(pipeline.noise, GaussianNoise) or pipeline.noise_per_bound is not None:
         raise ConfigError(f"--bands {bands}: {algorithm} has no fixed Gaussian noise stage to band")
-    pipeline.noise = BandedNoise(pipeline.noise.std, key, band_coefficients(bands, momentum, strategy, steps))
+    pipeline.noise = BandedNoise(pipeline.noise.std, key, band_coefficients(bands, momentum, strategy, steps), strategy)
     return pipeline
 
 

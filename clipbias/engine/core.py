@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from .. import algorithms, privacy
-from ..algorithms.bands import band_pipeline, banded_spec, check_bandable
+from ..algorithms.bands import band_pipeline, banded_spec, check_bandable, check_strategy
 from ..data import batch
 from .. import distributed
 from ..data.batch import Batch
@@ -89,6 +89,10 @@ class DPEngine:
     float16 output gradients below 2^-24 would otherwise flush to zero. A step called inside the caller's
     own ``torch.autocast`` is refused (the sums would be 16-bit), as are 16-bit parameters.
 
+    ``bands`` > 1: banded correlated noise (``clipbias.algorithms.bands``); ``bands_strategy`` picks its
+    coefficients, ``taylor`` (default) or ``optimized`` for the run's finite number of steps (the same
+    privacy guarantee, ``clipbias.algorithms.band_strategy``).
+
     Randomness: the model init is the caller's (public). The batches, the noise and every keyed draw
     are ChaCha20 draws under one 256-bit ``SecretKey`` (``clipbias.randomness``): by default 256 OS bits,
     kept only in the private ``state_dict``; ``noise_seed`` (an integer below 2^256, or a key) makes a
@@ -113,7 +117,7 @@ class DPEngine:
                  noise_seed: int | SecretKey | None = None, grads: RowSource | PerSampleGradients | None = None,
                  grad_path: str = "auto", bands: int = 1, optimizer: torch.optim.Optimizer | None = None,
                  sample_rate: float | None = None, autocast: torch.dtype | str | None = None,
-                 loss_scale: float | None = None) -> None:
+                 loss_scale: float | None = None, bands_strategy: str = "taylor") -> None:
         self.algo = algorithms.get(algorithm)
         self.autocast = check_mixed(autocast, loss_scale, grads)  # (dtype, loss scale) or None
         self.undrawn_steps = 0  # steps whose batch the engine's sampler did not draw (``privacy`` caveat)
@@ -135,7 +139,8 @@ class DPEngine:
         self.sample_rate = self.expected_batch_size / n if sample_rate is None else check_rate(sample_rate)
         check_bands(bands, self.sample_rate)
         check_bandable(self.algo.name, bands)
-        self.bands = bands
+        check_strategy(bands_strategy)
+        self.bands, self.bands_strategy = bands, bands_strategy
         steps_per_epoch = max(1, round(n / self.expected_batch_size) if sample_rate is None else round(1 / sample_rate))
         if steps is None and epochs is None and noise_multiplier is not None:
             steps = math.inf  # open-ended (Opacus's habit): accounted as the steps are taken
@@ -165,7 +170,7 @@ class DPEngine:
         self.rows.key = self.key
         self.params = self.rows.layout.params(model)
         self.pipeline = band_pipeline(self.algo.pipeline(self.config, self.expected_batch_size, z, self.key),
-                                      self.algo.name, bands, self._band_momentum(), self.key)
+                                      self.algo.name, bands, self._band_momentum(), self.key, bands_strategy, steps)
         self.optimizer = check_base_optimizer(optimizer, self.params, self.rows.layout.names) or \
             algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer, self.params, self.config)
         self.sampler = PoissonSampler(n, self.sample_rate, self.key, steps_per_epoch, bands)

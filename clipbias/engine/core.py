@@ -160,7 +160,6 @@ class DPEngine:
         self.spec = banded_spec(self.algo.spec(self.config, self.sample_rate, z, self.expected_batch_size), bands)
         if self.algo.private:  # refuses now (not after training) when the guarantee cannot hold
             self.privacy(steps if steps != math.inf else 1)
-
         self.model = model
         own_rows = grads is None
         if grads is None:  # an algorithm may compute its rows differently (group means, momenta, ...)

@@ -37,10 +37,12 @@ def batch(ids, lengths, width):
     return {"input_ids": x, "attention_mask": mask}, y
 
 
-def clipped_sum(dropout, width, path="fast"):
+def clipped_sum(dropout, width, path="fast", rows=None):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 100, (N, 20), generator=g)
     lengths = [12, 11, 10, 12, 9, 12, 8, 12]
+    rows = list(range(N)) if rows is None else rows
+    ids, lengths = ids[rows], [lengths[r] for r in rows]
     eng = DPEngine(gpt2(dropout), "dpsgd", n=64, batch_size=N, steps=2, noise_multiplier=1.0, accountant="rdp",
                    loss_fn=sequence_loss, grad_path=path, config=AlgoConfig(lr=0.1, clip=C), noise_seed=3)
     got, finish = [], eng.pipeline.finish
@@ -48,7 +50,7 @@ def clipped_sum(dropout, width, path="fast"):
     x, y = batch(ids, lengths, width)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # indices of our choosing: uncertified, fine for a measurement
-        eng.step(x, y, torch.arange(N))
+        eng.step(x, y, torch.tensor(rows))
     return got[0].double()
 
 
@@ -59,6 +61,11 @@ def main(path="fast"):
         out[p] = float((a - b).norm()) / C
         print(f"{path} path, dropout {p}: padding 12 -> 20 moves the 8 examples' clipped sum by {out[p]:.3f} C "
               f"(their sum itself: {float(a.norm()) / C:.2f} C)")
+    # at a fixed width: batch size and order do not move an example's masks (sum of parts = sum of the whole)
+    whole = clipped_sum(0.1, 12, path)
+    parts = clipped_sum(0.1, 12, path, [4, 0, 2, 1, 3]) + clipped_sum(0.1, 12, path, [7, 5, 6])
+    out["split"] = float((whole - parts).norm()) / C
+    print(f"{path} path, dropout 0.1, width 12: 8 examples at once vs split 5 + 3 in other orders: {out['split']:.2e} C")
     return out
 
 

@@ -3,6 +3,8 @@ per-example sensitivity exceeded C or its randomness was public (benchmarks/redt
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
 import warnings
 
 import torch
@@ -168,3 +170,23 @@ def test_a_draw_from_a_models_own_generator_through_aten_is_refused():
         return
     raise AssertionError("a forward drawing from its own torch.Generator through torch.ops.aten was not refused "
                          f"(certified={eng.privacy().certified})")
+
+
+_BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "redteam_session"
+
+
+def _load(name: str):
+    """A benchmarks/redteam_session script as a module (its measurement functions)."""
+    spec = importlib.util.spec_from_file_location(f"redteam_{name}", _BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_cancelling_tied_example_does_not_round_the_others_away():
+    """Tied Embedding/head: one example whose two uses cancel exactly (true clipped contribution 0)
+    sits in the sums at ~180 C; 4096 others at the same token, each 0.49 ulp of that, were rounded
+    away in the float32 embedding sum (the release moved by 0.03 C; 1.96 C at B = 2^18). The tied
+    weight's sums are float64, rounded once: removing it leaves the release within float32 rounding."""
+    change = _load("tied_absorb").run(4096)
+    assert change <= 1e-6

@@ -308,13 +308,16 @@ class _Matrix:
             else:  # the ghost norm: an upper bound on the true norm, whatever the rounding
                 sq = ghost_norm_bound(a, g)
         self.a, self.g = a, g
+        self.tied = False  # a weight shared with an Embedding: its sums in float64 (_rules_of, _tie_cross)
         self.sq = (sq * self.w) + (sq_norms(g.sum(1)) if self.bias else 0)
 
     def sums(self, S: Tensor) -> list[Tensor]:
         """``[n, numel]`` per parameter: ``sum_i S[j, i] grad_i`` for every row j of ``S [n, b]``."""
         out, dt = [], self.g.dtype
         if self.w:
-            if self.pe is not None:
+            if self.pe is not None and self.tied:  # float64: see _tie_cross's last paragraph
+                out.append(S.double() @ self.pe.flatten(1).double())
+            elif self.pe is not None:
                 out.append(S.to(dt) @ self.pe.flatten(1))
             elif self.ghost:  # float64: see the class docstring
                 out.append(torch.stack([self._wide_sum(s) for s in S]))
@@ -338,7 +341,7 @@ class _Matrix:
             out.addmm_(gs[:, i:i + step], a[i:i + step].double())
         if self.t:  # [n, o, k] -> Conv1D's [n, k, o]
             out = out.reshape(len(S), -1, k).transpose(1, 2)
-        return out.reshape(len(S), -1).to(self.g.dtype)
+        return out.reshape(len(S), -1).to(torch.float64 if self.tied else self.g.dtype)
 
     def _wide_sum(self, s: Tensor) -> Tensor:
         """``sum_i s_i g_i^T a_i`` flat, computed in float64 and rounded to the layer's dtype, a block
@@ -348,12 +351,13 @@ class _Matrix:
         g = self.g.reshape(b * L, -1)
         sa = (self.a.double() * s.double().view(-1, 1, 1)).reshape(b * L, k)
         step = max(1, WIDE_BLOCK_BYTES // (8 * b * L))
+        dt = torch.float64 if self.tied else self.g.dtype  # a tied weight's: rounded once, with the other use's
         if self.t:  # Conv1D's layout [k, o]
-            out = self.g.new_empty(k, g.shape[1])
+            out = self.g.new_empty(k, g.shape[1], dtype=dt)
             for j in range(0, g.shape[1], step):
                 out[:, j:j + step] = sa.t() @ g[:, j:j + step].double()  # rounded once, on assignment
             return out.reshape(-1)
-        out = self.g.new_empty(g.shape[1], k)
+        out = self.g.new_empty(g.shape[1], k, dtype=dt)
         for j in range(0, g.shape[1], step):
             out[j:j + step] = g[:, j:j + step].t().double() @ sa  # rounded once, on assignment
         return out.reshape(-1)
@@ -452,6 +456,7 @@ class _Embed:
         self.owner, self.token, self.shape = uniq // v, uniq % v, m.weight.shape
         self.terms = g.shape[1] * g.shape[2] + 1  # an example's positions x width
         self.sq = torch.zeros(b, dtype=torch.float64, device=g.device).index_add_(0, self.owner, sq_norms(self.rows))
+        self.tied = False  # a weight shared with a Linear/Conv1D: its sums in float64 (_rules_of, _tie_cross)
 
     def cross(self, o: "_Embed") -> Tensor:
         """Per example, over its tokens (the same inputs at other weights: the same (example, token) rows)."""
@@ -461,8 +466,9 @@ class _Embed:
         return rows.new_zeros(self.shape).index_add_(0, token, rows).reshape(-1)
 
     def sums(self, S: Tensor) -> list[Tensor]:
-        S = S.to(self.rows.dtype)
-        return [torch.stack([self._place(self.token, self.rows * s[self.owner].unsqueeze(1)) for s in S])]
+        rows = self.rows.double() if self.tied else self.rows  # tied: float64, rounded once with the head's
+        S = S.to(rows.dtype)
+        return [torch.stack([self._place(self.token, rows * s[self.owner].unsqueeze(1)) for s in S])]
 
     def one(self, i: int) -> list[Tensor]:
         mine = self.owner == i
@@ -542,6 +548,7 @@ def _rules_of(layers: list[nn.Module], acts: dict, outs: list, plan: set | None 
     rules = [_rule(m, acts[m], g, m in plan) for m, g in zip(layers, outs)]
     for e, j in ties:
         rules[e].sq = rules[e].sq + _tie_cross(rules[e], rules[j])
+        rules[e].tied = rules[j].tied = True  # their weight's sums in float64, added, then rounded once
     return rules
 
 
@@ -567,7 +574,14 @@ def _tie_cross(emb: "_Embed", mat: "_Matrix") -> Tensor:
     (a one-position layer: ``n >= k + 2 o + 1 = terms``), so the true squared norm of ``E_i + G_i``
     is at most ``sq_E + sq_G + 2 cross + gamma_n (sq_E + sq_G + 2 M_i)``, with n the largest of these
     counts; the margin is taken twice over for the terms of second order (the computed ``M_i``
-    and ``sq`` themselves rounded). ``sq_G`` may hold the Linear's bias too: a larger margin."""
+    and ``sq`` themselves rounded). ``sq_G`` may hold the Linear's bias too: a larger margin.
+
+    The bound lets a cancelling example's two uses each be ``~C / sqrt(margin)`` (about 180 C in
+    float32, where ``sq_norms``' enlargement dominates) after clipping; summed in float32 with the
+    other examples' gradients each addition at that magnitude rounds another example's term by up to
+    half an ulp (removing such an example moved the others' float32 embedding sum by 1.96 C at
+    B = 2^18: benchmarks/redteam_session/tied_absorb.py). So the tied weight's sums, both uses', are
+    float64 (``tied``), added, and rounded once to the weight's precision (``BookKeeping._ordered``)."""
     a, g = (mat.g, mat.a) if mat.t else (mat.a, mat.g)  # g's last dimension indexes the table's rows
     b, L, d = a.shape
     owner = emb.owner
@@ -936,6 +950,10 @@ class BookKeeping:
         for slots, pieces in zip(self.slots, per_layer):
             for s, t in zip(slots, pieces):  # a tied parameter: the sum of its layers' pieces
                 parts[s] = t if parts[s] is None else parts[s] if t is None else parts[s] + t
+        for e, _ in self.ties:  # the tied weight's float64 sums, added above, rounded once to its precision
+            s = self.slots[e][0]
+            if parts[s] is not None:
+                parts[s] = parts[s].to(self.layers[e].weight.dtype)
         return parts
 
     def _check_examples(self, rules: list, sq: Tensor, x: Batch, y: Batch, params: list, rng: tuple | None) -> None:

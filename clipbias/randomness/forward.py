@@ -11,7 +11,9 @@ Hugging Face's default SDPA attention) from the ChaCha20 keystream at the addres
 the dropout calls (call c starts where call c - 1's blocks end), so example i's masks are a pure
 function of the key, the step, i and the shapes of its own forward: the same whatever its position in
 the batch and whichever other examples are present, on the rows path and the fast path, on every rank
-and device, and again on resume (nothing to save). An element is kept when its 32-bit word is below
+and device, and again on resume (nothing to save). The shapes are the *padded* ones: a collate that
+pads to the batch's longest example makes every example's masks depend on the longest one (1.11 C
+measured, benchmarks/redteam_session/dropout_padding.py); with dropout on, pad to a fixed length. An element is kept when its 32-bit word is below
 ``floor((1 - p) 2^32)`` (a keep rate within 2^-32 below 1 - p).
 
 Any other random operation the forward calls (``torch.rand``, ``randn``, ``randint``, ``bernoulli``,

@@ -21,11 +21,14 @@ def _module(path: pathlib.Path) -> str:
 
 
 def _imports(path: pathlib.Path) -> set[str]:
-    """clipbias modules imported at module level (function-level imports are deferred, not cycles)."""
+    """Every clipbias module the file imports: at module level, inside functions and under
+    ``if TYPE_CHECKING:`` alike. A deferred import still makes the two modules depend on each other (it
+    only hides the cycle from the interpreter), and a type-only import is a dependency of every reader
+    and type checker: a cycle through either is a cycle of the design."""
     mod = _module(path)
     pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
     out = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("clipbias")}
         elif isinstance(node, ast.ImportFrom):

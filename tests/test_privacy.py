@@ -409,7 +409,7 @@ def test_a_target_epsilon_that_does_not_bind_is_explained_on_the_spot(capsys, mo
     why the epsilon is far below the target."""
     from clipbias.cli import main
     from clipbias.privacy import gaussian
-    from clipbias.privacy.report import floor_note
+    from clipbias.privacy.gaussian import floor_note
     calls = []
     monkeypatch.setattr(gaussian, "pld_epsilon", lambda z, q, t, d, grid: calls.append((z, grid)) or 16.0 / z)
     gaussian.calibrate.cache_clear()

@@ -92,7 +92,7 @@ def _run_account(args: argparse.Namespace) -> int:
 
 def _run_calibrate(args: argparse.Namespace) -> int:
     from ..privacy import account, calibrate
-    from ..privacy.report import floor_note
+    from ..privacy.gaussian import floor_note
     eps = args.epsilon
     if not (eps is not None and eps > 0):
         raise ConfigError(f"--epsilon must be > 0, got {eps!r}")

@@ -212,4 +212,20 @@ def calibrate(target_epsilon: float, delta: float, sample_rate: float, steps: in
     return z
 
 
+def floor_note(target: float | None, achieved: float, z: float, accountant: str) -> str | None:
+    """Why a calibrated epsilon sits far below its target (under half of it), said on the spot: the
+    noise multiplier is at the PLD accountant's floor (``PLD_MIN_NOISE``), so less noise,
+    and with it an epsilon nearer the target, is not certified here."""
+    if target is None or not math.isfinite(achieved) or achieved >= 0.5 * target:
+        return None
+    if accountant == "pld" and z <= PLD_MIN_NOISE * 1.01:
+        why = (f"the noise multiplier is at the PLD accountant's floor ({PLD_MIN_NOISE:g}; below it the "
+               f"privacy-loss grid is unmanageable and epsilon meaningless)")
+    else:
+        why = f"no smaller noise multiplier than {z:g} was found to meet it"
+    return (f"note: epsilon {achieved:.4g} is far below the target {target:g}: {why}. The target does not bind; "
+            f"ask for --epsilon {achieved:.4g} (the same noise), or take more steps or a larger batch to use the "
+            f"budget" + (", or --accountant rdp (no floor)" if accountant == "pld" else ""))
+
+
 smallest_noise = search.smallest_noise  # the plain bisection (a reference for the secant searches)

@@ -60,23 +60,6 @@ def delta_warning(delta: float, n: int | None) -> str | None:
     return None
 
 
-def floor_note(target: float | None, achieved: float, z: float, accountant: str) -> str | None:
-    """Why a calibrated epsilon sits far below its target (under half of it), said on the spot: the
-    noise multiplier is at the PLD accountant's floor (``gaussian.PLD_MIN_NOISE``), so less noise,
-    and with it an epsilon nearer the target, is not certified here."""
-    from .gaussian import PLD_MIN_NOISE
-    if target is None or not math.isfinite(achieved) or achieved >= 0.5 * target:
-        return None
-    if accountant == "pld" and z <= PLD_MIN_NOISE * 1.01:
-        why = (f"the noise multiplier is at the PLD accountant's floor ({PLD_MIN_NOISE:g}; below it the "
-               f"privacy-loss grid is unmanageable and epsilon meaningless)")
-    else:
-        why = f"no smaller noise multiplier than {z:g} was found to meet it"
-    return (f"note: epsilon {achieved:.4g} is far below the target {target:g}: {why}. The target does not bind; "
-            f"ask for --epsilon {achieved:.4g} (the same noise), or take more steps or a larger batch to use the "
-            f"budget" + (", or --accountant rdp (no floor)" if accountant == "pld" else ""))
-
-
 def check_rate(q: float, flag: str = "--sample-rate") -> float:
     if not (isinstance(q, (int, float)) and 0 < q <= 1):
         raise ConfigError(f"{flag} must lie in (0, 1], got {q!r}")

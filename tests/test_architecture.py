@@ -183,3 +183,38 @@ def test_a_new_method_is_one_declaration_and_the_cli_takes_its_setting(half_clip
     eng = DPEngine(nn.Linear(3, 2), "half-clip", n=100, batch_size=10, steps=1, noise_multiplier=1.0,
                    config=AlgoConfig(clip=2.0, extra={"shrink": 0.25}))
     assert eng.spec.sensitivity == 0.5 and eng.pipeline.noise.std == pytest.approx(1.0 * 0.5 / 10)
+
+
+@pytest.fixture
+def gdp_accountant():
+    """A new accountant declared in one place: the full-batch exact formula applied to any rate (valid
+    only as an upper bound when q = 1; a test accountant), registered."""
+    from clipbias.privacy import accountants, pld
+
+    class FullBatchGDP(accountants.Accountant):
+        name = "test-gdp"
+        basis = "full-batch Gaussian, mu-GDP (a test accountant)"
+
+        def compute(self, noise_multiplier, sample_rate, steps, delta):
+            return pld.gaussian_exact_epsilon(noise_multiplier, steps, delta)
+
+    yield accountants.register(FullBatchGDP())
+    del accountants.ACCOUNTANTS["test-gdp"]
+
+
+def test_a_new_accountant_is_one_registration_and_the_cli_offers_it(gdp_accountant):
+    """Registering the accountant is all it takes: the accounting, the calibration and the CLI's
+    ``--accountant`` read the registry."""
+    from clipbias import privacy
+    from clipbias.cli import build_parser
+    from clipbias.privacy import gaussian, pld
+
+    exact = pld.gaussian_exact_epsilon(2.0, 50, 1e-5)
+    spec = privacy.AccountingSpec("gaussian", 1.0, noise_multiplier=2.0)
+    rep = privacy.account(spec, 50, 1e-5, "test-gdp")
+    assert rep.epsilon == exact and rep.accountant == "test-gdp" and rep.basis.startswith("full-batch Gaussian, mu")
+    z = gaussian.calibrate(exact, 1e-5, 1.0, 50, "test-gdp")
+    assert gaussian.epsilon(z, 1.0, 50, 1e-5, "test-gdp") <= exact and z == pytest.approx(2.0, rel=2e-3)
+    args = build_parser().parse_args(["account", "--noise-multiplier", "1", "--sample-rate", "1", "--steps", "3",
+                                      "--accountant", "test-gdp", "--delta", "1e-5"])
+    assert args.accountant == "test-gdp"

@@ -8,7 +8,7 @@ from torch import nn
 from clipbias.config import AlgoConfig
 from clipbias.engine.core import DPEngine
 from clipbias.errors import ClipbiasError, ConfigError, UnsupportedModelError
-from clipbias.privacy import gaussian
+from clipbias.privacy import gaussian, pld
 from clipbias.run.training import TrainConfig
 
 
@@ -73,11 +73,11 @@ def test_calibration_steps_over_the_pld_floor(monkeypatch):
     evaluates the PLD below it, and a refusal there reads as epsilon = inf (too much), never as a crash.
     (A stand-in PLD epsilon(z) = 1/z keeps this test fast: real PLD evaluations near z = 0.1 take seconds.)"""
     calls = []
-    monkeypatch.setattr(gaussian, "pld_epsilon", lambda z, q, t, d, grid: calls.append(z) or 1.0 / z)
+    monkeypatch.setattr(pld, "pld_epsilon", lambda z, q, t, d, grid: calls.append(z) or 1.0 / z)
     gaussian.calibrate.cache_clear()
     z = gaussian.calibrate(9.0, 1e-5, 0.0123, 77, "pld")  # answer 1/9 = 0.111
     gaussian.calibrate.cache_clear()
-    assert gaussian.PLD_MIN_NOISE <= z <= 0.1112 and 1.0 / z <= 9.0 and min(calls) >= gaussian.PLD_MIN_NOISE
+    assert pld.PLD_MIN_NOISE <= z <= 0.1112 and 1.0 / z <= 9.0 and min(calls) >= pld.PLD_MIN_NOISE
     assert gaussian.epsilon(0.05, 0.0123, 77, 1e-5, "rdp") > 9.0  # the stand-in does point below the floor
     with pytest.raises(gaussian.NoiseTooSmallError):
         gaussian.epsilon(0.05, 0.0123, 77, 1e-5, "pld")

@@ -18,7 +18,7 @@ from clipbias.algorithms import (CropFlip, GroupBatchNorm, batchclip_logits, bat
                                  compose, noise_ratio_vs_dpsgd, num_groups, public_split)
 from clipbias.analysis.diagnostics import clipped_quantity
 from clipbias.analysis.diagnostics import sampling_noise_report as sampling_noise
-from clipbias.privacy import gaussian
+from clipbias.privacy import pld
 from clipbias.randomness import Purpose, SecretKey, keyed_ints, keyed_normal, snapped_gaussian
 
 KEY0 = SecretKey.from_seed(0)  # the secret key of every draw in an engine with noise_seed=0
@@ -162,7 +162,7 @@ def test_dpgd_momentum_accounting_and_refusals():
     eng = engine(tiny_cnn(), "dpgd-momentum", batch_size=float(N), steps=7, accountant="pld")
     rep = eng.privacy(7)
     assert eng.spec.sample_rate == 1 and rep.epsilon == pytest.approx(
-        gaussian.gaussian_exact_epsilon(Z, 7, 1e-5), rel=1e-9)
+        pld.gaussian_exact_epsilon(Z, 7, 1e-5), rel=1e-9)
     with pytest.raises(ConfigError, match="full-batch.*--batch-size to N = 96"):
         engine(tiny_cnn(), "dpgd-momentum", batch_size=8.0)
     with pytest.raises(ConfigError, match="stores one momentum vector per training example.*inner-outer"):

@@ -25,7 +25,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, required=True, metavar="T", help="number of steps T")
     p.add_argument("--delta", type=float, required=True, metavar="D", help="target delta")
     p.add_argument("--accountant", choices=ACCOUNTANTS, default="pld",
-                   help="pld (default, tightest) or rdp")
+                   help=f"{', '.join(ACCOUNTANTS)} (default: pld, the tightest)")
     p.add_argument("--bands", type=int, default=1, metavar="b",
                    help="dpsgd with b-banded noise (train --bands): the subsampled Gaussian at rate b*q for "
                         "ceil(T/b) steps (default 1)")

@@ -18,6 +18,7 @@ from dp_accounting import dp_event
 
 from ..errors import ClipbiasError, ConfigError
 from . import cache, dice, gaussian
+from . import pld, rdp  # noqa: F401  the accountants: each registers itself (accountants.ACCOUNTANTS)
 from .dice import DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING, DiceParams
 from .report import (ACCOUNTANTS, PrivacyReport, check_accountant, check_delta, check_epsilon, check_steps,
                      delta_warning)

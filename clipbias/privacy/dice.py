@@ -30,7 +30,7 @@ import numpy as np
 from dp_accounting import dp_event
 
 from ..errors import ConfigError, PrivacyAccountingError
-from . import gaussian, search
+from . import gaussian, pld, search
 from .report import (PrivacyReport, check_delta, check_epsilon, check_positive, check_rate,
                      check_steps)
 
@@ -145,11 +145,11 @@ def _sound_epsilon(r: float, q: float, steps: int, z: float, delta: float,
         # grid would take minutes and gigabytes. The conservative bound (the mixture is dominated by
         # its larger-shift Gaussian; exact GDP) is proven, never below the PLD value, and instant;
         # in this regime no bound is anywhere near a useful epsilon.
-        return gaussian.gaussian_exact_epsilon(z / (1 + 2 * r), steps, delta)
-    gaussian.check_pld_noise(z)
+        return pld.gaussian_exact_epsilon(z / (1 + 2 * r), steps, delta)
+    pld.check_pld_noise(z)
     step = sound_step_event(DiceParams(q, steps, 1.0, r, 1.0), z)  # only r, q and T matter
     try:  # the event's PLD, as dp-accounting's PLDAccountant builds it, kept per process
-        one = gaussian.one_step_pld("mixture", z, tuple(step.sensitivities), tuple(step.sampling_probs),
+        one = pld.one_step_pld("mixture", z, tuple(step.sensitivities), tuple(step.sampling_probs),
                                     discretization)
         return float(one.self_compose(steps).get_epsilon_for_delta(delta))
     except (MemoryError, ValueError) as e:  # out of memory, or "Maximum allowed size exceeded"
@@ -323,13 +323,13 @@ def _calibrate_sound(target: float, delta: float, p: DiceParams, z_cons: float) 
         def eps(z: float) -> float:
             try:
                 return sound_epsilon(p, z, delta, discretization)
-            except gaussian.NoiseTooSmallError:  # below the PLD's smallest z: certainly too little noise
+            except pld.NoiseTooSmallError:  # below the PLD's smallest z: certainly too little noise
                 return math.inf
         return eps
 
     # the ceiling leaves room above z_cons for the PLD's pessimistic discretisation (a hair above GDP's)
     z = search.calibrate_levels(target, [(at(SOUND_COARSE), 1e-2)], at(SOUND_DISCRETIZATION), start=z_cons,
-                                floor=gaussian.PLD_MIN_NOISE, ceiling=2 * z_cons)
+                                floor=pld.PLD_MIN_NOISE, ceiling=2 * z_cons)
     if math.isinf(z):  # pragma: no cover - eps_sound <= eps_conservative, which z_cons meets
         raise PrivacyAccountingError(f"DiceSGD's sound bound exceeds epsilon={target:g} even at noise multiplier "
                                      f"{2 * z_cons:g}, twice the conservative bound's z: please report this")

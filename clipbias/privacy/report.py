@@ -6,8 +6,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from ..errors import ConfigError
-
-ACCOUNTANTS = ("pld", "rdp")
+from .accountants import ACCOUNTANTS, get
 
 
 @dataclass(frozen=True)
@@ -85,6 +84,6 @@ def check_nonnegative(value: float, flag: str) -> float:
 
 
 def check_accountant(name: str) -> str:
-    if name not in ACCOUNTANTS:
-        raise ConfigError(f"--accountant must be one of {', '.join(ACCOUNTANTS)}, got {name!r}")
+    """``name`` when an accountant is registered under it (``accountants.ACCOUNTANTS``)."""
+    get(name)
     return name

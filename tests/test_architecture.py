@@ -218,3 +218,34 @@ def test_a_new_accountant_is_one_registration_and_the_cli_offers_it(gdp_accounta
     args = build_parser().parse_args(["account", "--noise-multiplier", "1", "--sample-rate", "1", "--steps", "3",
                                       "--accountant", "test-gdp", "--delta", "1e-5"])
     assert args.accountant == "test-gdp"
+
+
+@pytest.fixture
+def tiny_data():
+    """A new data set declared in one place: a DataSource, registered."""
+    import torch
+    from clipbias.data import DATASETS, DataSource, Dataset, register_dataset
+
+    def load(**_):
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(120, 5, generator=g), torch.randint(0, 3, (120,), generator=g)
+        return Dataset("tiny", x[:100], y[:100], x[100:], y[100:], num_classes=3, input_shape=(5,))
+
+    yield register_dataset(DataSource("tiny", load, "120 Gaussian points in 3 classes (a test data set)"))
+    del DATASETS["tiny"]
+
+
+def test_a_new_data_set_is_one_registration_and_the_cli_trains_on_it(tiny_data, tmp_path):
+    """Registering the data set is all it takes: ``load_dataset`` and ``--data tiny`` reach it."""
+    from clipbias.cli import build_parser
+    from clipbias.cli.train import config_from_args
+    from clipbias.data import load_dataset
+    from clipbias.randomness import SecretKey
+    from clipbias.run.training import train
+
+    assert load_dataset("tiny", validation=10, key=SecretKey.from_seed(0)).x_val is not None
+    args = build_parser().parse_args(
+        ["train", "--data", "tiny", "--model", "logreg", "--algo", "dpsgd", "--epochs", "1", "--batch-size", "20",
+         "--lr", "0.5", "--noise-multiplier", "1.0", "--out", str(tmp_path / "run")])
+    res = train(config_from_args(args, out=str(tmp_path / "run")), plot=False)
+    assert res["steps"] == 5 and res["certified"] is True

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .dataset import DataFormatError, DataNotFoundError, Dataset
+from .dataset import DataFormatError, DataNotFoundError, DataSource, Dataset, register_dataset
 
 CIFAR10_CLASSES = 10
 _CIFAR_DIR = "cifar-10-batches-py"
@@ -117,3 +117,9 @@ def _npz_dataset(a: dict, path: str) -> Dataset:
                    num_classes=k, input_shape=tuple(xs["train"].shape[1:]),
                    notes=f"{path}, used as given: its preprocessing is the user's and not covered by clipbias.",
                    preprocessing="none")
+
+
+register_dataset(DataSource("cifar10", lambda *, data_dir=None, **_: load_cifar10(data_dir),
+                            "CIFAR-10's python batches under data_dir"))
+register_dataset(DataSource("npz", lambda *, data_path=None, **_: load_npz(data_path),
+                            "your own arrays in an .npz file (data_path)"))

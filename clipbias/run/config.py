@@ -12,7 +12,7 @@ import torch
 
 from .. import algorithms, privacy
 from ..config import AlgoConfig
-from ..data.datasets import DATASET_NAMES
+from ..data.datasets import DATASETS
 from ..errors import ConfigError
 from ..files import new_run_dir
 from ..privacy.report import check_delta, check_epsilon, check_nonnegative, check_positive
@@ -107,8 +107,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         """Every check that needs no data, once, where the config is made (``dataclasses.replace``
         makes a new one and checks it again); each error names the flag."""
-        if self.data not in DATASET_NAMES:
-            raise ConfigError(f"--data must be one of {', '.join(DATASET_NAMES)}, got {self.data!r}")
+        if self.data not in DATASETS:
+            raise ConfigError(f"--data must be one of {', '.join(DATASETS)}, got {self.data!r}")
         from ..models import MODEL_NAMES
         if self.model not in MODEL_NAMES:
             raise ConfigError(f"--model must be one of {', '.join(MODEL_NAMES)}, got {self.model!r}")

@@ -1,6 +1,6 @@
 """The layout as checked properties: no import cycle, imports only downward through the pipeline's
-floors, nothing below the catalog imports it, short functions, and a new method is one module (its
-settings become CLI flags by themselves)."""
+floors, nothing below the catalog imports it, short functions and classes, and a new method, accountant
+or data set is one registration (a method's settings become CLI flags by themselves)."""
 
 from __future__ import annotations
 
@@ -141,6 +141,22 @@ def test_no_function_is_longer_than_80_lines():
         for n in ast.walk(ast.parse(p.read_text())):
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80:
                 long.append(f"{p.relative_to(PKG)}:{n.name} ({n.end_lineno - n.lineno + 1} lines)")
+    assert not long, long
+
+
+# Classes longer than 250 lines, each with why, until it is split: BookKeeping (grads/fast.py) holds the
+# per-layer rules of the fast path and its run-time soundness checks in one class; splitting it is planned
+# work of its own (it is edited in parallel, and its rules share the hooks' state).
+LONG_CLASSES = {"grads/fast.py:BookKeeping"}
+
+
+def test_no_class_is_longer_than_250_lines():
+    long = []
+    for p in PKG.rglob("*.py"):
+        for n in ast.walk(ast.parse(p.read_text())):
+            name = f"{p.relative_to(PKG).as_posix()}:{getattr(n, 'name', '')}"
+            if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > 250 and name not in LONG_CLASSES:
+                long.append(f"{name} ({n.end_lineno - n.lineno + 1} lines)")
     assert not long, long
 
 

@@ -1,17 +1,22 @@
 """Which aggregate computes a step's sums: the book-keeping fast path (no rows), the rows summed per
-parameter, or the rows through the pipeline (stages that need rows); ``--grad-path rows | fast | auto``."""
+parameter, or the rows through the pipeline (stages that need rows); ``--grad-path rows | fast | auto``;
+and the step's sums through it, micro-batch by micro-batch (``step_sums``)."""
 
 from __future__ import annotations
 
 import math
 
-from torch import nn
+from torch import Tensor, nn
 
+from ..data import batch
+from ..data.batch import Batch
 from ..errors import ConfigError
 from ..grads import fast, separable
 from ..grads.fast import BookKeeping, why_unsupported
-from ..grads.rows import FuncGradients, LossFn, ParamSums, PerExampleRows, RowSource, cross_entropy
-from ..transforms import Pipeline, scales_by_norm
+from ..grads.rows import (FuncGradients, LossFn, ParamSums, PerExampleRows, RowSource, check_finite,
+                          check_finite_norms, cross_entropy, guarded)
+from ..randomness import forward
+from ..transforms import Pipeline, StepContext, scales_by_norm
 from ..algorithms.disk import TwoPointRows
 
 AUTO_ROWS_BYTES = 2**30
@@ -101,3 +106,42 @@ class TwoPoint:
             return self.inner(x, y, scale, reference)
         point = self.point
         return self.inner(x, y, scale, reference, at=(lambda: self.rows.at(point), self.rows.c))
+
+
+def step_sums(engine, x: Batch, y: Batch, indices: Tensor | None):
+    """(reference sum, processed sum, losses) of ``engine``'s step per physical micro-batch, through the rows
+    or a norm-scaling aggregate (``choose_aggregate``); the finiteness of every example's gradient is checked
+    on its norm either way. With ``engine._outputs`` a list, the batch's outputs are appended to it."""
+    if engine._aggregate is None:
+        for g, loss, idx in engine.rows.iter_rows(x, y, indices, engine.steps_taken, engine.max_physical_batch):
+            norms = check_finite(g, idx)
+            r, p = engine.pipeline.rows(g, StepContext(idx, engine.steps_taken, norms))
+            yield r, p, loss
+        return
+    scale = engine.pipeline.per_sample[0].scale
+    need_ref = engine.pipeline.error_feedback is not None
+    if hasattr(engine._aggregate, "begin"):  # a step-level preparation (DiSK stages the step's iterate)
+        engine._aggregate.begin()
+    source = output_source(engine)
+    if source is not None:
+        source.keep_output = engine._outputs is not None
+    try:
+        for start in range(0, batch.size(x), engine.max_physical_batch):
+            sl = slice(start, start + engine.max_physical_batch)
+            with forward.examples(indices[sl] if indices is not None else None):
+                p, r, loss, norms = guarded(lambda xs, ys: engine._aggregate(xs, ys, scale, need_ref),
+                                            batch.take(x, sl), batch.take(y, sl), engine.rows.layout.dim)
+            check_finite_norms(norms, indices[sl] if indices is not None else None)
+            if engine._outputs is not None and len(loss):
+                engine._outputs.append(source.last_out)
+            yield r, p, loss
+    finally:
+        if source is not None:
+            source.keep_output, source.last_out = False, None
+
+
+def output_source(engine):
+    """What computes ``engine``'s forward where it can keep its output: the fast path, or the per-example
+    gradients under the per-parameter rows (``ParamSums``); None elsewhere."""
+    agg = getattr(engine, "_aggregate", None)
+    return agg if isinstance(agg, BookKeeping) else agg.grads if isinstance(agg, ParamSums) else None

@@ -342,7 +342,7 @@ def test_batchnorm_variant_and_refusals():
     bad = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(32, 3))
     with pytest.raises(ConfigError, match="running statistics"):
         engine(bad, "batch-clip", extra={"public": pub})
-    with pytest.raises(ConfigError, match="needs --public-size"):
+    with pytest.raises(ConfigError, match=r"needs `AlgoConfig.extra\['public'\]`"):
         engine(bn_cnn(), "batch-clip")
     with pytest.raises(ConfigError, match="no GroupNorm"):
         batchnorm_variant(nn.Sequential(nn.Flatten(), nn.Linear(36, 3)))
@@ -588,14 +588,14 @@ def test_composition_errors_are_explained():
 
 
 @pytest.mark.parametrize("algo,extra,match", [
-    ("p-avg", {"p": 1}, "--p .* must be an integer >= 2"),
-    ("self-aug", {"K": 0}, "--augmentations .* must be an integer >= 1"),
-    ("inner-outer", {"gamma0": 2.0}, "--gamma0 .* must be a number in \\[0, 1\\]"),
-    ("perturb", {"k": -1}, "--perturb-k .* must be a number > 0"),
-    ("perturb", {"p": 4}, "does not take setting.*'p'.*its settings are: 'k'"),
+    ("p-avg", {"p": 1}, "`AlgoConfig.extra\\['p'\\]` .* must be an integer >= 2"),
+    ("self-aug", {"K": 0}, "`AlgoConfig.extra\\['K'\\]` .* must be an integer >= 1"),
+    ("inner-outer", {"gamma0": 2.0}, "`AlgoConfig.extra\\['gamma0'\\]` .* must be a number in \\[0, 1\\]"),
+    ("perturb", {"k": -1}, "`AlgoConfig.extra\\['k'\\]` .* must be a number > 0"),
+    ("perturb", {"p": 4}, "does not take setting.*'p'.*its settings are: `AlgoConfig.extra\\['k'\\]`"),
     ("inner-outer", {"K0": 2, "k0": 3}, "given twice"),
 ])
-def test_bad_settings_are_refused_with_the_flag(algo, extra, match):
+def test_bad_settings_are_refused_naming_the_setting(algo, extra, match):
     with pytest.raises(ConfigError, match=match):
         engine(tiny_cnn(), algo, extra=extra)
 

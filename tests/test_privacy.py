@@ -203,7 +203,7 @@ def test_pld_grid_too_large_is_a_clear_config_error(monkeypatch):
         raise MemoryError
 
     monkeypatch.setattr(pld_privacy_accountant.PLDAccountant, "compose", boom)
-    with pytest.raises(ConfigError, match="--accountant rdp"):
+    with pytest.raises(ConfigError, match="`accountant='rdp'`"):
         gaussian.epsilon(1e-3, 0.1, 10, 1e-5, "pld")
 
 

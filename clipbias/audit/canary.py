@@ -72,15 +72,15 @@ class CanaryAudit:
     band_momentum: float = 0.0            # the momentum the band coefficients are shaped for
 
     def __post_init__(self) -> None:
-        check_positive(self.noise_multiplier, "--noise-multiplier")
+        check_positive(self.noise_multiplier, "noise_multiplier")
         check_rate(self.sample_rate)
         check_steps(self.steps)
-        check_positive(self.batch_size, "--batch-size")
+        check_positive(self.batch_size, "batch_size")
         check_delta(self.delta)
         if self.claim_noise_multiplier is not None:
-            check_positive(self.claim_noise_multiplier, "--claim-noise-multiplier")
+            check_positive(self.claim_noise_multiplier, "claim_noise_multiplier")
         if self.canary_norm is not None:
-            check_positive(self.canary_norm, "--canary-norm")
+            check_positive(self.canary_norm, "canary_norm")
         if not (isinstance(self.trials, int) and self.trials >= 10):
             raise ConfigError(f"--trials must be an integer >= 10, got {self.trials!r}")
         if not 0 < self.confidence < 1:
@@ -90,7 +90,7 @@ class CanaryAudit:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.anti_norm is not None:
-            check_positive(self.anti_norm, "--anti-canary")
+            check_positive(self.anti_norm, "CanaryAudit.anti_norm")
         check_bands(self.bands, self.sample_rate)
         check_bandable(self.algo, self.bands)
         if self.band_class is not None and not (isinstance(self.band_class, int) and 0 <= self.band_class < self.bands):

@@ -57,7 +57,7 @@ class OneRunAudit:
     bands: int = 1                        # banded noise, as in clipbias train --bands
 
     def __post_init__(self) -> None:
-        check_positive(self.noise_multiplier, "--noise-multiplier")
+        check_positive(self.noise_multiplier, "noise_multiplier")
         check_delta(self.delta)
         if self.canary_type not in ("gradient", "input"):
             raise ConfigError(f"--canary-type must be gradient or input, got {self.canary_type!r}")

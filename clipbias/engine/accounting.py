@@ -22,10 +22,10 @@ def noise_multiplier_for(engine: Any, epsilon: float | None, noise_multiplier: f
     if not engine.algo.private:
         return 0.0
     if noise_multiplier is not None:
-        return privacy.report.check_positive(noise_multiplier, "--noise-multiplier")
+        return privacy.report.check_positive(noise_multiplier, "noise_multiplier")
     if epsilon is None:
-        raise ConfigError(f"{engine.algo.name} is private: give --epsilon (calibrates the noise) or "
-                          f"--noise-multiplier")
+        raise ConfigError(f"{engine.algo.name} is private: give `epsilon` (calibrates the noise) or "
+                          f"`noise_multiplier`")
     spec = banded_spec(engine.algo.spec(engine.config, engine.sample_rate, 0.0, engine.expected_batch_size),
                        engine.bands)
     # in a process group rank 0 calibrates and every rank takes its answer (and its error, if any)

@@ -35,7 +35,7 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
     ``AUTO_ROWS_BYTES`` or ``fast_wins``; elsewhere the rows path (the faster of the two for
     convolutional models on the CPU where the fast path would take the ghost norm: docs/results.md)."""
     if grad_path not in ("rows", "fast", "auto"):
-        raise ConfigError(f"--grad-path must be rows, fast or auto, got {grad_path!r}")
+        raise ConfigError(f"`grad_path` must be rows, fast or auto, got {grad_path!r}")
     p = pipeline
     two = isinstance(rows, TwoPointRows) and isinstance(rows.base, PerExampleRows) and \
         isinstance(rows.base.grads, FuncGradients)  # DiSK on per-example gradients: both points, then as usual
@@ -66,7 +66,7 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
             return ParamSums(rows.grads), "rows (per-example gradients, torch.func, summed per parameter" + (
                 f"; the fast path does not apply: {why})" if grad_path == "auto" and why else ")")
     if grad_path == "fast":
-        raise ConfigError(f"--grad-path fast is not available: {why}; use --grad-path auto or rows")
+        raise ConfigError(f"`grad_path='fast'` is not available: {why}; use `grad_path='auto'` or `grad_path='rows'`")
     return None, "rows (per-example gradients, torch.func)" + (f"; the fast path does not apply: {why}"
                                                                 if grad_path == "auto" and why else "")
 

@@ -311,7 +311,7 @@ def planned_steps(epochs: int | None, steps: int | None, steps_per_epoch: int, o
         return math.inf
     if steps is None:
         if epochs is None or epochs < 1:
-            raise ConfigError(f"give --epochs >= 1 or steps >= 1 (got epochs={epochs!r})")
+            raise ConfigError(f"give `epochs` >= 1 or `steps` >= 1 (got epochs={epochs!r})")
         steps = epochs * steps_per_epoch
     return steps if steps == math.inf else privacy.check_steps(steps)
 

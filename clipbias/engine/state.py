@@ -42,7 +42,7 @@ def load(engine: Any, state: dict) -> None:
         raise ResumeMismatchError("cannot resume: this checkpoint comes from a clipbias version whose batches and "
                                   "noise came from torch generators with 32-bit seeds, which can be recovered "
                                   "from the released model; continuing it would not be private. Start a new run "
-                                  "(a new run directory, or --overwrite)")
+                                  "(a new run directory, or `overwrite=True`)")
     check_resume(state["settings"], asdict(engine.settings))
     check_optimizer_resume(state, engine.optimizer)
     if engine.steps_taken:

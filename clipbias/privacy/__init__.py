@@ -112,7 +112,7 @@ def calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, ac
     check_delta(delta)
     check_steps(steps)
     if spec.kind not in ("gaussian", "dice"):
-        raise ConfigError("a non-private algorithm has no noise to calibrate; pick a private --algo")
+        raise ConfigError("a non-private algorithm has no noise to calibrate; pick a private `algorithm`")
     if spec.kind == "dice":
         _check_dice_method(spec, dice_accounting)
     if spec.bands != 1 and spec.kind != "gaussian":
@@ -169,7 +169,7 @@ def _calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, a
     if spec.kind == "dice":
         _check_dice_method(spec, dice_accounting)
         return dice.calibrate(epsilon, delta, replace(spec.dice, steps=steps), dice_accounting, accountant)
-    raise ConfigError("a non-private algorithm has no noise to calibrate; pick a private --algo")
+    raise ConfigError("a non-private algorithm has no noise to calibrate; pick a private `algorithm`")
 
 
 def _check_dice_method(spec: AccountingSpec, method: str) -> None:
@@ -177,4 +177,4 @@ def _check_dice_method(spec: AccountingSpec, method: str) -> None:
     if method == "paper" and not spec.certifiable:
         from ..errors import PrivacyAccountingError
         raise PrivacyAccountingError(f"the paper's DiceSGD bound does not even claim this algorithm: "
-                                     f"{spec.why_not_certifiable}. Use --dice-accounting sound (the default).")
+                                     f"{spec.why_not_certifiable}. Use `dice_accounting='sound'` (the default).")

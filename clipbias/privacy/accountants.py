@@ -72,11 +72,11 @@ class Accountant:
             raise ConfigError(
                 f"the {self.name} accountant cannot represent noise multiplier {noise_multiplier:g} at sample "
                 f"rate {sample_rate:g} ({steps} steps): its privacy-loss grid does not fit in memory. Use a larger "
-                f"--noise-multiplier (this one gives no meaningful epsilon) or --accountant rdp") from e
+                f"`noise_multiplier` (this one gives no meaningful epsilon) or `accountant='rdp'`") from e
         except ValueError as e:  # dp-accounting: "Maximum allowed size exceeded" for an extreme grid
             raise ConfigError(f"the {self.name} accountant cannot represent noise multiplier {noise_multiplier:g} "
                               f"at sample rate {sample_rate:g} ({steps} steps): {e}. Use a larger "
-                              f"--noise-multiplier or --accountant rdp") from e
+                              f"`noise_multiplier` or `accountant='rdp'`") from e
 
     def basis_for(self, sample_rate: float) -> str:
         """The basis of a report at this sampling rate."""
@@ -104,5 +104,5 @@ def register(accountant: Accountant) -> Accountant:
 def get(name: str) -> Accountant:
     """The accountant registered as ``name``."""
     if name not in ACCOUNTANTS:
-        raise ConfigError(f"--accountant must be one of {', '.join(ACCOUNTANTS)}, got {name!r}")
+        raise ConfigError(f"`accountant` must be one of {', '.join(ACCOUNTANTS)}, got {name!r}")
     return ACCOUNTANTS[name]

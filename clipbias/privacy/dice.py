@@ -54,11 +54,11 @@ def check_basis(method: str) -> str:
     """The DiceSGD accounting basis, or a ConfigError that names the valid ones."""
     if method in RENAMED:
         raise ConfigError(
-            f"--dice-accounting {method!r} was renamed {RENAMED[method]!r}: it is the paper's Theorem 3.8, "
+            f"`dice_accounting` {method!r} was renamed {RENAMED[method]!r}: it is the paper's Theorem 3.8, "
             f"which a canary attack refutes (docs/privacy.md), so it is no longer certified nor the default. "
             f"Use 'sound' (the default, proven) or 'paper' to reproduce the paper's numbers.")
     if method not in DICE_ACCOUNTING:
-        raise ConfigError(f"--dice-accounting must be one of {', '.join(DICE_ACCOUNTING)}, got {method!r}")
+        raise ConfigError(f"`dice_accounting` must be one of {', '.join(DICE_ACCOUNTING)}, got {method!r}")
     return method
 
 
@@ -81,11 +81,11 @@ class DiceParams:
     def __post_init__(self) -> None:
         check_rate(self.sample_rate)
         check_steps(self.steps)
-        check_positive(self.clip, "--clip")
-        check_positive(self.ef_clip, "--ef-clip")
-        check_positive(self.batch_size, "--batch-size")
+        check_positive(self.clip, "DiceParams.clip")
+        check_positive(self.ef_clip, "DiceParams.ef_clip")
+        check_positive(self.batch_size, "DiceParams.batch_size")
         if self.grad_bound is not None:
-            check_positive(self.grad_bound, "--grad-bound")
+            check_positive(self.grad_bound, "DiceParams.grad_bound")
 
     @property
     def g_prime(self) -> float | None:
@@ -131,7 +131,7 @@ def sound_epsilon(p: DiceParams, z: float, delta: float, discretization: float =
     coarser grids (``SOUND_COARSE``: larger epsilons, cheaper), only to aim.
     """
     check_delta(delta)
-    check_positive(z, "--noise-multiplier")
+    check_positive(z, "noise_multiplier")
     check_positive(discretization, "discretization")
     return _sound_epsilon(p.ratio, p.sample_rate, p.steps, float(z), float(delta), float(discretization))
 
@@ -163,7 +163,7 @@ def _sound_epsilon(r: float, q: float, steps: int, z: float, delta: float,
 def conservative_epsilon(p: DiceParams, z: float, delta: float) -> float:
     """Amplification-free bound: T adaptive Gaussians, mean shift <= (1 + 2 r) C1 / B."""
     check_delta(delta)
-    check_positive(z, "--noise-multiplier")
+    check_positive(z, "noise_multiplier")
     z_eff = z / (1 + 2 * p.ratio)
     return gaussian.epsilon(z_eff, 1.0, p.steps, delta, "pld")
 
@@ -236,11 +236,11 @@ def paper_epsilon(p: DiceParams, z: float, delta: float) -> tuple[float, float]:
     Refuted: a canary attack beats this number (docs/privacy.md). For reproduction only.
     """
     check_delta(delta)
-    check_positive(z, "--noise-multiplier")
+    check_positive(z, "noise_multiplier")
     valid, why = paper_conditions(p, z)
     if why:
         raise PrivacyAccountingError("the paper's DiceSGD bound (Thm 3.8) does not apply: " + "; ".join(why)
-                                     + ". Raise the noise or lower q; for a guarantee use --dice-accounting sound.")
+                                     + ". Raise the noise or lower q; for a guarantee use `dice_accounting='sound'`.")
     alphas = _ALPHAS[valid]
     eps = rdp_to_dp(alphas, paper_rdp(p, z, alphas), delta)
     i = int(np.argmin(eps))

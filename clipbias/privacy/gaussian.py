@@ -30,7 +30,7 @@ def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: floa
     check_rate(sample_rate)
     check_delta(delta)
     if noise_multiplier < 0 or not math.isfinite(noise_multiplier):
-        raise ConfigError(f"--noise-multiplier must be a finite number >= 0, got {noise_multiplier!r}")
+        raise ConfigError(f"`noise_multiplier` must be a finite number >= 0, got {noise_multiplier!r}")
     if steps == 0:
         return 0.0
     check_steps(steps)
@@ -80,7 +80,7 @@ def calibrate(target_epsilon: float, delta: float, sample_rate: float, steps: in
     levels = [(guarded(fn), tol) for fn, tol in acc.aims(q, steps, delta)] or [(final, 1e-2)]
     z = search.calibrate_levels(target_epsilon, levels, final, floor=acc.floor, ceiling=1e6)
     if math.isinf(z):
-        raise ConfigError(f"--epsilon {target_epsilon:g} is unreachable with q={sample_rate:g}, "
+        raise ConfigError(f"`epsilon={target_epsilon:g}` is unreachable with q={sample_rate:g}, "
                           f"T={steps}, delta={delta:g} (noise multiplier would exceed 1e6)")
     return z
 
@@ -98,8 +98,8 @@ def floor_note(target: float | None, achieved: float, z: float, accountant: str)
     else:
         why = f"no smaller noise multiplier than {z:g} was found to meet it"
     return (f"note: epsilon {achieved:.4g} is far below the target {target:g}: {why}. The target does not bind; "
-            f"ask for --epsilon {achieved:.4g} (the same noise), or take more steps or a larger batch to use the "
-            f"budget" + (f", or --accountant {free[0]} (no floor)" if acc.floor and free else ""))
+            f"ask for `epsilon={achieved:.4g}` (the same noise), or take more steps or a larger batch to use the "
+            f"budget" + (f", or `accountant='{free[0]}'` (no floor)" if acc.floor and free else ""))
 
 
 smallest_noise = search.smallest_noise  # the plain bisection (a reference for the secant searches)

@@ -44,7 +44,7 @@ def check_pld_noise(noise_multiplier: float) -> None:
             f"noise multiplier {noise_multiplier:g} < {PLD_MIN_NOISE:g}: one inclusion shifts the update by over 10 "
             f"noise standard deviations, so epsilon is in the tens or more, and the PLD accountant's grid "
             f"explodes (minutes, or out of memory). "
-            f"Use a larger --noise-multiplier, or --accountant rdp to get a number anyway")
+            f"Use a larger `noise_multiplier`, or `accountant='rdp'` to get a number anyway")
 
 
 def gaussian_exact_epsilon(noise_multiplier: float, steps: int, delta: float) -> float:

@@ -39,15 +39,17 @@ class PrivacyReport:
         return d
 
 
-def check_epsilon(epsilon: float, flag: str = "--epsilon") -> float:
+def check_epsilon(epsilon: float, name: str = "epsilon") -> float:
+    """``epsilon`` as a float when it is a positive finite number; the error names the parameter ``name``
+    (so do the other checks: the CLI turns the name into its flag)."""
     if not (isinstance(epsilon, (int, float)) and math.isfinite(epsilon) and epsilon > 0):
-        raise ConfigError(f"{flag} must be a positive finite number, got {epsilon!r}")
+        raise ConfigError(f"`{name}` must be a positive finite number, got {epsilon!r}")
     return float(epsilon)
 
 
-def check_delta(delta: float, flag: str = "--delta") -> float:
+def check_delta(delta: float, name: str = "delta") -> float:
     if not (isinstance(delta, (int, float)) and 0 < delta < 1):
-        raise ConfigError(f"{flag} must lie in (0, 1), got {delta!r}; 1e-5 is usual for ~60k examples")
+        raise ConfigError(f"`{name}` must lie in (0, 1), got {delta!r}; 1e-5 is usual for ~60k examples")
     return float(delta)
 
 
@@ -59,27 +61,27 @@ def delta_warning(delta: float, n: int | None) -> str | None:
     return None
 
 
-def check_rate(q: float, flag: str = "--sample-rate") -> float:
+def check_rate(q: float, name: str = "sample_rate") -> float:
     if not (isinstance(q, (int, float)) and 0 < q <= 1):
-        raise ConfigError(f"{flag} must lie in (0, 1], got {q!r}")
+        raise ConfigError(f"`{name}` must lie in (0, 1], got {q!r}")
     return float(q)
 
 
-def check_steps(steps: int, flag: str = "--steps") -> int:
+def check_steps(steps: int, name: str = "steps") -> int:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ConfigError(f"{flag} must be an integer >= 1, got {steps!r}")
+        raise ConfigError(f"`{name}` must be an integer >= 1, got {steps!r}")
     return steps
 
 
-def check_positive(value: float, flag: str) -> float:
+def check_positive(value: float, name: str) -> float:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ConfigError(f"{flag} must be a positive finite number, got {value!r}")
+        raise ConfigError(f"`{name}` must be a positive finite number, got {value!r}")
     return float(value)
 
 
-def check_nonnegative(value: float, flag: str) -> float:
+def check_nonnegative(value: float, name: str) -> float:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-        raise ConfigError(f"{flag} must be a finite number >= 0, got {value!r}")
+        raise ConfigError(f"`{name}` must be a finite number >= 0, got {value!r}")
     return float(value)
 
 

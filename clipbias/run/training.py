@@ -273,7 +273,7 @@ def run_many(base: TrainConfig, variants: list[tuple[str, dict]], seeds: list[in
     if not seeds:
         raise ConfigError("--seeds: give at least one seed")
     for s in seeds:
-        check_int(s, "--seeds", 0)
+        check_int(s, "seeds", 0)
     labels = [label for label, _ in variants]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"--algos: each algorithm may appear once, got {' '.join(labels)}")

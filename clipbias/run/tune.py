@@ -67,7 +67,7 @@ class TuneConfig:
         if not 0 < self.validation < 1:
             raise ConfigError(f"--validation-fraction must lie in (0, 1), got {self.validation!r}")
         if self.score_noise is not None:
-            check_positive(self.score_noise, "--score-noise")
+            check_positive(self.score_noise, "score_noise")
 
 
 def split(splits: Splits, fraction: float, key: SecretKey) -> tuple[Splits, torch.Tensor, torch.Tensor]:

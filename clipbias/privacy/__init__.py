@@ -20,8 +20,8 @@ from ..errors import ClipbiasError, ConfigError
 from . import cache, dice, gaussian
 from . import pld, rdp  # noqa: F401  the accountants: each registers itself (accountants.ACCOUNTANTS)
 from .dice import DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING, DiceParams
-from .report import (ACCOUNTANTS, PrivacyReport, check_accountant, check_delta, check_epsilon, check_steps,
-                     delta_warning)
+from .report import (ACCOUNTANTS, PrivacyReport, check_accountant, check_delta, check_epsilon, check_rate,
+                     check_steps, delta_warning)
 
 __all__ = ["AccountingSpec", "PrivacyReport", "DiceParams", "account", "calibrate", "ACCOUNTANTS",
            "DICE_ACCOUNTING", "DEFAULT_DICE_ACCOUNTING", "delta_warning", "dice", "gaussian"]
@@ -94,8 +94,11 @@ def account(spec: AccountingSpec, steps: int, delta: float, accountant: str = "p
                              spec.noise_multiplier)
     if steps == 0:
         return PrivacyReport(0.0, delta, accountant, "no step taken", True, spec.noise_multiplier)
-    if spec.kind == "gaussian":
+    if spec.kind == "gaussian":  # validated here, once: gaussian.report takes them as they are
         q, t = spec.rate_and_steps(steps)
+        check_rate(q)
+        gaussian.check_noise(spec.noise_multiplier)
+        check_steps(t)
         return gaussian.report(spec.noise_multiplier, q, t, delta, accountant, spec.note)
     if spec.kind == "dice":
         _check_dice_method(spec, dice_accounting)
@@ -163,9 +166,9 @@ def _progress(what: str):
 
 def _calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, accountant: str,
                dice_accounting: str) -> float:
-    if spec.kind == "gaussian":
+    if spec.kind == "gaussian":  # epsilon, delta and steps were validated by calibrate
         q, t = spec.rate_and_steps(steps)
-        return gaussian.calibrate(epsilon, delta, q, t, accountant)
+        return gaussian._calibrate(epsilon, delta, check_rate(q), check_steps(t), check_accountant(accountant))
     if spec.kind == "dice":
         _check_dice_method(spec, dice_accounting)
         return dice.calibrate(epsilon, delta, replace(spec.dice, steps=steps), dice_accounting, accountant)

@@ -31,7 +31,7 @@ from dp_accounting import dp_event
 
 from ..errors import ConfigError, PrivacyAccountingError
 from . import gaussian, pld, search
-from .report import (PrivacyReport, check_delta, check_epsilon, check_positive, check_rate,
+from .report import (PrivacyReport, check_accountant, check_delta, check_epsilon, check_positive, check_rate,
                      check_steps)
 
 DICE_ACCOUNTING = ("sound", "conservative", "paper", "authors")
@@ -302,9 +302,10 @@ def calibrate(target_epsilon: float, delta: float, p: DiceParams, method: str = 
     check_epsilon(target_epsilon)
     check_delta(delta)
     check_basis(method)
+    check_accountant(accountant)  # the inputs are valid from here on (DiceParams checks its own)
     if method == "authors":
-        return gaussian.calibrate(target_epsilon, delta, p.sample_rate, p.steps, accountant) * authors_factor(p)
-    z_cons = gaussian.calibrate(target_epsilon, delta, 1.0, p.steps, "pld") * (1 + 2 * p.ratio)
+        return gaussian._calibrate(target_epsilon, delta, p.sample_rate, p.steps, accountant) * authors_factor(p)
+    z_cons = gaussian._calibrate(target_epsilon, delta, 1.0, p.steps, "pld") * (1 + 2 * p.ratio)
     if method == "conservative":
         return z_cons
     if method == "sound":
@@ -321,8 +322,8 @@ def _calibrate_sound(target: float, delta: float, p: DiceParams, z_cons: float) 
     below it above the target."""
     def at(discretization: float):
         def eps(z: float) -> float:
-            try:
-                return sound_epsilon(p, z, delta, discretization)
+            try:  # the inputs were validated by calibrate
+                return _sound_epsilon(p.ratio, p.sample_rate, p.steps, float(z), float(delta), float(discretization))
             except pld.NoiseTooSmallError:  # below the PLD's smallest z: certainly too little noise
                 return math.inf
         return eps

@@ -26,22 +26,34 @@ __all__ = ["NoiseTooSmallError", "SampledGaussian", "calibrate", "epsilon", "flo
 def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float,
             accountant: str = "pld") -> float:
     """Epsilon of T steps of the Poisson-subsampled Gaussian; inf when z = 0."""
-    acc = get(accountant)
+    get(accountant)
     check_rate(sample_rate)
     check_delta(delta)
-    if noise_multiplier < 0 or not math.isfinite(noise_multiplier):
+    check_noise(noise_multiplier)
+    if steps != 0:
+        check_steps(steps)
+    return _epsilon(noise_multiplier, sample_rate, steps, delta, accountant)
+
+
+def check_noise(noise_multiplier: float) -> float:
+    if not (isinstance(noise_multiplier, (int, float)) and math.isfinite(noise_multiplier) and noise_multiplier >= 0):
         raise ConfigError(f"`noise_multiplier` must be a finite number >= 0, got {noise_multiplier!r}")
+    return noise_multiplier
+
+
+def _epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str) -> float:
+    """``epsilon`` for inputs already validated (``epsilon``, ``calibrate``, ``privacy.account``)."""
     if steps == 0:
         return 0.0
-    check_steps(steps)
     if noise_multiplier == 0:
         return math.inf
-    return acc.epsilon(noise_multiplier, sample_rate, steps, delta)
+    return get(accountant).epsilon(noise_multiplier, sample_rate, steps, delta)
 
 
 def report(noise_multiplier: float, sample_rate: float, steps: int, delta: float,
            accountant: str = "pld", sensitivity_note: str = "") -> PrivacyReport:
-    eps = epsilon(noise_multiplier, sample_rate, steps, delta, accountant)
+    """The statement after ``steps`` steps, for inputs ``privacy.account`` has validated."""
+    eps = _epsilon(noise_multiplier, sample_rate, steps, delta, accountant)
     basis = get(accountant).basis_for(sample_rate) if noise_multiplier > 0 else \
         "non-private (no noise): no DP guarantee"
     if sensitivity_note:
@@ -50,7 +62,6 @@ def report(noise_multiplier: float, sample_rate: float, steps: int, delta: float
                          basis=basis, certified=noise_multiplier > 0, noise_multiplier=noise_multiplier)
 
 
-@functools.lru_cache(maxsize=256)
 def calibrate(target_epsilon: float, delta: float, sample_rate: float, steps: int,
               accountant: str = "pld") -> float:
     """Smallest noise multiplier (to 0.1% relative tolerance) whose epsilon is <= the target.
@@ -66,6 +77,13 @@ def calibrate(target_epsilon: float, delta: float, sample_rate: float, steps: in
     check_delta(delta)
     check_rate(sample_rate)
     check_steps(steps)
+    get(accountant)
+    return _calibrate(target_epsilon, delta, sample_rate, steps, accountant)
+
+
+@functools.lru_cache(maxsize=256)
+def _calibrate(target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
+    """``calibrate`` for inputs already validated, cached in-process."""
     acc, q = get(accountant), sample_rate
 
     def guarded(fn: Callable[[float], float]) -> Callable[[float], float]:
@@ -76,7 +94,7 @@ def calibrate(target_epsilon: float, delta: float, sample_rate: float, steps: in
                 return math.inf
         return eps
 
-    final = guarded(lambda z: epsilon(z, q, steps, delta, accountant))
+    final = guarded(lambda z: _epsilon(z, q, steps, delta, accountant))
     levels = [(guarded(fn), tol) for fn, tol in acc.aims(q, steps, delta)] or [(final, 1e-2)]
     z = search.calibrate_levels(target_epsilon, levels, final, floor=acc.floor, ceiling=1e6)
     if math.isinf(z):
@@ -102,4 +120,5 @@ def floor_note(target: float | None, achieved: float, z: float, accountant: str)
             f"budget" + (f", or `accountant='{free[0]}'` (no floor)" if acc.floor and free else ""))
 
 
+calibrate.cache_clear = _calibrate.cache_clear  # type: ignore[attr-defined]
 smallest_noise = search.smallest_noise  # the plain bisection (a reference for the secant searches)

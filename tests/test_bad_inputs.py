@@ -435,7 +435,7 @@ CASES = [
       ConfigError, "drop `ef_clip`"),
     A("train-into-a-file", lambda tmp: train(TrainConfig(data="digits", model="logreg", algo="dpsgd",
                                                          noise_multiplier=1.0, out=str(tmp / "blocker"))),
-      ConfigError, "{tmp}/blocker is a file"),
+      ConfigError, "{tmp}/blocker'` is a file"),
     A("fashion-mnist-corrupted-label-api", lambda tmp: __import__("clipbias.data.datasets").data.load_dataset(
         "fashion-mnist", data_dir=tmp / "fm"), IdxFormatError, "label 200", "--reinstall", setup=corrupt_fashion),
 ]

@@ -85,10 +85,10 @@ def test_resume_refuses_changed_settings(tmp_path, splits):
     out = str(tmp_path / "r")
     cfg = dataclasses.replace(BASE, out=out)  # calibrated as in test_results_files_and_private_checkpoint
     train(cfg, splits=splits)
-    for change, flag in [({"epsilon": 2.0}, "--epsilon"), ({"seed": 1}, "--seed"),
-                         ({"epochs": 2}, "--epochs"), ({"model": "logreg"}, "--model"),
-                         ({"clip": 0.5}, "--clip"), ({"dice_accounting": "authors"}, "--dice-accounting"),
-                         ({"data": "wine"}, "--data")]:
+    for change, flag in [({"epsilon": 2.0}, "`epsilon"), ({"seed": 1}, "`seed`"),
+                         ({"epochs": 2}, "`epochs"), ({"model": "logreg"}, "`model`"),
+                         ({"clip": 0.5}, "`clip`"), ({"dice_accounting": "authors"}, "`dice_accounting`"),
+                         ({"data": "wine"}, "`data`")]:
         with pytest.raises(ResumeMismatchError, match=flag):
             train(dataclasses.replace(cfg, resume=True, **change), splits=splits)
 
@@ -108,7 +108,7 @@ def test_engine_refuses_mismatched_privacy_state(tmp_path, splits):
 def test_existing_run_needs_resume_or_overwrite(tmp_path, splits):
     cfg = dataclasses.replace(ONE, out=str(tmp_path / "x"))
     train(cfg, splits=splits)
-    with pytest.raises(ConfigError, match="--resume"):
+    with pytest.raises(ConfigError, match="`resume=True`"):
         train(cfg, splits=splits)
     train(dataclasses.replace(cfg, overwrite=True), splits=splits)
     with pytest.raises(ConfigError, match="no checkpoint"):
@@ -259,7 +259,7 @@ def test_a_diverged_run_fails_loudly_and_is_marked(tmp_path):
     from clipbias.errors import TrainingDivergedError
     cfg = TrainConfig(data="digits", model="logreg", algo="dpsgd", epsilon=3.0, epochs=2, batch_size=64,
                       lr=1e38, clip=1.0, accountant="rdp", out=str(tmp_path / "div"))
-    with pytest.raises(TrainingDivergedError, match="diverged in epoch 1.*Lower --lr"):
+    with pytest.raises(TrainingDivergedError, match="diverged in epoch 1.*Lower `lr`"):
         train(cfg)
     res = json.loads((tmp_path / "div" / RESULTS).read_text())
     assert res["diverged"] is True and len(res["history"]) == 1 and "test_accuracy" not in res
@@ -284,7 +284,7 @@ def test_stale_private_temporaries_are_removed_and_truncated_checkpoints_explain
     check_out_dir(out)
     assert not dead.exists() and live.exists()
     (out / CHECKPOINT).write_bytes(b"PK\x03\x04 truncated")
-    with pytest.raises(ConfigError, match="truncated or corrupted.*--overwrite"):
+    with pytest.raises(ConfigError, match="truncated or corrupted.*`overwrite=True`"):
         load_checkpoint(out)
 
 
@@ -338,7 +338,7 @@ def test_a_finished_run_at_a_given_noise_extends_to_more_epochs_exactly(tmp_path
     assert len(extended["history"]) == 3
     cal = dict(base, noise_multiplier=None, epsilon=2.0, algo="dpsgd", accountant="rdp")  # rdp: a quick calibration
     train(TrainConfig(**cal, epochs=1, out=str(tmp_path / "c")), progress=False, plot=False)
-    with pytest.raises(ResumeMismatchError, match="calibrated so that 1 epochs spend exactly --epsilon 2"):
+    with pytest.raises(ResumeMismatchError, match="calibrated so that 1 epochs spend exactly `epsilon=2`"):
         train(TrainConfig(**cal, epochs=2, out=str(tmp_path / "c"), resume=True), progress=False, plot=False)
 
 

@@ -67,9 +67,10 @@ _active: tuple[dict, dict] = ({}, {})
 
 
 def use(parser: argparse.ArgumentParser, command: str | None) -> None:
-    """The flags of the command now running: ``speak`` (errors, warnings) translates with them."""
+    """The flags of the command now running: ``speak`` (errors, warnings) translates with them, and with
+    ``train``'s for a name the command has no flag of its own for (``export``'s "train with `out`")."""
     global _active
-    _active = (command_flags(parser, command), {})
+    _active = ({**command_flags(parser, "train"), **command_flags(parser, command)}, {})
 
 
 def speak(message: str) -> str:

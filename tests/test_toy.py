@@ -200,7 +200,7 @@ def test_run_all_explains_refused_settings():
                                                                          noise_multiplier=0.0),
                                    ["sgd", "clip-sgd", "dpsgd", "dice"])
     assert set(results) == {"sgd", "clip-sgd"} and set(skipped) == {"dpsgd", "dice"}
-    assert all("--noise-multiplier must be a positive" in why for why in skipped.values())
+    assert all("`noise_multiplier` must be a positive" in why for why in skipped.values())
 
 
 def test_unknown_problem_or_algorithm_is_a_config_error():

@@ -89,7 +89,7 @@ def test_banded_noise_state_round_trips_and_a_rolled_back_step_leaves_no_trace()
         assert torch.equal(ya, yb)
         a.commit()
         b.commit()
-    with pytest.raises(ConfigError, match="same --bands"):
+    with pytest.raises(ConfigError, match="same `bands`"):
         BandedNoise(0.5, KEY, coefficients(2, 0.9)).load_state_dict(state)
 
 
@@ -121,7 +121,7 @@ def test_banded_sampler_state_round_trips_and_refuses_other_bands():
     assert torch.equal(s.sample(), t.sample())
     with pytest.raises(ConfigError, match="bands=4"):
         PoissonSampler(500, 0.05, KEY, bands=2).load_state_dict(s.state_dict())
-    with pytest.raises(ConfigError, match="use --bands <= 20"):
+    with pytest.raises(ConfigError, match="use `bands` <= 20"):
         PoissonSampler(500, 0.05, KEY, bands=21)
     with pytest.raises(ConfigError, match="whole number"):
         PoissonSampler(500, 0.05, KEY, bands=0)

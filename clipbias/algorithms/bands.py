@@ -46,7 +46,7 @@ BANDABLE = ("dpsgd", "normalized", "disk", "dpsgd+disk", "normalized+disk", "per
 def check_bandable(algorithm: str, bands: int) -> None:
     """Refuse ``bands`` > 1 for an algorithm the banded accounting does not cover."""
     if bands != 1 and algorithm not in BANDABLE:
-        raise ConfigError(f"--bands {bands} is not available for {algorithm}: banded noise is accounted for algorithms "
+        raise ConfigError(f"`bands={bands}` is not available for {algorithm}: banded noise is accounted for algorithms "
                           f"whose rows depend on one example at one step and that release only the noisy update "
                           f"({', '.join(BANDABLE)}); error feedback, adaptive clipping, per-example momentum and "
                           f"inner-outer momentum carry an example's gradient across steps or release more "
@@ -118,7 +118,7 @@ class BandedNoise(Stage):
     def load_state_dict(self, state: dict) -> None:
         if tuple(state.get("coefs", ())) != self.coefs:
             raise ConfigError(f"banded noise state has coefficients {state.get('coefs')}, this run {list(self.coefs)}: "
-                              f"resume with the same --bands and momentum")
+                              f"resume with the same `bands` and momentum")
         self.draws = int(state["draws"])
         self.inputs = [t.to(torch.float64) for t in state["inputs"]]
         self.outputs = [t.to(torch.float64) for t in state["outputs"]]
@@ -132,7 +132,7 @@ def band_pipeline(pipeline: Pipeline, algorithm: str, bands: int, momentum: floa
         return pipeline
     check_bandable(algorithm, bands)
     if not isinstance(pipeline.noise, GaussianNoise) or pipeline.noise_per_bound is not None:
-        raise ConfigError(f"--bands {bands}: {algorithm} has no fixed Gaussian noise stage to band")
+        raise ConfigError(f"`bands={bands}`: {algorithm} has no fixed Gaussian noise stage to band")
     pipeline.noise = BandedNoise(pipeline.noise.std, key, coefficients(bands, momentum))
     return pipeline
 

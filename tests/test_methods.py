@@ -163,7 +163,7 @@ def test_dpgd_momentum_accounting_and_refusals():
     rep = eng.privacy(7)
     assert eng.spec.sample_rate == 1 and rep.epsilon == pytest.approx(
         pld.gaussian_exact_epsilon(Z, 7, 1e-5), rel=1e-9)
-    with pytest.raises(ConfigError, match="full-batch.*--batch-size to N = 96"):
+    with pytest.raises(ConfigError, match="full-batch.*`batch_size` to N = 96"):
         engine(tiny_cnn(), "dpgd-momentum", batch_size=8.0)
     with pytest.raises(ConfigError, match="stores one momentum vector per training example.*inner-outer"):
         engine(tiny_cnn(), "dpgd-momentum", batch_size=float(N), extra={"max_memory_gb": 1e-9})
@@ -251,7 +251,7 @@ def test_outer_momentum_update_eq14():
 
 
 def test_inner_outer_refuses_double_momentum():
-    with pytest.raises(ConfigError, match="own outer momentum.*--momentum 0"):
+    with pytest.raises(ConfigError, match="own outer momentum.*`AlgoConfig.momentum=0`"):
         engine(tiny_cnn(), "inner-outer", cfg={"momentum": 0.9})
 
 

@@ -194,7 +194,7 @@ def test_run_all_explains_refused_settings():
     assert set(results) == {"sgd", "inner-outer"} and set(skipped) == {"dpgd-momentum", "batch-clip"}
     assert results["sgd"].settings["batch_size"] == 1.0 and not results["sgd"].settings["full_batch"]
     assert skipped["dpgd-momentum"].startswith("dpgd-momentum did not run with these settings")
-    assert "full-batch" in skipped["dpgd-momentum"] and "--batch-size" in skipped["dpgd-momentum"]
+    assert "full-batch" in skipped["dpgd-momentum"] and "`batch_size`" in skipped["dpgd-momentum"]
     assert "BatchNorm network" in skipped["batch-clip"]
     results, skipped = toy.run_all("xiao-two-sample", toy.settings_for("xiao-two-sample", steps=5,
                                                                          noise_multiplier=0.0),

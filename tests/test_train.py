@@ -347,7 +347,7 @@ def test_run_many_refuses_a_variant_before_any_run_trains(tmp_path):
     comparison before the first variant trains, not after it."""
     base = TrainConfig(data="digits", model="logreg", algo="dpsgd", noise_multiplier=1.0, epochs=1,
                        batch_size=64, lr=0.5, momentum=0.9)
-    with pytest.raises(ConfigError, match="set --momentum 0"):
+    with pytest.raises(ConfigError, match="set `AlgoConfig.momentum=0`"):
         run_many(base, [("dpsgd", {"algo": "dpsgd"}), ("inner-outer", {"algo": "inner-outer"})], [0],
                  out=tmp_path / "cmp")
     assert not (tmp_path / "cmp").exists() or not any((tmp_path / "cmp").iterdir())

@@ -14,7 +14,8 @@ import argparse
 import re
 
 # an API name: identifier(.identifier)*, optionally ['key'], optionally =value
-ALIASES = {"anti_norm": "anti_canary", "algorithm": "algo", "noise_seed": "reproducible_noise"}
+ALIASES = {"anti_norm": "anti_canary", "algorithm": "algo", "noise_seed": "reproducible_noise",
+           "num_workers": "workers"}
 """API names whose flag's dest is spelled otherwise."""
 _NAME = re.compile(r"`([A-Za-z_][\w.]*)(?:\[['\"]([\w-]+)['\"]\])?(?:=(['\"]?)([^`'\"]*)\3)?`")
 

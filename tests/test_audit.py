@@ -91,7 +91,7 @@ def test_refusals_name_the_problem():
         audit.check_batched("sgd")
     with pytest.raises(ConfigError, match="one-run"):
         audit.check_batched("p-avg")
-    with pytest.raises(ConfigError, match="--trials"):
+    with pytest.raises(ConfigError, match="`trials`"):
         audit.CanaryAudit("dpsgd", 1.0, 0.01, 10, 10.0, trials=3)
     assert algorithms.get("dice").private
 

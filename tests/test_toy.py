@@ -204,9 +204,9 @@ def test_run_all_explains_refused_settings():
 
 
 def test_unknown_problem_or_algorithm_is_a_config_error():
-    with pytest.raises(ConfigError, match="--problem"):
+    with pytest.raises(ConfigError, match="`problem`"):
         toy.get_problem("nope")
-    with pytest.raises(ConfigError, match="--algo"):
+    with pytest.raises(ConfigError, match="`algo`"):
         toy.run("dice-b1", "nope")
 
 

@@ -80,7 +80,7 @@ def new_run_dir(name: str, parent: str | os.PathLike = "runs") -> Path:
                     raise
     except OSError as e:
         raise WriteError(f"cannot create a run directory under {parent}: {e}. Make {parent} a writable "
-                         f"directory, or choose the output directory with --out DIR") from e
+                         f"directory, or choose the output directory with `out` DIR") from e
     raise AssertionError("unreachable")
 
 

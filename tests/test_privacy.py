@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clipbias.errors import ConfigError, PrivacyAccountingError
-from clipbias.privacy import AccountingSpec, DiceParams, account, dice, gaussian, pld
+from clipbias.privacy import AccountingSpec, DiceParams, account, dice, gaussian
 
 
 @pytest.mark.parametrize("q,z,T,acc,expected,tol", [

@@ -32,8 +32,8 @@ from ..randomness import SecretKey
 from .dataset import (DATASETS, HOLDOUT_CAVEAT, DataFormatError, DataNotFoundError, DataSource, Dataset,
                       IdxFormatError, holdout, keyed_split, register_dataset, stratified_split, with_validation)
 # the catalog: each module registers its data sets (``register_dataset``), in the order the CLI lists them
-from .fashion import (FASHION_MNIST_CLASSES, FASHION_MNIST_MEAN, FASHION_MNIST_STD, cache_dir, fashion_mnist_dir,
-                      load_fashion_mnist, read_idx)
+from .fashion import (FASHION_MNIST_MEAN, FASHION_MNIST_STD, cache_dir, fashion_mnist_dir, load_fashion_mnist,
+                      read_idx)
 from . import sklearn_sets  # noqa: E402,F401  digits, digits-image, breast-cancer, wine
 from .own import CIFAR10_CLASSES, load_cifar10, load_npz  # noqa: E402
 

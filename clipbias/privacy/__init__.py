@@ -20,7 +20,8 @@ from ..errors import ClipbiasError, ConfigError
 from . import cache, dice, gaussian
 from . import pld, rdp  # noqa: F401  the accountants: each registers itself (accountants.ACCOUNTANTS)
 from .dice import DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING, DiceParams
-from .report import (ACCOUNTANTS, PrivacyReport, check_accountant, check_delta, check_epsilon, check_rate,
+from .accountants import ACCOUNTANTS
+from .report import (PrivacyReport, check_accountant, check_delta, check_epsilon, check_rate,
                      check_steps, delta_warning)
 
 __all__ = ["AccountingSpec", "PrivacyReport", "DiceParams", "account", "calibrate", "ACCOUNTANTS",

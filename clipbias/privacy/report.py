@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from ..errors import ConfigError
-from .accountants import ACCOUNTANTS, get
+from .accountants import get
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import re
 
 # an API name: identifier(.identifier)*, optionally ['key'], optionally =value
 ALIASES = {"anti_norm": "anti_canary", "algorithm": "algo", "noise_seed": "reproducible_noise",
-           "num_workers": "workers"}
-"""API names whose flag's dest is spelled otherwise."""
+           "num_workers": "workers", "TuneConfig.validation": "validation_fraction"}
+"""API names whose flag's dest is spelled otherwise (a qualified name where the field alone is ambiguous)."""
 _NAME = re.compile(r"`([A-Za-z_][\w.]*)(?:\[['\"]([\w-]+)['\"]\])?(?:=(['\"]?)([^`'\"]*)\3)?`")
 
 
@@ -52,6 +52,8 @@ def speak_cli(message: str, flags: dict[str, tuple[str, bool]], settings: dict[s
                 return m.group(0)
             flag, switch = settings[key], False
         else:
+            if name in ALIASES:
+                name = ALIASES[name]
             owner, dot, field = name.rpartition(".")
             name = field if dot and owner[:1].isupper() else name  # AlgoConfig.clip, TrainConfig.resume: the field
             name = ALIASES.get(name, name)

@@ -65,7 +65,7 @@ class TuneConfig:
         if not (isinstance(self.shape, (int, float)) and self.shape >= 0 and math.isfinite(self.shape)):
             raise ConfigError(f"`shape` must be a finite number >= 0, got {self.shape!r}")
         if not 0 < self.validation < 1:
-            raise ConfigError(f"--validation-fraction must lie in (0, 1), got {self.validation!r}")
+            raise ConfigError(f"`TuneConfig.validation` must lie in (0, 1), got {self.validation!r}")
         if self.score_noise is not None:
             check_positive(self.score_noise, "score_noise")
 
@@ -79,7 +79,7 @@ def split(splits: Splits, fraction: float, key: SecretKey) -> tuple[Splits, torc
     val = val.to(splits.y_train.device)
     if not 0 < int(val.sum()) < splits.n:
         raise ConfigError("the validation part is empty or holds every example: use more data or another "
-                          "--validation-fraction")
+                          "`TuneConfig.validation`")
     # the trials' q, steps and noise come from the part's public expected size, not its realised one
     expected = splits.info.get("n_expected", splits.n) * (1 - fraction)
     part = dataclasses.replace(splits, x_train=splits.x_train[~val], y_train=splits.y_train[~val], x_val=None,

@@ -22,7 +22,9 @@ Outside an initialised process group (or with one process) every function here i
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
@@ -193,3 +195,136 @@ def gather_objects(obj: object) -> list:
     every: list = [None] * world
     dist.all_gather_object(every, obj)
     return every
+
+
+# ---------------------------------------------------------------- FSDP2 (torch.distributed.fsdp.fully_shard)
+FSDP_HOW = ("Shard the model with torch.distributed.fsdp.fully_shard on its blocks and then on the model itself "
+            "(the root), with the default policies, and train it on the fast path (grad_path='fast' or 'auto'); "
+            "an unsharded model trains data-parallel on any path (every rank a full replica)")
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds a ``fully_shard`` unit or a DTensor parameter (trainable or frozen: a frozen
+    shard must be gathered for the forward too). Neither exists before its torch module is imported, so
+    without those imported this imports nothing (FSDP's import costs about a second)."""
+    fsdp, tensor = sys.modules.get("torch.distributed.fsdp"), sys.modules.get("torch.distributed.tensor")
+    return (fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules())) or \
+        (tensor is not None and any(isinstance(p, tensor.DTensor) for p in model.parameters()))
+
+
+_FSDP_INTERNALS = ("fsdp_params", "mp_policy", "offload_policy", "post_forward_mesh_info", "reshard_after_backward",
+                   "reduce_grads", "all_reduce_grads", "reshard")
+"""What ``unsharded`` reads and sets on each FSDP parameter group (torch 2.13's FSDP2); ``check_sharded`` refuses
+a torch whose groups lack one, rather than fail inside a step."""
+
+
+def _fsdp_groups(model: torch.nn.Module) -> list:
+    """The FSDP parameter groups of every ``fully_shard`` unit in ``model`` (each once)."""
+    from torch.distributed.fsdp import FSDPModule
+    groups: dict[int, object] = {}
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            for g in m._get_fsdp_state()._fsdp_param_groups:
+                groups.setdefault(id(g), g)
+    return list(groups.values())
+
+
+def _missing_internals(model: torch.nn.Module) -> list[str]:
+    """The FSDP2 internals ``unsharded`` uses that this torch's ``fully_shard`` units lack (none on torch 2.13)."""
+    state = getattr(model, "_get_fsdp_state", lambda: None)()
+    if state is None or not hasattr(state, "_fsdp_param_groups") or not hasattr(state, "_lazy_init"):
+        return ["FSDPModule._get_fsdp_state()._fsdp_param_groups / _lazy_init"]
+    return sorted({a for g in _fsdp_groups(model) for a in _FSDP_INTERNALS if not hasattr(g, a)})
+
+
+def check_sharded(model: torch.nn.Module, rule_kind: Callable[[torch.nn.Module], str | None]) -> None:
+    """Refuses (ConfigError) a sharded model that ``unsharded`` cannot gather whole: every DTensor
+    parameter must belong to a ``fully_shard`` unit inside ``model``, ``model`` itself
+    must be one (the root, whose forward runs first), no unit may be a layer with a fast-path rule (Linear,
+    Conv, Embedding, the norms: the fast path refuses hooks on them), the units must keep their parameters
+    and gradients in the parameters' own dtype on their device (no MixedPrecisionPolicy casts, no CPU
+    offload), and torch's FSDP2 must have the internals ``unsharded`` drives (``_FSDP_INTERNALS``). ``rule_kind``:
+    the name of a module's fast-path layer class or None (``clipbias.grads.fast.rule_kind``, passed in by the engine)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+    from torch.distributed.tensor import DTensor
+    if not isinstance(model, FSDPModule):
+        raise ConfigError(f"the model holds fully_shard units or DTensor parameters but is not itself a fully_shard "
+                          f"module. {FSDP_HOW}")
+    layer = next(((n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule) and rule_kind(m)),
+                 None)
+    if layer is not None:  # the fast path refuses hooks on its layers: FSDP's would be refused at the first step
+        kind = rule_kind(layer[1])
+        raise ConfigError(f"fully_shard was applied to the layer {repr(layer[0]) if layer[0] else 'the model'} "
+                          f"({kind}) itself; apply it to the blocks that contain the layers (FSDP's hooks sit on the "
+                          f"module it wraps, and the per-layer norms refuse hooks on their layers). {FSDP_HOW}")
+    missing = _missing_internals(model)
+    if missing:
+        raise ConfigError(f"this torch ({torch.__version__}) has FSDP2 internals other than those the private step "
+                          f"drives (tested with torch 2.13; missing: {', '.join(missing)}): train the model "
+                          f"unsharded, data-parallel")
+    groups = _fsdp_groups(model)
+    managed = {id(fp.sharded_param) for g in groups for fp in g.fsdp_params}
+    other = [n for n, p in model.named_parameters() if isinstance(p, DTensor) and id(p) not in managed]
+    if other:
+        raise ConfigError(f"parameters {other[:3]} are DTensors that fully_shard does not manage (tensor "
+                          f"parallelism?): the private step gathers only fully_shard's shards. {FSDP_HOW}")
+    for g in groups:
+        mp = g.mp_policy
+        if any(t is not None for t in (mp.param_dtype, mp.reduce_dtype, mp.output_dtype)) or \
+                isinstance(g.offload_policy, CPUOffloadPolicy):
+            raise ConfigError("fully_shard with a MixedPrecisionPolicy that casts, or with CPUOffloadPolicy: the "
+                              "per-example norms and the clipped sum are computed on the gathered parameters in "
+                              f"their own dtype and device. {FSDP_HOW}")
+
+
+def refuse_sharded_path(why: str) -> None:
+    """A fully_shard model whose step would not run on the fast path (``why``): refused (ConfigError)."""
+    raise ConfigError(f"a model sharded with fully_shard trains on the fast path only (per-layer norms and "
+                      f"book-keeping sums), which does not apply here: {why}. {FSDP_HOW}")
+
+
+@contextlib.contextmanager
+def unsharded(model: torch.nn.Module):
+    """The whole of a ``fully_shard`` model gathered on every rank for one private step, then sharded again.
+
+    Inside, every unit's parameters are registered unsharded (plain tensors, all-gathered once on entry:
+    a collective, every rank enters), forward and backward do not reshard them, and FSDP reduces no
+    gradient: the step differentiates with ``torch.autograd.grad``, the per-example norms and clipped sums
+    are those of the unwrapped model, and the ranks, which run different numbers of forward and backward
+    passes on their shares, issue no collective inside. On exit (also on an error) FSDP's settings are
+    restored and the parameters are sharded again (the gathered copies freed). Identity for a model
+    without ``fully_shard`` units."""
+    groups = _fsdp_groups(model)
+    if not groups:
+        yield
+        return
+    model._get_fsdp_state()._lazy_init()  # the root decides its reshard-after-forward once, before we save it
+    saved = [(g, g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads, g.all_reduce_grads)
+             for g in groups]
+    try:
+        for g in groups:
+            g.post_forward_mesh_info, g.reshard_after_backward = None, False  # no reshard within the step
+            g.reduce_grads = g.all_reduce_grads = False  # no reduce-scatter: nothing reaches .grad anyway
+        from torch.distributed.fsdp import FSDPModule
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.unshard()
+        yield
+    except BaseException:
+        model.reset_iter_state()  # a forward or backward cut short: FSDP's per-iteration state cleared
+        raise
+    finally:
+        for g, *before in saved:
+            g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads, g.all_reduce_grads = before
+        for g in groups:
+            g.reshard()
+
+
+def shard_like(param: Tensor, full: Tensor) -> Tensor:
+    """``full`` (the whole update of ``param``, identical on every rank) as ``param`` holds it: this rank's
+    slice as a DTensor of ``param``'s mesh and placements (no communication), or ``full`` itself for a
+    plain tensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    if not isinstance(param, DTensor):
+        return full
+    return distribute_tensor(full.contiguous(), param.device_mesh, param.placements, src_data_rank=None)

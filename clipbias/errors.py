@@ -26,6 +26,19 @@ class ConfigError(ClipbiasError, ValueError):
     """An invalid setting (epsilon, delta, rate, norm, ...). The message names the setting."""
 
 
+class PathRefusal(ConfigError):
+    """A gradient path (``path``: ``"rows"`` or ``"fast"``) cannot compute this model's per-example
+    gradients, found from the model's structure at a step before anything changed; under
+    ``grad_path="auto"`` the engine takes the other path instead."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+    def __reduce__(self):
+        return type(self), (self.path, str(self))
+
+
 class UnsupportedModelError(ClipbiasError, ValueError):
     """The model mixes examples (e.g. BatchNorm in train mode), so per-example DP is impossible."""
 

@@ -70,7 +70,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (default 0)")
     p.add_argument("--max-physical-batch", type=int, default=8, help="examples per vmap call (memory only)")
     p.add_argument("--grad-path", choices=("rows", "fast", "auto"), default="auto",
-                   help="per-example gradients: rows (torch.func) or fast (book-keeping; applies with --lora)")
+                   help="per-example gradients: rows (torch.func) or fast (book-keeping, no rows; full fine-tuning and --lora)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model initialisation (public)")
     p.add_argument("--reproducible-noise", action="store_true", help="derive the secret streams from --seed "
                                                                      "(tests; the guarantee then needs it secret)")
@@ -89,7 +89,8 @@ def build(args: argparse.Namespace):
         eos = tok.convert_tokens_to_ids(tok.eos_token)
         cfg = GPT2Config(vocab_size=len(tok), n_positions=args.max_length, n_embd=64, n_layer=2, n_head=2,
                          bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
-        # eager attention: torch.func.vmap cannot run the SDPA path's data-dependent mask branches
+        # eager attention: transformers' causal-mask code then runs inside torch.func.vmap (under SDPA it tests
+        # the mask's values, and the rows path computes the examples one at a time)
         model = GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
     else:
         d = Path(args.model_dir)

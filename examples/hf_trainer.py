@@ -8,7 +8,7 @@ data are random token sequences labelled by their first token (a public toy task
 the usual ``TrainingArguments``; the expected Poisson batch size is ``per_device_train_batch_size x
 gradient_accumulation_steps``. The sequences all have the same length, so the batches carry no padding and no
 ``attention_mask``, and BERT's per-example gradients run on the rows path (torch.func); for padded batches see
-docs/integrations.md (BERT then takes ``grad_path="fast"`` with ``PerExampleIds``). Under a minute on a CPU.
+docs/integrations.md (``grad_path="auto"`` then moves BERT to the fast path). Under a minute on a CPU.
 With 256 examples at epsilon 3 the eval accuracy varies from run to run (0.51-0.77 measured, each run under
 fresh secret noise; the plain Trainer of ``--compare`` reaches 1.0): the example shows the plumbing.
 """

@@ -283,3 +283,97 @@ def test_torchrun_module_entry_point_and_resume_at_another_world_size(tmp_path):
                               resume=True)
     with pytest.raises(ResumeMismatchError, match="written by a run on 2 process"):
         train(cfg)
+
+
+# ---------------------------------------------------------------- a model sharded with fully_shard (FSDP2)
+def _sharded_model() -> torch.nn.Module:
+    """float64 (the sums are then exact to rounding); 7 and 9 rows: shards of unequal size on 2 ranks."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(7, 9), torch.nn.Tanh(), torch.nn.LayerNorm(9))
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), block, torch.nn.Linear(9, 3)).double()
+
+
+def _sharded_run(model: torch.nn.Module) -> tuple:
+    """dpsgd with SGD momentum (RDP accounting: quick), 2 steps in micro-batches of 4 (the ranks run different numbers
+    of forward and backward passes), then a step whose batch holds a NaN example (refused everywhere, nothing
+    updated), then that batch without it. Returns (engine, the refusal's message, weights before it, after it)."""
+    from clipbias.config import AlgoConfig
+    from clipbias.engine.core import DPEngine, run_steps
+    x, y = torch.randn(60, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1)), torch.arange(60) % 3
+    eng = DPEngine(model, "dpsgd", n=60, batch_size=20, steps=3, noise_multiplier=1.0, noise_seed=5,
+                   accountant="rdp", max_physical_batch=4, config=AlgoConfig(lr=0.5, clip=1.0, momentum=0.9))
+    run_steps(eng, x, y, 2)
+    whole = lambda: [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in model.parameters()]
+    glob = eng.sampler.sample()
+    bad = int(glob[glob % 2 == 1][0])  # owned by rank 1 of 2
+    idx, x[bad] = eng.local_share(glob), float("nan")
+    before, msg = whole(), None
+    try:
+        eng.step(x[idx], y[idx], idx)
+    except NonFiniteGradientError as e:
+        msg = str(e)
+    after = whole()
+    x[bad] = 0.0
+    eng.step(x[idx], y[idx], idx)
+    return eng, msg, before, after
+
+
+def _sharded_rank(rank: int, result: str) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+    model = _sharded_model()
+    fully_shard(model[2])
+    fully_shard(model)
+    eng, msg, before, after = _sharded_run(model)
+    local = {n: (isinstance(p, DTensor), tuple(p.to_local().shape),
+                 tuple(eng.optimizer.state[p]["momentum_buffer"].to_local().shape))
+             for n, p in model.named_parameters()}
+    refused = {}
+    for name, kw, shard in [("rows", {"grad_path": "rows"}, "all"), ("p-avg", {"algo": "p-avg"}, "all"),
+                            ("no root", {}, "block"), ("cast", {}, "cast"), ("layer", {}, "layer")]:
+        m = _sharded_model()
+        if shard in ("block", "layer"):
+            fully_shard(m[2] if shard == "block" else m[0])
+        if shard != "block":
+            fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32 if shard == "cast" else None))
+        try:
+            from clipbias.engine.core import DPEngine
+            DPEngine(m, kw.get("algo", "dpsgd"), n=60, batch_size=20, steps=3, noise_multiplier=1.0, noise_seed=5,
+                     accountant="rdp", grad_path=kw.get("grad_path", "auto"))
+        except ConfigError as e:
+            refused[name] = str(e)
+    torch.save({"w": [p.full_tensor() for p in model.parameters()], "epsilon": eng.privacy().epsilon, "msg": msg,
+                "unchanged": all(torch.equal(a, b) for a, b in zip(before, after)), "local": local,
+                "refused": refused, "steps": eng.steps_taken}, f"{result}.{rank}")
+
+
+def test_fully_shard_gives_the_single_process_run(tmp_path):
+    """A model sharded with fully_shard on 2 ranks (a block and the root; shards of unequal size) trains to the
+    weights of the unsharded model in one process, float64, with the same epsilon: the per-example norms are
+    whole, the noise is added once; parameters and optimizer state stay sharded, a NaN example on one rank
+    stops both and updates nothing, and what the path cannot cover is refused by name."""
+    torch.set_num_threads(1)
+    ranks = mp.spawn(_worker, args=(2, _port(), _sharded_rank, (str(tmp_path / "fsdp"),)), nprocs=2, join=False)
+    model = _sharded_model()  # the one-process run while the ranks run
+    eng, msg, before, after = _sharded_run(model)
+    while not ranks.join():
+        pass
+    assert eng.steps_taken == 3 and all(torch.equal(a, b) for a, b in zip(before, after))
+    init = list(_sharded_model().parameters())
+    assert sum(float((p - q).detach().norm()) for p, q in zip(model.parameters(), init)) > 0.5  # trained
+    for rank in range(2):
+        res = torch.load(tmp_path / f"fsdp.{rank}")
+        assert res["steps"] == 3 and res["epsilon"] == eng.privacy().epsilon
+        assert max(float((a - b).detach().abs().max()) for a, b in zip(res["w"], model.parameters())) <= 1e-12
+        assert res["unchanged"] and res["msg"] is not None and "rank 1 of 2" in res["msg"]
+        assert msg is not None and msg.split(" [rank")[0] == res["msg"].split(" [rank")[0]
+        shards = {"0.weight": (4, 5) if rank == 0 else (3, 5), "2.0.weight": (5, 7) if rank == 0 else (4, 7)}
+        for name, rows in shards.items():
+            assert res["local"][name] == (True, rows, rows)  # a DTensor shard, its momentum the same shard
+        got = res["refused"]
+        assert set(got) == {"rows", "p-avg", "no root", "cast", "layer"}
+        assert "fast path only" in got["rows"] and "grad_path='rows'" in got["rows"]
+        assert "fast path only" in got["p-avg"] and "p-avg" in got["p-avg"]
+        assert "not itself a fully_shard module" in got["no root"]
+        assert "MixedPrecisionPolicy" in got["cast"]
+        assert "applied to the layer '0' (Linear) itself" in got["layer"]

@@ -326,7 +326,7 @@ class _Doubled(nn.Linear):
                                        (torch.nn.utils.weight_norm(nn.Linear(2, 2)), "besides weight and bias"),
                                        (torch.nn.utils.parametrizations.orthogonal(nn.Linear(2, 2)), "no fast-path rule"),
                                        (nn.Embedding(5, 2, scale_grad_by_freq=True), "scale_grad_by_freq"),
-                                       (nn.Conv1d(2, 2, 1, groups=2), "groups")])
+                                       (nn.ConvTranspose2d(2, 2, 1), "no fast-path rule")])
 def test_fast_path_names_layers_it_cannot_handle(layer, why):
     from clipbias.grads.fast import why_unsupported
     assert why in why_unsupported(nn.Sequential(layer))
@@ -566,7 +566,7 @@ def test_the_ghost_sums_in_blocks_equal_one_float64_product(monkeypatch):
 def test_tiny_inputs_times_huge_output_gradients_cannot_hide_a_norm():
     """Red team: a plain Linear's norm ||a||^2 ||g||^2 in float32 underflowed to 0 for |a_j| <= 2^-75
     while g a^T (|g_j| ~ 1e18) did not: 2.98 C released at C = 0.01. In float64 it holds; float16
-    activations (squares underflow at 2^-12) are refused."""
+    activations, whose squares underflow in float16 below 2^-12, are widened to float32 first."""
     from clipbias.grads.fast import BookKeeping
     from clipbias.transforms import clip_scale
     m = nn.Linear(4096, 256, bias=False)
@@ -574,10 +574,12 @@ def test_tiny_inputs_times_huge_output_gradients_cannot_hide_a_norm():
     x, y, C = torch.full((1, 4096), 2.0 ** -75), torch.full((1, 256), 1.1e18), 0.01
     proc, _, _, norms = bk(x, y, lambda n: clip_scale(n, C), False)
     assert float(norms[0]) > 0.029 and float(proc.double().norm()) <= C * (1 + 1e-6)  # true norm 0.0298
-    half = nn.Linear(8, 4).half()
-    with pytest.raises(ConfigError, match="float16 activations"):
-        BookKeeping(half, lambda out, y: (out * y).sum(1))(torch.ones(2, 8).half(), torch.ones(2, 4).half(),
-                                                          lambda n: clip_scale(n, C), False)
+    half = nn.Linear(8, 4, bias=False).half()
+    x, y = torch.full((2, 8), 2.0 ** -14).half(), torch.full((2, 4), 2.0 ** -10).half()  # squares: 2^-28, 2^-20
+    proc, _, _, norms = BookKeeping(half, lambda out, y: (out * y).sum(1))(x, y, lambda n: clip_scale(n, 1e-9), False)
+    true = 2.0 ** -14 * 8 ** 0.5 * 2.0 ** -10 * 2  # ||x_i|| ||y_i||
+    assert bool((norms.double() >= true * (1 - 1e-6)).all()) and float(norms.max()) < true * (1 + 1e-4)
+    assert proc.dtype == torch.float32 and float(proc.double().norm()) <= 2e-9 * (1 + 1e-6)
 
 
 def test_the_ghost_norm_bound_holds_under_reduced_matmul_precision():
@@ -955,19 +957,18 @@ class _InnerAutocast(nn.Module):
             return self.l2(torch.tanh(self.l1(x.flatten(1)))).float()
 
 
-def test_bfloat16_inside_the_model_is_refused_on_the_fast_path_and_exact_on_rows():
-    """bfloat16 activations made the fast path's sums bfloat16 (1.27 C at B = 256, red team): refused
-    before any change. The rows path's per-example gradients come back in float32: it runs."""
+def test_bfloat16_inside_the_model_is_widened_on_the_fast_path_and_exact_on_rows():
+    """bfloat16 activations made the fast path's sums bfloat16 (1.27 C at B = 256, red team): they are
+    widened to float32 before the rules, whose sums are then float32 (float64 for one-position layers).
+    The rows path's per-example gradients come back in float32. Both run."""
     x, y = _data(10)
-    m = _InnerAutocast()
-    eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=2, noise_multiplier=1.0, grad_path="fast")
-    before = [p.detach().clone() for p in m.parameters()]
-    with pytest.raises(ConfigError, match="bfloat16 activations"):
+    for path in ("fast", "rows"):
+        m = _InnerAutocast()
+        eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=2, noise_multiplier=1.0, grad_path=path)
+        sums, finish = [], eng.pipeline.finish
+        eng.pipeline.finish = lambda p, r: (sums.append(p.dtype), finish(p, r))[1]
         eng.step(x, y, torch.arange(10))
-    assert eng.steps_taken == 0 and all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
-    eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=2, noise_multiplier=1.0, grad_path="rows")
-    eng.step(x, y, torch.arange(10))
-    assert eng.steps_taken == 1 and all(torch.isfinite(p).all() for p in m.parameters())
+        assert eng.steps_taken == 1 and sums == [torch.float32] and all(torch.isfinite(p).all() for p in m.parameters())
 
 
 @pytest.mark.parametrize("path", ["rows", "fast"])

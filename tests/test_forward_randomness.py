@@ -214,3 +214,88 @@ def test_a_dataset_drawing_from_torchs_generator_is_refused():
         for x, y, idx in PoissonLoader(eng, _NoisyData()).epoch():
             if len(idx):
                 break
+
+
+def _math_attention(q, k, v, mask, p, keep, causal=False, gqa=False):
+    """torch's math kernel (the one its math backend runs) with a given dropout mask; a bool mask as the
+    additive -inf bias F.scaled_dot_product_attention makes of it."""
+    L, S = q.shape[-2], k.shape[-2]
+    if causal:
+        mask = torch.ones(L, S, dtype=torch.bool).tril()
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Dropout mask should only be used for testing purposes"
+        return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask, p, False, keep, enable_gqa=gqa)[0]
+
+
+@pytest.mark.parametrize("case", ["bool", "float", "causal", "gqa"])
+def test_sdpa_dropout_is_keyed_and_equals_torchs_math_kernel(case):
+    """F.scaled_dot_product_attention with dropout_p > 0 in the private forward: torch's math kernel
+    given the attention-weight mask read independently from each example's keystream (bool and float
+    masks, a query row with every key masked, is_causal, grouped-query heads); row r is example ids[r]'s
+    whatever the other rows (a batch of other composition gives the same rows); dropout_p = 0 is
+    torch's own kernel, bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    b, H, L, S, E = 3, 2, 4, 5, 6
+    q = torch.randn(b, H, L, E, generator=g, dtype=torch.float64)
+    kv_heads = 1 if case == "gqa" else H
+    k, v = (torch.randn(b, kv_heads, S if case != "causal" else L, E, generator=g, dtype=torch.float64)
+            for _ in range(2))
+    S = k.shape[-2]
+    mask = None
+    if case == "bool":
+        mask = torch.rand(b, 1, L, S, generator=g) > 0.4
+        mask[1, 0, 2] = False  # a query that sees no key: zero weights, as torch's math backend gives
+    elif case == "float":
+        mask = torch.randn(b, 1, L, S, generator=g, dtype=torch.float64)
+    kw = {"is_causal": case == "causal", "enable_gqa": case == "gqa"}
+    ids, p = [4, 8, 1], 0.3
+
+    def run(rows, ids, p):
+        m = None if mask is None else mask[rows]
+        with forward.keyed(KEY, 2), forward.examples(ids), forward.one_pass() as seen:
+            out = F.scaled_dot_product_attention(q[rows], k[rows], v[rows], m, dropout_p=p, **kw)
+        return out, seen.calls
+
+    out, calls = run([0, 1, 2], ids, p)
+    keep = reference_masks(KEY, 2, ids, H * L * S, p).view(b, H, L, S)
+    want = _math_attention(q, k, v, mask, p, keep, kw["is_causal"], kw["enable_gqa"])
+    assert calls == 1 and torch.allclose(out, want, rtol=0, atol=1e-12)
+    assert 0.05 < (~keep).float().mean() < 0.6
+    swapped, _ = run([2, 0], [1, 4], p)
+    assert torch.equal(swapped, out[[2, 0]])  # example 1's and 4's weights and masks, beside other examples
+    plain, calls = run([0, 1, 2], ids, 0.0)
+    assert calls == 0 and torch.equal(plain, F.scaled_dot_product_attention(q, k, v, mask, **kw))
+
+
+class _Attention(nn.Module):
+    """One self-attention layer through F.scaled_dot_product_attention with attention dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out, self.p = nn.Linear(6, 3 * 8), nn.Linear(8, 3), 0.3
+
+    def forward(self, x):  # x [b, T, 6]
+        q, k, v = self.qkv(x).view(*x.shape[:2], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p, is_causal=True)
+        return self.out(a.transpose(1, 2).flatten(2)).mean(1)
+
+
+def test_sdpa_dropout_rows_and_fast_paths_agree():
+    """A model whose attention (SDPA) drops weights: one step on the rows path (vmap) and on the fast path
+    (batched, probed by its counterfactual batch of copies) under the same key gives the same update;
+    the masks are drawn (the update differs from the same step without dropout)."""
+    x, y = torch.randn(24, 5, 6, generator=torch.Generator().manual_seed(0)), torch.arange(24) % 3
+    out = []
+    for path, p in (("rows", 0.3), ("fast", 0.3), ("fast", 0.0)):
+        torch.manual_seed(1)
+        m = _Attention().double()
+        m.p = p
+        eng = DPEngine(m, "dpsgd", n=24, batch_size=8, steps=1, noise_multiplier=0.5, grad_path=path, noise_seed=3,
+                       config=AlgoConfig(lr=1.0, clip=100.0))
+        idx = eng.sampler.sample()
+        eng.step(x[idx].double(), y[idx], idx)
+        out.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
+    assert len(idx) > 2 and torch.allclose(out[0], out[1], rtol=0, atol=1e-10)
+    assert (out[1] - out[2]).norm() > 1e-3

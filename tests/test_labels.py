@@ -120,8 +120,9 @@ def test_results_json_names_every_timing_and_size_field_it_holds(tmp_path):
     res = json.loads((tmp_path / "r" / "results.json").read_text())
     assert code == 0 and res["certified"] is True
     fields = {k for k, _ in _keys(res) if k.endswith("_time_s") or k == "wall_time_per_epoch_s" or
-              k == "n" or k.startswith(("n_", "num_"))}
-    assert {"wall_time_s", "epoch_time_s", "eval_time_s", "n", "n_given", "num_val"} <= fields
+              k == "n" or k.startswith(("n_", "num_")) or k in ("gradients", "grad_path_fallback")}
+    assert {"wall_time_s", "epoch_time_s", "eval_time_s", "n", "n_given", "num_val", "gradients",
+            "grad_path_fallback"} <= fields  # the path auto kept: decided on the first batch
     assert fields <= _named(res["outside_guarantee"]), fields - _named(res["outside_guarantee"])
     sizes = next(e for e in res["outside_guarantee"] if e.startswith("n,"))
     assert "private" in sizes and "keyed" in sizes  # with a keyed split the realised sizes are private

@@ -19,8 +19,10 @@ disjoint, and each such block is one Gaussian release of sensitivity C / B at th
 subsampled Gaussian at rate b q composed ceil(T / b) times (``AccountingSpec.bands``). b = 1 is the
 plain noise stage.
 
-Coefficients: the first b Taylor coefficients of ``((1 - x)(1 - beta x))^(-1/2)`` (the square root of
-the workload of SGD with momentum beta, the run's momentum), scaled to unit norm.
+Coefficients (``bands_strategy``): ``taylor``, the first b Taylor coefficients of ``((1 - x)(1 - beta
+x))^(-1/2)`` (the square root of the workload of SGD with momentum beta, the run's momentum), scaled to
+unit norm; or ``optimized``, the unit-norm coefficients that minimise the expected total squared error
+of the T iterates, ``||A C^{-1}||_F^2`` (``band_strategy``). Either is private with the same proof.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from .. import distributed
 from ..errors import ConfigError
 from ..privacy import AccountingSpec
 from ..randomness import SecretKey, snapped_gaussian
 from ..transforms import GaussianNoise, Pipeline, Stage
+from .band_taylor import coefficients  # noqa: F401  (bands.coefficients: the API since banded noise came)
 
 # the algorithms whose rows are a function of one example and one step (no state across steps in the
 # rows or the sums, no second release, one bounding stage): a block of b releases then holds one
@@ -53,17 +57,26 @@ def check_bandable(algorithm: str, bands: int) -> None:
                           f"(docs/privacy.md, \"Banded noise\")")
 
 
-def coefficients(bands: int, momentum: float = 0.0) -> tuple[float, ...]:
-    """c_0 .. c_{b-1}: the first ``bands`` Taylor coefficients of ((1 - x)(1 - momentum x))^(-1/2), scaled to
-    unit L2 norm (c_0 > 0). ``momentum`` 0 gives the square root of the prefix sum, binom(2k, k) / 4^k."""
-    if not 0.0 <= momentum < 1.0:
-        raise ConfigError(f"banded noise: momentum must lie in [0, 1), got {momentum!r}")
-    r = [1.0]
-    for k in range(1, bands):
-        r.append(r[-1] * (2 * k - 1) / (2 * k))  # binom(2k, k) / 4^k
-    c = [sum(r[j] * r[k - j] * momentum ** (k - j) for j in range(k + 1)) for k in range(bands)]
-    norm = math.sqrt(sum(x * x for x in c))
-    return tuple(x / norm for x in c)
+def check_strategy(strategy: str) -> None:
+    """Refuse a ``bands_strategy`` that is not one of ``band_strategy.STRATEGIES``."""
+    from .band_strategy import STRATEGIES
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"`bands_strategy` must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+
+
+def band_coefficients(bands: int, momentum: float = 0.0, strategy: str = "taylor",
+                      steps: float | None = None) -> tuple[float, ...]:
+    """The coefficients of ``strategy`` (``taylor`` or ``optimized``, which needs the run's finite number of
+    ``steps``); with torchrun, rank 0's (every rank then bands with the same bits)."""
+    from .band_strategy import optimized
+    check_strategy(strategy)
+    if strategy == "taylor" or bands == 1:
+        return coefficients(bands, momentum)
+    coefficients(bands, momentum)  # refuses a momentum outside [0, 1)
+    if not (isinstance(steps, int) and steps >= 1):
+        raise ConfigError(f"bands_strategy='optimized' shapes the noise for the run's length: give epochs or steps "
+                          f"(got steps={steps!r})")
+    return distributed.from_rank0(lambda: optimized(bands, steps, momentum))
 
 
 class BandedNoise(Stage):
@@ -73,7 +86,7 @@ class BandedNoise(Stage):
     State: the draw counter, the last b - 1 inputs ``v`` (PRIVATE: clipped sums without noise, saved
     only in the engine's private ``state_dict``) and the last b - 1 outputs ``g``, all float64."""
 
-    def __init__(self, std: float, key: SecretKey, coefs: tuple[float, ...]) -> None:
+    def __init__(self, std: float, key: SecretKey, coefs: tuple[float, ...], strategy: str = "taylor") -> None:
         if not std > 0:
             raise ConfigError(f"banded noise needs a noise std > 0, got {std!r}")
         if not coefs or coefs[0] <= 0 or not math.isclose(sum(c * c for c in coefs), 1.0, rel_tol=1e-12):
@@ -81,6 +94,7 @@ class BandedNoise(Stage):
         if not isinstance(key, SecretKey):
             raise ConfigError(f"BandedNoise needs a clipbias.randomness.SecretKey, got {type(key).__name__}")
         self.std, self.key, self.coefs = float(std), key, tuple(float(c) for c in coefs)
+        self.strategy = strategy  # the name of the coefficients' strategy (band_strategy.STRATEGIES)
         self.draws = 0
         self.inputs: list[Tensor] = []   # v_{t-1}, v_{t-2}, ... (at most b - 1)
         self.outputs: list[Tensor] = []  # g_{t-1}, g_{t-2}, ...
@@ -112,28 +126,40 @@ class BandedNoise(Stage):
         self._pending = None
 
     def state_dict(self) -> dict:
-        return {"draws": self.draws, "coefs": list(self.coefs), "inputs": [t.clone() for t in self.inputs],
-                "outputs": [t.clone() for t in self.outputs]}
+        return {"draws": self.draws, "coefs": list(self.coefs), "strategy": self.strategy,
+                "inputs": [t.clone() for t in self.inputs], "outputs": [t.clone() for t in self.outputs]}
 
     def load_state_dict(self, state: dict) -> None:
-        if tuple(state.get("coefs", ())) != self.coefs:
-            raise ConfigError(f"banded noise state has coefficients {state.get('coefs')}, this run {list(self.coefs)}: "
-                              f"resume with the same `bands` and momentum")
+        saved, strategy = tuple(float(c) for c in state.get("coefs", ())), state.get("strategy", "taylor")
+        # A run keeps one c from its first step to its last: a c changed mid-run would give the columns of
+        # C that straddle the change a norm above 1 (docs/privacy.md, "Banded noise"). So a resumed run goes
+        # on with the saved c: taylor's must equal this run's (the same --bands and momentum); optimised ones
+        # are kept as they are (recomputed elsewhere they may differ in the last bits; an extended run's
+        # steps would give others)
+        valid = len(saved) == self.bands and saved[0] > 0 and \
+            math.isclose(sum(c * c for c in saved), 1.0, rel_tol=1e-12)
+        if strategy != self.strategy or not valid or strategy == "taylor" and saved != self.coefs:
+            raise ConfigError(f"banded noise state has {strategy} coefficients {state.get('coefs')}, this run "
+                              f"{self.strategy} {list(self.coefs)}: resume with the same `bands`, "
+                              f"`bands_strategy` and momentum")
+        self.coefs = saved
         self.draws = int(state["draws"])
         self.inputs = [t.to(torch.float64) for t in state["inputs"]]
         self.outputs = [t.to(torch.float64) for t in state["outputs"]]
         self._pending = None
 
 
-def band_pipeline(pipeline: Pipeline, algorithm: str, bands: int, momentum: float, key: SecretKey) -> Pipeline:
-    """``pipeline`` with its noise stage replaced by ``BandedNoise`` of ``bands`` bands (the same std);
-    refuses algorithms whose rows or releases the banded accounting does not cover."""
+def band_pipeline(pipeline: Pipeline, algorithm: str, bands: int, momentum: float, key: SecretKey,
+                  strategy: str = "taylor", steps: float | None = None) -> Pipeline:
+    """``pipeline`` with its noise stage replaced by ``BandedNoise`` of ``bands`` bands (the same std) and
+    the coefficients of ``strategy`` for ``steps`` steps (``band_coefficients``); refuses algorithms whose
+    rows or releases the banded accounting does not cover."""
     if bands == 1:
         return pipeline
     check_bandable(algorithm, bands)
     if not isinstance(pipeline.noise, GaussianNoise) or pipeline.noise_per_bound is not None:
         raise ConfigError(f"`bands={bands}`: {algorithm} has no fixed Gaussian noise stage to band")
-    pipeline.noise = BandedNoise(pipeline.noise.std, key, coefficients(bands, momentum))
+    pipeline.noise = BandedNoise(pipeline.noise.std, key, band_coefficients(bands, momentum, strategy, steps), strategy)
     return pipeline
 
 

@@ -34,7 +34,8 @@ DEFAULT_SEEDS = [0, 1, 2]
 
 def parse_variant(spec: str) -> tuple[str, dict]:
     """``NAME``, ``NAME:ACCOUNTING`` (e.g. ``dice:authors``) or ``NAME:bands=B`` (banded noise, e.g.
-    ``dpsgd:bands=4``) -> (label, config overrides)."""
+    ``dpsgd:bands=4``; ``NAME:bands=B:optimized`` with the optimised coefficients) -> (label, config
+    overrides)."""
     from .. import algorithms
     from ..privacy.dice import check_basis
     name, _, acc = spec.partition(":")
@@ -47,10 +48,16 @@ def parse_variant(spec: str) -> tuple[str, dict]:
                           f"{', '.join(sorted(algorithms.ALGORITHMS))}, or BASE+disk (DiSK added to BASE)") from None
     over: dict = {"algo": name}
     if acc.startswith("bands="):
+        count, _, strategy = acc[len("bands="):].partition(":")
         try:
-            over["bands"] = int(acc[len("bands="):])
+            over["bands"] = int(count)
         except ValueError:
             raise ConfigError(f"--algos {spec}: bands=B takes a whole number, e.g. {name}:bands=4") from None
+        if strategy:
+            if strategy not in ("taylor", "optimized"):
+                raise ConfigError(f"--algos {spec}: bands=B:STRATEGY takes taylor or optimized, e.g. "
+                                  f"{name}:bands=4:optimized")
+            over["bands_strategy"] = strategy
     elif acc:
         if algo.accounting != "dice":
             raise ConfigError(f"--algos {spec}: ':{acc}' (DiceSGD accounting) applies only to DiceSGD "
@@ -201,7 +208,9 @@ def _compare(args: argparse.Namespace, base, variants: list[tuple[str, dict]], s
                         for label, rs in result["runs"].items()},
                "wall_time_s": time.perf_counter() - t0}
     best = best_sound(summary)
-    summary["best_sound"] = None if best is None else {k: best[k] for k in ("label", "command")}
+    summary["best_sound"] = None if best is None or best["label"] is None else \
+        {k: best[k] for k in ("label", "command")}
+    summary["tied_at_top"] = [] if best is None else best["tied"]
     write_json(summary, out / COMPARE)
     finish_overwrite(out)
     _print_summary(args, summary, result["summary"], out, t0, curves is not None)
@@ -228,21 +237,52 @@ def _print_summary(args: argparse.Namespace, summary: dict, rows: list[dict], ou
     print(f"\nwrote {out / COMPARE}{f' and {out / CURVES}' if curves else ''} ({time.perf_counter() - t0:.0f} s)")
 
 
-def best_sound(summary: dict) -> dict | None:
-    """The certified row with the highest mean test accuracy, its settings and the ``clipbias train``
-    line that runs it (one seed); None when no row is certified. Chosen on the test split, so it is
-    advice for the next run, not a tuned result (``clipbias tune`` selects privately)."""
-    rows = [r for r in summary["rows"] if r["certified"]]
+def leaders(rows: list[dict]) -> tuple[dict | None, list[dict]]:
+    """(the best row, the rows tied at the top) among the certified ``rows`` (summary rows: mean and
+    sample standard deviation of the test accuracy over the same seeds).
+
+    The rule: L, the row with the highest mean, is the best when, for every other row r, its lead
+    ``mean_L - mean_r`` exceeds ``max(std_L, std_r)``, the larger of the two rows' seed standard
+    deviations; otherwise there is no best, and the tie is L with every r whose lead does not exceed
+    it. With one seed there is no spread to compare a lead with: every row ties. (A lead of one
+    standard deviation is a screen, not a significance test.) No certified row: (None, [])."""
+    rows = sorted((r for r in rows if r["certified"]), key=lambda r: -r["test_accuracy_mean"])
     if not rows:
+        return None, []
+    top = rows[0]
+    if len(rows) == 1:  # nothing to lead
+        return top, []
+    if len(top["test_accuracies"]) < 2:
+        return None, rows
+    tied = [r for r in rows[1:] if top["test_accuracy_mean"] - r["test_accuracy_mean"]
+            <= max(top["test_accuracy_std"], r["test_accuracy_std"])]
+    return (None, [top, *tied]) if tied else (top, [])
+
+
+def best_sound(summary: dict) -> dict | None:
+    """The certified row that leads the others by more than the seeds' spread (``leaders``), its
+    settings and the ``clipbias train`` line that runs it (one seed), or the rows tied at the top
+    (``label`` None, ``tied`` their labels); None when no row is certified. Chosen on the test split,
+    so it is advice for the next run, not a tuned result (``clipbias tune`` selects privately)."""
+    r, tied = leaders(summary["rows"])
+    if r is None and not tied:
         return None
-    r = max(rows, key=lambda r: r["test_accuracy_mean"])
+    n = len(summary["runs"][(r or tied[0])["label"]])
+    seeds = f"{n} seed{'s' if n > 1 else ''}"
+    if r is None:
+        rows = ", ".join(f"{t['label']} {100 * t['test_accuracy_mean']:.2f} ± {100 * t['test_accuracy_std']:.2f} %"
+                         for t in tied)
+        why = ("one seed measures no spread" if n < 2 else
+               "each lead is within the larger of the two rows' seed standard deviations")
+        line = f"best sound configuration: a tie ({seeds}: {rows}; {why}); more seeds may separate them"
+        return {"label": None, "tied": [t["label"] for t in tied], "config": None, "command": None, "line": line}
     c = summary["runs"][r["label"]][0]["config"]
     cmd = train_command(c) if c.get("epsilon") is not None else None
-    n = len(summary["runs"][r["label"]])
-    line = (f"best sound configuration: {r['label']} ({100 * r['test_accuracy_mean']:.2f} % mean of {n} "
-            f"seed{'s' if n > 1 else ''}, epsilon {fmt_eps(r['epsilon'])}, certified) with lr {c['lr']:g}, "
-            f"clip {c['clip']:g}, momentum {c['momentum']:g}" + (f"\n  run it: {cmd}" if cmd else ""))
-    return {"label": r["label"], "config": c, "command": cmd, "line": line}
+    line = (f"best sound configuration: {r['label']} ({100 * r['test_accuracy_mean']:.2f} % mean of {seeds}, "
+            f"ahead of every other row by more than their seed standard deviations, epsilon "
+            f"{fmt_eps(r['epsilon'])}, certified) with lr {c['lr']:g}, clip {c['clip']:g}, momentum {c['momentum']:g}"
+            + (f"\n  run it: {cmd}" if cmd else ""))
+    return {"label": r["label"], "tied": [], "config": c, "command": cmd, "line": line}
 
 
 def train_command(c: dict) -> str:
@@ -262,6 +302,8 @@ def train_command(c: dict) -> str:
             parts.append(f"{flag} {v:g}" if isinstance(v, float) else f"{flag} {v}")
     if c.get("bands", 1) != 1:
         parts.append(f"--bands {c['bands']}")
+        if c.get("bands_strategy", "taylor") != "taylor":
+            parts.append(f"--bands-strategy {c['bands_strategy']}")
     flags = {st["key"]: st for st in current()["settings"]}
     for key, v in sorted((c.get("extra") or {}).items()):
         st = flags.get(key)
@@ -285,10 +327,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "clip 0.054 (chosen by clipbias tune), seeds 0 1 2, all available cores. Measured on 2 shared AMD EPYC cores: 74 s "
                     "with the scattering features cached; the first run adds 60-70 s to compute and cache "
                     "them (docs/cli.md).")
-    p.add_argument("--algos", nargs="+", default=None, metavar="NAME[:ACCOUNTING|:bands=B]",
+    p.add_argument("--algos", nargs="+", default=None, metavar="NAME[:ACCOUNTING|:bands=B[:optimized]]",
                    help="algorithms (default: dpsgd dice); NAME:ACCOUNTING picks DiceSGD's accounting "
                         "per row, e.g. dice:sound dice:paper (paper and authors are refuted: reproduction only); "
-                        "NAME:bands=B runs that row with banded noise (--bands), e.g. dpsgd:bands=4")
+                        "NAME:bands=B runs that row with banded noise (--bands), e.g. dpsgd:bands=4, and "
+                        "NAME:bands=B:optimized with its optimised coefficients (--bands-strategy optimized)")
     p.add_argument("--seeds", nargs="+", type=int, default=None, metavar="S",
                    help=f"seeds (default: {' '.join(map(str, DEFAULT_SEEDS))})")
     add_training_flags(p, algo=False, defaults=DEFAULTS)

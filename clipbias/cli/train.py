@@ -78,6 +78,11 @@ def _add_privacy_flags(p: argparse.ArgumentParser, d: dict) -> None:
                         "with the b-1 before it so that accumulated updates carry less of it; accounted as the "
                         "subsampled Gaussian at rate b*q for ceil(T/b) steps (docs/privacy.md). Needs b*q <= 1; "
                         "dpsgd, normalized, disk, perturb, self-aug. Default 1: independent noise")
+    g.add_argument("--bands-strategy", choices=("taylor", "optimized"), default="taylor",
+                   help="the coefficients of --bands: taylor (default; the truncated square root of the momentum "
+                        "workload) or optimized (the banded Toeplitz strategy of least total squared error of the "
+                        "iterates for this run's steps and momentum, computed in well under a second and cached; "
+                        "docs/privacy.md, \"Banded noise\"). The privacy guarantee is the same")
     g.add_argument("--reproducible-noise", nargs="?", const=True, default=False, type=noise_seed, metavar="SEED",
                    help="derive the secret key of the Poisson batches, the Gaussian noise and the keyed draws from "
                         "SEED (an integer below 2^256, decimal or 0x-hex; all its bits are used), or from --seed "
@@ -190,7 +195,7 @@ def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
               max_physical_batch=args.max_physical_batch, grad_path=args.grad_path, validation=args.validation,
               subset=args.subset, data_dir=args.data_dir, data_path=args.data_path,
               public_source=args.public_source, extra=extra, ema=getattr(args, "ema", None),
-              bands=getattr(args, "bands", 1))
+              bands=getattr(args, "bands", 1), bands_strategy=getattr(args, "bands_strategy", "taylor"))
     kw.update(overrides)
     return TrainConfig(**kw)
 

@@ -143,8 +143,7 @@ def lm_collate(items: Sequence[dict[str, Tensor]], pad_id: int, length: int | No
     the other examples of the batch: sound for DP only with a model that ignores padding (a causal
     model with right padding: its real tokens never see the padding, so ``attention_mask`` changes no
     loss; tested for GPT-2). ``length`` pads every batch to the same ``T`` (items must not be longer),
-    which needs no such assumption. (transformers 5's SDPA mask code tests the mask with
-    data-dependent control flow, which ``torch.func.vmap`` refuses: use eager attention.)"""
+    which needs no such assumption."""
     ids = [it["input_ids"] for it in items]
     longest = max(len(t) for t in ids)
     if length is not None and longest > length:

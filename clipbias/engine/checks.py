@@ -15,6 +15,7 @@ from ..config import AlgoConfig
 from ..data import batch
 from ..data.batch import Batch
 from ..errors import ConfigError, ResumeMismatchError
+from ..grads.precision import check_autocast
 from ..grads.rows import RowSource, cross_entropy
 
 
@@ -126,21 +127,37 @@ def check_indices(indices: Tensor, n: int) -> None:
 
 
 def check_precision(params: list[Tensor]) -> None:
-    """Refuse a step whose clipped sum would be computed in 16-bit floats: under ``torch.autocast`` or
-    with bfloat16/float16 parameters the per-example gradients, their norms and the weighted sum
-    round at 2^-8 (bfloat16), and over a batch of aligned clipped gradients that rounding is a
-    fraction of B C: removing one example moved the released sum by 1.2 C at B = 256 and 1.7 C at
-    B = 512 (rows and fast path alike), where the sensitivity is C."""
+    """Refuse a step whose clipped sum would be computed in 16-bit floats: inside the caller's
+    ``torch.autocast`` (it covers the clip factors and the sums as well as the forward) or with
+    bfloat16/float16 parameters the weighted sum rounds at 2^-8 (bfloat16), and over a batch of
+    aligned clipped gradients that rounding is a fraction of B C: removing one example moved the
+    released sum by 1.2 C at B = 256 and 1.7 C at B = 512 (rows and fast path alike), where the
+    sensitivity is C. ``DPEngine(autocast=...)`` runs only the forwards and backwards in 16 bits."""
     on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
     if on:
         raise ConfigError(f"step runs under torch.autocast ({on[0]}): the clipped sum would be rounded in 16-bit "
                           f"floats, so one example could move it by more than the clip (1.2 C measured at B = 256). "
-                          f"Call engine.step outside autocast")
+                          f"Call engine.step outside autocast and build the engine with "
+                          f"DPEngine(..., autocast=torch.bfloat16) (or torch.float16): it runs the forward and "
+                          f"backward in 16 bits and keeps the norms and sums in float32")
     low = sorted({str(p.dtype) for p in params if p.dtype in (torch.float16, torch.bfloat16)})
     if low:
         raise ConfigError(f"the model's parameters are {', '.join(low)}: the clipped sum would be rounded in 16-bit "
                           f"floats, so one example could move it by more than the clip; convert the model with "
-                          f"model.float() (or .double())")
+                          f"model.float() (or .double()), and pass autocast=torch.bfloat16 (or torch.float16) to "
+                          f"DPEngine for 16-bit forwards and backwards")
+
+
+def check_mixed(autocast, loss_scale, grads) -> tuple | None:
+    """``DPEngine(autocast=..., loss_scale=...)`` as ``(dtype, loss scale)`` or None
+    (``grads.precision.check_autocast``), refused with a given ``grads`` backend: autocast applies to the
+    gradients the engine computes itself."""
+    mixed = check_autocast(autocast, loss_scale)
+    if mixed is not None and grads is not None:
+        raise ConfigError("autocast applies to the per-example gradients the engine computes itself; a given "
+                          "grads backend computes its own (enter torch.autocast inside it, around the model's "
+                          "forward, and return float32 gradients): drop autocast= or grads=")
+    return mixed
 
 
 def check_batch(x: Batch, y: Batch, indices: Tensor | None, class_labels: bool, own_rows: bool) -> None:

@@ -17,22 +17,22 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from .. import algorithms, privacy
-from ..algorithms.bands import band_pipeline, banded_spec, check_bandable
+from ..algorithms.bands import band_pipeline, banded_spec, check_bandable, check_strategy
 from ..data import batch
 from .. import distributed
 from ..data.batch import Batch
 from ..config import AlgoConfig
-from ..errors import ClipbiasError, ConfigError
-from ..grads.fast import BookKeeping
+from ..errors import ConfigError
+from ..grads.fast import BookKeeping, rule_kind
 from ..grads.rows import LossFn, PerSampleGradients, RowSource, as_row_source, cross_entropy
 from ..sampling.loader import PoissonLoader
 from ..privacy import PrivacyReport
-from ..randomness import SecretKey, forward
+from ..randomness import SecretKey
 from ..sampling.poisson import PoissonSampler, check_bands
-from .aggregate import choose_aggregate, output_source, step_sums
 from . import accounting, state as saved
 from .accounting import SEEDED_CAVEAT, noise_multiplier_for  # noqa: F401  (SEEDED_CAVEAT: engine's API)
-from .checks import canon, check_arguments, check_distributed, check_step
+from .aggregate import attempt_sums, auto_other_path, drop_staged, engine_aggregate, output_source
+from .checks import canon, check_arguments, check_distributed, check_mixed, check_step
 from .loop import run_steps
 
 
@@ -76,6 +76,19 @@ class DPEngine:
     ``sound``; ``paper`` and ``authors`` are refuted and report ``certified = False``); without
     ``config.ef_clip`` they use C2 = 0.01 C1 / B (feedback ratio r = 0.01).
 
+    Mixed precision: ``autocast=torch.bfloat16`` (CPU or CUDA) or ``torch.float16`` runs each step's forward
+    and backward under ``torch.autocast`` on the parameters' device, while the parameters, the per-example
+    norms, the clip factors and every sum across examples stay in float32 (float64 where the fast path uses
+    it): 16-bit activations and output gradients are widened to float32, exactly, before any of them
+    (docs/privacy.md, "Floating point in the fast path"). ``loss_scale`` (a power of two; default 1 under
+    bfloat16, 256 under float16) multiplies the loss before the backward and is divided out exactly after:
+    float16 output gradients below 2^-24 would otherwise flush to zero. A step called inside the caller's
+    own ``torch.autocast`` is refused (the sums would be 16-bit), as are 16-bit parameters.
+
+    ``bands`` > 1: banded correlated noise (``clipbias.algorithms.bands``); ``bands_strategy`` picks its
+    coefficients, ``taylor`` (default) or ``optimized`` for the run's finite number of steps (the same
+    privacy guarantee, ``clipbias.algorithms.band_strategy``).
+
     Randomness: the model init is the caller's (public). The batches, the noise and every keyed draw
     are ChaCha20 draws under one 256-bit ``SecretKey`` (``clipbias.randomness``): by default 256 OS bits,
     kept only in the private ``state_dict``; ``noise_seed`` (an integer below 2^256, or a key) makes a
@@ -99,11 +112,16 @@ class DPEngine:
                  loss_fn: LossFn = cross_entropy, max_physical_batch: int = 512,
                  noise_seed: int | SecretKey | None = None, grads: RowSource | PerSampleGradients | None = None,
                  grad_path: str = "auto", bands: int = 1, optimizer: torch.optim.Optimizer | None = None,
-                 sample_rate: float | None = None) -> None:
+                 sample_rate: float | None = None, autocast: torch.dtype | str | None = None,
+                 loss_scale: float | None = None, bands_strategy: str = "taylor") -> None:
         self.algo = algorithms.get(algorithm)
+        self.autocast = check_mixed(autocast, loss_scale, grads)  # (dtype, loss scale) or None
         self.undrawn_steps = 0  # steps whose batch the engine's sampler did not draw (``privacy`` caveat)
         self.config = config or AlgoConfig()
         n = check_arguments(model, n, batch_size, self.config)
+        self.sharded = distributed.is_sharded(model)  # fully_shard: gathered whole for each step (``_gathered``)
+        if self.sharded:
+            distributed.check_sharded(model, rule_kind)
         if self.algo.accounting == "dice" and self.config.ef_clip is None:
             # the privacy cost of error feedback grows with r = B C2 / C1: default r = 0.01
             self.config = replace(self.config, ef_clip=privacy.dice.default_ef_clip(self.config.clip, batch_size))
@@ -117,7 +135,8 @@ class DPEngine:
         self.sample_rate = self.expected_batch_size / n if sample_rate is None else check_rate(sample_rate)
         check_bands(bands, self.sample_rate)
         check_bandable(self.algo.name, bands)
-        self.bands = bands
+        check_strategy(bands_strategy)
+        self.bands, self.bands_strategy = bands, bands_strategy
         steps_per_epoch = max(1, round(n / self.expected_batch_size) if sample_rate is None else round(1 / sample_rate))
         steps = planned_steps(epochs, steps, steps_per_epoch, open_ended=noise_multiplier is not None)
         self.total_steps, self.delta = steps, delta
@@ -130,7 +149,6 @@ class DPEngine:
         self.spec = banded_spec(self.algo.spec(self.config, self.sample_rate, z, self.expected_batch_size), bands)
         if self.algo.private:  # refuses now (not after training) when the guarantee cannot hold
             self.privacy(steps if steps != math.inf else 1)
-
         self.model = model
         own_rows = grads is None
         if grads is None:  # an algorithm may compute its rows differently (group means, momenta, ...)
@@ -140,16 +158,18 @@ class DPEngine:
         self.rows.key = self.key
         self.params = self.rows.layout.params(model)
         self.pipeline = band_pipeline(self.algo.pipeline(self.config, self.expected_batch_size, z, self.key),
-                                      self.algo.name, bands, band_momentum(self.config, self.algo), self.key)
+                                      self.algo.name, bands, band_momentum(self.config, self.algo), self.key,
+                                      bands_strategy, steps)
         self.optimizer = check_base_optimizer(optimizer, self.params, self.rows.layout.names) or \
             algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer, self.params, self.config)
         self.sampler = PoissonSampler(n, self.sample_rate, self.key, steps_per_epoch, bands)
         self.max_physical_batch = max_physical_batch
-        self._aggregate, self.grad_path_note = choose_aggregate(grad_path, own_rows, model, loss_fn, self.algo,
-                                                                self.pipeline, self.rows, max_physical_batch,
-                                                                self.expected_batch_size)
+        self._aggregate, self.grad_path_note = engine_aggregate(self, grad_path, own_rows, model, loss_fn,
+                                                                max_physical_batch)
         self.own_rows = own_rows  # a given backend may read labels its own way (the audit's canaries: y < 0)
         self.world_size = check_distributed(self.algo.name, self.rows, self.pipeline)
+        self.grad_path_fallback: str | None = None  # grad_path="auto"'s fall-back, once it has happened
+        self._other_path = auto_other_path(self, grad_path)  # taken if the chosen path refuses the first step
         self.steps_taken, self.last_loss = 0, (0.0, 0)
         self.last_outputs, self._outputs = None, None  # step(keep_outputs=True)
         self.settings = PrivacySettings(algorithm, n, self.sample_rate, steps, z, delta, accountant,
@@ -168,7 +188,9 @@ class DPEngine:
         In a process group of N ranks, ``(x, y, indices)`` is this rank's share of the global batch
         (``engine.local_share`` of the sampled indices; ``run_steps`` does it): the partial sums
         are all-reduced once and every rank applies the same update. ``last_loss`` is the global
-        (loss sum, example count) of the step.
+        (loss sum, example count) of the step. A model sharded with ``fully_shard`` is gathered whole on
+        every rank for the sums (``distributed.unsharded``) and each rank applies its shards' slice of the
+        update (docs/architecture.md, "Sharded models").
 
         Raises before changing anything (model, optimizer, error feedback, accountant) if a
         per-example gradient is not finite, on every rank when one rank's is not.
@@ -186,23 +208,10 @@ class DPEngine:
                               "path and the per-parameter rows of a norm-scaling algorithm do)")
         drawn = accounting.drawn_by_sampler(self, indices)
         self.last_outputs, self._outputs = None, [] if keep_outputs else None
-        d = self.rows.layout.dim
-        dev, dt = self.params[0].device, self.params[0].dtype  # a float64 model sums in float64
-        ref_sum = torch.zeros(d, device=dev, dtype=dt) if self.pipeline.error_feedback is not None else None
-        proc_sum = torch.zeros(d, device=dev, dtype=dt)
-        losses, failure = [], None
-        try:
-            with forward.keyed(self.key, self.steps_taken, dev):  # dropout masks from the key, per example index
-                for r, p, loss in step_sums(self, x, y, indices):
-                    if ref_sum is not None:
-                        ref_sum += r
-                    proc_sum += p
-                    losses.append(loss)
-        except ClipbiasError as err:  # a micro-batch failed (NaN, bad shape, a public random draw)
-            failure = err
-        except BaseException:  # out of memory, an interrupt: nothing staged may reach the next step
-            self._drop_staged()  # (adaptive clipping's count would hold these examples twice)
-            raise
+        dev = self.params[0].device
+        proc_sum, ref_sum, losses, failure = attempt_sums(self, x, y, indices, keep_outputs)
+        if self._other_path is not None and batch.size(x) and failure is None:
+            self._other_path = None  # auto's choice stands from the first step that ran the model
         mine = torch.cat(losses) if losses else torch.zeros(0, device=dev)
         self.last_loss = (float(mine.sum()), len(mine))
         if self._outputs:
@@ -211,12 +220,12 @@ class DPEngine:
             proc_sum, ref_sum, loss_sum, count, failure = distributed.reduce_step(proc_sum, ref_sum, mine, failure)
             self.last_loss = (loss_sum, count)
         if failure is not None:  # every stage drops what it staged, on every rank
-            self._drop_staged()
+            drop_staged(self)
             raise failure
         try:
             update = self.pipeline.finish(proc_sum, ref_sum)
         except BaseException:
-            self._drop_staged()
+            drop_staged(self)
             raise
         # once the noisy update exists it counts as released, before it reaches the model (an interrupt
         # between applying it and counting it would let a later step reuse its noise draw, whose
@@ -229,20 +238,11 @@ class DPEngine:
         self.sampler.settle()
         try:
             for param, u in zip(self.params, self.rows.layout.unflatten(update)):
-                param.grad = u.to(param.dtype)
+                param.grad = distributed.shard_like(param, u.to(param.dtype))  # a shard's slice of the one update
             self.optimizer.step()
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         return mine
-
-    def _drop_staged(self) -> None:
-        """Undo a step that did not complete: every stage's staged state dropped; with bands, the step's
-        batch goes back to the sampler (the retry takes it again). The retry draws the same dropout masks
-        (functions of the key, the step and the indices)."""
-        self.rows.rollback()
-        self.pipeline.rollback()
-        if self.bands > 1 and self.sampler.next_step == self.steps_taken + 1:
-            self.sampler.give_back()
 
     @property
     def fast(self) -> BookKeeping | None:

@@ -1,16 +1,21 @@
 """Per-example weight gradients of a convolution, by whichever of three exact kernels is fastest here.
 
-Example i's weight gradient of a ``Conv1d``/``Conv2d`` (``groups=1``, zero padding) is the
-correlation of its input with its output gradient. Three computations give it, equal up to the
-order of float additions, and which is fastest depends on the shapes, the backend and the CPU
-(measured on one AMD EPYC with AVX-512, B = 256: 1.2-3.3 ms for the Tramer & Boneh cnn's first
-layer, 1.0-10.6 ms for its second):
+Example i's weight gradient of a ``Conv1d``/``Conv2d``/``Conv3d`` is the correlation of its
+(padded) input with its output gradient; with ``groups`` > 1 (depthwise: ``groups`` = input
+channels), the correlation of each group's input channels with the same group's output gradients.
+A padding other than plain zeros (``padding_mode`` "reflect", "replicate", "circular";
+``padding="same"``) is applied to the input first, as the layer's forward applies it (``_as_nd``).
+Three computations give it, equal up to the order of float additions, and which is fastest depends
+on the shapes, the backend and the CPU (measured on one AMD EPYC with AVX-512, B = 256: 1.2-3.3 ms
+for the Tramer & Boneh cnn's first layer, 1.0-10.6 ms for its second):
 
-* ``unfold``: ``F.unfold`` (im2col) then one batched product ``g_i [o, L] @ a_i [L, k]``;
+* ``unfold``: im2col (``F.unfold``; ``input_rows`` for a Conv3d) then one batched product
+  ``g_i [o, L] @ a_i [L, k]``, per group;
 * ``grouped``: the convolution's own weight-gradient kernel with the batch folded into the channels
-  and ``groups = b`` (``aten.convolution_backward``), one group per example;
-* ``dilated``: a forward convolution of the input (channels as batch) with the output gradients as
-  the kernel, dilated by the stride, ``groups = b`` (the stride becomes the dilation and back).
+  and ``groups = b * groups`` (``aten.convolution_backward``), one group per example and layer group;
+* ``dilated`` (``groups=1`` only): a forward convolution of the input (channels as batch) with the
+  output gradients as the kernel, dilated by the stride, ``groups = b`` (the stride becomes the
+  dilation and back).
 
 ``conv_weight_rows`` times each once per layer shape, batch size (to a power of two), dtype, device,
 thread count and memory layout (the first call; ``CHOICE_ROUNDS`` interleaved runs each, tens of
@@ -23,6 +28,7 @@ ran does not enter the clipping bound.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
@@ -33,17 +39,28 @@ from torch.nn import functional as F
 __all__ = ["conv_weight_rows", "input_rows", "unfold_input", "KERNELS"]
 
 
-def _as_2d(m: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, tuple, tuple, tuple, tuple]:
-    """A Conv1d as a Conv2d of height 1: (input, output gradient, kernel, stride, padding, dilation)."""
+def _as_nd(m: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, tuple, tuple, tuple, tuple]:
+    """(input, output gradient, kernel, stride, padding, dilation) of a convolution as a Conv2d or
+    Conv3d (a Conv1d as a Conv2d of height 1). A padding that is not plain zeros on both sides (a
+    ``padding_mode`` of "reflect", "replicate" or "circular", or ``padding="same"``) is applied to the
+    input here as the layer's forward applies it (``F.pad`` by ``_reversed_padding_repeated_twice``),
+    and the padding returned is then 0."""
+    p = tuple(m.padding) if not isinstance(m.padding, str) else (0,) * len(m.kernel_size)
+    if m.padding_mode != "zeros" or isinstance(m.padding, str):
+        mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+        a = F.pad(a, m._reversed_padding_repeated_twice, mode=mode)
+        p = (0,) * len(m.kernel_size)
     if isinstance(m, nn.Conv1d):
-        return (a.unsqueeze(2), g.unsqueeze(2), (1, *m.kernel_size), (1, *m.stride), (0, *m.padding),
-                (1, *m.dilation))
-    return a, g, tuple(m.kernel_size), tuple(m.stride), tuple(m.padding), tuple(m.dilation)
+        return (a.unsqueeze(2), g.unsqueeze(2), (1, *m.kernel_size), (1, *m.stride), (0, *p), (1, *m.dilation))
+    return a, g, tuple(m.kernel_size), tuple(m.stride), p, tuple(m.dilation)
 
 
 def unfold_input(m: nn.Module, a: Tensor) -> Tensor:
-    """A convolution's input as ``[b, c * prod(kernel), L]`` columns (im2col; a Conv1d as a Conv2d of height 1)."""
-    a, _, k, s, p, d = _as_2d(m, a, a)
+    """A convolution's input as ``[b, c * prod(kernel), L]`` columns (im2col; a Conv1d as a Conv2d of
+    height 1; a Conv3d's from ``input_rows``: ``F.unfold`` takes 4-D inputs only)."""
+    if isinstance(m, nn.Conv3d):
+        return input_rows(m, a).transpose(1, 2)
+    a, _, k, s, p, d = _as_nd(m, a, a)
     return F.unfold(a, k, d, p, s)
 
 
@@ -53,39 +70,50 @@ def input_rows(m: nn.Module, a: Tensor) -> Tensor:
     for the cnn's first input at B = 256 (AVX-512) and 1.5 ms for its second, this 0.75 and 1.1 ms. On
     an NCHW input with many channels the copy itself can be the slower (resnet20-gn's 64-channel layer
     at B = 512: 14.7 against 7.7 ms), but the ghost norm's Gram products over contiguous rows gain more
-    (31.8 against 34.2 ms for both)."""
-    a, _, k, s, p, d = _as_2d(m, a, a)
+    (31.8 against 34.2 ms for both). Conv3d too (three spatial dimensions)."""
+    a, _, k, s, p, d = _as_nd(m, a, a)
     if any(p):
-        a = F.pad(a, (p[1], p[1], p[0], p[0]))
-    b, c, h, w = a.shape
-    oh, ow = (h - d[0] * (k[0] - 1) - 1) // s[0] + 1, (w - d[1] * (k[1] - 1) - 1) // s[1] + 1
-    sb, sc, sh, sw = a.stride()
-    view = a.as_strided((b, oh, ow, c, k[0], k[1]), (sb, sh * s[0], sw * s[1], sc, sh * d[0], sw * d[1]),
+        a = F.pad(a, tuple(x for q in reversed(p) for x in (q, q)))
+    b, c, *size = a.shape
+    out = [(n - d[j] * (k[j] - 1) - 1) // s[j] + 1 for j, n in enumerate(size)]
+    sb, sc, *ss = a.stride()
+    view = a.as_strided((b, *out, c, *k), (sb, *(x * y for x, y in zip(ss, s)), sc, *(x * y for x, y in zip(ss, d))),
                         a.storage_offset())
-    return view.reshape(b, oh * ow, c * k[0] * k[1])
+    return view.reshape(b, math.prod(out), c * math.prod(k))
 
 
 def _unfold(m: nn.Module, a: Tensor, g: Tensor) -> Tensor:
-    return torch.bmm(g.flatten(2), unfold_input(m, a).transpose(1, 2))
+    """im2col and one batched product per group (``groups`` > 1: example i's rows of group j are the
+    products of its output channels in j with its input channels in j)."""
+    G, b, o = m.groups, g.shape[0], g.shape[1]
+    cols = unfold_input(m, a)
+    if G == 1:
+        return torch.bmm(g.flatten(2), cols.transpose(1, 2))
+    gg = g.flatten(2).reshape(b * G, o // G, -1)                  # [b G, o / G, L]
+    cc = cols.reshape(b * G, cols.shape[1] // G, -1)              # [b G, c / G * prod(kernel), L]
+    return torch.bmm(gg, cc.transpose(1, 2)).reshape(b, o, -1)
 
 
 def _grouped(m: nn.Module, a: Tensor, g: Tensor) -> Tensor:
-    a, g, k, s, p, d = _as_2d(m, a, g)
-    b, c, o = a.shape[0], a.shape[1], g.shape[1]
-    w = a.new_empty((b * o, c, *k))  # only its shape is read
+    a, g, k, s, p, d = _as_nd(m, a, g)
+    b, c, o, G = a.shape[0], a.shape[1], g.shape[1], m.groups
+    w = a.new_empty((b * o, c // G, *k))  # only its shape is read
     gw = torch.ops.aten.convolution_backward(g.reshape(1, b * o, *g.shape[2:]), a.reshape(1, b * c, *a.shape[2:]), w,
-                                             None, list(s), list(p), list(d), False, [0, 0], b,
+                                             None, list(s), list(p), list(d), False, [0] * len(k), b * G,
                                              [False, True, False])[1]
-    return gw.reshape(b, o, c * k[0] * k[1])
+    return gw.reshape(b, o, c // G * math.prod(k))
 
 
 def _dilated(m: nn.Module, a: Tensor, g: Tensor) -> Tensor:
-    a, g, k, s, p, d = _as_2d(m, a, g)
+    if m.groups != 1:  # it would compute every channel pair, groups times the work: not a candidate (_choose)
+        raise RuntimeError("the dilated kernel takes groups=1 only")
+    a, g, k, s, p, d = _as_nd(m, a, g)
     b, c, o = a.shape[0], a.shape[1], g.shape[1]
+    conv = F.conv2d if len(k) == 2 else F.conv3d
     # out[c, i*o + q, y, x] = sum_{h,w} g[i, q, h, w] a_pad[i, c, d*y + s*h, d*x + s*w]: rows 0..k of it
-    out = F.conv2d(a.transpose(0, 1), g.reshape(b * o, 1, *g.shape[2:]), None, d, p, s, b)
-    out = out[:, :, :k[0], :k[1]].reshape(c, b, o, k[0] * k[1])
-    return out.permute(1, 2, 0, 3).reshape(b, o, c * k[0] * k[1])
+    out = conv(a.transpose(0, 1), g.reshape(b * o, 1, *g.shape[2:]), None, d, p, s, b)
+    out = out[(slice(None), slice(None), *(slice(0, q) for q in k))].reshape(c, b, o, math.prod(k))
+    return out.permute(1, 2, 0, 3).reshape(b, o, c * math.prod(k))
 
 
 KERNELS: dict[str, Callable[[nn.Module, Tensor, Tensor], Tensor]] = {
@@ -103,8 +131,8 @@ def _bucket(b: int) -> int:
 
 def _key(m: nn.Module, a: Tensor, g: Tensor) -> tuple:
     return (type(m), _bucket(a.shape[0]), tuple(a.shape[1:]), tuple(g.shape[1:]), tuple(m.kernel_size),
-            tuple(m.stride), tuple(m.padding), tuple(m.dilation), a.dtype, a.device, torch.get_num_threads(),
-            a.is_contiguous(), g.is_contiguous())  # the layouts (channels-last or not): the speeds depend on them
+            tuple(m.stride), m.padding, m.padding_mode, m.groups, tuple(m.dilation), a.dtype, a.device,
+            torch.get_num_threads(), a.is_contiguous(), g.is_contiguous())  # the layouts: the speeds depend on them
 
 
 CHOICE_ROUNDS = 9
@@ -167,6 +195,7 @@ def _choose(m: nn.Module, a: Tensor, g: Tensor) -> str:
 def _layout_of(real: Tensor, stand_in: Tensor) -> Tensor:
     """``stand_in`` in ``real``'s memory layout (channels-last or contiguous): the kernels' speed depends
     on it."""
-    if real.dim() == 4 and not real.is_contiguous() and real.is_contiguous(memory_format=torch.channels_last):
-        return stand_in.contiguous(memory_format=torch.channels_last)
+    last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(real.dim())
+    if last is not None and not real.is_contiguous() and real.is_contiguous(memory_format=last):
+        return stand_in.contiguous(memory_format=last)
     return stand_in

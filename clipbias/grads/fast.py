@@ -15,25 +15,44 @@ gradients ``b_i`` (``[L, o]``) the per-example weight gradient is ``G_i = b_i^T 
 One ordinary forward and backward of the summed loss give every ``a_i`` (forward hooks) and ``b_i``
 (``autograd.grad`` w.r.t. the layer outputs; the summed loss's gradient at example i's output is
 example i's, since no module mixes examples: ``check_model``). Supported: ``nn.Linear`` (any input
-rank), ``nn.Conv1d``/``nn.Conv2d`` (``groups=1``, zero padding), weights and biases; ``nn.Embedding``
+rank), ``nn.Conv1d``/``nn.Conv2d``/``nn.Conv3d`` (any ``groups``, depthwise included, whose per-example
+gradients are always formed, group by group: ``conv_rows``; any padding mode and ``padding="same"``,
+the input padded as the layer pads it), weights and biases; Hugging Face's
+``transformers.pytorch_utils.Conv1D`` (GPT-2's layers: ``y = x W + b`` with ``W [in, out]``, a Linear
+with its weight transposed; that class exactly, with the reviewed ``forward``, ``_reviewed_conv1d``;
+transformers is not imported by clipbias); ``nn.Embedding``
 (the per-example gradient's nonzero rows are example i's output gradients summed per distinct token:
 norm and sum from those, ``O(L d)`` per example; ``padding_idx`` rows get no gradient; ids shared by
 the whole batch, a ``[1, T]`` input such as Hugging Face's broadcast ``position_ids``, have their output
 expanded to the batch, so that each example's output gradient is its own;
 ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` are refused); and the affine parameters of
-``nn.GroupNorm`` and ``nn.LayerNorm`` (per-example gradients computed directly from the normalised
-input: one value per channel or feature). Any other trainable parameter makes ``why_unsupported``
+``nn.GroupNorm``, ``nn.LayerNorm``, ``nn.InstanceNorm1d/2d/3d`` (a training forward that tracks running
+statistics updates buffers: refused at the step) and ``nn.RMSNorm``, and the weight of Hugging Face's
+RMSNorm classes reviewed in ``grads.rms`` (Llama, Qwen2, Qwen3, Mistral; their ``forward`` checked to
+be the reviewed one): per-example gradients computed directly from the normalised input, one value
+per channel or feature. All of these form the per-example gradients they sum, so their norms are
+``sq_norms``' upper bounds on what is summed, whatever the rounding; only the ghost norm of a
+``groups=1`` Linear/Conv over several positions needs its own rounding bound (``ghost_norm_bound``).
+A Conv or InstanceNorm given an input without its batch dimension is refused at the step.
+A weight shared by an ``nn.Embedding`` and a Linear or Conv1D (a language model's tied input and
+output embeddings: GPT-2's ``wte`` and ``lm_head``) has the sum of both uses' per-example gradients:
+its squared norm is ``||E_i||^2 + ||G_i||^2 + 2 <E_i, G_i>``, the cross term gathered at example i's
+tokens (``_tie_cross``: ``O(b L P d)``, no ``[V, d]`` per example) with a bound on its rounding (the
+expansion cancels when the uses' gradients do), and both layers' sums go into the parameter's one
+slot. Any other trainable parameter, or weight shared otherwise, makes ``why_unsupported``
 say why, and the engine keeps the rows path. Dropout in the engine's step draws row r's masks from
 example r's index and the run's key (``clipbias.randomness.forward``), as the rows path does.
 
 Soundness guards (per-layer norms must be per-example norms, and each example's clipped vector
-must depend on that example alone, or the sensitivity is wrong): tied parameters, parameters other
-than a layer's own ``weight``/``bias`` and a layer ``forward`` overridden (by a subclass or on the
-instance) are refused when the engine is built; at every step, before any state changes: a user
+must depend on that example alone, or the sensitivity is wrong): tied parameters other than an
+Embedding's weight shared with one Linear/Conv1D, parameters other than a layer's own
+``weight``/``bias`` and a layer ``forward`` overridden (by a subclass or on the instance) are refused
+when the engine is built; at every step, before any state changes: a user
 forward hook on a supported layer, a layer that runs twice or not at all, a layer whose first
 dimension is not the batch, a layer output modified in place after the layer ran, and a forward that
 updates a buffer (restored) are refused; every trainable parameter must enter the autograd graph
-exactly once, inside its own layer's forward (exact, structural); and secret random examples'
+exactly once, inside its own layer's forward (a tied weight: once inside each of its two layers and
+nowhere else; exact, structural); and secret random examples'
 attributed gradients must equal their own: when the forward is deterministic, ``PROBES`` examples
 each run alone (a batch of one; all in one vectorised forward and one backward), and a secret random
 combination of their attributed gradients, each scaled to unit norm, must equal the same combination
@@ -48,8 +67,10 @@ is skipped. The red-team cases are in ``tests/test_fastclip.py``."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
+import sys
 from typing import Callable
 
 import torch
@@ -58,45 +79,136 @@ from torch.nn import functional as F
 
 from ..data import batch
 from ..data.batch import Batch
-from ..errors import ConfigError
+from ..errors import ConfigError, PathRefusal
 from ..randomness import forward
-from .precision import full_float32, row_norms, sq_norms, unit_roundoff
+from . import precision
+from .precision import exact32, full_float32, row_norms, sq_norms, unit_roundoff
 from .precision import gamma as _gamma
-from . import separable
+from . import rms, separable
 from .conv_rows import conv_weight_rows, input_rows
 from .rows import LossFn, ParamLayout, check_model, cross_entropy
 
-_SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.GroupNorm, nn.LayerNorm)
-_NORMS = (nn.GroupNorm, nn.LayerNorm)
-_CONV = (nn.Conv1d, nn.Conv2d)
+_INSTANCE = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+_NORMS = (nn.GroupNorm, nn.LayerNorm, *_INSTANCE, *rms.TORCH_RMSNORM)
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_SUPPORTED = (nn.Linear, *_CONV, nn.Embedding, *_NORMS)
+_BATCHED_DIMS = {nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5, nn.InstanceNorm1d: 3, nn.InstanceNorm2d: 4,
+                 nn.InstanceNorm3d: 5}  # an input of one dimension less is one unbatched example
+
+
+def _batched_dims(m: nn.Module, default: int) -> int:
+    """The number of dimensions of a Conv/InstanceNorm layer's batched input, ``default`` for other layers."""
+    return next((d for t, d in _BATCHED_DIMS.items() if isinstance(m, t)), default)
+
+
+def _supported(m: nn.Module) -> bool:
+    """A layer with a fast-path rule: one of ``_SUPPORTED``, a reviewed Hugging Face RMSNorm class
+    (``grads.rms``) or transformers' ``Conv1D`` (their forward checked by ``why_unsupported``)."""
+    return isinstance(m, _SUPPORTED) or rms.hf_class(m) or _is_conv1d(m)
+
+
+def rule_kind(m: nn.Module) -> str | None:
+    """The name of the layer class whose fast-path rule ``m`` would take, looked up along its class's
+    bases (so that a class FSDP derives from a layer still counts), or None: the engine's check that
+    no ``fully_shard`` unit is itself such a layer."""
+    for c in type(m).__mro__:
+        if c in _SUPPORTED or (c.__module__, c.__qualname__) in rms.REVIEWED or \
+                (c.__module__, c.__name__) == (_CONV1D_MODULE, _CONV1D_NAME):
+            return c.__name__
+    return None
+
+
+def _is_norm(m: nn.Module) -> bool:
+    """A layer whose rule is ``_Affine``."""
+    return isinstance(m, _NORMS) or rms.hf_class(m)
+
+
+_CONV1D_MODULE, _CONV1D_NAME = "transformers.pytorch_utils", "Conv1D"
+
+
+# The reviewed ``forward`` of Hugging Face's ``Conv1D`` (GPT-2's layers): ``y = x W + b`` over the last
+# dimension with ``W`` of shape ``[in, out]``, a Linear with its weight transposed. A Conv1D is accepted
+# when its class's ``forward`` has this function's bytecode, constants, names and arguments and reads the
+# real ``torch`` (``rms.same_code``), and the instance has no ``forward`` of its own.
+def _reviewed_conv1d(self, x):
+    size_out = x.size()[:-1] + (self.nf,)
+    x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+    x = x.view(size_out)
+    return x
+
+
+def _is_conv1d(m: nn.Module) -> bool:
+    """Whether ``m`` is exactly transformers' ``Conv1D`` (its class, not a subclass; transformers is not
+    imported here: a model holding one has imported it)."""
+    mod = sys.modules.get(_CONV1D_MODULE)
+    return mod is not None and type(m) is getattr(mod, _CONV1D_NAME, None)
+
+
+def _is_matrix(m: nn.Module) -> bool:
+    """A layer whose weight gradient is ``g^T a`` (``_Matrix``): Linear, Conv, transformers' Conv1D."""
+    return isinstance(m, (nn.Linear, *_CONV)) or _is_conv1d(m)
+
+
+def _why_not_tied(uses: list[tuple[str, str, nn.Module]]) -> str | None:
+    """None when a parameter's uses ``(module name, parameter name, module)`` are ones whose per-example
+    gradients' cross term the fast path bounds (``_tie_cross``): one ``nn.Embedding``'s weight and one
+    Linear's (or ``Conv1D``'s) weight of the same shape, e.g. GPT-2's ``wte`` and ``lm_head``."""
+    names = " and ".join(f"'{n}' ({type(m).__name__})" for n, _, m in uses)
+    if len({id(m) for _, _, m in uses}) < len(uses):  # one module under two names: it may run twice
+        return f"one module registered under several names: {names} (tied weights: it may run more than once)"
+    emb = [u for u in uses if isinstance(u[2], nn.Embedding)]
+    mat = [u for u in uses if isinstance(u[2], nn.Linear) or _is_conv1d(u[2])]
+    if len(uses) == 2 and len(emb) == 1 and len(mat) == 1 and all(pn == "weight" for _, pn, _ in uses):
+        return None
+    return (f"parameter shared by modules {names} (tied weights): the fast path bounds a tied parameter's "
+            f"per-example norm only for the weight of one Embedding shared with one Linear or Conv1D "
+            f"(a language model's tied input and output embeddings)")
 
 
 def why_unsupported(model: nn.Module) -> str | None:
     """None when every trainable parameter belongs to a supported layer, else the reason."""
-    owners: dict[int, str] = {}
+    owners: dict[int, list] = {}
     for name, m in model.named_modules(remove_duplicate=False):
-        for p in m.parameters(recurse=False):
-            if p.requires_grad and owners.setdefault(id(p), name) != name:
-                # a tied parameter's per-example gradient is the sum of both uses: per-layer norms
-                # would understate it (and with it the sensitivity)
-                return f"parameter shared by modules '{owners[id(p)]}' and '{name}' (tied weights)"
+        for pname, p in m.named_parameters(recurse=False):
+            if p.requires_grad:
+                owners.setdefault(id(p), []).append((name, pname, m))
+    for uses in owners.values():
+        # a tied parameter's per-example gradient is the sum of its uses': per-layer norms would understate
+        # it (and with it the sensitivity) unless the uses' cross terms are added (_tie_cross)
+        why = _why_not_tied(uses) if len(uses) > 1 else None
+        if why is not None:
+            return why
     for name, m in model.named_modules():
         if not any(p.requires_grad for p in m.parameters(recurse=False)):
             continue
-        if not isinstance(m, _SUPPORTED):
+        if _is_conv1d(m):
+            if "forward" in m.__dict__ or not rms.same_code(type(m).forward, _reviewed_conv1d):
+                return f"module '{name}' (Conv1D): its forward is not the reviewed transformers Conv1D.forward"
+        elif rms.hf_class(m):
+            why = rms.why_not_hf(m)
+            if why is not None:
+                return f"module '{name}': {why}"
+        elif not isinstance(m, _SUPPORTED):
             return f"module '{name}' ({type(m).__name__}) has trainable parameters and no fast-path rule"
-        base = next(c for c in _SUPPORTED if isinstance(m, c))
-        if type(m).forward is not base.forward or "forward" in m.__dict__:  # the rules assume the standard function
-            return f"module '{name}' ({type(m).__name__}) overrides {base.__name__}.forward"
+        else:
+            base = next(c for c in _SUPPORTED if isinstance(m, c))
+            if type(m).forward is not base.forward or "forward" in m.__dict__:  # the rules assume the standard one
+                return f"module '{name}' ({type(m).__name__}) overrides {base.__name__}.forward"
         own = {n for n, p in m.named_parameters(recurse=False) if p.requires_grad}
         if not own <= {"weight", "bias"}:  # e.g. weight_norm's weight_g / weight_v
             return f"module '{name}' ({type(m).__name__}) has parameters {sorted(own)} besides weight and bias"
-        if isinstance(m, _CONV) and (m.groups != 1 or m.padding_mode != "zeros" or isinstance(m.padding, str)):
-            return f"module '{name}' ({type(m).__name__}) uses groups, a non-zero padding mode or string padding"
+        if isinstance(m, _CONV) and m.padding_mode not in ("zeros", "reflect", "replicate", "circular"):
+            return f"module '{name}' ({type(m).__name__}) uses padding_mode={m.padding_mode!r}"
         if isinstance(m, nn.Embedding) and (m.max_norm is not None or m.scale_grad_by_freq or m.sparse):
             return (f"module '{name}' (Embedding) uses max_norm (rewrites the weights in the forward pass), "
                     f"scale_grad_by_freq (scales by counts over the whole batch) or sparse gradients")
     return None
+
+
+def _trainable_pair(m: nn.Module) -> tuple[bool, bool]:
+    """Whether the layer's weight, its bias, is a trainable parameter (an RMSNorm has no bias)."""
+    w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+    return isinstance(w, Tensor) and w.requires_grad, isinstance(b, Tensor) and b.requires_grad
 
 
 def _trainable(m: nn.Module) -> list[nn.Parameter]:
@@ -164,20 +276,27 @@ class _Matrix:
     clipped contribution is at most C however its positions cancel) and the sums as one float64
     product ``(s * g)^T a`` over (example, position) pairs: float64, so that an example whose
     position terms are large and cancel (bounded by the clip: ``s_i U_i <= C / sqrt(coef)``) cannot
-    round other examples' terms away (in float32 one changed the released sum by 8.15 C)."""
+    round other examples' terms away (in float32 one changed the released sum by 8.15 C).
+
+    transformers' ``Conv1D`` (``y = x W + b``, ``W [k, o]``) is a Linear with its weight transposed
+    (``t``): the same norms, and its weight's pieces laid out ``[k, o]`` (``a_i^T g_i``)."""
 
     def __init__(self, m: nn.Module, a: Tensor, g: Tensor, ghost: bool) -> None:
         b, conv = g.shape[0], isinstance(m, _CONV)
         L, k, o = _sizes(m, a, g)
         if not conv:
             a, g = a.reshape(b, -1, a.shape[-1]), g.reshape(b, -1, g.shape[-1])
+        self.t = _is_conv1d(m)
         self.w, self.bias = m.weight.requires_grad, m.bias is not None and m.bias.requires_grad
-        self.ghost = ghost and L > 1 and L * L <= o * k
+        grouped = conv and m.groups > 1  # groups (depthwise too): the per-example gradient formed, group by group
+        self.ghost = ghost and L > 1 and L * L <= o * k and not grouped
+        formed = (L > 1 or grouped) and not self.ghost
         # the longest float64 sum behind sq and cross (DiSK's combination bounds its rounding with it)
-        self.terms = (k + o if L == 1 else L * L + k + o if self.ghost else o * k) + o + 1
+        self.terms = (o * k if formed else k + o if L == 1 else L * L + k + o) + o + 1
         self.pe: Tensor | None = None
-        if L > 1 and not self.ghost:  # the per-example weight gradient, kept for the sums
-            self.pe = conv_weight_rows(m, a, g) if conv else torch.bmm(g.transpose(1, 2), a)
+        if formed:  # the per-example weight gradient, kept for the sums
+            self.pe = conv_weight_rows(m, a, g) if conv else \
+                torch.bmm(a.transpose(1, 2), g) if self.t else torch.bmm(g.transpose(1, 2), a)
             if conv:
                 a, g = None, g.flatten(2).transpose(1, 2)
             sq = sq_norms(self.pe)
@@ -217,6 +336,8 @@ class _Matrix:
         out = gs.new_zeros(gs.shape[0], k)
         for i in range(0, b, step):  # accumulated in place: no temporary product per block
             out.addmm_(gs[:, i:i + step], a[i:i + step].double())
+        if self.t:  # [n, o, k] -> Conv1D's [n, k, o]
+            out = out.reshape(len(S), -1, k).transpose(1, 2)
         return out.reshape(len(S), -1).to(self.g.dtype)
 
     def _wide_sum(self, s: Tensor) -> Tensor:
@@ -227,6 +348,11 @@ class _Matrix:
         g = self.g.reshape(b * L, -1)
         sa = (self.a.double() * s.double().view(-1, 1, 1)).reshape(b * L, k)
         step = max(1, WIDE_BLOCK_BYTES // (8 * b * L))
+        if self.t:  # Conv1D's layout [k, o]
+            out = self.g.new_empty(k, g.shape[1])
+            for j in range(0, g.shape[1], step):
+                out[:, j:j + step] = sa.t() @ g[:, j:j + step].double()  # rounded once, on assignment
+            return out.reshape(-1)
         out = self.g.new_empty(g.shape[1], k)
         for j in range(0, g.shape[1], step):
             out[j:j + step] = g[:, j:j + step].t().double() @ sa  # rounded once, on assignment
@@ -234,7 +360,7 @@ class _Matrix:
 
     def one(self, i: int) -> list[Tensor]:
         """Example i's gradient, one flat tensor per parameter."""
-        w = self.pe[i] if self.pe is not None else self.g[i].t() @ self.a[i]
+        w = self.pe[i] if self.pe is not None else self.a[i].t() @ self.g[i] if self.t else self.g[i].t() @ self.a[i]
         return ([w.reshape(-1)] if self.w else []) + ([self.g[i].sum(0)] if self.bias else [])
 
     def combo(self, idx: list[int], w: list[float]) -> list[Tensor]:
@@ -243,9 +369,11 @@ class _Matrix:
         wt = torch.tensor(w, dtype=self.g.dtype, device=self.g.device)
         g = self.g[idx] * wt.view(-1, 1, 1)
         out = []
-        if self.w:
-            out.append(wt @ self.pe[idx].flatten(1) if self.pe is not None else
-                       (g.reshape(-1, g.shape[-1]).t() @ self.a[idx].reshape(-1, self.a.shape[-1])).reshape(-1))
+        if self.w and self.pe is not None:
+            out.append(wt @ self.pe[idx].flatten(1))
+        elif self.w:
+            a, gf = self.a[idx].reshape(-1, self.a.shape[-1]), g.reshape(-1, g.shape[-1])
+            out.append((a.t() @ gf if self.t else gf.t() @ a).reshape(-1))
         return out + ([g.sum((0, 1))] if self.bias else [])
 
     def cross(self, o: "_Matrix") -> Tensor:
@@ -261,20 +389,36 @@ class _Matrix:
 
 
 class _Affine:
-    """GroupNorm/LayerNorm: the per-example gradients of the affine weight and bias are small (one
-    value per channel or normalised feature): computed directly from the normalised input."""
+    """GroupNorm/LayerNorm/InstanceNorm/RMSNorm: the per-example gradients of the affine weight and
+    bias are small (one value per channel or normalised feature): computed directly from the
+    normalised input (an InstanceNorm's from the statistics its forward uses: the example's own in
+    training or without running statistics, the constant running ones in evaluation; a Hugging Face
+    RMSNorm's normalised in float32 and cast back, as its forward does: ``grads.rms``)."""
 
     def __init__(self, m: nn.Module, a: Tensor, g: Tensor) -> None:
         b = a.shape[0]
         if isinstance(m, nn.GroupNorm):
             xhat, dims = F.group_norm(a, m.num_groups, eps=m.eps), tuple(range(2, a.dim()))
-        else:
+        elif isinstance(m, _INSTANCE):
+            own = m.training or not m.track_running_stats  # the forward's use_input_stats
+            xhat = F.instance_norm(a, None if own else m.running_mean, None if own else m.running_var,
+                                   use_input_stats=own, eps=m.eps)
+            dims = tuple(range(2, a.dim()))
+        elif isinstance(m, nn.LayerNorm):
             xhat = F.layer_norm(a, m.normalized_shape, eps=m.eps)
             dims = tuple(range(1, a.dim() - len(m.normalized_shape)))  # leading positions
+        else:
+            n = rms.trailing(m)
+            if tuple(m.weight.shape) != tuple(a.shape[a.dim() - n:]) or a.dim() <= n:
+                raise ConfigError(f"grad_path=\"fast\": a {type(m).__name__} layer's weight {tuple(m.weight.shape)} "
+                                  f"does not match the trailing dimensions of its input {tuple(a.shape)}; use "
+                                  f"grad_path=\"rows\"")
+            xhat, dims = rms.normalised(m, a), tuple(range(1, a.dim() - n))
         parts = []
-        if m.weight is not None and m.weight.requires_grad:
+        weight, bias = _trainable_pair(m)
+        if weight:
             parts.append(((xhat * g).sum(dims) if dims else xhat * g).reshape(b, -1))
-        if m.bias is not None and m.bias.requires_grad:
+        if bias:
             parts.append((g.sum(dims) if dims else g).reshape(b, -1))
         self.rows = parts
         self.sq = sum(sq_norms(r) for r in parts)
@@ -358,14 +502,15 @@ def ghost_plan(layers: list[nn.Module], acts: dict, outs: dict | list) -> set[nn
         outs = dict(zip(layers, outs))
     ghost, used = set(), 0
     for m in layers:
-        if not isinstance(m, (nn.Linear, *_CONV)):
+        if not _is_matrix(m):
             continue
         a, out = acts[m], outs[m]
         L, k, o = _sizes(m, a, out)
-        if L == 1:
+        grouped = isinstance(m, _CONV) and m.groups > 1  # formed always (_Matrix)
+        if L == 1 and not grouped:
             continue
-        size = out.shape[0] * o * k * a.element_size()
-        if L * L <= o * k and used + size > FORMED_BYTES:
+        size = out.shape[0] * o * k * max(a.element_size(), 4)  # 16-bit inputs are formed in float32 (_rule)
+        if L * L <= o * k and not grouped and used + size > FORMED_BYTES:
             ghost.add(m)
         else:
             used += size
@@ -377,34 +522,85 @@ def _own_reference(m: nn.Module, ghost: set) -> bool:
     layer, a Linear/Conv that forms its per-example gradients (``_Matrix.pe``), or a one-position
     layer, whose float64 sums convert each cached block of inputs once for both rows (cheaper than
     autograd's float32 weight gradient, which reads the whole input again); ``ghost``: ``ghost_plan``'s."""
-    if isinstance(m, _NORMS):
+    if _is_norm(m):
         return True
-    if not isinstance(m, (nn.Linear, *_CONV)):
+    if not _is_matrix(m):
         return False
     return m not in ghost
 
 
-def _rules_of(layers: list[nn.Module], acts: dict, outs: list, plan: set | None = None) -> list:
+def _rules_of(layers: list[nn.Module], acts: dict, outs: list, plan: set | None = None,
+              ties: list[tuple[int, int]] = ()) -> list:
     """Every layer's rule (inputs ``acts``, output gradients ``outs`` in ``layers``' order), each
     Linear/Conv over several positions on formed gradients or the ghost norm as ``ghost_plan`` says
-    (``plan``: its answer for these shapes, where the caller has it)."""
+    (``plan``: its answer for these shapes, where the caller has it). ``ties``: pairs (Embedding,
+    Linear/Conv1D) of indices into ``layers`` sharing their weight: twice the cross term of their
+    per-example gradients and its rounding margin (``_tie_cross``) are added to the Embedding rule's
+    ``sq``, so that the rules' summed ``sq`` bounds the squared norm of the tied parameter's summed
+    per-example gradient."""
     plan = ghost_plan(layers, acts, outs) if plan is None else plan
-    return [_rule(m, acts[m], g, m in plan) for m, g in zip(layers, outs)]
+    rules = [_rule(m, acts[m], g, m in plan) for m, g in zip(layers, outs)]
+    for e, j in ties:
+        rules[e].sq = rules[e].sq + _tie_cross(rules[e], rules[j])
+    return rules
+
+
+def _tie_cross(emb: "_Embed", mat: "_Matrix") -> Tensor:
+    """``2 <E_i, G_i>`` plus a bound on its rounding, per example ``[b]``: ``E_i`` an Embedding's
+    per-example weight gradient (``emb.rows``: one row per distinct token t of example i), ``G_i`` the
+    per-example weight gradient of a Linear (``g_i^T a_i``, ``[V, d]``) or Conv1D (``a_i^T g_i``) sharing
+    the weight (``mat``), from the same backward. Only E's nonzero rows meet G, so
+    ``<E_i, G_i> = sum_t E_i[t] . (sum_l g_i[l, t] a_i[l])``: the head's output gradients gathered at
+    example i's token columns, ``O(b L P d)`` for P distinct tokens an example, no ``[V, d]`` per example.
+    Where the Linear's rule formed ``G_i`` (``mat.pe``: what its sums release) the cross term is taken
+    from ``G_i``'s rows at the tokens instead, ``O(b P d)``, with ``M_i = sum_t ||G_i[t]|| ||E_i[t]||``
+    and ``n = d + P + 3``.
+
+    The expansion ``||E||^2 + ||G||^2 + 2 <E, G>`` cancels when the two uses' gradients nearly cancel
+    (an input can be crafted so), and its rounding could then exceed the true norm. The cross term is
+    computed in float64 from the float32 (or float64) values, exact as products; with
+    ``M_i = sum_{t, l} |g_i[l, t]| ||a_i[l]|| ||E_i[t]||`` (computed, float64), every dot product
+    ``a_i[l] . E_i[t]`` is within ``gamma_d ||a_i[l]|| ||E_i[t]||`` and the sum of the ``L P`` products
+    adds ``gamma_{L P + 1}`` of their magnitudes, so the computed cross term is within
+    ``gamma_n M_i`` of the true one (``n = d + L P + 3``, unit roundoff ``2^-53``). The rules' ``sq``
+    are upper bounds (``sq_norms``, ``ghost_norm_bound``) or float64 sums within ``gamma_n`` of them
+    (a one-position layer: ``n >= k + 2 o + 1 = terms``), so the true squared norm of ``E_i + G_i``
+    is at most ``sq_E + sq_G + 2 cross + gamma_n (sq_E + sq_G + 2 M_i)``, with n the largest of these
+    counts; the margin is taken twice over for the terms of second order (the computed ``M_i``
+    and ``sq`` themselves rounded). ``sq_G`` may hold the Linear's bias too: a larger margin."""
+    a, g = (mat.g, mat.a) if mat.t else (mat.a, mat.g)  # g's last dimension indexes the table's rows
+    b, L, d = a.shape
+    owner = emb.owner
+    counts = torch.bincount(owner, minlength=b)
+    pos = torch.arange(len(owner), device=owner.device) - (counts.cumsum(0) - counts)[owner]  # rank within example
+    P = int(counts.max()) if len(owner) else 0
+    R = torch.zeros(b, P, d, dtype=torch.float64, device=a.device)
+    R[owner, pos] = emb.rows.double()
+    tok = torch.zeros(b, P, dtype=torch.long, device=a.device)  # absent rows: token 0 against a zero row
+    tok[owner, pos] = emb.token
+    if mat.pe is not None:  # the formed per-example gradients (what the sums release): their rows at the tokens
+        rows = mat.pe.gather(1, tok.unsqueeze(2).expand(b, P, d)).double()  # [b, P, d]
+        cross = (rows * R).sum((1, 2))
+        mag = (torch.linalg.vector_norm(rows, dim=2) * torch.linalg.vector_norm(R, dim=2)).sum(1)
+        n = max(emb.terms, mat.terms, d + P + 3)
+        return 2 * cross + 2 * _gamma(n, 2.0 ** -53) * (emb.sq + mat.sq + 2 * mag)
+    gt = g.gather(2, tok.unsqueeze(1).expand(b, L, P)).double()  # [b, L, P]: g_i[l, t]
+    ad = a.double()
+    cross = (torch.bmm(ad, R.transpose(1, 2)) * gt).sum((1, 2))
+    mag = (torch.linalg.vector_norm(ad, dim=2).unsqueeze(2) * torch.linalg.vector_norm(R, dim=2).unsqueeze(1)
+           * gt.abs()).sum((1, 2))
+    n = max(emb.terms, mat.terms, d + L * P + 3)
+    return 2 * cross + 2 * _gamma(n, 2.0 ** -53) * (emb.sq + mat.sq + 2 * mag)
 
 
 def _rule(m: nn.Module, a: Tensor, g: Tensor, ghost: bool):
-    if torch.float16 in (a.dtype, g.dtype):
-        raise ConfigError("--grad-path fast: float16 activations or output gradients (half precision or "
-                          "float16 autocast): their squares underflow and the norms could understate an example's "
-                          "gradient; use float32, or --grad-path rows")
-    if torch.bfloat16 in (a.dtype, g.dtype):  # e.g. autocast entered inside the model's forward
-        raise ConfigError("--grad-path fast: bfloat16 activations or output gradients (autocast inside the model, "
-                          "or a bfloat16 layer): the per-layer sums would be rounded in bfloat16, and one example "
-                          "moved the clipped sum by 1.27 C at B = 256; run the model in float32, or use "
-                          "--grad-path rows (its per-example gradients come back in the parameters' float32)")
-    if isinstance(m, (nn.Linear, *_CONV)):
+    # bfloat16 / float16 inputs and output gradients (autocast: DPEngine(autocast=...), or inside the model) widen
+    # exactly to float32: every norm, factor and sum below then runs in float32 or float64, as for a float32
+    # model (16-bit sums moved the release by 1.27 C at B = 256; float16 squares underflow at 2^-12)
+    a, g = exact32(a), exact32(g)
+    if _is_matrix(m):
         return _Matrix(m, a, g, ghost)
-    return (_Affine if isinstance(m, _NORMS) else _Embed)(m, a, g)
+    return (_Affine if _is_norm(m) else _Embed)(m, a, g)
 
 
 class _Combined:
@@ -450,10 +646,17 @@ class BookKeeping:
         if reason is not None:
             raise ValueError(reason)
         self.model, self.loss_fn, self.layout = model, loss_fn, ParamLayout.of(model)
-        self.layers = [m for m in model.modules() if isinstance(m, _SUPPORTED) and _trainable(m)]
+        self.layers = [m for m in model.modules() if _supported(m) and _trainable(m)]
         names = {id(p): n for n, p in model.named_parameters()}
         slot = {n: i for i, n in enumerate(self.layout.names)}
         self.slots = [[slot[names[id(p)]] for p in _trainable(m)] for m in self.layers]
+        users: dict[int, list[int]] = {}  # the layers using each parameter (several: a tied weight)
+        for j, m in enumerate(self.layers):
+            for p in _trainable(m):
+                users.setdefault(id(p), []).append(j)
+        # (Embedding, Linear/Conv1D) sharing their weight, as why_unsupported allows: their cross term (_tie_cross)
+        self.ties = [tuple(sorted(js, key=lambda j: not isinstance(self.layers[j], nn.Embedding)))
+                     for js in users.values() if len(js) > 1]
         self._check_rng = secrets.SystemRandom()  # the probes: unpredictable, from the OS CSPRNG
         self._vector_loss: bool | None = None  # does loss_fn return per-example losses? (decided once)
         self.keep_output, self.last_out = False, None  # the step's own forward output (clipbias.PrivacyEngine)
@@ -474,6 +677,10 @@ class BookKeeping:
         else:
             enter, c = at
             wide = c != 1.0
+            if wide and self.ties:
+                raise ConfigError("grad_path=\"fast\" with DiSK's two points: tied weights (an Embedding sharing its "
+                                  "weight with a Linear) have no bound on the cross terms between the points; use "
+                                  "grad_path=\"rows\"")
             with enter():
                 losses, rules, _ = self._rules(x, y, wide)
             if wide:
@@ -510,6 +717,7 @@ class BookKeeping:
         feedback's hidden buffer, which the sound DiceSGD bound allows to be anything
         (docs/privacy.md), so its rounding does not enter the guarantee."""
         check_model(self.model)
+        _check_running_stats(self.model)
         params = self.layout.params(self.model)
         dev = params[0].device
         keyed = forward.active() is not None  # the engine's step: dropout keyed per example, public draws refused
@@ -534,7 +742,7 @@ class BookKeeping:
             # split of the reference between rules and autograd rest on one decision
             rules = _rules_of(self.layers, {m: _widen(acts[m], wide) for m in self.layers},
                               [_widen(g, wide) for g in grads[:len(self.layers)]],
-                              self._plan if reference and not wide else None)
+                              self._plan if reference and not wide else None, self.ties)
             sq = sum(r.sq for r in rules)
             # else the caller refuses the step; a model per-example by construction, under a loss of one
             # example at a time (a loss_fn returning per-example losses may combine them), needs no probe
@@ -553,8 +761,12 @@ class BookKeeping:
         reference sum themselves (``_own_reference``), which the reference sum takes from autograd; kept
         in ``self._unformed`` (and the ghost plan in ``self._plan``) for ``_rules``."""
         self._plan = plan = ghost_plan(self.layers, acts, outs)
-        self._unformed = [p for m in self.layers if not _own_reference(m, plan)
-                          for p in _trainable(m)]
+        unformed = [not _own_reference(m, plan) for m in self.layers]
+        for e, j in self.ties:  # autograd's reference of a tied weight is both layers': theirs all from it
+            unformed[e] = unformed[j] = unformed[e] or unformed[j]
+        seen: set[int] = set()
+        self._unformed = [p for m, u in zip(self.layers, unformed) if u for p in _trainable(m)
+                          if id(p) not in seen and not seen.add(id(p))]
         return self._unformed
 
     def _losses(self, out, y: Batch, b: int) -> Tensor:
@@ -620,7 +832,7 @@ class BookKeeping:
 
         def hook(m: nn.Module, inp: tuple, out: Tensor) -> None:
             if m in acts:  # a layer used twice: its per-example gradient sums both uses
-                raise ConfigError(f"--grad-path fast: a {type(m).__name__} layer runs twice in one forward "
+                raise PathRefusal("fast", f"--grad-path fast: a {type(m).__name__} layer runs twice in one forward "
                                   f"pass (shared weights); per-layer norms would understate the per-example "
                                   f"gradient. Use --grad-path rows")
             a = inp[0]
@@ -636,13 +848,16 @@ class BookKeeping:
         handles = [m.register_forward_hook(hook) for m in self.layers]
         try:
             with torch.enable_grad():
-                with forward.one_pass() as seen:  # keyed dropout: row r's masks from example r's index
+                # keyed dropout: row r's masks from example r's index; the step's autocast (DPEngine(autocast=...))
+                # around the model's own forward (not the float64 recheck's: ``call``)
+                mixed = precision.forward_autocast() if call is None else contextlib.nullcontext()
+                with forward.one_pass() as seen, mixed:
                     losses = self._losses(self._kept(batch.call(call or self.model, x), keep), y, b)
                 self._keyed_calls = seen.calls
                 self._check_layers(acts, outs, b)
                 changed = [m for m in self.layers if outs[m]._version != versions[m]]
                 if changed:  # the backward would differentiate through the later in-place op
-                    raise ConfigError(f"--grad-path fast: the output of a {type(changed[0]).__name__} layer is "
+                    raise PathRefusal("fast", f"--grad-path fast: the output of a {type(changed[0]).__name__} layer is "
                                       f"modified in place after the layer ran (e.g. ReLU(inplace=True) or h *= c); "
                                       f"use the out-of-place operation, or --grad-path rows")
                 if check_graph:  # off only for the float64 recheck, whose leaves are copies
@@ -653,11 +868,15 @@ class BookKeeping:
                 if callable(params):  # which parameters, decided from the layers' shapes (the reference sum)
                     params = params(acts, outs)
                 targets = [_edge(outs.pop(m)) for m in self.layers]
-                grads = torch.autograd.grad(losses.sum(), targets + (params or []))
+                scale = precision.loss_scale() if call is None else 1.0  # float16: against underflow
+                grads = torch.autograd.grad(losses.sum() * scale if scale != 1.0 else losses.sum(),
+                                            targets + (params or []))
         finally:
             for h in handles:
                 h.remove()
-        return losses.detach(), acts, list(grads)
+        if scale != 1.0:  # a power of two: divided out exactly (widened to float32 first)
+            grads = [exact32(g, scale) for g in grads]
+        return exact32(losses.detach()), acts, list(grads)
 
     def _kept(self, out, keep: bool):
         """``out``, and its detached copy in ``last_out`` when ``keep`` (the step's output, handed to the user's
@@ -673,15 +892,20 @@ class BookKeeping:
         the layer's output without passing its input). Then the parameter's gradient is the
         layer-local ``g^T a`` the rules attribute, and per-layer norms are the per-example norms. A
         parameter read anywhere else (directly by the model, a second layer, a reparametrisation
-        before the layer) would make them understate the sensitivity: refused. O(graph nodes)."""
+        before the layer) would make them understate the sensitivity: refused. A tied weight
+        (``self.ties``) enters once inside each of its layers and nowhere else. O(graph nodes)."""
         uses = _leaf_uses([losses.grad_fn], stop=set())
+        users: dict[int, int] = {}  # the layers holding each parameter now (a fully_shard model's are swapped in)
+        for m in self.layers:
+            for p in _trainable(m):
+                users[id(p)] = users.get(id(p), 0) + 1
         for m, slots in zip(self.layers, self.slots):
             local = _leaf_uses([outs[m].grad_fn], stop={ins[m]} if ins[m] is not None else set())
-            for p in _trainable(m):
-                if uses.get(id(p), 0) != 1 or local.get(id(p), 0) != 1:
+            for p in _trainable(m):  # a tied weight: once inside each of its layers (self.ties), nowhere else
+                if uses.get(id(p), 0) != users[id(p)] or local.get(id(p), 0) != 1:
                     name = self.layout.names[slots[_trainable(m).index(p)]]
-                    raise ConfigError(
-                        f"--grad-path fast: parameter '{name}' enters the forward pass {uses.get(id(p), 0)} "
+                    raise PathRefusal(
+                        "fast", f"--grad-path fast: parameter '{name}' enters the forward pass {uses.get(id(p), 0)} "
                         f"time(s), {local.get(id(p), 0)} of them inside its {type(m).__name__} layer: a use "
                         f"outside its layer's forward (e.g. read directly by the model) would make per-layer "
                         f"norms understate the per-example norms. Use --grad-path rows")
@@ -689,13 +913,19 @@ class BookKeeping:
     def _check_layers(self, acts: dict, outs: dict, b: int) -> None:
         missing = [m for m in self.layers if m not in outs]
         if missing:
-            raise ConfigError(f"--grad-path fast: the {type(missing[0]).__name__} layer holding trainable "
+            raise PathRefusal("fast", f"--grad-path fast: the {type(missing[0]).__name__} layer holding trainable "
                               f"parameters did not run in the forward pass; use --grad-path rows")
         bad = [m for m in self.layers if acts[m].shape[:1] != (b,) or outs[m].shape[:1] != (b,)]
         if bad:  # tokens folded into the batch, a sequence-first layout, a batch-shared input
-            raise ConfigError(f"--grad-path fast: a {type(bad[0]).__name__} layer sees a first dimension of "
+            raise PathRefusal("fast", f"--grad-path fast: a {type(bad[0]).__name__} layer sees a first dimension of "
                               f"{acts[bad[0]].shape[0]}, not the batch of {b}: its rows are not one per "
                               f"example, so per-layer norms would not be per-example norms. Use --grad-path rows")
+        unbatched = [m for m in self.layers if acts[m].dim() != _batched_dims(m, acts[m].dim())]
+        if unbatched:  # e.g. a Conv1d given [b, L]: the batch read as one example's channels
+            m = unbatched[0]
+            raise ConfigError(f"grad_path=\"fast\": a {type(m).__name__} layer receives a {acts[m].dim()}-D input, "
+                              f"which it reads as one example without a batch dimension: its rows are not one per "
+                              f"example. Give it a {_batched_dims(m, 0)}-D input, or use grad_path=\"rows\"")
 
     def _assemble(self, per_layer: list[list[Tensor]]) -> Tensor:
         """Per-layer, per-parameter flat pieces concatenated in ``ParamLayout`` order."""
@@ -704,8 +934,8 @@ class BookKeeping:
     def _ordered(self, per_layer: list[list[Tensor]]) -> list[Tensor]:
         parts: list[Tensor | None] = [None] * len(self.layout.names)
         for slots, pieces in zip(self.slots, per_layer):
-            for s, t in zip(slots, pieces):
-                parts[s] = t
+            for s, t in zip(slots, pieces):  # a tied parameter: the sum of its layers' pieces
+                parts[s] = t if parts[s] is None else parts[s] if t is None else parts[s] + t
         return parts
 
     def _check_examples(self, rules: list, sq: Tensor, x: Batch, y: Batch, params: list, rng: tuple | None) -> None:
@@ -723,14 +953,19 @@ class BookKeeping:
         if rng is not None:
             i = self._check_rng.randrange(b)
             if not _close(self._ordered([r.one(i) for r in rules]), self._counterfactual(x, y, i, rng), params, 1e-4):
-                raise ConfigError(_MIXING.format(i=i, alone="among copies of itself"))
+                raise PathRefusal("fast", _MIXING.format(i=i, alone="among copies of itself"))
             return
         probes = self._check_rng.sample(range(b), min(PROBES, b))
         w, scale = self._probe_weights(sq, probes)
         fast = self._ordered([r.combo(probes, w) for r in rules])
-        mine = self._own(x, y, probes, params, w)
-        if not _close(fast, mine, params, 1e-4, scale) and not self._agree_in_float64(x, y, probes, w, fast):
-            raise ConfigError(_MIXING.format(i=", ".join(map(str, probes)), alone="each run alone"))
+        if precision.active_mixed() is not None:  # a 16-bit forward: a batch and one example alone round apart by
+            agree = self._agree_in_float64(x, y, probes, w, fast)  # ~2^-8, so the float64 recheck decides at once
+        else:
+            agree = _close(fast, self._own(x, y, probes, params, w), params, 1e-4, scale) or \
+                self._agree_in_float64(x, y, probes, w, fast)
+        if not agree:
+            raise PathRefusal("fast", _MIXING.format(i=", ".join(map(str, probes)), alone="each run alone")
+                              + (_MIXED_HINT if precision.active_mixed() is not None else ""))
 
     def _probe_weights(self, sq: Tensor, probes: list[int]) -> tuple[list[float], float]:
         """The probes' secret weights ``w_k = u_k / ||g_k||`` (``u_k`` uniform in [1, 2] from the OS
@@ -786,8 +1021,8 @@ class BookKeeping:
         resnet20-gn trained on Fashion-MNIST), while float64 rounding is ~1e-12 of that and a real
         mixing of examples stays. The second condition catches a model that mixes examples in
         float32 only, as far as 5e-2 of the gradient; below that such a model, written to evade the
-        check, passes (docs/results.md). False when the model cannot run in float64 (the float32
-        mismatch then stands)."""
+        check, passes (docs/results.md); under autocast the 16-bit attribution is compared at
+        ``MIXED_RTOL``. False when the model cannot run in float64 (the float32 mismatch then stands)."""
         wide = {n: t.detach().double() if t.is_floating_point() else t
                 for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]}
         leaves = [wide[n].requires_grad_() for n in self.layout.names]
@@ -797,14 +1032,15 @@ class BookKeeping:
         xw = batch.tree_map(lambda t: t.double() if t.is_floating_point() else t, x)
         try:
             _, acts, grads = self._backward(xw, y, call=call, check_graph=False)
-            rules = _rules_of(self.layers, acts, grads)
+            rules = _rules_of(self.layers, acts, grads, ties=self.ties)
             attributed = self._ordered([r.combo(probes, w) for r in rules])
             together = self._own(xw, y, probes, leaves, w, call=call)
         except (RuntimeError, ConfigError):  # an op without float64 support, a dtype clash inside the model
             return False
         scale = sum(wk * nk for wk, nk in zip(w, _attributed_norms(sum(r.sq for r in rules), probes)))
         return _close(attributed, together, leaves, 1e-4, scale) and _close(
-            [t.to(a.dtype) for t, a in zip(attributed32, attributed)], attributed, leaves, 5e-2)
+            [t.to(a.dtype) for t, a in zip(attributed32, attributed)], attributed, leaves,
+            MIXED_RTOL if precision.active_mixed() is not None else 5e-2)
 
     def _counterfactual(self, x: Batch, y: Batch, i: int, rng: tuple) -> list[Tensor]:
         """Example i's attributed gradient in the batch whose every row is example i, under the
@@ -815,12 +1051,12 @@ class BookKeeping:
         if forward.active() is not None:
             with forward.same_example(i):
                 _, acts, grads = self._backward(xi, yi)
-            return self._ordered([r.one(i) for r in _rules_of(self.layers, acts, grads)])
+            return self._ordered([r.one(i) for r in _rules_of(self.layers, acts, grads, ties=self.ties)])
         dev = self.layout.params(self.model)[0].device
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             _set_rng(rng, dev)
             _, acts, grads = self._backward(xi, yi)
-        return self._ordered([r.one(i) for r in _rules_of(self.layers, acts, grads)])
+        return self._ordered([r.one(i) for r in _rules_of(self.layers, acts, grads, ties=self.ties)])
 
 
 PROBES = 4
@@ -835,6 +1071,14 @@ _MIXING = ("--grad-path fast: the gradient of example(s) {i} as the per-layer ru
            "own gradient (the example(s) {alone}): the model lets examples see each other (batch statistics, "
            "mixup, cross-example attention, a sequence-first layout), so per-layer norms are not per-example "
            "norms. Use --grad-path rows")
+
+
+MIXED_RTOL = 0.25
+"""How far, under autocast, the rules' 16-bit attribution may lie from the float64 one (``_agree_in_float64``;
+5e-2 for float32): bfloat16 forwards and backwards put the cnn's 3.5-4.6 % from it, a 2-layer GPT's 0.4 %."""
+
+_MIXED_HINT = ("; or, under autocast, the 16-bit forward and backward lost more than 25 % of these examples' "
+               "gradient against float64 (float16 output gradients flushed to zero: raise loss_scale)")
 
 
 def _attributed_norms(sq: Tensor, probes: list[int]) -> list[float]:
@@ -886,9 +1130,21 @@ def _check_hooks(layers: list) -> None:
     layer sees what they return)."""
     hooked = [m for m in layers if m._forward_hooks] or (layers if nn.modules.module._global_forward_hooks else [])
     if hooked:
-        raise ConfigError(f"--grad-path fast: a forward hook is registered on a {type(hooked[0]).__name__} layer "
-                          f"(or globally): it may change the layer's output after the layer ran. Remove it, or "
+        raise PathRefusal("fast", f"--grad-path fast: a forward hook is registered on a {type(hooked[0]).__name__} "
+                          f"layer (or globally): it may change the layer's output after the layer ran. Remove it, or "
                           f"use --grad-path rows")
+
+
+def _check_running_stats(model: nn.Module) -> None:
+    """An InstanceNorm tracking running statistics updates them from the batch in a training forward:
+    refused before the forward, by name (``_check_buffers`` would refuse any buffer the forward changes)."""
+    for name, m in model.named_modules():
+        if isinstance(m, _INSTANCE) and m.training and m.track_running_stats:
+            raise ConfigError(f"grad_path=\"fast\": module '{name}' ({type(m).__name__}) has track_running_stats=True "
+                              f"in training mode: its forward would update running statistics from the private batch, "
+                              f"released without noise. Build it with track_running_stats=False (clipbias.fix(model) "
+                              f"does), or put the layer in evaluation mode (.eval()) to use its running statistics as "
+                              f"constants")
 
 
 def _check_buffers(model: nn.Module, before: list) -> None:

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from ..errors import ConfigError
 
@@ -128,3 +131,118 @@ def last_norms(g: Tensor, keepdim: bool = False) -> Tensor:
     n = row_norms(g.reshape(-1, d)) if d else torch.zeros(lead.numel(), dtype=torch.float64, device=g.device)
     n = n.reshape(lead)
     return n.unsqueeze(-1) if keepdim else n
+
+
+# ---------------------------------------------------------------------------- mixed precision (autocast)
+
+HALF = (torch.bfloat16, torch.float16)
+"""The 16-bit float types a forward and backward may run in (``DPEngine(autocast=...)``)."""
+
+FLOAT16_LOSS_SCALE = 2.0 ** 8
+"""The default loss scale under float16 autocast: output gradients below float16's smallest subnormal
+(2^-24) would flush to zero without it; per-example output gradients above 65504 / 256 = 256 overflow
+with it (the step then stops on a non-finite gradient: lower ``loss_scale``)."""
+
+
+@dataclass(frozen=True)
+class Mixed:
+    """A private step's forward and backward under ``torch.autocast(device_type, dtype)``, the summed
+    loss multiplied by ``loss_scale`` (a power of two) before the backward and the gradients divided
+    by it after, exactly."""
+
+    device_type: str
+    dtype: torch.dtype
+    loss_scale: float = 1.0
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16}
+
+
+def check_autocast(autocast: "torch.dtype | str | None", loss_scale: float | None) -> tuple | None:
+    """``(dtype, loss scale)`` for ``DPEngine(autocast=..., loss_scale=...)``, or None without autocast.
+    ``autocast``: ``torch.bfloat16`` / ``torch.float16`` (or their names); ``loss_scale``: a power of two
+    (dividing by it is exact), default 1 under bfloat16 (float32's range) and ``FLOAT16_LOSS_SCALE`` under
+    float16."""
+    if autocast is None or autocast is False:
+        if loss_scale is not None:
+            raise ConfigError(f"loss_scale={loss_scale!r} applies to an autocast step: give autocast=torch.float16 "
+                              f"(or torch.bfloat16) too")
+        return None
+    dtype = _DTYPES.get(autocast.lower()) if isinstance(autocast, str) else autocast
+    if dtype not in HALF:
+        raise ConfigError(f"autocast must be torch.bfloat16 or torch.float16 (the dtype the forward and backward "
+                          f"run in; parameters, norms and sums stay float32), got {autocast!r}")
+    if loss_scale is None:
+        loss_scale = FLOAT16_LOSS_SCALE if dtype == torch.float16 else 1.0
+    ok = isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and math.isfinite(loss_scale) \
+        and loss_scale > 0 and math.frexp(loss_scale)[0] == 0.5 and 2.0 ** -64 <= loss_scale <= 2.0 ** 64
+    if not ok:
+        raise ConfigError(f"loss_scale must be a power of two between 2^-64 and 2^64 (the gradients are divided "
+                          f"by it, exactly), got {loss_scale!r}")
+    return dtype, float(loss_scale)
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def mixed(spec: Mixed | None) -> Iterator[None]:
+    """The scope of one private step's gradient computations: inside it ``forward_autocast()`` enters
+    ``spec``'s autocast around each model forward and ``loss_scale()`` is its scale. Autocast itself is
+    not entered here: the clip factors and the sums across examples, computed in the same scope
+    outside the forwards, stay in float32."""
+    before = getattr(_local, "spec", None)
+    _local.spec = spec
+    try:
+        yield
+    finally:
+        _local.spec = before
+
+
+def active_mixed() -> Mixed | None:
+    return getattr(_local, "spec", None)
+
+
+class _NormsInFloat32(TorchFunctionMode):
+    """Layer and instance norms of a 16-bit input computed in float32 (CUDA's autocast runs layer norm
+    in float32 everywhere). The CPU's autocast leaves them in bfloat16, and their backward under
+    ``torch.func.vmap`` (the rows path) fails on the mixed bfloat16 input and float32 weight (torch 2.13)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _WIDENED_NORMS and args and isinstance(args[0], Tensor) and args[0].dtype in HALF:
+            args = (args[0].float(), *args[1:])
+        return func(*args, **(kwargs or {}))
+
+
+_WIDENED_NORMS = (torch.nn.functional.layer_norm, torch.layer_norm, torch.nn.functional.instance_norm,
+                  torch.instance_norm)
+
+
+@contextlib.contextmanager
+def forward_autocast(norms32: bool = False) -> Iterator[None]:
+    """``torch.autocast`` for a model forward inside ``mixed(spec)`` (nothing outside it); ``norms32``:
+    with layer and instance norms in float32 (``_NormsInFloat32``: the rows path, under ``vmap``). The fast path
+    enters no function mode: one would void ``grads.separable``'s proof that the model is per-example."""
+    spec = active_mixed()
+    if spec is None:
+        yield
+        return
+    with torch.autocast(spec.device_type, dtype=spec.dtype), \
+            (_NormsInFloat32() if norms32 else contextlib.nullcontext()):
+        yield
+
+
+def loss_scale() -> float:
+    """The loss scale of the enclosing ``mixed`` scope (1 outside one)."""
+    spec = active_mixed()
+    return 1.0 if spec is None else spec.loss_scale
+
+
+def exact32(t: Tensor, scale: float = 1.0) -> Tensor:
+    """A bfloat16 / float16 tensor widened to float32 (exact: both are subsets of float32) and divided
+    by ``scale`` (a power of two: exact but where the quotient falls below float32's normal range); any
+    other tensor as it is (divided by ``scale`` where it is not 1)."""
+    if t.dtype in HALF:
+        t = t.float()
+    return t if scale == 1.0 or not t.is_floating_point() else t / scale

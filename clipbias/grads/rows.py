@@ -13,6 +13,7 @@ a ``[b, d]`` matrix with the global L2 norm over all trainable parameters.
 from __future__ import annotations
 
 import abc
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -23,8 +24,9 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from ..data import batch
 from ..data.batch import Batch
-from ..errors import ConfigError, NonFiniteGradientError, UnsupportedModelError
+from ..errors import ConfigError, NonFiniteGradientError, PathRefusal, UnsupportedModelError
 from ..randomness import PROBE_STEP, SecretKey, forward
+from . import precision
 from .precision import full_float32, last_norms, sq_norms
 
 LossFn = Callable[..., Tensor]
@@ -117,6 +119,13 @@ class FuncGradients:
     group) and the loss is that of the group's first row (BatchClipping); ``check=False`` then lets
     the cross-example BatchNorm through. Otherwise the model is checked at every call, so a
     BatchNorm switched to train mode after construction is refused too.
+
+    A model that ``vmap`` cannot run (a forward that branches on tensor values, such as Hugging Face's
+    attention-mask code testing ``attention_mask.all()``, or an operator without a batching rule) has
+    its examples run one at a time instead, each a batch of one under ``torch.func.grad``: the same
+    function of each example alone, b forwards and backwards in a loop (``vectorized`` turns False at
+    the first such batch, with a warning). ``unvectorizable="refuse"`` raises ``PathRefusal`` instead
+    (``grad_path="auto"`` then tries the fast path).
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn = cross_entropy, *, grouped: bool = False,
@@ -127,21 +136,26 @@ class FuncGradients:
         self.layout = ParamLayout.of(model)
 
         def loss_one(params: dict[str, Tensor], consts: dict[str, Tensor], x: Batch, y: Batch, at: Tensor) -> Tensor:
-            with forward.one_pass(at):  # in the engine's private step: dropout keyed by this example's index
+            # in the engine's private step: dropout keyed by this example's index, and its autocast (if any)
+            with forward.one_pass(at), precision.forward_autocast(norms32=True):
                 out = functional_call(self.model, (params, consts), *batch.arguments(x if grouped else batch.unsqueeze(x)))
-            # the loss of one example (a sum over a batch of one, or a [1] vector of per-example losses)
-            return self.loss_fn(out[:1] if grouped else out, batch.unsqueeze(y)).sum()
+                # the loss of one example (a sum over a batch of one, or a [1] vector of per-example losses)
+                loss = self.loss_fn(out[:1] if grouped else out, batch.unsqueeze(y)).sum()
+            return _scaled(loss)
 
-        self._fn = vmap(grad_and_value(loss_one), in_dims=(None, None, 0, 0, 0), randomness="different")
+        self._one = grad_and_value(loss_one)
+        self._fn = vmap(self._one, in_dims=(None, None, 0, 0, 0), randomness="different")
 
         def loss_and_output(params, consts, x, y, at):
-            with forward.one_pass(at):
+            with forward.one_pass(at), precision.forward_autocast(norms32=True):
                 out = functional_call(self.model, (params, consts), *batch.arguments(batch.unsqueeze(x)))
-            return self.loss_fn(out, batch.unsqueeze(y)).sum(), batch.tree_map(lambda t: t.detach()[0], out)
+                loss = self.loss_fn(out, batch.unsqueeze(y)).sum()
+            return _scaled(loss), batch.tree_map(lambda t: t.detach()[0], out)
 
-        self._fn_out = vmap(grad_and_value(loss_and_output, has_aux=True), in_dims=(None, None, 0, 0, 0),
-                            randomness="different")
+        self._one_out = grad_and_value(loss_and_output, has_aux=True)
+        self._fn_out = vmap(self._one_out, in_dims=(None, None, 0, 0, 0), randomness="different")
         self.keep_output, self.last_out = False, None  # the step's own outputs (clipbias.PrivacyEngine)
+        self.vectorized, self.unvectorizable = True, "loop"  # see the class docstring
 
     def params(self) -> dict[str, Tensor]:
         trainable = set(self.layout.names)
@@ -165,16 +179,66 @@ class FuncGradients:
 
     def per_param(self, x: Batch, y: Batch, params: dict[str, Tensor] | None = None) -> tuple[list[Tensor], Tensor]:
         """(per-example gradients ``[b, *shape]`` per parameter in layout order, losses): the rows
-        before they are concatenated into ``[b, d]``."""
+        before they are concatenated into ``[b, d]``. Under autocast each example's gradient comes back
+        in its parameter's dtype (float32: autograd's cast back from the 16-bit copy), a function of that
+        example alone; a loss scale (a power of two) is divided out."""
+        grads, losses = self._per_param(x, y, params)
+        s = precision.loss_scale()
+        return (grads, losses) if s == 1.0 else ([g / s for g in grads], losses / s)
+
+    def _per_param(self, x: Batch, y: Batch, params: dict[str, Tensor] | None) -> tuple[list[Tensor], Tensor]:
         if self.check:
             check_model(self.model)
         at = torch.arange(batch.size(x), device=self.device())
         p = params if params is not None else self.params()
-        if self.keep_output and not self.grouped:  # the outputs too, from the same forward (one example each)
-            grads, (losses, self.last_out) = self._fn_out(p, self.consts(), x, y, at)
-        else:
-            grads, losses = self._fn(p, self.consts(), x, y, at)
-        return [grads[n] for n in self.layout.names], losses.detach()
+        out = self.keep_output and not self.grouped  # the outputs too, from the same forward (one example each)
+        if self.vectorized:
+            try:
+                if out:
+                    grads, (losses, self.last_out) = self._fn_out(p, self.consts(), x, y, at)
+                else:
+                    grads, losses = self._fn(p, self.consts(), x, y, at)
+                return [grads[n] for n in self.layout.names], losses.detach()
+            except RuntimeError as e:
+                if not unvectorizable(e):
+                    raise
+                why = ("torch.func.vmap cannot run the model's forward: it branches on tensor values (data-dependent "
+                       "control flow or .item(), e.g. Hugging Face's attention-mask code)"
+                       if "data-dependent control flow" in str(e) else
+                       f"torch.func.vmap cannot run the model's forward ({str(e)[:120]})")
+                if self.unvectorizable == "refuse":
+                    raise PathRefusal("rows", why) from e
+                self.vectorized = False
+                warnings.warn(f"{why}: its per-example gradients are computed one example at a time (the same "
+                              f"values, b forwards and backwards in a loop); grad_path='fast' computes them in one "
+                              f"batched pass where it applies", stacklevel=3)
+        return self._looped(p, x, y, out)
+
+    def _looped(self, p: dict[str, Tensor], x: Batch, y: Batch, out: bool) -> tuple[list[Tensor], Tensor]:
+        """``per_param`` one example at a time: example r is a batch of one under ``torch.func.grad``
+        (its dropout masks keyed by its own index, at position 0 of a batch of itself)."""
+        consts, rows, losses, outs = self.consts(), [], [], []
+        at = torch.zeros((), dtype=torch.long, device=self.device())
+        for r in range(batch.size(x)):
+            xr, yr = batch.take(x, r), batch.take(y, r)
+            with forward.only(r):
+                if out:
+                    g, (loss, o) = self._one_out(p, consts, xr, yr, at)
+                    outs.append(batch.unsqueeze(o))
+                else:
+                    g, loss = self._one(p, consts, xr, yr, at)
+            rows.append(g)
+            losses.append(loss.detach())
+        if out:
+            self.last_out = batch.cat(outs)
+        return [torch.stack([g[n] for g in rows]) for n in self.layout.names], torch.stack(losses)
+
+
+def _scaled(loss: Tensor) -> Tensor:
+    """One example's loss for its gradient: widened from 16 bits (autocast), times the step's loss scale."""
+    s = precision.loss_scale()
+    loss = precision.exact32(loss)
+    return loss if s == 1.0 else loss * s
 
 
 class ParamSums:
@@ -304,6 +368,13 @@ class PerExampleRows(RowSource):
             with forward.examples(indices[sl] if indices is not None else None):
                 g, loss = guarded(self.grads, batch.take(x, sl), batch.take(y, sl), self.layout.dim)
             yield g, loss, (indices[sl] if indices is not None else None)
+
+
+def unvectorizable(e: BaseException) -> bool:
+    """Whether ``e`` is ``torch.func.vmap`` refusing to run a function (data-dependent control flow,
+    ``.item()``, an operator without a batching rule), not an error of the function itself."""
+    msg = str(e)
+    return isinstance(e, RuntimeError) and (msg.startswith("vmap") or "Batching rule not implemented" in msg)
 
 
 def guarded(fn: Callable, x: Batch, y: Batch, dim: int):

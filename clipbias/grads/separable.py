@@ -11,11 +11,16 @@ hooks added, between steps):
 
 * every module is of one of these exact types (a subclass may override ``forward``): ``nn.Sequential``;
   ``nn.Linear`` (acts on the last dimension: its input must have a batch dimension before it),
-  ``nn.Conv1d``/``nn.Conv2d`` (their input batched: 3-D / 4-D), ``nn.GroupNorm`` (normalises within
-  an example), ``nn.LayerNorm`` (its input must have more dimensions than it normalises),
-  ``nn.Embedding`` without ``max_norm`` and ``scale_grad_by_freq`` (a lookup per token); the
-  elementwise activations ``ELEMENTWISE``, not in place; max and average pooling
-  (over the trailing dimensions only); ``nn.Flatten`` from dimension 1 or later; or one of
+  ``nn.Conv1d``/``nn.Conv2d``/``nn.Conv3d`` (their input batched: 3-D / 4-D / 5-D; any ``groups``
+  and padding mode: both act within an example's channels and positions), ``nn.GroupNorm``
+  (normalises within an example), ``nn.InstanceNorm1d``/``2d``/``3d`` (input batched as a Conv's:
+  each example's channel normalised over its own positions, or by constant running statistics in
+  evaluation; a training forward that updates running statistics changes a buffer, which the fast
+  path refuses at every step whatever this proof says), ``nn.LayerNorm`` and ``nn.RMSNorm`` (each
+  position normalised over its own trailing features: the input must have more dimensions than
+  they normalise), ``nn.Embedding`` without ``max_norm`` and ``scale_grad_by_freq`` (a lookup per
+  token); the elementwise activations ``ELEMENTWISE``, not in place; max and average pooling, 1-D
+  to 3-D (over the trailing dimensions only); ``nn.Flatten`` from dimension 1 or later; or one of
   clipbias's reviewed model classes: defined in ``clipbias.models`` and declaring
   ``PER_EXAMPLE = True`` in its own body, whose ``forward`` (reviewed) only composes its children
   example by example (a subclass does not inherit the declaration, and a class of the user's that
@@ -27,8 +32,8 @@ hooks added, between steps):
   of ``torch``, ``torch.nn.functional``, ``torch._C._nn`` and ``torch.Tensor`` are the ones they
   had when clipbias was imported, and no forward, forward-pre, backward or backward-pre hook is
   registered on any module or globally (a hook can rewrite rows with other examples' data);
-* every input of a Linear, Conv or LayerNorm layer, frozen ones included, has the batch dimension (``watch``
-  records them in the step's forward; ``batched``): a frozen Conv1d given ``[B, L]`` reads the batch
+* every input of a Linear, Conv, InstanceNorm, LayerNorm or RMSNorm layer, frozen ones included, has
+  the batch dimension (``watch`` records them in the step's forward; ``batched``): a frozen Conv1d given ``[B, L]`` reads the batch
   as one example's B channels and mixes every example into every row;
 * no tensor subclass among the model's inputs, parameters and buffers (its ``__torch_function__``
   would run inside the layers), and no torch function mode (other than ``with torch.device`` and
@@ -74,11 +79,14 @@ ELEMENTWISE = (nn.Identity, nn.Tanh, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn
                nn.Softsign, nn.Tanhshrink)
 """Activations applied to each entry alone."""
 
-_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d)
-_BATCHED_DIMS = {nn.Conv1d: 3, nn.Conv2d: 4}  # an input of one dimension less is one unbatched example
-_TYPES = (nn.Sequential, nn.Linear, nn.Conv1d, nn.Conv2d, nn.GroupNorm, nn.LayerNorm, nn.Embedding, nn.Flatten,
+_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
+_RMS = (nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()  # torch >= 2.4
+_BATCHED_DIMS = {nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5,  # an input of one dimension less is one unbatched example
+                 nn.InstanceNorm1d: 3, nn.InstanceNorm2d: 4, nn.InstanceNorm3d: 5}
+_TRAILING = (nn.LayerNorm, *_RMS)  # normalise over their normalized_shape: the input must have more dimensions
+_TYPES = (nn.Sequential, nn.Linear, *_BATCHED_DIMS, nn.GroupNorm, *_TRAILING, nn.Embedding, nn.Flatten,
           *ELEMENTWISE, *_POOLS)
-_DIMS_OF = (nn.Linear, nn.LayerNorm, *_BATCHED_DIMS)
+_DIMS_OF = (nn.Linear, *_TRAILING, *_BATCHED_DIMS)
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
 _MODELS = "clipbias.models."  # where the reviewed model classes live
@@ -295,7 +303,7 @@ def batched(inputs: dict[nn.Module, Tensor | int | list[int]]) -> bool:
         for a in seen if isinstance(seen, list) else [seen]:
             d = a if isinstance(a, int) else a.dim()
             if (want is not None and d != want) or (type(m) is nn.Linear and d < 2) or \
-                    (type(m) is nn.LayerNorm and d <= len(m.normalized_shape)):
+                    (type(m) in _TRAILING and d <= len(m.normalized_shape)):
                 return False
     return True
 

@@ -135,9 +135,10 @@ class DPCallback(L.Callback):
 def check_trainer(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
     """Refuse, with the reason, what the private step cannot run soundly."""
     if str(trainer.precision) not in FLOAT_PRECISIONS:
-        raise ConfigError(f"DPCallback trains in 32 or 64 bits: precision={trainer.precision!r} is refused because "
-                          f"16-bit sums of clipped per-example gradients and noise are not yet sound here (rounding "
-                          f"can exceed the clip bound the accounting rests on); use Trainer(precision='32-true')")
+        raise ConfigError(f"precision={trainer.precision!r} would put the sums of clipped per-example gradients in "
+                          f"16 bits (16-bit sums: rounding can exceed the clip bound the accounting rests on); use "
+                          f"Trainer(precision='32-true') and DPCallback(autocast='bfloat16') (or 'float16'): the "
+                          f"engine then runs the forward and backward in 16 bits and keeps the norms and sums in float32")
     if trainer.world_size > 1 or trainer.num_devices > 1:
         raise ConfigError(f"DPCallback runs in one process on one device (devices={trainer.num_devices}, world size "
                           f"{trainer.world_size}): the engine draws one batch and one noise per step; use devices=1")

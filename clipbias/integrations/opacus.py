@@ -94,7 +94,9 @@ class PrivacyEngine:
         ``"dice"``, ``"disk"``, ``"adaptive"``, ...), ``grad_path`` (``auto``, ``rows``, ``fast``),
         ``dice_accounting``, ``bands``, ``settings`` (the algorithm's settings, ``AlgoConfig.extra``),
         ``ef_clip``, ``delta`` (for the engine's own report; default 1e-5), ``max_physical_batch``, ``noise_seed``
-        (a reproducible run: reported uncertified, as ``DPEngine``'s)."""
+        (a reproducible run: reported uncertified, as ``DPEngine``'s), ``autocast`` (``torch.bfloat16`` or
+        ``torch.float16``: the engine's forward and backward under ``torch.autocast``, norms and sums in float32;
+        use it instead of your own ``torch.autocast`` and ``GradScaler``) and ``loss_scale``."""
         return self._make(module, optimizer, data_loader, criterion, max_grad_norm, noise_multiplier=noise_multiplier,
                           options=dict(batch_first=batch_first, loss_reduction=loss_reduction,
                                        poisson_sampling=poisson_sampling, clipping=clipping,
@@ -143,7 +145,7 @@ class PrivacyEngine:
             raise ConfigError("data_loader has no batch_size (a batch_sampler was given): the expected Poisson "
                               "batch size is read from DataLoader(dataset, batch_size=B)")
         unknown = set(extra) - {"algorithm", "grad_path", "dice_accounting", "bands", "settings", "ef_clip", "delta",
-                                "max_physical_batch", "noise_seed"}
+                                "max_physical_batch", "noise_seed", "autocast", "loss_scale"}
         if unknown:
             raise ConfigError(f"make_private got unexpected keyword(s) {sorted(unknown)}")
         algorithm = extra.get("algorithm", "dpsgd")
@@ -161,7 +163,8 @@ class PrivacyEngine:
                                config=config, loss_fn=loss_function(criterion), optimizer=optimizer,
                                grad_path=extra.get("grad_path", "auto"), bands=extra.get("bands", 1),
                                max_physical_batch=extra.get("max_physical_batch", 512),
-                               noise_seed=extra.get("noise_seed"))
+                               noise_seed=extra.get("noise_seed"), autocast=extra.get("autocast"),
+                               loss_scale=extra.get("loss_scale"))
         self.module = DPModule(module)
         self.data_loader = DPDataLoader(self.engine, data_loader, self.module)
         self.optimizer = DPOptimizer(optimizer, self.engine, self.module, self.data_loader)

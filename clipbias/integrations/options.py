@@ -19,6 +19,7 @@ from torch import nn
 from .. import algorithms, privacy
 from ..engine import DPEngine
 from ..errors import ConfigError
+from ..grads.precision import check_autocast
 from .opacus import ACCOUNTANTS, _base_kind, engine_config
 
 
@@ -31,7 +32,10 @@ class DPOptions:
     per-example clipping norm C. ``algorithm``: ``dpsgd`` (default), ``dice``, ``adaptive``, ... (clipbias's
     algorithms with per-example rows). ``grad_path``: ``auto``, ``rows`` (torch.func) or ``fast``
     (book-keeping, no rows). ``accountant``: ``pld`` (default; ``prv`` is the same), ``rdp``.
-    ``noise_seed``: reproducible batches and noise for tests; the run is then reported uncertified."""
+    ``noise_seed``: reproducible batches and noise for tests; the run is then reported uncertified.
+    ``autocast``: ``"bfloat16"`` / ``"float16"`` (or the torch dtypes) runs each step's forward and backward
+    under ``torch.autocast`` with norms, clip factors and sums in float32 (``DPEngine(autocast=...)``);
+    ``loss_scale``: its float16 loss scale, a power of two (default 256)."""
 
     target_epsilon: float | None = None
     noise_multiplier: float | None = None
@@ -45,6 +49,8 @@ class DPOptions:
     settings: dict = field(default_factory=dict)
     ef_clip: float | None = None
     noise_seed: int | None = None
+    autocast: str | torch.dtype | None = None
+    loss_scale: float | None = None
 
     def check(self) -> None:
         """Refuse settings that cannot make a private run, before anything is built."""
@@ -72,6 +78,7 @@ class DPOptions:
                               f"runs from the clipbias CLI (--public-size)")
         if self.grad_path not in ("auto", "rows", "fast"):
             raise ConfigError(f"grad_path must be auto, rows or fast, got {self.grad_path!r}")
+        check_autocast(self.autocast, self.loss_scale)
 
     def delta(self, n: int) -> float:
         return self.target_delta if self.target_delta is not None else min(1e-5, 1.0 / (10 * n))
@@ -93,7 +100,8 @@ class DPOptions:
                         epsilon=self.target_epsilon, noise_multiplier=self.noise_multiplier, delta=self.delta(n),
                         accountant=ACCOUNTANTS[self.accountant], dice_accounting=self.dice_accounting,
                         config=config, loss_fn=loss_fn, optimizer=stepped or optimizer, grad_path=self.grad_path,
-                        bands=self.bands, max_physical_batch=max_physical_batch, noise_seed=self.noise_seed)
+                        bands=self.bands, max_physical_batch=max_physical_batch, noise_seed=self.noise_seed,
+                        autocast=self.autocast, loss_scale=self.loss_scale)
 
 
 class EpsilonLog:

@@ -202,9 +202,11 @@ def check_training_args(args: Any) -> None:
     if args is None:
         return
     if getattr(args, "fp16", False) or getattr(args, "bf16", False):
-        raise ConfigError("DPTrainer trains in float32: fp16/bf16 are refused because 16-bit sums of clipped "
-                          "per-example gradients and noise are not yet sound here (rounding can exceed the clip "
-                          "bound the accounting rests on); set fp16=False and bf16=False")
+        raise ConfigError("fp16/bf16 would run Hugging Face's autocast around the whole step, and with it 16-bit sums "
+                          "of clipped per-example gradients (rounding can exceed the clip bound the accounting rests "
+                          "on); set fp16=False and bf16=False and pass "
+                          "DPArguments(autocast=\"bfloat16\") (or \"float16\"): the engine then runs the forward "
+                          "and backward in 16 bits and keeps the norms and sums in float32")
     if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None) or getattr(args, "parallelism_config", None):
         raise ConfigError("DPTrainer runs in one process on one device: DeepSpeed, FSDP and parallelism_config "
                           "shard or reduce gradients outside the engine, which computes, clips and noises them")

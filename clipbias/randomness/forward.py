@@ -4,7 +4,9 @@ While ``DPEngine`` computes a step's gradients it holds ``keyed(key, step)``, an
 of the model in it runs under a ``torch.overrides.TorchFunctionMode`` (``one_pass``) that draws every dropout mask (``torch.nn.functional.dropout``,
 ``dropout1d/2d/3d``, ``alpha_dropout``, ``feature_alpha_dropout``, ``torch.dropout``,
 ``torch.feature_dropout``, ``torch.native_dropout`` and the in-place forms: what ``nn.Dropout`` and
-its kind, and Hugging Face's eager attention, call) from the ChaCha20 keystream at the address
+its kind, and Hugging Face's eager attention, call; and the attention-weight mask of
+``F.scaled_dot_product_attention`` with ``dropout_p > 0``, which is then computed in its math form:
+Hugging Face's default SDPA attention) from the ChaCha20 keystream at the address
 ``(Purpose.FORWARD, step, example index)``. Within one forward pass the block counter runs on over
 the dropout calls (call c starts where call c - 1's blocks end), so example i's masks are a pure
 function of the key, the step, i and the shapes of its own forward: the same whatever its position in
@@ -13,11 +15,11 @@ and device, and again on resume (nothing to save). An element is kept when its 3
 ``floor((1 - p) 2^32)`` (a keep rate within 2^-32 below 1 - p).
 
 Any other random operation the forward calls (``torch.rand``, ``randn``, ``randint``, ``bernoulli``,
-``multinomial``, ``normal``, ``Tensor.uniform_``, ``rrelu`` in training, attention with
-``dropout_p > 0``, ...) is refused (``ConfigError``), and a forward that moved torch's, Python's or
-numpy's global generator anyway (a draw inside a function that does not pass through the mode) is
-refused after the fact (``check_generators``): those generators are public functions of ``--seed``
-and assign their draws by position.
+``multinomial``, ``normal``, ``Tensor.uniform_``, ``rrelu`` in training, ``gumbel_softmax``, ...) is
+refused (``ConfigError``), and a forward that moved torch's, Python's or numpy's global generator
+anyway (a draw inside a function that does not pass through the mode) is refused after the fact
+(``check_generators``): those generators are public functions of ``--seed`` and assign their draws by
+position.
 
 Which rows belong to which example: ``examples(ids)`` around the forwards of a micro-batch (the code
 that slices it knows the indices; ``None``: a step without indices, whose random forward is refused).
@@ -41,7 +43,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PathRefusal
 from .chacha import BLOCK_BYTES, MAX_BLOCKS
 from .draws import stream
 from .key import Purpose, SecretKey
@@ -115,9 +117,9 @@ class KeyedForward(TorchFunctionMode):
                               "switch the model's dropout off (model.eval() or p = 0)")
         b = len(self._rows())
         if not noise_shape or noise_shape[0] != b:
-            raise ConfigError(f"a dropout input of shape {list(noise_shape)} in a batched forward of {b} examples: "
-                              f"masks are keyed per example by the first dimension, which must be the batch "
-                              f"(batch-first layout); use --grad-path rows (grad_path='rows')")
+            raise PathRefusal("fast", f"a dropout input of shape {list(noise_shape)} in a batched forward of {b} "
+                              f"examples: masks are keyed per example by the first dimension, which must be the batch "
+                              f"(batch-first layout); use grad_path='rows'")
         return self._keep(tuple(noise_shape[1:]), p, device)
 
     def dropout(self, input: Tensor, p: float, train: bool, *, feature: bool = False, alpha: bool = False,
@@ -178,6 +180,44 @@ def _dropout1d(mode: KeyedForward, input: Tensor, p: float = 0.5, training: bool
     return _functional(True, False, unbatched_dim=2)(mode, input, p, training, inplace)
 
 
+def _sdpa(mode: KeyedForward, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+          enable_gqa: bool = False) -> Tensor:
+    """``F.scaled_dot_product_attention``: torch's own kernel where it draws nothing (``dropout_p == 0``);
+    with attention dropout, the math form torch documents (and its math backend computes),
+    ``dropout(softmax(Q K^T scale + bias)) V``, with the attention weights' mask keyed per example like
+    any dropout input (row r of the weights is example r of the batched forward; on the rows path the
+    whole of them is the one example's). ``bias``: ``attn_mask`` (bool: False is masked out; float:
+    added) and the upper-left causal mask of ``is_causal``; a query row with every key masked gets
+    zero weights, as in torch's math backend. ``enable_gqa``: the key and value heads repeated to the
+    query's."""
+    kwargs = {"enable_gqa": True} if enable_gqa else {}
+    if dropout_p == 0.0:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal, scale=scale, **kwargs)
+    if not 0.0 < dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
+    if is_causal and attn_mask is not None:
+        raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
+    L, S = query.shape[-2], key.shape[-2]
+    factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    if enable_gqa and key.dim() >= 3 and query.shape[-3] != key.shape[-3]:
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], -3)
+        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], -3)
+    scores = query @ key.transpose(-2, -1) * factor
+    if is_causal:
+        attn_mask = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+        else:
+            scores = scores + attn_mask
+    weights = torch.softmax(scores, dim=-1)
+    # a row whose every key is masked: zero weights (torch's math backend), not softmax's NaN
+    weights = torch.where(torch.isneginf(scores).all(-1, keepdim=True), torch.zeros((), dtype=weights.dtype,
+                                                                                   device=weights.device), weights)
+    return mode.dropout(weights, dropout_p, True) @ value
+
+
 def _native(mode: KeyedForward, input: Tensor, p: float, train: bool | None = None) -> tuple[Tensor, Tensor]:
     if train is False or input.numel() == 0:
         return input.clone(), torch.ones_like(input, dtype=torch.bool)
@@ -197,6 +237,7 @@ _RULES = {
     F.dropout3d: _functional(True, False, unbatched_dim=4),
     F.alpha_dropout: _functional(False, True, training=False),
     F.feature_alpha_dropout: _functional(True, True, training=False),
+    F.scaled_dot_product_attention: _sdpa,
 }
 _DROPOUT_NAMES = "nn.Dropout, Dropout1d/2d/3d, AlphaDropout, FeatureAlphaDropout and their functions"
 
@@ -211,7 +252,7 @@ _RANDOM = {
                     "poisson binomial _standard_gamma _sample_dirichlet rrelu rrelu_", "torch."),
     **_named(torch.Tensor, "uniform_ normal_ bernoulli bernoulli_ random_ exponential_ geometric_ cauchy_ "
                            "log_normal_ multinomial", "Tensor."),
-    **_named(F, "rrelu rrelu_ scaled_dot_product_attention gumbel_softmax", "torch.nn.functional."),
+    **_named(F, "rrelu rrelu_ gumbel_softmax", "torch.nn.functional."),
 }
 
 
@@ -231,12 +272,9 @@ def _seeded(func, args: tuple, kwargs: dict) -> str | None:
 
 
 def _draws(func, args: tuple, kwargs: dict) -> bool:
-    """Whether a call of a function of ``_RANDOM`` draws random numbers (rrelu only in training,
-    attention only with ``dropout_p > 0``)."""
+    """Whether a call of a function of ``_RANDOM`` draws random numbers (rrelu only in training)."""
     if func in (torch.rrelu, torch.rrelu_, F.rrelu, F.rrelu_):
         return bool(args[3] if len(args) > 3 else kwargs.get("training", False))
-    if func is F.scaled_dot_product_attention:
-        return float(args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)) > 0
     return True
 
 
@@ -307,6 +345,16 @@ def same_example(row: int) -> Iterator[None]:
     mode = active()
     ids = mode.ids if mode is not None else None
     with examples(None if ids is None else [ids[row]] * len(ids)):
+        yield
+
+
+@contextlib.contextmanager
+def only(row: int) -> Iterator[None]:
+    """The forwards inside compute example ``row`` of the current ones alone (the rows path run one
+    example at a time, for a model ``vmap`` cannot run)."""
+    mode = active()
+    ids = mode.ids if mode is not None else None
+    with examples(None if ids is None else [ids[row]]):
         yield
 
 

@@ -59,7 +59,8 @@ def build_run(cfg: TrainConfig, splits: Splits, key: SecretKey | None = None) ->
                       delta=cfg.delta, accountant=cfg.accountant, dice_accounting=cfg.dice_accounting,
                       config=algo_cfg, max_physical_batch=cfg.max_physical_batch,
                       noise_seed=key if key is not None else cfg.key_seed, grad_path=cfg.grad_path,
-                      bands=cfg.bands, sample_rate=public_rate(cfg, splits))
+                      bands=cfg.bands, sample_rate=public_rate(cfg, splits),
+                      bands_strategy=cfg.bands_strategy)
     ema = WeightAverage(model, cfg.ema) if cfg.ema is not None else None
     return Run(cfg, splits, model, engine, algo, dev, predict, ema)
 

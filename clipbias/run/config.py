@@ -78,6 +78,7 @@ class TrainConfig:
     data_path: str | None = None
     ema: float | None = None
     bands: int = 1
+    bands_strategy: str = "taylor"
 
     @property
     def private(self) -> bool:
@@ -168,7 +169,7 @@ class TrainConfig:
         if self.ema is not None:
             from .average import check_decay
             check_decay(self.ema)
-        _check_bands(self.bands, self.algo)
+        _check_bands(self.bands, self.algo, self.bands_strategy)
         if self.subset is not None:
             check_int(self.subset, "subset", 1)
         given = {k: v for k, v in self.extra.items() if v is not None}
@@ -204,9 +205,12 @@ def default_out(cfg: TrainConfig) -> str:
     return str(new_run_dir(f"{cfg.data}-{cfg.model}-{cfg.algo}-eps{eps}-s{cfg.seed}"))
 
 
-def _check_bands(bands: int, algo: str) -> None:
-    """``--bands``: a whole number >= 1, more than 1 only for the algorithms banded noise is accounted for."""
+def _check_bands(bands: int, algo: str, strategy: str) -> None:
+    """``--bands``: a whole number >= 1, more than 1 only for the algorithms banded noise is accounted for;
+    ``--bands-strategy``: one of ``band_strategy.STRATEGIES``."""
+    from ..algorithms.bands import check_strategy
     check_int(bands, "bands", 1)
+    check_strategy(strategy)
     if bands > 1:
         from ..algorithms.bands import check_bandable
         check_bandable(algo, bands)

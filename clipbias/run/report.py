@@ -59,6 +59,10 @@ def outside_guarantee(cfg: TrainConfig) -> list[str]:
     out.append("wall_time_s, wall_time_per_epoch_s, epoch_time_s, eval_time_s (results.json, history, console): the "
                "run's wall times depend on the data (realised batch sizes, refused steps, the fast path's probe "
                "rechecks) and are not noised")
+    if cfg.grad_path == "auto":
+        out.append("gradients, grad_path_fallback (results.json, a warning): the path grad_path='auto' kept after "
+                   "the first step, where a refusal of its first choice on the first batch moves it to the other "
+                   "path; a refusal that depends on the data (the fast path's probe) tells one bit about that batch")
     out.append("n_given, n_expected, num_test, num_classes, input_shape (dataset): the training set as given (after "
                "--subset), its size N, the training part's expected size N - K - P (public parameters), the test "
                "split's size and the shapes are declared public; the add/remove guarantee does not hide N")
@@ -160,6 +164,7 @@ def results(run, cfg: TrainConfig, head: dict, history: list[dict], wall: float,
         "wall_time_s": wall,
         "wall_time_per_epoch_s": sum(epoch_times) / len(epoch_times) if epoch_times else None,
         "resumed": resumed, "world_size": engine.world_size,
+        "gradients": engine.grad_path_note, "grad_path_fallback": engine.grad_path_fallback,
         **({"ema": cfg.ema, "ema_test_accuracy": history[-1].get("ema_test_accuracy") if history else None,
             "ema_val_accuracy": history[-1].get("ema_val_accuracy") if history else None} if cfg.ema is not None else {}),
     }

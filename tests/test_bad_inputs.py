@@ -421,7 +421,7 @@ CASES = [
     A("step-nan-inputs", step(lambda: torch.full((5, 4), float("nan")), lambda: torch.zeros(5, dtype=torch.long)),
       NonFiniteGradientError, "example(s) [0, 1, 2, 3, 4]", "Check the input data for NaN/Inf"),
     A("step-past-the-budget", lambda tmp: steps_past_budget(engine()), ConfigError, "covers 3 steps and all were taken",
-      "more --epochs"),
+      "more `epochs`"),
     A("load-state-of-something-else", lambda tmp: engine().load_state_dict({"model": {}}), ConfigError,
       "not a DPEngine state", "DPEngine.state_dict()"),
     A("pld-noise-1e-9", lambda tmp: gaussian.epsilon(1e-9, 0.01, 100, 1e-5, "pld"), gaussian.NoiseTooSmallError,

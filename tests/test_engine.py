@@ -285,7 +285,7 @@ def test_poisson_sampler_rate_and_reproducibility():
 
 
 @pytest.mark.parametrize("kw,flag", [
-    (dict(batch_size=0), "--batch-size"), (dict(batch_size=100), "--batch-size"),
+    (dict(batch_size=0), "`batch_size`"), (dict(batch_size=100), "`batch_size`"),
     (dict(delta=1.5), "`delta`"), (dict(config=None, epochs=0), "`epochs`"),
 ])
 def test_engine_rejects_bad_settings(kw, flag):

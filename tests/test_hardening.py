@@ -23,9 +23,9 @@ def engine(model=None, **kw):
 
 
 @pytest.mark.parametrize("kw,match", [
-    ({"batch_size": 0.5}, r"--batch-size .* must lie in \[1, N=100\]"),
-    ({"batch_size": 101.0}, r"--batch-size .* must lie in \[1, N=100\]"),
-    ({"batch_size": "10"}, r"--batch-size"),
+    ({"batch_size": 0.5}, r"`batch_size` .* must lie in \[1, N=100\]"),
+    ({"batch_size": 101.0}, r"`batch_size` .* must lie in \[1, N=100\]"),
+    ({"batch_size": "10"}, r"`batch_size`"),
     ({"n": True}, r"dataset size n must be a positive integer"),
     ({"n": 10.5}, r"dataset size n must be a positive integer"),
     ({"n": 0}, r"dataset size n must be a positive integer"),

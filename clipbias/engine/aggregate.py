@@ -53,7 +53,8 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
         if isinstance(agg, BookKeeping) and agg.ties:  # no bound on the tied uses' cross terms between the points
             why = "DiSK's two points with tied weights (an Embedding sharing its weight with a Linear)"
             if grad_path == "fast":
-                raise ConfigError(f"`grad_path='fast'` is not available: {why}; use `grad_path='auto'` or `grad_path='rows'`")
+                raise ConfigError(f"`grad_path='fast'` is not available: {why}; use `grad_path='auto'` or "
+                                  f"`grad_path='rows'`")
             agg, note = ParamSums(rows.base.grads), f"rows (per-example gradients, torch.func, summed per parameter; " \
                 f"the fast path does not apply: {why})"
         return TwoPoint(agg, rows), note.replace("per-example gradients", "DiSK: per-example gradients at two points", 1) \

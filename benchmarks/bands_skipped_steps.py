@@ -35,7 +35,7 @@ from clipbias.algorithms.bands import coefficients
 from clipbias.audit.white_box import Coordinates
 from clipbias.engine.core import DPEngine
 from clipbias.errors import NonFiniteGradientError
-from clipbias.privacy.gaussian import gaussian_exact_epsilon
+from clipbias.privacy.pld import gaussian_exact_epsilon
 
 B_ANDS, M, POISON, T, Z = 4, 200, 12, 32, 4.0
 n = M + POISON

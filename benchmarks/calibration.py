@@ -82,7 +82,7 @@ def _time(fn) -> float:
 
 
 def main() -> int:
-    from clipbias.privacy import gaussian
+    from clipbias.privacy import gaussian, pld
     if "--pld" in sys.argv[1:]:
         pld_builds()
         return 0
@@ -96,9 +96,9 @@ def main() -> int:
     for eps, q, steps, delta in configurations(quick):
         z, reported, wall, cpu = run_cli(eps, q, steps, delta)
         above = gaussian.epsilon(z, q, steps, delta, "pld")
-        below = gaussian.epsilon(z * (1 - TOL), q, steps, delta, "pld") if z * (1 - TOL) >= gaussian.PLD_MIN_NOISE \
+        below = gaussian.epsilon(z * (1 - TOL), q, steps, delta, "pld") if z * (1 - TOL) >= pld.PLD_MIN_NOISE \
             else float("inf")
-        ok = above <= eps and reported == above and (below > eps or z == gaussian.PLD_MIN_NOISE)
+        ok = above <= eps and reported == above and (below > eps or z == pld.PLD_MIN_NOISE)
         bad += not ok
         walls.append(wall)
         cpus.append(cpu)

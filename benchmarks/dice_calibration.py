@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from clipbias.privacy import dice, gaussian, search
+from clipbias.privacy import dice, gaussian, pld, search
 from clipbias.privacy.dice import DiceParams
 
 CONFIGS = [  # epsilon, q, T, C1, C2, B (r = B C2 / C1)
@@ -42,7 +42,7 @@ def counting(p, z, delta, discretization=dice.SOUND_DISCRETIZATION):
 
 def fresh() -> None:
     CALLS.clear()
-    for f in (dice._sound_epsilon, gaussian.one_step_pld, gaussian.calibrate, dice.calibrate):
+    for f in (dice._sound_epsilon, pld.one_step_pld, gaussian.calibrate, dice.calibrate):
         f.cache_clear()
 
 

@@ -3,7 +3,7 @@
 import but ``errors``.
 
 A method declares its settings as a tuple of ``Setting``; ``read_settings`` validates
-``AlgoConfig.extra`` against it (unknown keys refused, each error names the CLI flag), and the CLI
+``AlgoConfig.extra`` against it (unknown keys refused, each error names the setting), and the CLI
 generates its method flags from the same tuples (``clipbias.cli.train``): one declaration, no
 flag tables to keep in step.
 """
@@ -43,15 +43,15 @@ class AlgoConfig:
         for name in ("lr", "clip", "gamma"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0):
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {v!r}")
+                raise ConfigError(f"`AlgoConfig.{name}` must be > 0, got {v!r}")
         for name in ("ef_clip", "grad_bound"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and v > 0):
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {v!r}")
+                raise ConfigError(f"`AlgoConfig.{name}` must be > 0, got {v!r}")
         if not 0 <= self.momentum < 1:
-            raise ConfigError(f"--momentum must lie in [0, 1), got {self.momentum!r}")
+            raise ConfigError(f"`AlgoConfig.momentum` must lie in [0, 1), got {self.momentum!r}")
         if self.weight_decay < 0:
-            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay!r}")
+            raise ConfigError(f"`AlgoConfig.weight_decay` must be >= 0, got {self.weight_decay!r}")
 
     @property
     def c2(self) -> float:
@@ -119,24 +119,24 @@ def read_settings(algo: str, schema: tuple[Setting, ...], cfg: AlgoConfig) -> di
     known = {k for s in schema for k in (s.key, *s.aliases)}
     unknown = sorted(set(extra) - known)
     if unknown:
-        valid = ", ".join(f"{s.key!r} ({s.flag})" for s in schema) or "none"
-        raise ConfigError(f"--algo {algo} does not take setting(s) {', '.join(map(repr, unknown))}; "
+        valid = ", ".join(f"`AlgoConfig.extra[{s.key!r}]`" for s in schema) or "none"
+        raise ConfigError(f"`algo='{algo}'` does not take setting(s) {', '.join(map(repr, unknown))}; "
                           f"its settings are: {valid}. Remove the others (or pass None).")
     out = {}
     for s in schema:
         given = [k for k in (s.key, *s.aliases) if k in extra]
         if len(given) > 1 and any(extra[k] is not extra[given[0]] and not _equal(extra[k], extra[given[0]])
                                   for k in given[1:]):
-            raise ConfigError(f"{s.flag} for --algo {algo} is given twice with different values "
+            raise ConfigError(f"`AlgoConfig.extra[{s.key!r}]` for `algo='{algo}'` is given twice with different values "
                               f"({', '.join(f'{k}={extra[k]!r}' for k in given)}); give it once")
         v = extra[given[0]] if given else s.default
         if v is REQUIRED:
-            raise ConfigError(f"--algo {algo} needs {s.flag} (AlgoConfig.extra[{s.key!r}]): {s.help or s.rule}")
+            raise ConfigError(f"`algo='{algo}'` needs `AlgoConfig.extra[{s.key!r}]`: {s.help or s.rule}")
         if v is None:  # an optional setting left unset
             out[s.key] = None
             continue
         if not s.check(v):
-            raise ConfigError(f"{s.flag} (AlgoConfig.extra[{s.key!r}]) for --algo {algo} must be {s.rule}, "
+            raise ConfigError(f"`AlgoConfig.extra[{s.key!r}]` for `algo='{algo}'` must be {s.rule}, "
                               f"got {v!r}")
         out[s.key] = s.convert(integral(v)) if s.check is not boolean else v
     return out

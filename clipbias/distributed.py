@@ -64,7 +64,7 @@ def init_from_env(device: str) -> bool:
         return False
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError("--device cuda: CUDA is not available on this machine; use --device cpu (gloo)")
+            raise ConfigError("`device='cuda'`: CUDA is not available on this machine; use `device='cpu'` (gloo)")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when it is
     # first imported (torch._dynamo imports it, e.g. when the optimizer is built). Imported after the

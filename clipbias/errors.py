@@ -1,5 +1,10 @@
 """Exceptions raised by clipbias. Each message says what was wrong and how to fix it; an optional
-dependency is imported by ``require``, whose error names the extra that installs it."""
+dependency is imported by ``require``, whose error names the extra that installs it.
+
+A message names what to change as the Python API spells it, in backquotes: a parameter
+(`` `epsilon` ``), a field (`` `AlgoConfig.clip` ``), a method setting (`` `AlgoConfig.extra['k']` ``)
+or a suggested value (`` `accountant='rdp'` ``). The command line shows the same message with its
+flags in their place (``--epsilon``, ``--clip``, ``--accountant rdp``: ``clipbias/cli/_flags.py``)."""
 
 from __future__ import annotations
 

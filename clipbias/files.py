@@ -80,7 +80,7 @@ def new_run_dir(name: str, parent: str | os.PathLike = "runs") -> Path:
                     raise
     except OSError as e:
         raise WriteError(f"cannot create a run directory under {parent}: {e}. Make {parent} a writable "
-                         f"directory, or choose the output directory with --out DIR") from e
+                         f"directory, or choose the output directory with `out` DIR") from e
     raise AssertionError("unreachable")
 
 
@@ -143,8 +143,8 @@ def _acquire(path: Path) -> Any:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fh.close()
-            raise ConfigError(f"--out {path.parent} is in use by another clipbias run (it holds {path}); wait "
-                              f"for it to finish or choose another --out") from None
+            raise ConfigError(f"`out='{path.parent}'` is in use by another clipbias run (it holds {path}); wait "
+                              f"for it to finish or choose another `out`") from None
         try:
             if os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino:
                 return fh

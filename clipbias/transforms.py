@@ -177,7 +177,7 @@ class Clip(PerSample):
 class Normalize(PerSample):
     def __init__(self, gamma: float = 0.01) -> None:
         if not gamma > 0:
-            raise ConfigError(f"--gamma (normalisation stability constant) must be > 0, got {gamma!r}")
+            raise ConfigError(f"`AlgoConfig.gamma` (normalisation stability constant) must be > 0, got {gamma!r}")
         self.gamma, self.bound = float(gamma), 1.0
 
     def __call__(self, g: Tensor, ctx: StepContext) -> Tensor:
@@ -203,7 +203,7 @@ class ErrorFeedback(Carried):
         if (c2 is None) == (normalize is None):
             raise ConfigError("ErrorFeedback needs exactly one of c2 (clip) or normalize (gamma)")
         if c2 is not None and not c2 > 0:
-            raise ConfigError(f"--ef-clip must be > 0, got {c2!r}")
+            raise ConfigError(f"`AlgoConfig.ef_clip` must be > 0, got {c2!r}")
         self.c2, self.gamma = c2, normalize
         super().__init__()
 

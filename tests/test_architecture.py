@@ -1,6 +1,6 @@
 """The layout as checked properties: no import cycle, imports only downward through the pipeline's
-floors, nothing below the catalog imports it, short functions, and a new method is one module (its
-settings become CLI flags by themselves)."""
+floors, nothing below the catalog imports it, short functions and classes, and a new method, accountant
+or data set is one registration (a method's settings become CLI flags by themselves)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,14 @@ def _module(path: pathlib.Path) -> str:
 
 
 def _imports(path: pathlib.Path) -> set[str]:
-    """clipbias modules imported at module level (function-level imports are deferred, not cycles)."""
+    """Every clipbias module the file imports: at module level, inside functions and under
+    ``if TYPE_CHECKING:`` alike. A deferred import still makes the two modules depend on each other (it
+    only hides the cycle from the interpreter), and a type-only import is a dependency of every reader
+    and type checker: a cycle through either is a cycle of the design."""
     mod = _module(path)
     pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
     out = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("clipbias")}
         elif isinstance(node, ast.ImportFrom):
@@ -141,6 +144,22 @@ def test_no_function_is_longer_than_80_lines():
     assert not long, long
 
 
+# Classes longer than 250 lines, each with why, until it is split: BookKeeping (grads/fast.py) holds the
+# per-layer rules of the fast path and its run-time soundness checks in one class; splitting it is planned
+# work of its own (it is edited in parallel, and its rules share the hooks' state).
+LONG_CLASSES = {"grads/fast.py:BookKeeping"}
+
+
+def test_no_class_is_longer_than_250_lines():
+    long = []
+    for p in PKG.rglob("*.py"):
+        for n in ast.walk(ast.parse(p.read_text())):
+            name = f"{p.relative_to(PKG).as_posix()}:{getattr(n, 'name', '')}"
+            if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > 250 and name not in LONG_CLASSES:
+                long.append(f"{name} ({n.end_lineno - n.lineno + 1} lines)")
+    assert not long, long
+
+
 @pytest.fixture
 def half_clip():
     """A new method declared in one place: an Algorithm with one Setting, registered."""
@@ -180,3 +199,69 @@ def test_a_new_method_is_one_declaration_and_the_cli_takes_its_setting(half_clip
     eng = DPEngine(nn.Linear(3, 2), "half-clip", n=100, batch_size=10, steps=1, noise_multiplier=1.0,
                    config=AlgoConfig(clip=2.0, extra={"shrink": 0.25}))
     assert eng.spec.sensitivity == 0.5 and eng.pipeline.noise.std == pytest.approx(1.0 * 0.5 / 10)
+
+
+@pytest.fixture
+def gdp_accountant():
+    """A new accountant declared in one place: the full-batch exact formula applied to any rate (valid
+    only as an upper bound when q = 1; a test accountant), registered."""
+    from clipbias.privacy import accountants, pld
+
+    class FullBatchGDP(accountants.Accountant):
+        name = "test-gdp"
+        basis = "full-batch Gaussian, mu-GDP (a test accountant)"
+
+        def compute(self, noise_multiplier, sample_rate, steps, delta):
+            return pld.gaussian_exact_epsilon(noise_multiplier, steps, delta)
+
+    yield accountants.register(FullBatchGDP())
+    del accountants.ACCOUNTANTS["test-gdp"]
+
+
+def test_a_new_accountant_is_one_registration_and_the_cli_offers_it(gdp_accountant):
+    """Registering the accountant is all it takes: the accounting, the calibration and the CLI's
+    ``--accountant`` read the registry."""
+    from clipbias import privacy
+    from clipbias.cli import build_parser
+    from clipbias.privacy import gaussian, pld
+
+    exact = pld.gaussian_exact_epsilon(2.0, 50, 1e-5)
+    spec = privacy.AccountingSpec("gaussian", 1.0, noise_multiplier=2.0)
+    rep = privacy.account(spec, 50, 1e-5, "test-gdp")
+    assert rep.epsilon == exact and rep.accountant == "test-gdp" and rep.basis.startswith("full-batch Gaussian, mu")
+    z = gaussian.calibrate(exact, 1e-5, 1.0, 50, "test-gdp")
+    assert gaussian.epsilon(z, 1.0, 50, 1e-5, "test-gdp") <= exact and z == pytest.approx(2.0, rel=2e-3)
+    args = build_parser().parse_args(["account", "--noise-multiplier", "1", "--sample-rate", "1", "--steps", "3",
+                                      "--accountant", "test-gdp", "--delta", "1e-5"])
+    assert args.accountant == "test-gdp"
+
+
+@pytest.fixture
+def tiny_data():
+    """A new data set declared in one place: a DataSource, registered."""
+    import torch
+    from clipbias.data import DATASETS, DataSource, Dataset, register_dataset
+
+    def load(**_):
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(120, 5, generator=g), torch.randint(0, 3, (120,), generator=g)
+        return Dataset("tiny", x[:100], y[:100], x[100:], y[100:], num_classes=3, input_shape=(5,))
+
+    yield register_dataset(DataSource("tiny", load, "120 Gaussian points in 3 classes (a test data set)"))
+    del DATASETS["tiny"]
+
+
+def test_a_new_data_set_is_one_registration_and_the_cli_trains_on_it(tiny_data, tmp_path):
+    """Registering the data set is all it takes: ``load_dataset`` and ``--data tiny`` reach it."""
+    from clipbias.cli import build_parser
+    from clipbias.cli.train import config_from_args
+    from clipbias.data import load_dataset
+    from clipbias.randomness import SecretKey
+    from clipbias.run.training import train
+
+    assert load_dataset("tiny", validation=10, key=SecretKey.from_seed(0)).x_val is not None
+    args = build_parser().parse_args(
+        ["train", "--data", "tiny", "--model", "logreg", "--algo", "dpsgd", "--epochs", "1", "--batch-size", "20",
+         "--lr", "0.5", "--noise-multiplier", "1.0", "--out", str(tmp_path / "run")])
+    res = train(config_from_args(args, out=str(tmp_path / "run")), plot=False)
+    assert res["steps"] == 5 and res["certified"] is True

@@ -101,11 +101,11 @@ def test_white_box_one_run_every_hidden_state_claim_survives_crafted_canaries(al
 
 
 def test_refusals_name_the_problem():
-    with pytest.raises(ConfigError, match="--statistic"):
+    with pytest.raises(ConfigError, match="`statistic`"):
         audit.CanaryAudit("dpsgd", 1.0, 0.1, 10, 10.0, statistic="max")
-    with pytest.raises(ConfigError, match="--schedule"):
+    with pytest.raises(ConfigError, match="`schedule`"):
         audit.CanaryAudit("dpsgd", 1.0, 0.1, 10, 10.0, schedule="random")
-    with pytest.raises(ConfigError, match="--anti-canary"):
+    with pytest.raises(ConfigError, match="`CanaryAudit.anti_norm`"):
         audit.CanaryAudit("dpsgd", 1.0, 0.1, 10, 10.0, anti_norm=-1.0)
     with pytest.raises(ConfigError, match="anti-canary"):
         audit.white_box_one_run(audit.CanaryAudit(**DICE, anti_norm=1.0))

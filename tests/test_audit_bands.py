@@ -131,11 +131,11 @@ def test_cli_audit_bands(capsys):
 
 
 def test_refusals_name_the_problem(capsys):
-    with pytest.raises(ConfigError, match="--bands 4 is not available for dice"):
+    with pytest.raises(ConfigError, match="`bands=4` is not available for dice"):
         audit.CanaryAudit("dice", 1.0, 0.1, 10, 10.0, bands=4)
     with pytest.raises(ConfigError, match="bands x q"):
         audit.CanaryAudit("dpsgd", 1.0, 0.5, 10, 10.0, bands=4)
-    with pytest.raises(ConfigError, match="--band-class"):
+    with pytest.raises(ConfigError, match="`band_class`"):
         audit.CanaryAudit("dpsgd", 1.0, 0.1, 10, 10.0, bands=4, band_class=4)
     from clipbias.cli import main
     assert main(["audit", "--mode", "one-run-ideal", "--algo", "dpsgd", "--noise-multiplier", "1", "--sample-rate",

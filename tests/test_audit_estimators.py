@@ -11,7 +11,7 @@ from scipy.stats import norm
 from clipbias import audit
 from clipbias.audit.estimators import _hull
 from clipbias.errors import ConfigError
-from clipbias.privacy.gaussian import gaussian_exact_epsilon
+from clipbias.privacy.pld import gaussian_exact_epsilon
 
 
 def deterministic_normal(shift: float, n: int) -> np.ndarray:

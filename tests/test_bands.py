@@ -89,7 +89,7 @@ def test_banded_noise_state_round_trips_and_a_rolled_back_step_leaves_no_trace()
         assert torch.equal(ya, yb)
         a.commit()
         b.commit()
-    with pytest.raises(ConfigError, match="same --bands"):
+    with pytest.raises(ConfigError, match="same `bands`"):
         BandedNoise(0.5, KEY, coefficients(2, 0.9)).load_state_dict(state)
 
 
@@ -121,7 +121,7 @@ def test_banded_sampler_state_round_trips_and_refuses_other_bands():
     assert torch.equal(s.sample(), t.sample())
     with pytest.raises(ConfigError, match="bands=4"):
         PoissonSampler(500, 0.05, KEY, bands=2).load_state_dict(s.state_dict())
-    with pytest.raises(ConfigError, match="use --bands <= 20"):
+    with pytest.raises(ConfigError, match="use `bands` <= 20"):
         PoissonSampler(500, 0.05, KEY, bands=21)
     with pytest.raises(ConfigError, match="whole number"):
         PoissonSampler(500, 0.05, KEY, bands=0)
@@ -332,13 +332,13 @@ def test_engine_takes_the_optimised_strategy_and_refuses_what_it_cannot_shape():
     eng, taylor = _engine(bands=4, bands_strategy="optimized"), _engine(bands=4)
     assert eng.pipeline.noise.coefs == optimize(4, eng.total_steps, 0.9) != coefficients(4, 0.9)
     assert eng.noise_multiplier == taylor.noise_multiplier  # the same accounting
-    with pytest.raises(ConfigError, match="bands_strategy must be one of taylor, optimized"):
+    with pytest.raises(ConfigError, match="`bands_strategy` must be one of taylor, optimized"):
         _engine(bands=4, bands_strategy="best")
     with pytest.raises(ConfigError, match="give epochs or steps"):
         DPEngine(nn.Linear(6, 3), "dpsgd", n=400, batch_size=10.0, noise_multiplier=1.0, bands=4,
                  bands_strategy="optimized")
     state = eng.state_dict()
-    with pytest.raises(ConfigError, match="same --bands, --bands-strategy"):
+    with pytest.raises(ConfigError, match="same `bands`, `bands_strategy`"):
         taylor.load_state_dict(state)
 
 
@@ -358,7 +358,7 @@ def test_a_resumed_optimised_stage_goes_on_with_its_saved_coefficients():
     assert torch.equal(a(torch.ones(5)), b(torch.ones(5)))
     for other in (BandedNoise(0.5, KEY, coefficients(4, 0.9)),
                   BandedNoise(0.5, KEY, coefficients(3, 0.9), "optimized")):
-        with pytest.raises(ConfigError, match="same --bands, --bands-strategy and momentum"):
+        with pytest.raises(ConfigError, match="same `bands`, `bands_strategy` and momentum"):
             other.load_state_dict(a.state_dict())
     taylor = BandedNoise(0.5, KEY, coefficients(4, 0.9)).state_dict()
     with pytest.raises(ConfigError, match="taylor coefficients"):

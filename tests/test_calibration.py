@@ -17,7 +17,7 @@ import torch
 
 from clipbias import privacy
 from clipbias.errors import ConfigError
-from clipbias.privacy import AccountingSpec, fast_pld, gaussian, search
+from clipbias.privacy import AccountingSpec, fast_pld, gaussian, pld, search
 
 TOL = search.REL_TOL
 
@@ -26,7 +26,7 @@ def _check_smallest(eps: float, q: float, steps: int, delta: float, accountant: 
     gaussian.calibrate.cache_clear()
     z = gaussian.calibrate(eps, delta, q, steps, accountant)
     assert gaussian.epsilon(z, q, steps, delta, accountant) <= eps  # never overshoots
-    if z * (1 - TOL) >= (gaussian.PLD_MIN_NOISE if accountant == "pld" else 0):  # and is the smallest, to 0.1%
+    if z * (1 - TOL) >= (pld.PLD_MIN_NOISE if accountant == "pld" else 0):  # and is the smallest, to 0.1%
         assert gaussian.epsilon(z * (1 - TOL), q, steps, delta, accountant) > eps
     return z
 
@@ -49,7 +49,7 @@ def test_untuned_configurations():
 
 def test_full_batch_calibration_uses_the_exact_formula():
     z = _check_smallest(2.0, 1.0, 50, 1e-5)
-    assert gaussian.gaussian_exact_epsilon(z, 50, 1e-5) <= 2.0
+    assert pld.gaussian_exact_epsilon(z, 50, 1e-5) <= 2.0
 
 
 @pytest.mark.parametrize("z,q,grid", [(0.4, 0.001, 1e-3), (0.25, 0.02, 1e-3), (3.0, 0.1, 1e-4),

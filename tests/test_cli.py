@@ -479,7 +479,7 @@ def test_new_run_dir_never_reuses_a_directory(tmp_path, monkeypatch):
     remove_if_empty(made[1])
     assert made[0].is_dir() and not made[1].exists()
     (tmp_path / "blocker").write_text("x")
-    with pytest.raises(WriteError, match="cannot create a run directory under .*blocker.*--out DIR"):
+    with pytest.raises(WriteError, match="cannot create a run directory under .*blocker.*`out` DIR"):
         new_run_dir("train", tmp_path / "blocker")
 
 

@@ -210,7 +210,7 @@ def test_a_failing_rank_stops_every_rank_and_unsplittable_sources_are_refused(tm
     assert r0["state"] == r1["state"] == (0, True, True)
     assert all(torch.equal(a, b) for a, b in zip(r0["w"], r1["w"]))
     assert all(torch.equal(a, b) for a, b in zip(r0["secret"], r1["secret"]))  # secret seeds: one run
-    assert "dpsgd cannot run on 2 processes: this source needs the whole batch" in r0["refused"]
+    assert "`algorithm='dpsgd'` cannot run on 2 processes: this source needs the whole batch" in r0["refused"]
 
 
 def _refusals() -> str | None:

@@ -84,7 +84,7 @@ def test_reported_exported_and_resumed_exactly(tmp_path, splits):
 
 @pytest.mark.parametrize("bad", [0.0, 1.0, -0.5, float("nan")])
 def test_bad_decay_is_refused(bad):
-    with pytest.raises(ConfigError, match="--ema"):
+    with pytest.raises(ConfigError, match="`ema`"):
         dataclasses.replace(BASE, ema=bad).validate()
 
 

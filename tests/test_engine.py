@@ -285,8 +285,8 @@ def test_poisson_sampler_rate_and_reproducibility():
 
 
 @pytest.mark.parametrize("kw,flag", [
-    (dict(batch_size=0), "--batch-size"), (dict(batch_size=100), "--batch-size"),
-    (dict(delta=1.5), "--delta"), (dict(config=None, epochs=0), "--epochs"),
+    (dict(batch_size=0), "`batch_size`"), (dict(batch_size=100), "`batch_size`"),
+    (dict(delta=1.5), "`delta`"), (dict(config=None, epochs=0), "`epochs`"),
 ])
 def test_engine_rejects_bad_settings(kw, flag):
     args = dict(n=64, batch_size=8.0, epochs=1, noise_multiplier=1.0) | kw
@@ -294,8 +294,9 @@ def test_engine_rejects_bad_settings(kw, flag):
         DPEngine(small_cnn(), "dpsgd", **args)
 
 
-@pytest.mark.parametrize("cfg,flag", [(dict(clip=0.0), "--clip"), (dict(lr=-1.0), "--lr"),
-                                      (dict(ef_clip=-1.0), "--ef-clip"), (dict(momentum=1.0), "--momentum")])
+@pytest.mark.parametrize("cfg,flag", [(dict(clip=0.0), "`AlgoConfig.clip`"), (dict(lr=-1.0), "`AlgoConfig.lr`"),
+                                      (dict(ef_clip=-1.0), "`AlgoConfig.ef_clip`"),
+                                      (dict(momentum=1.0), "`AlgoConfig.momentum`")])
 def test_config_rejects_bad_values(cfg, flag):
     with pytest.raises(ConfigError, match=flag):
         AlgoConfig(**cfg)
@@ -354,7 +355,7 @@ def test_resume_treats_int_and_float_method_settings_alike():
 
 def test_a_core_algorithm_refuses_a_method_setting():
     """A setting an algorithm does not read would be recorded but change nothing: refused."""
-    with pytest.raises(ConfigError, match="--algo dpsgd does not take setting.*'k'"):
+    with pytest.raises(ConfigError, match="`algo='dpsgd'` does not take setting.*'k'"):
         make_engine(small_cnn(), "dpsgd", config=AlgoConfig(lr=0.2, clip=0.5, extra={"k": 0.1}))
 
 

@@ -193,7 +193,7 @@ def test_out_of_memory_in_the_rows_path_says_what_to_do(monkeypatch):
     monkeypatch.setattr(FuncGradients, "per_param", fail)  # both the rows and the per-parameter sums call it
     eng = DPEngine(Wide(), "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0)
     x, y = _data()
-    with pytest.raises(ConfigError, match="out of memory.*--max-physical-batch.*--grad-path fast"):
+    with pytest.raises(ConfigError, match="out of memory.*`max_physical_batch`.*`grad_path='fast'`"):
         eng.step(x[:4], y[:4], torch.arange(4))
 
 

@@ -244,7 +244,7 @@ def test_auto_falls_back_once_and_releases_once():
     e = got["auto"][1]
     assert e.fast is None and e.steps_taken == 1 and got["rows"][1].grad_path_fallback is None
     assert e.grad_path_fallback.startswith("rows -> fast: torch.func.vmap")
-    assert "; then fast -> rows: --grad-path fast: a Linear layer runs twice" in e.grad_path_fallback
+    assert "; then fast -> rows: `grad_path='fast'`: a Linear layer runs twice" in e.grad_path_fallback
     assert e.rows.grads.unvectorizable == "loop" and not e.rows.grads.vectorized  # outside a step: one at a time
 
 

@@ -18,7 +18,7 @@ from clipbias.algorithms import (CropFlip, GroupBatchNorm, batchclip_logits, bat
                                  compose, noise_ratio_vs_dpsgd, num_groups, public_split)
 from clipbias.analysis.diagnostics import clipped_quantity
 from clipbias.analysis.diagnostics import sampling_noise_report as sampling_noise
-from clipbias.privacy import gaussian
+from clipbias.privacy import pld
 from clipbias.randomness import Purpose, SecretKey, keyed_ints, keyed_normal, snapped_gaussian
 
 KEY0 = SecretKey.from_seed(0)  # the secret key of every draw in an engine with noise_seed=0
@@ -162,8 +162,8 @@ def test_dpgd_momentum_accounting_and_refusals():
     eng = engine(tiny_cnn(), "dpgd-momentum", batch_size=float(N), steps=7, accountant="pld")
     rep = eng.privacy(7)
     assert eng.spec.sample_rate == 1 and rep.epsilon == pytest.approx(
-        gaussian.gaussian_exact_epsilon(Z, 7, 1e-5), rel=1e-9)
-    with pytest.raises(ConfigError, match="full-batch.*--batch-size to N = 96"):
+        pld.gaussian_exact_epsilon(Z, 7, 1e-5), rel=1e-9)
+    with pytest.raises(ConfigError, match="full-batch.*`batch_size` to N = 96"):
         engine(tiny_cnn(), "dpgd-momentum", batch_size=8.0)
     with pytest.raises(ConfigError, match="stores one momentum vector per training example.*inner-outer"):
         engine(tiny_cnn(), "dpgd-momentum", batch_size=float(N), extra={"max_memory_gb": 1e-9})
@@ -251,7 +251,7 @@ def test_outer_momentum_update_eq14():
 
 
 def test_inner_outer_refuses_double_momentum():
-    with pytest.raises(ConfigError, match="own outer momentum.*--momentum 0"):
+    with pytest.raises(ConfigError, match="own outer momentum.*`AlgoConfig.momentum=0`"):
         engine(tiny_cnn(), "inner-outer", cfg={"momentum": 0.9})
 
 
@@ -342,7 +342,7 @@ def test_batchnorm_variant_and_refusals():
     bad = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(32, 3))
     with pytest.raises(ConfigError, match="running statistics"):
         engine(bad, "batch-clip", extra={"public": pub})
-    with pytest.raises(ConfigError, match="needs --public-size"):
+    with pytest.raises(ConfigError, match=r"needs `AlgoConfig.extra\['public'\]`"):
         engine(bn_cnn(), "batch-clip")
     with pytest.raises(ConfigError, match="no GroupNorm"):
         batchnorm_variant(nn.Sequential(nn.Flatten(), nn.Linear(36, 3)))
@@ -588,14 +588,14 @@ def test_composition_errors_are_explained():
 
 
 @pytest.mark.parametrize("algo,extra,match", [
-    ("p-avg", {"p": 1}, "--p .* must be an integer >= 2"),
-    ("self-aug", {"K": 0}, "--augmentations .* must be an integer >= 1"),
-    ("inner-outer", {"gamma0": 2.0}, "--gamma0 .* must be a number in \\[0, 1\\]"),
-    ("perturb", {"k": -1}, "--perturb-k .* must be a number > 0"),
-    ("perturb", {"p": 4}, "does not take setting.*'p'.*its settings are: 'k'"),
+    ("p-avg", {"p": 1}, "`AlgoConfig.extra\\['p'\\]` .* must be an integer >= 2"),
+    ("self-aug", {"K": 0}, "`AlgoConfig.extra\\['K'\\]` .* must be an integer >= 1"),
+    ("inner-outer", {"gamma0": 2.0}, "`AlgoConfig.extra\\['gamma0'\\]` .* must be a number in \\[0, 1\\]"),
+    ("perturb", {"k": -1}, "`AlgoConfig.extra\\['k'\\]` .* must be a number > 0"),
+    ("perturb", {"p": 4}, "does not take setting.*'p'.*its settings are: `AlgoConfig.extra\\['k'\\]`"),
     ("inner-outer", {"K0": 2, "k0": 3}, "given twice"),
 ])
-def test_bad_settings_are_refused_with_the_flag(algo, extra, match):
+def test_bad_settings_are_refused_naming_the_setting(algo, extra, match):
     with pytest.raises(ConfigError, match=match):
         engine(tiny_cnn(), algo, extra=extra)
 

@@ -206,6 +206,9 @@ def test_refusals_name_the_opacus_argument():
             make(**kw)
     with pytest.raises(ConfigError, match="gdp"):
         PrivacyEngine(accountant="gdp")
+    from clipbias.integrations.options import DPOptions
+    with pytest.raises(ConfigError, match="`target_delta` must lie in"):  # named as the integrations spell it
+        DPOptions(noise_multiplier=1.0, target_delta=1.5).check()
     model, opt, dl = make()
     with pytest.raises(ConfigError, match="without a batch"):
         opt.step()

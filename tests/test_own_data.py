@@ -42,7 +42,7 @@ def test_cifar10_loads_the_python_layout_with_public_scaling(tmp_path):
 
 
 def test_cifar10_errors_name_what_to_put_where(tmp_path):
-    with pytest.raises(DataNotFoundError, match="--data-dir"):
+    with pytest.raises(DataNotFoundError, match="`data_dir`"):
         load_dataset("cifar10")
     with pytest.raises(DataNotFoundError, match="cifar-10-batches-py.*data_batch_1"):
         load_dataset("cifar10", data_dir=tmp_path)
@@ -90,7 +90,7 @@ def test_npz_errors_name_the_bad_array(tmp_path, over, match):
 
 
 def test_npz_missing_file_and_missing_flag(tmp_path):
-    with pytest.raises(DataNotFoundError, match="--data-path"):
+    with pytest.raises(DataNotFoundError, match="`data_path`"):
         load_dataset("npz")
     with pytest.raises(DataNotFoundError, match="no such file"):
         load_dataset("npz", data_path=tmp_path / "nope.npz")

@@ -203,7 +203,7 @@ def test_pld_grid_too_large_is_a_clear_config_error(monkeypatch):
         raise MemoryError
 
     monkeypatch.setattr(pld_privacy_accountant.PLDAccountant, "compose", boom)
-    with pytest.raises(ConfigError, match="--accountant rdp"):
+    with pytest.raises(ConfigError, match="`accountant='rdp'`"):
         gaussian.epsilon(1e-3, 0.1, 10, 1e-5, "pld")
 
 
@@ -408,10 +408,10 @@ def test_a_target_epsilon_that_does_not_bind_is_explained_on_the_spot(capsys, mo
     evaluates below the floor, confirms the floor with one evaluation of the accountant's grid, and says
     why the epsilon is far below the target."""
     from clipbias.cli import main
-    from clipbias.privacy import gaussian
-    from clipbias.privacy.report import floor_note
+    from clipbias.privacy import gaussian, pld
+    from clipbias.privacy.gaussian import floor_note
     calls = []
-    monkeypatch.setattr(gaussian, "pld_epsilon", lambda z, q, t, d, grid: calls.append((z, grid)) or 16.0 / z)
+    monkeypatch.setattr(pld, "pld_epsilon", lambda z, q, t, d, grid: calls.append((z, grid)) or 16.0 / z)
     gaussian.calibrate.cache_clear()
     assert main(["calibrate", "--algo", "dpsgd", "--epsilon", "500", "--delta", "1e-5", "--sample-rate", "0.0123",
                  "--steps", "10", "--json"]) == 0
@@ -421,7 +421,7 @@ def test_a_target_epsilon_that_does_not_bind_is_explained_on_the_spot(capsys, mo
     assert got["noise_multiplier"] == 0.1 and got["epsilon"] == pytest.approx(160)
     assert min(z for z, _ in calls) == 0.1  # never below the floor
     # one evaluation at the accountant's grid confirms the floor, one more is the report's
-    assert [z for z, grid in calls if grid == gaussian.PLD_DISCRETIZATION] == [0.1, 0.1]
+    assert [z for z, grid in calls if grid == pld.PLD_DISCRETIZATION] == [0.1, 0.1]
     assert "epsilon 160 is far below the target 500" in out.err and "floor (0.1" in out.err
     assert "--accountant rdp" in out.err
     assert floor_note(3.0, 2.99, 1.1, "pld") is None and floor_note(None, 1.0, 0.1, "pld") is None

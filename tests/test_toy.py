@@ -194,19 +194,19 @@ def test_run_all_explains_refused_settings():
     assert set(results) == {"sgd", "inner-outer"} and set(skipped) == {"dpgd-momentum", "batch-clip"}
     assert results["sgd"].settings["batch_size"] == 1.0 and not results["sgd"].settings["full_batch"]
     assert skipped["dpgd-momentum"].startswith("dpgd-momentum did not run with these settings")
-    assert "full-batch" in skipped["dpgd-momentum"] and "--batch-size" in skipped["dpgd-momentum"]
+    assert "full-batch" in skipped["dpgd-momentum"] and "`batch_size`" in skipped["dpgd-momentum"]
     assert "BatchNorm network" in skipped["batch-clip"]
     results, skipped = toy.run_all("xiao-two-sample", toy.settings_for("xiao-two-sample", steps=5,
                                                                          noise_multiplier=0.0),
                                    ["sgd", "clip-sgd", "dpsgd", "dice"])
     assert set(results) == {"sgd", "clip-sgd"} and set(skipped) == {"dpsgd", "dice"}
-    assert all("--noise-multiplier must be a positive" in why for why in skipped.values())
+    assert all("`noise_multiplier` must be a positive" in why for why in skipped.values())
 
 
 def test_unknown_problem_or_algorithm_is_a_config_error():
-    with pytest.raises(ConfigError, match="--problem"):
+    with pytest.raises(ConfigError, match="`problem`"):
         toy.get_problem("nope")
-    with pytest.raises(ConfigError, match="--algo"):
+    with pytest.raises(ConfigError, match="`algo`"):
         toy.run("dice-b1", "nope")
 
 

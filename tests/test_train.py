@@ -85,10 +85,10 @@ def test_resume_refuses_changed_settings(tmp_path, splits):
     out = str(tmp_path / "r")
     cfg = dataclasses.replace(BASE, out=out)  # calibrated as in test_results_files_and_private_checkpoint
     train(cfg, splits=splits)
-    for change, flag in [({"epsilon": 2.0}, "--epsilon"), ({"seed": 1}, "--seed"),
-                         ({"epochs": 2}, "--epochs"), ({"model": "logreg"}, "--model"),
-                         ({"clip": 0.5}, "--clip"), ({"dice_accounting": "authors"}, "--dice-accounting"),
-                         ({"data": "wine"}, "--data")]:
+    for change, flag in [({"epsilon": 2.0}, "`epsilon"), ({"seed": 1}, "`seed`"),
+                         ({"epochs": 2}, "`epochs"), ({"model": "logreg"}, "`model`"),
+                         ({"clip": 0.5}, "`clip`"), ({"dice_accounting": "authors"}, "`dice_accounting`"),
+                         ({"data": "wine"}, "`data`")]:
         with pytest.raises(ResumeMismatchError, match=flag):
             train(dataclasses.replace(cfg, resume=True, **change), splits=splits)
 
@@ -108,7 +108,7 @@ def test_engine_refuses_mismatched_privacy_state(tmp_path, splits):
 def test_existing_run_needs_resume_or_overwrite(tmp_path, splits):
     cfg = dataclasses.replace(ONE, out=str(tmp_path / "x"))
     train(cfg, splits=splits)
-    with pytest.raises(ConfigError, match="--resume"):
+    with pytest.raises(ConfigError, match="`resume=True`"):
         train(cfg, splits=splits)
     train(dataclasses.replace(cfg, overwrite=True), splits=splits)
     with pytest.raises(ConfigError, match="no checkpoint"):
@@ -136,7 +136,7 @@ def test_an_interrupted_overwrite_never_mixes_old_and_new_files(tmp_path, splits
     train(dataclasses.replace(cfg, resume=True, lr=0.25), splits=splits)  # finish the new run
     train(dataclasses.replace(cfg, overwrite=True), splits=splits)
     assert not prev.exists() and (out / RESULTS).is_file()
-    with pytest.raises(ConfigError, match="--model"):  # a refused overwrite moves nothing
+    with pytest.raises(ConfigError, match="`model`"):  # a refused overwrite moves nothing
         train(dataclasses.replace(cfg, overwrite=True, model="nope"), splits=splits)
     assert (out / RESULTS).is_file() and not prev.exists()
 
@@ -188,18 +188,19 @@ def test_validation_split_and_subset():
     assert res["sample_rate"] == pytest.approx(64 / 300)  # B / the expected training part N - K: public
 
 
-def test_bad_settings_name_the_flag(splits):
-    for change, flag in [({"epsilon": -1.0}, "--epsilon"), ({"delta": 1.5}, "--delta"),
-                         ({"epochs": 0}, "--epochs"), ({"batch_size": 0.0}, "--batch-size"),
-                         ({"lr": 0.0}, "--lr"), ({"clip": -1.0}, "--clip"), ({"ef_clip": 0.0}, "--ef-clip"),
-                         ({"grad_bound": -2.0}, "--grad-bound"), ({"momentum": 1.0}, "--momentum"),
-                         ({"validation": -1}, "--validation"), ({"subset": 0}, "--subset"),
-                         ({"epsilon": None}, "--epsilon"), ({"extra": {"augmentations": 0}}, "--augmentations")]:
-        with pytest.raises(ConfigError, match=flag):
+def test_bad_settings_name_the_parameter(splits):
+    """The library names the TrainConfig field (the CLI turns it into its flag: tests/test_bad_inputs.py)."""
+    for change, name in [({"epsilon": -1.0}, "`epsilon`"), ({"delta": 1.5}, "`delta`"),
+                         ({"epochs": 0}, "`epochs`"), ({"batch_size": 0.0}, "`batch_size`"),
+                         ({"lr": 0.0}, "`lr`"), ({"clip": -1.0}, "`clip`"), ({"ef_clip": 0.0}, "`ef_clip`"),
+                         ({"grad_bound": -2.0}, "`grad_bound`"), ({"momentum": 1.0}, "`momentum`"),
+                         ({"validation": -1}, "`validation`"), ({"subset": 0}, "`subset`"),
+                         ({"epsilon": None}, "`epsilon`"), ({"extra": {"augmentations": 0}}, r"`AlgoConfig.extra\['augmentations'\]`")]:
+        with pytest.raises(ConfigError, match=name):
             train(dataclasses.replace(BASE, **change), splits=splits)
-    with pytest.raises(ConfigError, match="--batch-size"):
+    with pytest.raises(ConfigError, match="`batch_size`"):
         train(dataclasses.replace(BASE, batch_size=5000.0), splits=splits)
-    with pytest.raises(ConfigError, match="--subset"):
+    with pytest.raises(ConfigError, match="`subset`"):
         prepare_splits(dataclasses.replace(BASE, subset=10**6))
 
 
@@ -258,7 +259,7 @@ def test_a_diverged_run_fails_loudly_and_is_marked(tmp_path):
     from clipbias.errors import TrainingDivergedError
     cfg = TrainConfig(data="digits", model="logreg", algo="dpsgd", epsilon=3.0, epochs=2, batch_size=64,
                       lr=1e38, clip=1.0, accountant="rdp", out=str(tmp_path / "div"))
-    with pytest.raises(TrainingDivergedError, match="diverged in epoch 1.*Lower --lr"):
+    with pytest.raises(TrainingDivergedError, match="diverged in epoch 1.*Lower `lr`"):
         train(cfg)
     res = json.loads((tmp_path / "div" / RESULTS).read_text())
     assert res["diverged"] is True and len(res["history"]) == 1 and "test_accuracy" not in res
@@ -267,7 +268,7 @@ def test_a_diverged_run_fails_loudly_and_is_marked(tmp_path):
 def test_ef_clip_is_refused_where_no_feedback_reads_it():
     """--ef-clip with dpsgd used to be recorded but change nothing (issue 17)."""
     for algo in ("dpsgd", "normalized", "dice-auto", "sgd"):
-        with pytest.raises(ConfigError, match="--ef-clip applies to the clipped error-feedback"):
+        with pytest.raises(ConfigError, match="`ef_clip` applies to the clipped error-feedback"):
             dataclasses.replace(BASE, algo=algo, epsilon=None if algo == "sgd" else 3.0)
     for algo in ("dice", "dice-adam", "ef-sgd"):
         dataclasses.replace(BASE, algo=algo, epsilon=None if algo == "ef-sgd" else 3.0)
@@ -283,7 +284,7 @@ def test_stale_private_temporaries_are_removed_and_truncated_checkpoints_explain
     check_out_dir(out)
     assert not dead.exists() and live.exists()
     (out / CHECKPOINT).write_bytes(b"PK\x03\x04 truncated")
-    with pytest.raises(ConfigError, match="truncated or corrupted.*--overwrite"):
+    with pytest.raises(ConfigError, match="truncated or corrupted.*`overwrite=True`"):
         load_checkpoint(out)
 
 
@@ -337,7 +338,7 @@ def test_a_finished_run_at_a_given_noise_extends_to_more_epochs_exactly(tmp_path
     assert len(extended["history"]) == 3
     cal = dict(base, noise_multiplier=None, epsilon=2.0, algo="dpsgd", accountant="rdp")  # rdp: a quick calibration
     train(TrainConfig(**cal, epochs=1, out=str(tmp_path / "c")), progress=False, plot=False)
-    with pytest.raises(ResumeMismatchError, match="calibrated so that 1 epochs spend exactly --epsilon 2"):
+    with pytest.raises(ResumeMismatchError, match="calibrated so that 1 epochs spend exactly `epsilon=2`"):
         train(TrainConfig(**cal, epochs=2, out=str(tmp_path / "c"), resume=True), progress=False, plot=False)
 
 
@@ -346,7 +347,7 @@ def test_run_many_refuses_a_variant_before_any_run_trains(tmp_path):
     comparison before the first variant trains, not after it."""
     base = TrainConfig(data="digits", model="logreg", algo="dpsgd", noise_multiplier=1.0, epochs=1,
                        batch_size=64, lr=0.5, momentum=0.9)
-    with pytest.raises(ConfigError, match="set --momentum 0"):
+    with pytest.raises(ConfigError, match="set `AlgoConfig.momentum=0`"):
         run_many(base, [("dpsgd", {"algo": "dpsgd"}), ("inner-outer", {"algo": "inner-outer"})], [0],
                  out=tmp_path / "cmp")
     assert not (tmp_path / "cmp").exists() or not any((tmp_path / "cmp").iterdir())

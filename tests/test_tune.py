@@ -92,12 +92,12 @@ def test_a_tuning_outputs_the_best_trial_only_and_meets_its_budget():
 
 
 @pytest.mark.parametrize("change,flag", [(dict(algo="dice"), "DiceSGD"), (dict(epsilon=None, noise_multiplier=1.0),
-                                                                           "--epsilon")])
+                                                                           "`epsilon`")])
 def test_refusals(change, flag):
     import dataclasses
     with pytest.raises(ConfigError, match=flag):
         TuneConfig(dataclasses.replace(BASE, **change), (0.1, 1.0), (0.1, 1.0))
-    with pytest.raises(ConfigError, match="--lr-range"):
+    with pytest.raises(ConfigError, match="`lr_range`"):
         TuneConfig(BASE, (1.0, 0.1), (0.1, 1.0))
 
 

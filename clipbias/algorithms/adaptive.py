@@ -107,7 +107,7 @@ def gradient_noise(cfg: AlgoConfig, s: dict, z: float, expected_batch_size: floa
         return 0.0
     if not two_sb > z:
         raise ConfigError(f"adaptive clipping: the noise multiplier z = {z:.4g} of the joint release needs a count "
-                          f"noise 2 sigma_b > z, got sigma_b = {two_sb / 2:.4g}: raise --count-noise (default B/20)")
+                          f"noise 2 sigma_b > z, got sigma_b = {two_sb / 2:.4g}: raise `AlgoConfig.extra['count_noise']` (default B/20)")
     return (z ** -2 - two_sb ** -2) ** -0.5
 
 

@@ -36,7 +36,7 @@ class CropFlip:
 
     def __init__(self, pad: int = 2, flip: bool = True, fill: str | float = "min") -> None:
         if not (isinstance(pad, int) and pad >= 0):
-            raise ConfigError(f"--aug-pad must be an integer >= 0, got {pad!r}")
+            raise ConfigError(f"`AlgoConfig.extra['pad']` must be an integer >= 0, got {pad!r}")
         if not (fill == "min" or isinstance(fill, (int, float))):
             raise ConfigError(f"augmentation fill must be 'min' or a number, got {fill!r}")
         self.pad, self.flip, self.fill = pad, bool(flip), fill
@@ -85,7 +85,7 @@ class AugmentedGradients(RowSource):
     def __init__(self, model: nn.Module, loss_fn: LossFn, k: int, augment: CropFlip,
                  key: SecretKey | None = None) -> None:
         if not (isinstance(k, int) and k >= 1):
-            raise ConfigError(f"--augmentations (K copies per example) must be an integer >= 1, got {k!r}")
+            raise ConfigError(f"`AlgoConfig.extra['K']` (K copies per example) must be an integer >= 1, got {k!r}")
         self.fg = FuncGradients(model, loss_fn)
         self.layout = self.fg.layout
         self.k, self.augment, self.key = k, augment, key

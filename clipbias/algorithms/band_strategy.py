@@ -32,6 +32,7 @@ from scipy.optimize import minimize
 from scipy.signal import lfilter
 
 from ..errors import ConfigError
+from .band_taylor import coefficients
 
 STRATEGIES = ("taylor", "optimized")
 
@@ -63,7 +64,6 @@ def optimize(bands: int, steps: int, momentum: float = 0.0, start=None) -> tuple
     """Unit-norm banded coefficients (c_0 > 0) that minimise the total squared error of the iterates
     (module docstring). ``start``: the coefficients to start from besides the identity (default the
     Taylor ones); the result's error is never above theirs."""
-    from .bands import coefficients
     if not (isinstance(bands, int) and bands >= 1):
         raise ConfigError(f"bands must be a whole number >= 1, got {bands!r}")
     if not (isinstance(steps, int) and steps >= 1):
@@ -109,7 +109,6 @@ def _digest() -> str:
 def _valid(v, bands: int, steps: int, momentum: float) -> bool:
     """A cached entry is used only if it is a unit-norm strategy with c_0 > 0 of the right length and
     no worse than the Taylor coefficients (so a damaged file costs time, never privacy or accuracy)."""
-    from .bands import coefficients
     if not (isinstance(v, list) and len(v) == bands and all(isinstance(x, float) and math.isfinite(x) for x in v)):
         return False
     if not (v[0] > 0 and math.isclose(sum(x * x for x in v), 1.0, rel_tol=1e-12)):

@@ -38,6 +38,7 @@ from ..errors import ConfigError
 from ..privacy import AccountingSpec
 from ..randomness import SecretKey, snapped_gaussian
 from ..transforms import GaussianNoise, Pipeline, Stage
+from .band_taylor import coefficients  # noqa: F401  (bands.coefficients: the API since banded noise came)
 
 # the algorithms whose rows are a function of one example and one step (no state across steps in the
 # rows or the sums, no second release, one bounding stage): a block of b releases then holds one
@@ -49,31 +50,18 @@ BANDABLE = ("dpsgd", "normalized", "disk", "dpsgd+disk", "normalized+disk", "per
 def check_bandable(algorithm: str, bands: int) -> None:
     """Refuse ``bands`` > 1 for an algorithm the banded accounting does not cover."""
     if bands != 1 and algorithm not in BANDABLE:
-        raise ConfigError(f"--bands {bands} is not available for {algorithm}: banded noise is accounted for algorithms "
+        raise ConfigError(f"`bands={bands}` is not available for {algorithm}: banded noise is accounted for algorithms "
                           f"whose rows depend on one example at one step and that release only the noisy update "
                           f"({', '.join(BANDABLE)}); error feedback, adaptive clipping, per-example momentum and "
                           f"inner-outer momentum carry an example's gradient across steps or release more "
                           f"(docs/privacy.md, \"Banded noise\")")
 
 
-def coefficients(bands: int, momentum: float = 0.0) -> tuple[float, ...]:
-    """c_0 .. c_{b-1}: the first ``bands`` Taylor coefficients of ((1 - x)(1 - momentum x))^(-1/2), scaled to
-    unit L2 norm (c_0 > 0). ``momentum`` 0 gives the square root of the prefix sum, binom(2k, k) / 4^k."""
-    if not 0.0 <= momentum < 1.0:
-        raise ConfigError(f"banded noise: momentum must lie in [0, 1), got {momentum!r}")
-    r = [1.0]
-    for k in range(1, bands):
-        r.append(r[-1] * (2 * k - 1) / (2 * k))  # binom(2k, k) / 4^k
-    c = [sum(r[j] * r[k - j] * momentum ** (k - j) for j in range(k + 1)) for k in range(bands)]
-    norm = math.sqrt(sum(x * x for x in c))
-    return tuple(x / norm for x in c)
-
-
 def check_strategy(strategy: str) -> None:
     """Refuse a ``bands_strategy`` that is not one of ``band_strategy.STRATEGIES``."""
     from .band_strategy import STRATEGIES
     if strategy not in STRATEGIES:
-        raise ConfigError(f"bands_strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+        raise ConfigError(f"`bands_strategy` must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
 
 
 def band_coefficients(bands: int, momentum: float = 0.0, strategy: str = "taylor",
@@ -152,8 +140,8 @@ class BandedNoise(Stage):
             math.isclose(sum(c * c for c in saved), 1.0, rel_tol=1e-12)
         if strategy != self.strategy or not valid or strategy == "taylor" and saved != self.coefs:
             raise ConfigError(f"banded noise state has {strategy} coefficients {state.get('coefs')}, this run "
-                              f"{self.strategy} {list(self.coefs)}: resume with the same --bands, --bands-strategy "
-                              f"and momentum")
+                              f"{self.strategy} {list(self.coefs)}: resume with the same `bands`, "
+                              f"`bands_strategy` and momentum")
         self.coefs = saved
         self.draws = int(state["draws"])
         self.inputs = [t.to(torch.float64) for t in state["inputs"]]
@@ -170,7 +158,7 @@ def band_pipeline(pipeline: Pipeline, algorithm: str, bands: int, momentum: floa
         return pipeline
     check_bandable(algorithm, bands)
     if not isinstance(pipeline.noise, GaussianNoise) or pipeline.noise_per_bound is not None:
-        raise ConfigError(f"--bands {bands}: {algorithm} has no fixed Gaussian noise stage to band")
+        raise ConfigError(f"`bands={bands}`: {algorithm} has no fixed Gaussian noise stage to band")
     pipeline.noise = BandedNoise(pipeline.noise.std, key, band_coefficients(bands, momentum, strategy, steps), strategy)
     return pipeline
 

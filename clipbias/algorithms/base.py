@@ -161,7 +161,7 @@ def get(name: str) -> Algorithm:
             _derived[name] = DERIVED[suffix](base)
         return _derived[name]
     derived = "".join(f"; or BASE+{k} (e.g. dpsgd+{k})" for k in DERIVED)
-    raise ConfigError(f"--algo must be one of {', '.join(sorted(ALGORITHMS))}{derived}, got {name!r}")
+    raise ConfigError(f"`algo` must be one of {', '.join(sorted(ALGORITHMS))}{derived}, got {name!r}")
 
 
 def clip_or_normalize(cfg: AlgoConfig, normalize: bool) -> PerSample:
@@ -177,4 +177,4 @@ def make_optimizer(name: str, params, cfg: AlgoConfig) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    raise ConfigError(f"--optimizer must be one of sgd, adam, adamw, got {name!r}")
+    raise ConfigError(f"`optimizer` must be one of sgd, adam, adamw, got {name!r}")

@@ -107,7 +107,7 @@ def public_split(dataset, n_public: int = 100, source: str = "test", seed: int =
     the private N shrinks; they are private data that nothing protects (``HOLDOUT_CAVEAT``).
     """
     if not (isinstance(n_public, int) and n_public >= 1):
-        raise ConfigError(f"--public-size must be an integer >= 1, got {n_public!r}")
+        raise ConfigError(f"`AlgoConfig.extra['public_size']` must be an integer >= 1, got {n_public!r}")
     if source == "holdout":
         from ..data.datasets import holdout
         if key is None:
@@ -116,10 +116,10 @@ def public_split(dataset, n_public: int = 100, source: str = "test", seed: int =
         rest, x_pub = holdout(dataset, n_public, key)
         return x_pub, rest
     if source != "test":
-        raise ConfigError(f"--public-source must be 'test' or 'holdout', got {source!r}")
+        raise ConfigError(f"`public_source` must be 'test' or 'holdout', got {source!r}")
     n_test = len(dataset.x_test)
     if n_public >= n_test:
-        raise ConfigError(f"--public-size {n_public} must be below the test split size {n_test}")
+        raise ConfigError(f"`AlgoConfig.extra['public_size']={n_public}` must be below the test split size {n_test}")
     perm = torch.from_numpy(np.random.default_rng(seed).permutation(n_test))
     taken, keep = perm[:n_public].sort().values, perm[n_public:].sort().values
     rest = dataclasses.replace(
@@ -147,7 +147,7 @@ class BatchClipGradients(RowSource):
         check_batchnorm_model(model)
         self.public = check_public(public, getattr(model, "input_shape", None))
         if not (isinstance(p, int) and p >= 2):
-            raise ConfigError(f"--p (BatchClipping group size: 1 private + p-1 public) must be an integer "
+            raise ConfigError(f"`AlgoConfig.extra['p']` (BatchClipping group size: 1 private + p-1 public) must be an integer "
                               f">= 2, got {p!r}")
         self.fg = FuncGradients(model, loss_fn, grouped=True, check=False)
         self.layout = self.fg.layout
@@ -193,7 +193,7 @@ def batchclip_predict(model: nn.Module, x: Tensor, public: Tensor, p: int, draws
     Ties go to the smallest class index.
     """
     if not (isinstance(draws, int) and draws >= 1):
-        raise ConfigError(f"--vote-draws must be an integer >= 1, got {draws!r}")
+        raise ConfigError(f"`AlgoConfig.extra['draws']` must be an integer >= 1, got {draws!r}")
     votes = torch.stack([batchclip_logits(model, x, public, p, r, seed, chunk).argmax(1)
                          for r in range(draws)], dim=1)  # [n, draws]
     num_classes = int(votes.max()) + 1 if votes.numel() else 1

@@ -37,9 +37,9 @@ def _check(base: str, methods: tuple[str, ...]) -> Algorithm:
         if m in _REFUSED_WITH_DICE:
             b = ALGORITHMS.get(base)
             if b is not None and b.accounting == "dice":
-                raise ConfigError(f"refused: {base} + {m}: {_REFUSED_WITH_DICE[m]}. Use --algo {m} "
+                raise ConfigError(f"refused: {base} + {m}: {_REFUSED_WITH_DICE[m]}. Use `algo='{m}'` "
                                   f"(DPSGD accounting) or {base} without it.")
-            raise ConfigError(f"{m} is a complete algorithm, not a composable piece: use --algo {m}")
+            raise ConfigError(f"{m} is a complete algorithm, not a composable piece: use `algo='{m}'`")
         if m not in COMPOSABLE:
             raise ConfigError(f"cannot compose {m!r}: composable pieces are {', '.join(COMPOSABLE)}")
     if len(set(methods)) != len(methods) or not methods:

@@ -62,7 +62,7 @@ class KalmanFilter(Carried):
 
     def __init__(self, kappa: float) -> None:
         if not 0 < kappa <= 1:
-            raise ConfigError(f"--kappa (DiSK's Kalman gain) must lie in (0, 1], got {kappa!r}")
+            raise ConfigError(f"`AlgoConfig.extra['kappa']` (DiSK's Kalman gain) must lie in (0, 1], got {kappa!r}")
         self.kappa = float(kappa)
         super().__init__()
 
@@ -183,7 +183,7 @@ def kalman(base: str, name: str | None = None) -> Algorithm:
     The accounting, sensitivity and refusals are the base's."""
     b = get(base)
     if b.name == "disk" or b.name.endswith("+" + SUFFIX):
-        raise ConfigError(f"--algo {b.name} already runs DiSK; drop --kalman")
+        raise ConfigError(f"`algo='{b.name}'` already runs DiSK: use it without '+disk'")
     own = {k for s in b.schema for k in (s.key, *s.aliases)}
 
     def split(s: dict) -> dict:

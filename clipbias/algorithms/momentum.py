@@ -85,12 +85,12 @@ def check_momentum_memory(n: int, d: int, device: torch.device | str = "cpu",
     need = momentum_memory_bytes(n, d)
     have = int(limit_gb * 2**30) if limit_gb is not None else available_memory_bytes(device)
     if have is not None and need > 0.9 * have:
-        what = f"the limit --max-memory-gb {limit_gb:g}" if limit_gb is not None else \
+        what = f"the limit `AlgoConfig.extra['max_memory_gb']={limit_gb:g}`" if limit_gb is not None else \
             f"only {have / 2**30:.1f} GB is available on {torch.device(device)}"
         raise ConfigError(
             f"dpgd-momentum stores one momentum vector per training example: N={n} x d={d} floats plus "
             f"one step's staged copy need {need / 2**30:.1f} GB, but {what}. Train on fewer examples "
-            f"(a subset), use a smaller model, or use --algo inner-outer (memory O(K0 d)).")
+            f"(a subset), use a smaller model, or use `algo='inner-outer'` (memory O(K0 d)).")
 
 
 # ---------------------------------------------------------------- Alg. 1
@@ -105,7 +105,7 @@ class PerExampleMomentum(PerSample):
 
     def __init__(self, n: int, gamma_m: float) -> None:
         if not 0 < gamma_m <= 1:
-            raise ConfigError(f"--gamma-m (Alg. 1 momentum weight of the new gradient) must lie in (0, 1], "
+            raise ConfigError(f"`AlgoConfig.extra['gamma_m']` (Alg. 1 momentum weight of the new gradient) must lie in (0, 1], "
                               f"got {gamma_m!r}")
         self.n, self.gamma = int(n), float(gamma_m)
         self.buf: Tensor | None = None
@@ -143,7 +143,7 @@ class PerExampleMomentum(PerSample):
                 self.seen = torch.zeros(self.n, dtype=torch.bool, device=dev)
             except RuntimeError as err:  # out of memory
                 raise ConfigError(f"cannot allocate dpgd-momentum's N x d = {self.n} x {d} buffer ({err}); "
-                                  f"use fewer examples, a smaller model, or --algo inner-outer") from err
+                                  f"use fewer examples, a smaller model, or `algo='inner-outer'`") from err
         for idx, m in self._pending:
             idx = idx.to(self.buf.device)
             self.buf[idx] = m.to(self.buf)
@@ -232,7 +232,7 @@ class InnerMomentumGradients(RowSource):
         if state["k0"] != self.k0 or state["gamma0"] != self.gamma0:
             raise ConfigError(f"cannot resume inner-outer: checkpoint has K0={state['k0']}, "
                               f"gamma0={state['gamma0']} but now K0={self.k0}, gamma0={self.gamma0}; "
-                              f"resume with the original --k0/--gamma0")
+                              f"resume with the original `AlgoConfig.extra['K0']` and `AlgoConfig.extra['gamma0']`")
         dev = {k: v.device for k, v in self.fg.params().items()}  # checkpoints are saved on the CPU
         self.history = [{k: v.to(dev[k]) for k, v in h.items()} for h in state["history"]]
         self._pending = None
@@ -246,7 +246,7 @@ class OuterMomentum(Carried):
 
     def __init__(self, gamma1: float) -> None:
         if not 0 < gamma1 <= 1:
-            raise ConfigError(f"--gamma1 (outer momentum, eq. (14)) must lie in (0, 1], got {gamma1!r}")
+            raise ConfigError(f"`AlgoConfig.extra['gamma1']` (outer momentum, eq. (14)) must lie in (0, 1], got {gamma1!r}")
         self.gamma1 = float(gamma1)
         super().__init__()
 
@@ -280,8 +280,8 @@ def _full_batch(cfg: AlgoConfig, s: dict, q: float, batch_size: float) -> None:
     if q != 1:
         n = batch_size / q
         raise ConfigError(f"dpgd-momentum is full-batch DP-GD (Xiao et al. Alg. 1): every step uses all N "
-                          f"examples. Set --batch-size to N = {n:.0f} (sample rate 1), or use --algo "
-                          f"inner-outer for a subsampled momentum method.")
+                          f"examples. Set `batch_size` to N = {n:.0f} (sample rate 1), or use `algo='inner-outer'` "
+                          f"for a subsampled momentum method.")
 
 
 def _momentum_source(model: nn.Module, loss_fn: LossFn, cfg: AlgoConfig, s: dict, *, n: int,
@@ -304,9 +304,10 @@ register(Algorithm(
 def _inner_outer_checks(cfg: AlgoConfig, s: dict, q: float, batch_size: float) -> None:
     if cfg.momentum:
         raise ConfigError(f"inner-outer applies its own outer momentum M_k = (1 - gamma1) M_(k-1) + G_k + "
-                          f"noise (eq. (14)); set --momentum 0 (got {cfg.momentum}) and choose --gamma1")
+                          f"noise (eq. (14)); set `AlgoConfig.momentum=0` (got {cfg.momentum}) and choose "
+                          f"`AlgoConfig.extra['gamma1']`")
     if (cfg.optimizer or "sgd") != "sgd":
-        raise ConfigError(f"inner-outer updates w_k = w_(k-1) - lr M_k (Alg. 2 line 8): use --optimizer sgd, "
+        raise ConfigError(f"inner-outer updates w_k = w_(k-1) - lr M_k (Alg. 2 line 8): use `AlgoConfig.optimizer='sgd'`, "
                           f"got {cfg.optimizer!r}")
 
 

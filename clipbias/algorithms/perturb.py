@@ -29,7 +29,7 @@ class Perturb(PerSample):
 
     def __init__(self, k: float, key: SecretKey | None = None) -> None:
         if not (isinstance(k, (int, float)) and k > 0):
-            raise ConfigError(f"--perturb-k (perturbation scale k) must be > 0, got {k!r}")
+            raise ConfigError(f"`AlgoConfig.extra['k']` (perturbation scale k) must be > 0, got {k!r}")
         self.k, self.key = float(k), key
         self._calls = 0  # calls without indices in the current step
 

@@ -241,7 +241,7 @@ PROBLEMS: dict[str, Problem] = {p.name: p for p in [
 
 def get_problem(name: str) -> Problem:
     if name not in PROBLEMS:
-        raise ConfigError(f"--problem must be one of {', '.join(PROBLEMS)}, got {name!r}")
+        raise ConfigError(f"`problem` must be one of {', '.join(PROBLEMS)}, got {name!r}")
     return PROBLEMS[name]
 
 
@@ -310,7 +310,7 @@ def run(problem: str, algo: str, settings: Settings | None = None, instance: Ins
         raise NotApplicable(f"{algo} does not apply to toy problems: {NOT_APPLICABLE[algo]}")
     n, d = inst.data.shape
     if s.steps < 1:
-        raise ConfigError(f"--steps must be >= 1, got {s.steps}")
+        raise ConfigError(f"`steps` must be >= 1, got {s.steps}")
     # toy problems study the fixed point: the paper's C2 = C1 unless given (the engine's default r = 0.01
     # is for private training, where the sound privacy cost grows with r)
     ef_clip = s.ef_clip if s.ef_clip is not None else s.clip

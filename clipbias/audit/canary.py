@@ -72,32 +72,32 @@ class CanaryAudit:
     band_momentum: float = 0.0            # the momentum the band coefficients are shaped for
 
     def __post_init__(self) -> None:
-        check_positive(self.noise_multiplier, "--noise-multiplier")
+        check_positive(self.noise_multiplier, "noise_multiplier")
         check_rate(self.sample_rate)
         check_steps(self.steps)
-        check_positive(self.batch_size, "--batch-size")
+        check_positive(self.batch_size, "batch_size")
         check_delta(self.delta)
         if self.claim_noise_multiplier is not None:
-            check_positive(self.claim_noise_multiplier, "--claim-noise-multiplier")
+            check_positive(self.claim_noise_multiplier, "claim_noise_multiplier")
         if self.canary_norm is not None:
-            check_positive(self.canary_norm, "--canary-norm")
+            check_positive(self.canary_norm, "canary_norm")
         if not (isinstance(self.trials, int) and self.trials >= 10):
-            raise ConfigError(f"--trials must be an integer >= 10, got {self.trials!r}")
+            raise ConfigError(f"`trials` must be an integer >= 10, got {self.trials!r}")
         if not 0 < self.confidence < 1:
-            raise ConfigError(f"--confidence must lie in (0, 1), got {self.confidence!r}")
+            raise ConfigError(f"`confidence` must lie in (0, 1), got {self.confidence!r}")
         if self.statistic not in STATISTICS:
-            raise ConfigError(f"--statistic must be one of {', '.join(STATISTICS)}, got {self.statistic!r}")
+            raise ConfigError(f"`statistic` must be one of {', '.join(STATISTICS)}, got {self.statistic!r}")
         if self.schedule not in SCHEDULES:
-            raise ConfigError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+            raise ConfigError(f"`schedule` must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.anti_norm is not None:
-            check_positive(self.anti_norm, "--anti-canary")
+            check_positive(self.anti_norm, "CanaryAudit.anti_norm")
         check_bands(self.bands, self.sample_rate)
         check_bandable(self.algo, self.bands)
         if self.band_class is not None and not (isinstance(self.band_class, int) and 0 <= self.band_class < self.bands):
-            raise ConfigError(f"--band-class must be a whole number in [0, --bands) = [0, {self.bands}), "
+            raise ConfigError(f"`band_class` must be a whole number in [0, `bands`) = [0, {self.bands}), "
                               f"got {self.band_class!r}")
         if self.bands > 1 and self.anti_norm is not None:
-            raise ConfigError("--anti-canary drives hidden state across steps; the bandable algorithms have none: "
+            raise ConfigError("`CanaryAudit.anti_norm` drives hidden state across steps; the bandable algorithms have none: "
                               "audit banded noise without it")
 
     def algo_config(self) -> AlgoConfig:
@@ -119,13 +119,13 @@ def check_batched(name: str) -> algorithms.Algorithm:
     canary simulation drives); a ConfigError naming the reason otherwise."""
     algo = algorithms.get(name)
     if not algo.private:
-        raise ConfigError(f"--algo {name} is not private (epsilon = inf): there is no claim to audit")
+        raise ConfigError(f"`algo='{name}'` is not private (epsilon = inf): there is no claim to audit")
     if algo.source is not None:  # group means, momenta over past iterates, augmentations
-        raise ConfigError(f"--algo {name} computes its rows with its own backend (groups, momentum over "
+        raise ConfigError(f"`algo='{name}'` computes its rows with its own backend (groups, momentum over "
                           f"past iterates, augmentations or DiSK's two points), which the batched canary simulation does not "
                           f"drive; audit it with --mode one-run")
     if getattr(algo.parts(AlgoConfig()).per_sample[-1], "dynamic", False):
-        raise ConfigError(f"--algo {name} moves its clip with a released count of unclipped rows, one count per "
+        raise ConfigError(f"`algo='{name}'` moves its clip with a released count of unclipped rows, one count per "
                           f"run: the batched simulation's leading axis of independent runs does not carry it; audit "
                           f"it with --mode one-run")
     return algo
@@ -155,7 +155,7 @@ def simulate(audit: CanaryAudit, with_canary: bool, *, progress: bool = False) -
     # the audit is an experiment, not a release: its mechanism runs under a key from its own seed
     pipe = algo.pipeline(cfg, audit.batch_size, audit.noise_multiplier, SecretKey.from_seed(seed))
     if pipe.noise is None or pipe.noise.std <= 0:
-        raise ConfigError(f"--algo {audit.algo}: its pipeline adds no noise")
+        raise ConfigError(f"`algo='{audit.algo}'`: its pipeline adds no noise")
     pipe = band_pipeline(pipe, audit.algo, audit.bands, audit.band_momentum, SecretKey.from_seed(seed))
     sigma = pipe.noise.std
     gen = torch.Generator().manual_seed(seed + (1 << 40))

@@ -57,14 +57,14 @@ class OneRunAudit:
     bands: int = 1                        # banded noise, as in clipbias train --bands
 
     def __post_init__(self) -> None:
-        check_positive(self.noise_multiplier, "--noise-multiplier")
+        check_positive(self.noise_multiplier, "noise_multiplier")
         check_delta(self.delta)
         if self.canary_type not in ("gradient", "input"):
-            raise ConfigError(f"--canary-type must be gradient or input, got {self.canary_type!r}")
+            raise ConfigError(f"`canary_type` must be gradient or input, got {self.canary_type!r}")
         if not (isinstance(self.canaries, int) and self.canaries >= 20):
-            raise ConfigError(f"--canaries must be an integer >= 20, got {self.canaries!r}")
+            raise ConfigError(f"`canaries` must be an integer >= 20, got {self.canaries!r}")
         if not (isinstance(self.steps, int) and self.steps >= 1):
-            raise ConfigError(f"--steps must be an integer >= 1, got {self.steps!r}")
+            raise ConfigError(f"`steps` must be an integer >= 1, got {self.steps!r}")
 
 
 class CanaryGradients:
@@ -98,10 +98,10 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
 
     algo = algorithms.get(a.algo)
     if not algo.private:
-        raise ConfigError(f"--algo {a.algo} is not private (epsilon = inf): there is no claim to audit")
+        raise ConfigError(f"`algo='{a.algo}'` is not private (epsilon = inf): there is no claim to audit")
     if a.canary_type == "gradient" and algo.source is not None:
-        raise ConfigError(f"--algo {a.algo} computes its rows with its own row source: gradient canaries cannot "
-                          f"be inserted; use --canary-type input")
+        raise ConfigError(f"`algo='{a.algo}'` computes its rows with its own row source: gradient canaries cannot "
+                          f"be inserted; use `canary_type='input'`")
     cfg = TrainConfig(data=a.data, model=a.model, algo=a.algo, noise_multiplier=a.noise_multiplier,
                       batch_size=a.batch_size or 1.0, lr=a.lr, clip=a.clip, ef_clip=a.ef_clip, momentum=a.momentum,
                       delta=a.delta, dice_accounting=a.dice_accounting, subset=a.subset, seed=a.seed,
@@ -175,13 +175,13 @@ def _canaries(a: OneRunAudit, splits, model, inside: Tensor, gen: torch.Generato
         inner = FuncGradients(model, cross_entropy)
         coords = torch.randperm(inner.layout.dim, generator=gen)[:m]
         if len(coords) < m:
-            raise ConfigError(f"--canaries {m} exceeds the model's {inner.layout.dim} parameters")
+            raise ConfigError(f"`canaries={m}` exceeds the model's {inner.layout.dim} parameters")
         ids = inside.nonzero().flatten()
         return {"x": torch.zeros(len(ids), *splits.x_train.shape[1:]), "y": -1 - ids, "coords": coords,
                 "grads": CanaryGradients(inner, coords, a.canary_norm or 10 * a.clip),
                 "x_test": x_test, "y_test": y_test}
     if m >= len(y_test):
-        raise ConfigError(f"--canaries {m} must be below the {len(y_test)} test examples")
+        raise ConfigError(f"`canaries={m}` must be below the {len(y_test)} test examples")
     perm = torch.randperm(len(y_test), generator=gen)
     can_x, keep = x_test[perm[:m]], perm[m:]
     can_y = torch.randint(0, splits.info["num_classes"], (m,), generator=gen)

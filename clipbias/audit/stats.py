@@ -70,7 +70,7 @@ def gdp_epsilon_lower_bound(null: np.ndarray, alt: np.ndarray, delta: float, con
     ``epsilon_lower_bound``."""
     from scipy.stats import norm
 
-    from ..privacy.gaussian import gaussian_exact_epsilon
+    from ..privacy.pld import gaussian_exact_epsilon
 
     n0, n1 = len(null), len(alt)
     alpha = (1 - confidence) / (4 * len(thresholds))

@@ -72,12 +72,12 @@ def white_box_one_run(audit: CanaryAudit, canaries: int = 1000) -> dict:
 
     algo = algorithms.get(audit.algo)
     if not algo.private:
-        raise ConfigError(f"--algo {audit.algo} is not private (epsilon = inf): there is no claim to audit")
+        raise ConfigError(f"`algo='{audit.algo}'` is not private (epsilon = inf): there is no claim to audit")
     if algo.needs_public or audit.anti_norm is not None:
-        raise ConfigError(f"--algo {audit.algo}: the white-box one-run audit drives a linear model with Dirac "
+        raise ConfigError(f"`algo='{audit.algo}'`: the white-box one-run audit drives a linear model with Dirac "
                           f"canaries only (no public features, no anti-canary); use the canary audit or --mode one-run")
     if not (isinstance(canaries, int) and canaries >= 20):
-        raise ConfigError(f"--canaries must be an integer >= 20, got {canaries!r}")
+        raise ConfigError(f"`canaries` must be an integer >= 20, got {canaries!r}")
     gen = torch.Generator().manual_seed(audit.seed + (1 << 42))
     inside = torch.rand(canaries, generator=gen) < 0.5
     ids = inside.nonzero().flatten()
@@ -124,7 +124,7 @@ def _scores(audit: CanaryAudit, tap: _Tap, signs: np.ndarray, pipeline) -> np.nd
     u = torch.stack(tap.updates)  # T x m
     if audit.bands > 1:
         if len(set(tap.stds)) != 1 or len(set(tap.bounds)) != 1:
-            raise ConfigError(f"--bands {audit.bands}: the white-box audit scores a fixed noise std and bound")
+            raise ConfigError(f"`bands={audit.bands}`: the white-box audit scores a fixed noise std and bound")
         return banded_statistic(audit.statistic, u, signs, pipeline.noise.coefs, tap.stds[0],
                                 tap.bounds[0] / pipeline.divisor, band_rate(audit.bands, audit.sample_rate)).numpy()
     sigma = torch.tensor(tap.stds, dtype=torch.float64).unsqueeze(1)

@@ -17,6 +17,7 @@ import threading
 
 from ..errors import ClipbiasError
 from ._common import Terminated, exit_code, on_sigterm
+from ._flags import speak, use
 
 # Order in --help; modules not listed come after, alphabetically.
 _ORDER = ["train", "compare", "account", "calibrate", "audit", "toy", "diagnose", "export"]
@@ -48,12 +49,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"started {distributed.env_world_size()}); run `clipbias {args.command}` as one process",
                   file=sys.stderr)
             return 2
+    use(parser, args.command)
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
     try:
         return int(args.func(args) or 0)
-    except ClipbiasError as e:
-        print(f"clipbias {args.command}: error: {e}", file=sys.stderr)
+    except ClipbiasError as e:  # the library names its parameters; the command names its flags
+        print(f"clipbias {args.command}: error: {speak(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         print("terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted", file=sys.stderr)

@@ -25,7 +25,7 @@ def live() -> dict:
     from ..analysis import toy
     from ..audit.canary import SCHEDULES, STATISTICS
     from ..config import boolean
-    from ..data.datasets import DATASET_NAMES
+    from ..data.datasets import DATASETS
     from ..privacy import ACCOUNTANTS
     from ..privacy.dice import DEFAULT_DICE_ACCOUNTING, DEFAULT_EF_RATIO, DICE_ACCOUNTING
 
@@ -36,7 +36,7 @@ def live() -> dict:
                          "switch": s.check is boolean, "type": "float" if s.convert is float else "int",
                          "cli": s.cli, "users": users})
     return {"algorithms": sorted(algorithms.ALGORITHMS), "settings": settings, "models": list(models.MODEL_NAMES),
-            "datasets": list(DATASET_NAMES), "accountants": list(ACCOUNTANTS),
+            "datasets": list(DATASETS), "accountants": list(ACCOUNTANTS),
             "dice_accounting": list(DICE_ACCOUNTING), "default_dice_accounting": DEFAULT_DICE_ACCOUNTING,
             "default_ef_ratio": DEFAULT_EF_RATIO, "toy_problems": list(toy.PROBLEMS),
             "audit_statistics": list(STATISTICS), "audit_schedules": list(SCHEDULES)}

@@ -33,8 +33,10 @@ def plain(v) -> str:
 
 
 def warn(msg: str | None) -> None:
+    """A library warning or note on stderr, its parameter names spoken as the command's flags."""
     if msg:
-        print(msg, file=sys.stderr)
+        from ._flags import speak
+        print(speak(msg), file=sys.stderr)
 
 
 class Terminated(KeyboardInterrupt):

@@ -25,7 +25,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, required=True, metavar="T", help="number of steps T")
     p.add_argument("--delta", type=float, required=True, metavar="D", help="target delta")
     p.add_argument("--accountant", choices=ACCOUNTANTS, default="pld",
-                   help="pld (default, tightest) or rdp")
+                   help=f"{', '.join(ACCOUNTANTS)} (default: pld, the tightest)")
     p.add_argument("--bands", type=int, default=1, metavar="b",
                    help="dpsgd with b-banded noise (train --bands): the subsampled Gaussian at rate b*q for "
                         "ceil(T/b) steps (default 1)")
@@ -52,9 +52,9 @@ def _spec(args: argparse.Namespace, z: float) -> AccountingSpec:
     from ..privacy import AccountingSpec, DiceParams, delta_warning
     from ..privacy.dice import default_ef_clip
     from ..privacy.report import check_delta, check_positive, check_rate, check_steps
-    q = check_rate(args.sample_rate, "--sample-rate")
-    check_steps(args.steps, "--steps")
-    check_delta(args.delta, "--delta")
+    q = check_rate(args.sample_rate, "sample_rate")
+    check_steps(args.steps, "steps")
+    check_delta(args.delta, "delta")
     if args.dataset_size is not None and args.dataset_size < 1:
         raise ConfigError(f"--dataset-size must be >= 1, got {args.dataset_size}")
     warn(delta_warning(args.delta, args.dataset_size))
@@ -65,17 +65,17 @@ def _spec(args: argparse.Namespace, z: float) -> AccountingSpec:
         return banded_spec(AccountingSpec("gaussian", q, z, "per-example L2 sensitivity C (clip)"), args.bands)
     if args.bands != 1:
         raise ConfigError("--bands applies to --algo dpsgd (banded noise is not accounted for DiceSGD)")
-    check_positive(args.clip, "--clip")
+    check_positive(args.clip, "clip")
     if args.ef_clip is not None:
-        check_positive(args.ef_clip, "--ef-clip")
+        check_positive(args.ef_clip, "ef_clip")
     if args.grad_bound is not None:
-        check_positive(args.grad_bound, "--grad-bound")
+        check_positive(args.grad_bound, "grad_bound")
     b = args.batch_size
     if b is None:
         if args.dataset_size is None:
             raise ConfigError("--batch-size B (or --dataset-size N, giving B = qN) is required for --algo dice")
         b = q * args.dataset_size
-    check_positive(b, "--batch-size")
+    check_positive(b, "batch_size")
     c2 = args.ef_clip if args.ef_clip is not None else default_ef_clip(args.clip, b)
     return AccountingSpec("dice", q, z, "DiceSGD", DiceParams(q, 1, args.clip, c2, b, args.grad_bound))
 
@@ -92,7 +92,7 @@ def _run_account(args: argparse.Namespace) -> int:
 
 def _run_calibrate(args: argparse.Namespace) -> int:
     from ..privacy import account, calibrate
-    from ..privacy.report import floor_note
+    from ..privacy.gaussian import floor_note
     eps = args.epsilon
     if not (eps is not None and eps > 0):
         raise ConfigError(f"--epsilon must be > 0, got {eps!r}")

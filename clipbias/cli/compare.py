@@ -142,7 +142,7 @@ def _run(args: argparse.Namespace) -> int:
     algos = args.algos or DEFAULT_ALGOS
     seeds = args.seeds if args.seeds is not None else DEFAULT_SEEDS
     for s in seeds:
-        check_int(s, "--seeds", 0)
+        check_int(s, "seeds", 0)
     base = config_from_args(args, algo="dpsgd", seed=seeds[0] if seeds else 0, ef_clip=None, extra={})
     variants, ratio = _variants(args, algos)
     for _, over in variants:

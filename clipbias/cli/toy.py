@@ -15,6 +15,7 @@ from ..errors import ConfigError, require
 from ._choices import current
 from ..files import new_run_dir
 from ._common import emit
+from ._flags import speak
 from .train import add_method_flags, method_settings
 
 DEFAULT_BUDGET_S = 120.0  # per algorithm, default comparison only (explicit --compare runs everything)
@@ -123,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
                   f"{r.mean_distance_second_half:>18.4g}  {_fmt(r.to_dict()['x_final'])}")
     sys.stdout.flush()
     for name, why in skipped.items():
-        print(f"  skipped {name}: {why}", file=sys.stderr)
+        print(f"  skipped {name}: {speak(why)}", file=sys.stderr)
     return 0
 
 

@@ -66,7 +66,7 @@ def _add_privacy_flags(p: argparse.ArgumentParser, d: dict) -> None:
     g.add_argument("--delta", type=float, default=d["delta"] if d["delta"] is not None else 1e-5,
                    metavar="D", help="target delta (default 1e-5; keep it well below 1/N)")
     g.add_argument("--accountant", choices=ACCOUNTANTS, default="pld",
-                   help="pld (default, tightest) or rdp")
+                   help=f"{', '.join(ACCOUNTANTS)} (default: pld, the tightest)")
     g.add_argument("--dice-accounting", choices=DICE_ACCOUNTING, default=DEFAULT_DICE_ACCOUNTING,
                    help="DiceSGD (error feedback) basis: sound (default; proven, docs/privacy.md), "
                         "conservative (proven, looser), paper (the paper's Thm 3.8) and authors (the "

@@ -2,11 +2,11 @@
 scikit-learn's sets, CIFAR-10 and npz files), E2E NLG text for causal language models (``text``) and
 the batch structures every later stage walks (``batch``: tensors, tuples, lists and dicts)."""
 
-from .datasets import (CIFAR10_CLASSES, DATASET_NAMES, DataFormatError, DataNotFoundError, Dataset,
+from .datasets import (CIFAR10_CLASSES, DATASETS, DataFormatError, DataNotFoundError, DataSource, Dataset,
                        FASHION_MNIST_MEAN, FASHION_MNIST_STD, IdxFormatError, cache_dir, fashion_mnist_dir,
                        HOLDOUT_CAVEAT, holdout, keyed_split, load_cifar10, load_dataset, load_fashion_mnist, load_npz,
-                       read_idx, with_validation)
+                       read_idx, register_dataset, with_validation)
 
-__all__ = ["CIFAR10_CLASSES", "DATASET_NAMES", "DataFormatError", "DataNotFoundError", "Dataset", "FASHION_MNIST_MEAN",
+__all__ = ["CIFAR10_CLASSES", "DATASETS", "DataFormatError", "DataNotFoundError", "DataSource", "Dataset", "FASHION_MNIST_MEAN",
            "FASHION_MNIST_STD", "HOLDOUT_CAVEAT", "IdxFormatError", "cache_dir", "fashion_mnist_dir", "holdout", "keyed_split", "load_cifar10",
-           "load_dataset", "load_fashion_mnist", "load_npz", "read_idx", "with_validation"]
+           "load_dataset", "load_fashion_mnist", "load_npz", "read_idx", "register_dataset", "with_validation"]

@@ -1,10 +1,12 @@
-"""The in-memory ``Dataset`` every loader returns, its errors, and the splits carved out of its
+"""The in-memory ``Dataset`` every loader returns, its errors, the registry of data sets loaded by name
+(``DATASETS``: a ``DataSource`` each, added by ``register_dataset``), and the splits carved out of its
 training part (a validation split, examples held out), each a keyed draw per example under the run's
 secret key (``keyed_split``)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 import torch
@@ -55,6 +57,33 @@ class Dataset:
     def num_train(self) -> int:
         """Number of (private) training examples, the ``n`` of privacy accounting."""
         return int(self.y_train.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSource:
+    """A data set that ``load_dataset`` (and ``clipbias train --data``) loads by ``name``.
+
+    ``load(data_dir=..., data_path=..., image=...)`` returns the ``Dataset`` with its fixed test split
+    and its ``preprocessing`` label (no validation split: ``load_dataset`` carves it); ``data_dir`` is
+    where files live (None: the source's default place), ``data_path`` a file the user names, ``image``
+    asks for image-shaped inputs where a source has both shapes. A source ignores what it does not use.
+    """
+
+    name: str
+    load: Callable[..., Dataset]
+    description: str = ""
+
+
+DATASETS: dict[str, DataSource] = {}
+"""The data sets loadable by name, in the order the CLI offers them (``register_dataset``)."""
+
+
+def register_dataset(source: DataSource) -> DataSource:
+    """Add ``source`` to ``DATASETS`` under its name (a name is registered once)."""
+    if not source.name or source.name in DATASETS:
+        raise ConfigError(f"a data set needs a name not yet registered, got {source.name!r}")
+    DATASETS[source.name] = source
+    return source
 
 
 def stratified_split(y: np.ndarray, size: int | float, seed: int) -> tuple[np.ndarray, np.ndarray]:

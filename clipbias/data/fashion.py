@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .dataset import DataNotFoundError, IdxFormatError
+from .dataset import DataNotFoundError, DataSource, Dataset, IdxFormatError, register_dataset
 
 FASHION_MNIST_MEAN = 0.2860
 """Public Fashion-MNIST pixel mean (of [0, 1] pixels); a constant, not computed here."""
@@ -167,3 +167,16 @@ def load_fashion_mnist(data_dir: str | os.PathLike | None = None, *,
             print(f"Fashion-MNIST decoded once and cached in {cache_file} ({cache_file.stat().st_size / 2**20:.0f} MB; "
                   f"`clipbias cache --clear` deletes it)", file=sys.stderr, flush=True)
     return tensors
+
+
+def fashion_mnist_dataset(*, data_dir: str | os.PathLike | None = None, **_) -> Dataset:
+    """Fashion-MNIST as a ``Dataset`` (60000 training and 10000 test images, 1x28x28, 10 classes)."""
+    t = load_fashion_mnist(data_dir)
+    return Dataset(name="fashion-mnist", x_train=t["x_train"], y_train=t["y_train"], x_test=t["x_test"],
+                   y_test=t["y_test"], num_classes=FASHION_MNIST_CLASSES, input_shape=(1, 28, 28),
+                   notes=(f"pixels/255 then (x-{FASHION_MNIST_MEAN})/{FASHION_MNIST_STD}: public constants, no "
+                          "statistic of the private data. Row-by-row sequence view: x.view(-1, 28, 28)."))
+
+
+register_dataset(DataSource("fashion-mnist", fashion_mnist_dataset,
+                            "Fashion-MNIST from the Debian package (or data_dir)"))

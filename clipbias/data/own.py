@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .dataset import DataFormatError, DataNotFoundError, Dataset
+from .dataset import DataFormatError, DataNotFoundError, DataSource, Dataset, register_dataset
 
 CIFAR10_CLASSES = 10
 _CIFAR_DIR = "cifar-10-batches-py"
@@ -52,7 +52,7 @@ def load_cifar10(data_dir: str | os.PathLike | None) -> Dataset:
     test_batch}`` (``DIR`` may also be that folder itself). Nothing is downloaded. Pixels scaled to
     [-1, 1] by the public constants 0.5/0.5 (no statistic of the private data)."""
     if data_dir is None:
-        raise DataNotFoundError("--data cifar10 needs --data-dir DIR, where DIR/cifar-10-batches-py/ holds "
+        raise DataNotFoundError("`data='cifar10'` needs `data_dir` DIR, where DIR/cifar-10-batches-py/ holds "
                                 "data_batch_1 ... data_batch_5 and test_batch (the python version, "
                                 "cifar-10-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html, extracted)")
     base = Path(data_dir)
@@ -78,18 +78,18 @@ def load_npz(path: str | os.PathLike | None) -> Dataset:
     ``y_test`` (features of any per-example shape, finite; integer labels from 0) and optionally
     ``num_classes``. Used as given: any preprocessing is the user's, and so is its privacy."""
     if path is None:
-        raise DataNotFoundError("--data npz needs --data-path FILE.npz holding arrays x_train, y_train, x_test, y_test")
+        raise DataNotFoundError("`data='npz'` needs `data_path` FILE.npz holding arrays x_train, y_train, x_test, y_test")
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
     except FileNotFoundError as e:
-        raise DataNotFoundError(f"--data-path {path}: no such file") from e
+        raise DataNotFoundError(f"`data_path='{path}'`: no such file") from e
     except (OSError, ValueError, EOFError) as e:
-        raise DataFormatError(f"--data-path {path} is not a readable .npz file ({type(e).__name__}: {e}); write "
+        raise DataFormatError(f"`data_path='{path}'` is not a readable .npz file ({type(e).__name__}: {e}); write "
                               f"it with numpy.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)") from e
     missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in arrays]
     if missing:
-        raise DataFormatError(f"--data-path {path} lacks {', '.join(missing)} (it has {', '.join(sorted(arrays)) or 'nothing'}); "
+        raise DataFormatError(f"`data_path='{path}'` lacks {', '.join(missing)} (it has {', '.join(sorted(arrays)) or 'nothing'}); "
                               f"write it with numpy.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)")
     return _npz_dataset(arrays, str(path))
 
@@ -117,3 +117,9 @@ def _npz_dataset(a: dict, path: str) -> Dataset:
                    num_classes=k, input_shape=tuple(xs["train"].shape[1:]),
                    notes=f"{path}, used as given: its preprocessing is the user's and not covered by clipbias.",
                    preprocessing="none")
+
+
+register_dataset(DataSource("cifar10", lambda *, data_dir=None, **_: load_cifar10(data_dir),
+                            "CIFAR-10's python batches under data_dir"))
+register_dataset(DataSource("npz", lambda *, data_path=None, **_: load_npz(data_path),
+                            "your own arrays in an .npz file (data_path)"))

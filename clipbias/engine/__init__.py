@@ -5,7 +5,8 @@ and the one sample-and-step loop everything trains with (``loop``: ``run_steps``
 ``clipbias.distributed``."""
 
 from .aggregate import AUTO_ROWS_BYTES
-from .core import SEEDED_CAVEAT, DPEngine, PrivacySettings
+from .accounting import SEEDED_CAVEAT
+from .core import DPEngine, PrivacySettings
 from .loop import run_steps
 
 __all__ = ["AUTO_ROWS_BYTES", "DPEngine", "PrivacySettings", "SEEDED_CAVEAT", "run_steps"]

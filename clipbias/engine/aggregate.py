@@ -1,17 +1,28 @@
 """Which aggregate computes a step's sums: the book-keeping fast path (no rows), the rows summed per
-parameter, or the rows through the pipeline (stages that need rows); ``--grad-path rows | fast | auto``."""
+parameter, or the rows through the pipeline (stages that need rows); ``grad_path="rows" | "fast" | "auto"``
+(a fully_shard model's: ``engine_aggregate``); and the step's sums through it, micro-batch by micro-batch
+(``step_sums``), under the keyed forward, the gathered model and autocast, with ``grad_path="auto"``'s
+fall-back to the other path at the first step (``attempt_sums``, ``fall_back``)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
-from ..errors import ConfigError
-from ..grads import fast, separable
+from ..data import batch
+from ..data.batch import Batch
+from .. import distributed
+from ..errors import ClipbiasError, ConfigError, PathRefusal
+from ..grads import fast, precision, separable
 from ..grads.fast import BookKeeping, why_unsupported
-from ..grads.rows import FuncGradients, LossFn, ParamSums, PerExampleRows, RowSource, cross_entropy
-from ..transforms import Pipeline, scales_by_norm
+from ..grads.rows import (FuncGradients, LossFn, ParamSums, PerExampleRows, RowSource, check_finite,
+                          check_finite_norms, cross_entropy, guarded)
+from ..randomness import forward
+from ..transforms import Pipeline, StepContext, scales_by_norm
 from ..algorithms.disk import TwoPointRows
 
 AUTO_ROWS_BYTES = 2**30
@@ -30,7 +41,7 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
     ``AUTO_ROWS_BYTES`` or ``fast_wins``; elsewhere the rows path (the faster of the two for
     convolutional models on the CPU where the fast path would take the ghost norm: docs/results.md)."""
     if grad_path not in ("rows", "fast", "auto"):
-        raise ConfigError(f"--grad-path must be rows, fast or auto, got {grad_path!r}")
+        raise ConfigError(f"`grad_path` must be rows, fast or auto, got {grad_path!r}")
     p = pipeline
     two = isinstance(rows, TwoPointRows) and isinstance(rows.base, PerExampleRows) and \
         isinstance(rows.base.grads, FuncGradients)  # DiSK on per-example gradients: both points, then as usual
@@ -42,7 +53,8 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
         if isinstance(agg, BookKeeping) and agg.ties:  # no bound on the tied uses' cross terms between the points
             why = "DiSK's two points with tied weights (an Embedding sharing its weight with a Linear)"
             if grad_path == "fast":
-                raise ConfigError(f'grad_path="fast" is not available: {why}; use grad_path="auto" or "rows"')
+                raise ConfigError(f"`grad_path='fast'` is not available: {why}; use `grad_path='auto'` or "
+                                  f"`grad_path='rows'`")
             agg, note = ParamSums(rows.base.grads), f"rows (per-example gradients, torch.func, summed per parameter; " \
                 f"the fast path does not apply: {why})"
         return TwoPoint(agg, rows), note.replace("per-example gradients", "DiSK: per-example gradients at two points", 1) \
@@ -67,7 +79,7 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
             return ParamSums(rows.grads), "rows (per-example gradients, torch.func, summed per parameter" + (
                 f"; the fast path does not apply: {why})" if grad_path == "auto" and why else ")")
     if grad_path == "fast":
-        err = ConfigError(f"--grad-path fast is not available: {why}; use --grad-path auto or rows")
+        err = ConfigError(f"`grad_path='fast'` is not available: {why}; use `grad_path='auto'` or `grad_path='rows'`")
         err.why = why  # the reason alone (a model sharded with fully_shard has no other path to suggest)
         raise err
     return None, "rows (per-example gradients, torch.func)" + (f"; the fast path does not apply: {why}"
@@ -129,3 +141,176 @@ class TwoPoint:
             return self.inner(x, y, scale, reference)
         point = self.point
         return self.inner(x, y, scale, reference, at=(lambda: self.rows.at(point), self.rows.c))
+
+
+def step_sums(engine, x: Batch, y: Batch, indices: Tensor | None):
+    """(reference sum, processed sum, losses) of ``engine``'s step per physical micro-batch, through the rows
+    or a norm-scaling aggregate (``choose_aggregate``); the finiteness of every example's gradient is checked
+    on its norm either way. With ``engine._outputs`` a list, the batch's outputs are appended to it."""
+    if engine._aggregate is None:
+        for g, loss, idx in engine.rows.iter_rows(x, y, indices, engine.steps_taken, engine.max_physical_batch):
+            norms = check_finite(g, idx)
+            r, p = engine.pipeline.rows(g, StepContext(idx, engine.steps_taken, norms))
+            yield r, p, loss
+        return
+    scale = engine.pipeline.per_sample[0].scale
+    need_ref = engine.pipeline.error_feedback is not None
+    if hasattr(engine._aggregate, "begin"):  # a step-level preparation (DiSK stages the step's iterate)
+        engine._aggregate.begin()
+    source = output_source(engine)
+    if source is not None:
+        source.keep_output = engine._outputs is not None
+    try:
+        for start in range(0, batch.size(x), engine.max_physical_batch):
+            sl = slice(start, start + engine.max_physical_batch)
+            with forward.examples(indices[sl] if indices is not None else None):
+                p, r, loss, norms = guarded(lambda xs, ys: engine._aggregate(xs, ys, scale, need_ref),
+                                            batch.take(x, sl), batch.take(y, sl), engine.rows.layout.dim)
+            check_finite_norms(norms, indices[sl] if indices is not None else None)
+            if engine._outputs is not None and len(loss):
+                engine._outputs.append(source.last_out)
+            yield r, p, loss
+    finally:
+        if source is not None:
+            source.keep_output, source.last_out = False, None
+
+
+def output_source(engine):
+    """What computes ``engine``'s forward where it can keep its output: the fast path, or the per-example
+    gradients under the per-parameter rows (``ParamSums``); None elsewhere."""
+    agg = getattr(engine, "_aggregate", None)
+    return agg if isinstance(agg, BookKeeping) else agg.grads if isinstance(agg, ParamSums) else None
+
+
+def engine_aggregate(engine, grad_path: str, own_rows: bool, model: nn.Module, loss_fn: LossFn,
+                     max_physical_batch: int):
+    """``choose_aggregate``'s (aggregate, note) for ``engine``; a model sharded with fully_shard takes the fast
+    path (``auto`` means ``fast``) or is refused (``distributed.refuse_sharded_path``)."""
+    if not engine.sharded:
+        return choose_aggregate(grad_path, own_rows, model, loss_fn, engine.algo, engine.pipeline, engine.rows,
+                                max_physical_batch, engine.expected_batch_size)
+    if grad_path == "rows":
+        distributed.refuse_sharded_path("`grad_path='rows'` was asked for")
+    try:
+        agg, note = choose_aggregate("fast" if grad_path == "auto" else grad_path, own_rows, model, loss_fn,
+                                     engine.algo, engine.pipeline, engine.rows, max_physical_batch,
+                                     engine.expected_batch_size)
+    except ConfigError as e:
+        if not hasattr(e, "why"):
+            raise
+        distributed.refuse_sharded_path(e.why)
+    if type(agg) is not BookKeeping:
+        distributed.refuse_sharded_path(f"{engine.algo.name} evaluates gradients at points other than the "
+                                        f"current parameters")
+    return agg, note + "; fully_shard: the parameters gathered whole for the step, the update applied per shard"
+
+
+def attempt_sums(engine, x: Batch, y: Batch, indices: Tensor | None, keep_outputs: bool) -> tuple:
+    """``engine``'s step's (processed sum, reference sum or None, per-example losses, failure or None) on this
+    rank, under the keyed forward (and a fully_shard model gathered whole); computed once more on the
+    other path where ``grad_path="auto"`` takes it (``fall_back``)."""
+    d = engine.rows.layout.dim
+    dev, dt = engine.params[0].device, engine.params[0].dtype  # a float64 model sums in float64
+    while True:  # once more only where grad_path="auto" takes its other path (fall_back)
+        ref_sum = torch.zeros(d, device=dev, dtype=dt) if engine.pipeline.error_feedback is not None else None
+        proc_sum = torch.zeros(d, device=dev, dtype=dt)
+        losses, failure = [], None
+        # vmap refusing the model: auto's other path, while it has one (else one example at a time)
+        set_unvectorizable(engine, "refuse" if engine._other_path is not None else "loop")
+        try:
+            # dropout masks from the key, per example index; a fully_shard model gathered whole for the sums;
+            # under autocast=, the model's forwards in 16 bits
+            with forward.keyed(engine.key, engine.steps_taken, dev), _gathered(engine), \
+                    precision.mixed(_mixed(engine, dev)):
+                for r, p, loss in step_sums(engine, x, y, indices):
+                    if ref_sum is not None:
+                        ref_sum += r
+                    proc_sum += p
+                    losses.append(loss)
+        except ClipbiasError as err:  # a micro-batch failed (NaN, bad shape, a public random draw)
+            failure = err
+        except BaseException:  # out of memory, an interrupt: nothing staged may reach the next step
+            set_unvectorizable(engine, "loop")
+            drop_staged(engine)  # (adaptive clipping's count would hold these examples twice)
+            raise
+        if not (isinstance(failure, PathRefusal) and fall_back(engine, failure)):
+            break
+        engine._outputs = [] if keep_outputs else None
+    set_unvectorizable(engine, "loop")
+    return proc_sum, ref_sum, losses, failure
+
+
+def fall_back(engine, err: PathRefusal) -> bool:
+    """``grad_path="auto"``, before its first step that ran the model completed: the path it chose
+    refused the model (``err``, a structural refusal raised while the step's sums were computed: nothing
+    released, no noise drawn, the sampler's batch still in hand). Drop what the attempt staged, take the
+    other path (kept for the rest of the run) and say so; the caller computes the step again on the same
+    batch (the same dropout masks: functions of the key, the step and the indices). False where there
+    is no other path (then the refusal stands)."""
+    if engine._other_path is None or err.path != path_name(engine):
+        return False
+    engine.rows.rollback()  # not drop_staged: the batch stays this step's (with bands too)
+    engine.pipeline.rollback()
+    before = path_name(engine)
+    engine._aggregate, note = engine._other_path
+    engine._other_path = None
+    if path_name(engine) == "fast":  # should it refuse too: the rows path, one example at a time
+        engine._other_path = other_path("auto", engine.own_rows, engine.model, engine.loss_fn, engine.algo,
+                                        engine.pipeline, engine.rows, engine.max_physical_batch,
+                                        engine.expected_batch_size, engine._aggregate)
+    reason, now = str(err).split(". ")[0], path_name(engine)
+    engine.grad_path_fallback = (f"{engine.grad_path_fallback}; then " if engine.grad_path_fallback else "") + \
+        f"{before} -> {now}: {reason}"
+    engine.grad_path_note = f"{note}; grad_path='auto' took it at the first step, where the {before} path " \
+                            f"refused the model ({reason})"
+    warnings.warn(f"grad_path='auto': the {before} path refused the model at the first step ({reason}); "
+                  f"nothing had changed, and the step runs on the {now} path, which the run "
+                  f"keeps (engine.grad_path_fallback). Pass grad_path='{now}' to choose it "
+                  f"yourself", stacklevel=3)
+    return True
+
+
+def path_name(engine) -> str:
+    """``"fast"`` or ``"rows"``: the path ``engine``'s step's sums take."""
+    return "fast" if engine.fast is not None else "rows"
+
+
+def set_unvectorizable(engine, what: str) -> None:
+    """What the rows path's ``FuncGradients`` does with a model ``vmap`` cannot run: ``"loop"`` (one
+    example at a time) or ``"refuse"`` (``PathRefusal``: auto's other path takes the step)."""
+    agg = getattr(engine._aggregate, "inner", engine._aggregate)
+    grads = agg.grads if isinstance(agg, ParamSums) else getattr(engine.rows, "grads", None)
+    if isinstance(grads, FuncGradients):
+        grads.unvectorizable = what
+
+
+def _gathered(engine):
+    """The step's sums over the whole model: a fully_shard model gathered on every rank
+    (``distributed.unsharded``), any other as it is."""
+    return distributed.unsharded(engine.model) if engine.sharded else contextlib.nullcontext()
+
+
+def _mixed(engine, dev: torch.device) -> precision.Mixed | None:
+    """The step's autocast on the parameters' device (``autocast=``), or None."""
+    if engine.autocast is None:
+        return None
+    return precision.Mixed(dev.type, *engine.autocast)
+
+
+def auto_other_path(engine, grad_path: str):
+    """Under ``grad_path="auto"`` with one process, the path ``engine`` did not choose (``other_path``), taken
+    once if the chosen one refuses the model at its first step (``fall_back``); else None."""
+    if grad_path != "auto" or engine.world_size != 1:
+        return None
+    return other_path(grad_path, engine.own_rows, engine.model, engine.loss_fn, engine.algo, engine.pipeline,
+                      engine.rows, engine.max_physical_batch, engine.expected_batch_size, engine._aggregate)
+
+
+def drop_staged(engine) -> None:
+    """Undo ``engine``'s step that did not complete: every stage's staged state dropped; with bands, the step's
+    batch goes back to the sampler (the retry takes it again). The retry draws the same dropout masks
+    (functions of the key, the step and the indices)."""
+    engine.rows.rollback()
+    engine.pipeline.rollback()
+    if engine.bands > 1 and engine.sampler.next_step == engine.steps_taken + 1:
+        engine.sampler.give_back()

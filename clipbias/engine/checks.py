@@ -31,7 +31,7 @@ def check_arguments(model: nn.Module, n: int, batch_size: float, config: AlgoCon
         raise ConfigError(f"dataset size n must be a positive integer, got {n!r}")
     n = int(n)
     if not (isinstance(batch_size, numbers.Real) and 1 <= batch_size <= n):
-        raise ConfigError(f"--batch-size (the expected Poisson batch size B) must lie in [1, N={n}], got "
+        raise ConfigError(f"`batch_size` (the expected Poisson batch size B) must lie in [1, N={n}], got "
                           f"{batch_size!r}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(f"the model ({type(model).__name__}) has no trainable parameters: nothing to train")
@@ -42,9 +42,9 @@ def check_step(engine, x: Batch, y: Batch, indices: Tensor | None) -> None:
     """Refuse a step that cannot be taken: budget spent, mismatched lengths, float labels."""
     if engine.steps_taken >= engine.total_steps and engine.algo.private:
         raise ConfigError(f"the privacy budget covers {engine.total_steps} steps and all were taken; "
-                          f"start a new run with more --epochs to train longer")
+                          f"start a new run with more `epochs` to train longer")
     if not (isinstance(x, Tensor) and isinstance(y, Tensor)) and not engine.rows.structured:
-        raise ConfigError(f"--algo {engine.algo.name} computes its rows from image tensors and takes tensor "
+        raise ConfigError(f"`algorithm='{engine.algo.name}'` computes its rows from image tensors and takes tensor "
                           f"inputs and labels, got {type(x).__name__} and {type(y).__name__}; use an "
                           f"algorithm with per-example rows (dpsgd, dice, ...) for structured batches")
     check_precision(engine.params)
@@ -79,8 +79,8 @@ def check_optimizer_resume(state: dict, optimizer: torch.optim.Optimizer) -> Non
         names = sorted({k for g in groups for k in g} - {"params"}) if groups else []
         was = saved or f"another kind (hyperparameters {', '.join(names)})"
         raise ResumeMismatchError(f"cannot resume: the checkpoint's base optimizer is {was}, this engine's is {mine}. "
-                                  f"Build the engine with the original optimizer (AlgoConfig optimizer and momentum, "
-                                  f"or --optimizer/--momentum), or start a new run")
+                                  f"Build the engine with the original optimizer (`AlgoConfig.optimizer` and "
+                                  f"`AlgoConfig.momentum`), or start a new run")
 
 
 def check_band_class(engine, indices: Tensor | None) -> None:
@@ -89,13 +89,13 @@ def check_band_class(engine, indices: Tensor | None) -> None:
     release the next class's batch at the failed step's position (its blocks would overlap: an audit
     measured epsilon 10.8 against a claim of 2.9); such a batch is refused here."""
     if indices is None:
-        raise ConfigError(f"with --bands {engine.bands}, step needs the batch's example indices "
+        raise ConfigError(f"with `bands={engine.bands}`, step needs the batch's example indices "
                           f"(engine.sampler.sample()): each step may hold only the examples of its class")
     t = engine.steps_taken
     idx = indices.detach().cpu().numpy().astype("int64")
     wrong = idx[engine.sampler.labels[idx] != t % engine.bands] if len(idx) else idx
     if len(wrong):
-        raise ConfigError(f"with --bands {engine.bands}, step {t} takes only examples of class {t % engine.bands}, "
+        raise ConfigError(f"with `bands={engine.bands}`, step {t} takes only examples of class {t % engine.bands}, "
                           f"but example {int(wrong[0])} is of class {int(engine.sampler.labels[wrong[0]])}: this "
                           f"batch was drawn for another step. Pass the batches of engine.sampler.sample() to step "
                           f"in order: after a failed step sample() returns its batch again; a batch drawn and not "
@@ -202,7 +202,7 @@ def check_distributed(name: str, rows: RowSource, pipeline) -> int:
     why = getattr(rows, "distributed_refusal", None) or next(
         (s.distributed_refusal for _, s in pipeline.named_stages() if getattr(s, "distributed_refusal", None)), None)
     if why:
-        raise ConfigError(f"--algo {name} cannot run on {world} processes: {why}. Run it with one process "
+        raise ConfigError(f"`algorithm='{name}'` cannot run on {world} processes: {why}. Run it with one process "
                           f"(plain `clipbias train`)")
     return world
 

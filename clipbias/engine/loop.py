@@ -4,7 +4,7 @@ map-style ``Dataset`` or a ``PoissonLoader``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from torch import Tensor
 from torch.utils.data import Dataset
@@ -13,14 +13,24 @@ from ..data.batch import Batch
 from ..errors import ConfigError
 from ..sampling.loader import PoissonLoader, TensorData
 
-if TYPE_CHECKING:
-    from .core import DPEngine
-
-StepHook = Callable[["DPEngine", Tensor], None]
 
 
-def run_steps(engine: "DPEngine", x: "Batch | Dataset | PoissonLoader", y: Batch | None = None,
-              steps: int | None = None, *, before: Callable[["DPEngine"], None] | None = None,
+class Engine(Protocol):
+    """What the loop asks of an engine (``clipbias.engine.DPEngine`` is one): its planned and taken
+    steps, one step on a batch, and the step's global (loss sum, example count)."""
+
+    total_steps: float
+    steps_taken: int
+    last_loss: tuple[float, int]
+
+    def step(self, x: Batch, y: Batch, indices: Tensor | None = None) -> Tensor: ...
+
+
+StepHook = Callable[[Engine, Tensor], None]
+
+
+def run_steps(engine: Engine, x: "Batch | Dataset | PoissonLoader", y: Batch | None = None,
+              steps: int | None = None, *, before: Callable[[Engine], None] | None = None,
               after: StepHook | None = None, **loader_options) -> tuple[float, int]:
     """The sample-and-step loop: up to ``steps`` Poisson steps (default: all remaining), stopping at
     ``engine.total_steps`` (an engine that has taken all its planned steps refuses: ConfigError); returns
@@ -58,7 +68,7 @@ def run_steps(engine: "DPEngine", x: "Batch | Dataset | PoissonLoader", y: Batch
     return total, count
 
 
-def check_steps_left(engine: "DPEngine") -> None:
+def check_steps_left(engine: Engine) -> None:
     """Refuse to run on once every planned step is taken: the loader would yield nothing and the epoch
     would silently do nothing."""
     if engine.steps_taken >= engine.total_steps:

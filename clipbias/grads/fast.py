@@ -846,9 +846,9 @@ class BookKeeping:
 
         def hook(m: nn.Module, inp: tuple, out: Tensor) -> None:
             if m in acts:  # a layer used twice: its per-example gradient sums both uses
-                raise PathRefusal("fast", f"--grad-path fast: a {type(m).__name__} layer runs twice in one forward "
+                raise PathRefusal("fast", f"`grad_path='fast'`: a {type(m).__name__} layer runs twice in one forward "
                                   f"pass (shared weights); per-layer norms would understate the per-example "
-                                  f"gradient. Use --grad-path rows")
+                                  f"gradient. Use `grad_path='rows'`")
             a = inp[0]
             if isinstance(m, nn.Embedding) and b > 1 and a.dim() > 1 and a.shape[0] == 1:
                 # the same ids for every example (Hugging Face's broadcast position_ids, token_type_ids): the
@@ -871,9 +871,9 @@ class BookKeeping:
                 self._check_layers(acts, outs, b)
                 changed = [m for m in self.layers if outs[m]._version != versions[m]]
                 if changed:  # the backward would differentiate through the later in-place op
-                    raise PathRefusal("fast", f"--grad-path fast: the output of a {type(changed[0]).__name__} layer is "
-                                      f"modified in place after the layer ran (e.g. ReLU(inplace=True) or h *= c); "
-                                      f"use the out-of-place operation, or --grad-path rows")
+                    raise PathRefusal("fast", f"`grad_path='fast'`: the output of a {type(changed[0]).__name__} layer "
+                                      f"is modified in place after the layer ran (e.g. ReLU(inplace=True) or h *= c); "
+                                      f"use the out-of-place operation, or `grad_path='rows'`")
                 if check_graph:  # off only for the float64 recheck, whose leaves are copies
                     self._check_graph(losses, outs, ins)
                 # the outputs' graph edges, not the outputs: a language model's logits (the head's output,
@@ -919,21 +919,21 @@ class BookKeeping:
                 if uses.get(id(p), 0) != users[id(p)] or local.get(id(p), 0) != 1:
                     name = self.layout.names[slots[_trainable(m).index(p)]]
                     raise PathRefusal(
-                        "fast", f"--grad-path fast: parameter '{name}' enters the forward pass {uses.get(id(p), 0)} "
+                        "fast", f"`grad_path='fast'`: parameter '{name}' enters the forward pass {uses.get(id(p), 0)} "
                         f"time(s), {local.get(id(p), 0)} of them inside its {type(m).__name__} layer: a use "
                         f"outside its layer's forward (e.g. read directly by the model) would make per-layer "
-                        f"norms understate the per-example norms. Use --grad-path rows")
+                        f"norms understate the per-example norms. Use `grad_path='rows'`")
 
     def _check_layers(self, acts: dict, outs: dict, b: int) -> None:
         missing = [m for m in self.layers if m not in outs]
         if missing:
-            raise PathRefusal("fast", f"--grad-path fast: the {type(missing[0]).__name__} layer holding trainable "
-                              f"parameters did not run in the forward pass; use --grad-path rows")
+            raise PathRefusal("fast", f"`grad_path='fast'`: the {type(missing[0]).__name__} layer holding trainable "
+                              f"parameters did not run in the forward pass; use `grad_path='rows'`")
         bad = [m for m in self.layers if acts[m].shape[:1] != (b,) or outs[m].shape[:1] != (b,)]
         if bad:  # tokens folded into the batch, a sequence-first layout, a batch-shared input
-            raise PathRefusal("fast", f"--grad-path fast: a {type(bad[0]).__name__} layer sees a first dimension of "
+            raise PathRefusal("fast", f"`grad_path='fast'`: a {type(bad[0]).__name__} layer sees a first dimension of "
                               f"{acts[bad[0]].shape[0]}, not the batch of {b}: its rows are not one per "
-                              f"example, so per-layer norms would not be per-example norms. Use --grad-path rows")
+                              f"example, so per-layer norms would not be per-example norms. Use `grad_path='rows'`")
         unbatched = [m for m in self.layers if acts[m].dim() != _batched_dims(m, acts[m].dim())]
         if unbatched:  # e.g. a Conv1d given [b, L]: the batch read as one example's channels
             m = unbatched[0]
@@ -1085,10 +1085,10 @@ _NO_SAVED_HOOKS = "saved-tensor hooks inside a summed loss_fn (BookKeeping._loss
 MIN_PROBE_NORM = 1e-30
 """Attributed norms below this weigh a probe as if they were this (``_probe_weights``)."""
 
-_MIXING = ("--grad-path fast: the gradient of example(s) {i} as the per-layer rules attribute it differs from its "
+_MIXING = ("`grad_path='fast'`: the gradient of example(s) {i} as the per-layer rules attribute it differs from its "
            "own gradient (the example(s) {alone}): the model lets examples see each other (batch statistics, "
            "mixup, cross-example attention, a sequence-first layout), so per-layer norms are not per-example "
-           "norms. Use --grad-path rows")
+           "norms. Use `grad_path='rows'`")
 
 
 MIXED_RTOL = 0.25
@@ -1148,9 +1148,9 @@ def _check_hooks(layers: list) -> None:
     layer sees what they return)."""
     hooked = [m for m in layers if m._forward_hooks] or (layers if nn.modules.module._global_forward_hooks else [])
     if hooked:
-        raise PathRefusal("fast", f"--grad-path fast: a forward hook is registered on a {type(hooked[0]).__name__} "
+        raise PathRefusal("fast", f"`grad_path='fast'`: a forward hook is registered on a {type(hooked[0]).__name__} "
                           f"layer (or globally): it may change the layer's output after the layer ran. Remove it, or "
-                          f"use --grad-path rows")
+                          f"use `grad_path='rows'`")
 
 
 def _check_running_stats(model: nn.Module) -> None:
@@ -1174,7 +1174,7 @@ def _check_buffers(model: nn.Module, before: list) -> None:
             for b, _, copy in before:
                 b.copy_(copy)
         names = [n for n, b in model.named_buffers() if any(b is c for c in changed)]
-        raise ConfigError(f"--grad-path fast: the forward pass updates buffer(s) {names} from the batch: a statistic "
+        raise ConfigError(f"`grad_path='fast'`: the forward pass updates buffer(s) {names} from the batch: a statistic "
                           f"of the private data would be released without noise (the DP guarantee does not cover "
                           f"it). Make it a constant, or remove it")
 

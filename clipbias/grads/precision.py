@@ -83,8 +83,8 @@ def gamma(n: int, u: float) -> float:
     """Higham's ``gamma_n = n u / (1 - n u)``: a sum of n products computed in any order (blocked,
     pairwise, FMA) is within ``gamma_n`` times the sum of the products' magnitudes."""
     if n * u >= 0.5:
-        raise ConfigError(f"--grad-path fast: a sum of {n} products at unit roundoff {u:g} has no useful "
-                          f"rounding bound; use --grad-path rows")
+        raise ConfigError(f"`grad_path='fast'`: a sum of {n} products at unit roundoff {u:g} has no useful "
+                          f"rounding bound; use `grad_path='rows'`")
     return n * u / (1 - n * u)
 
 

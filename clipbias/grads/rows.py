@@ -388,8 +388,8 @@ def guarded(fn: Callable, x: Batch, y: Batch, dim: int):
         if "allocate memory" in str(e) or "out of memory" in str(e):
             raise ConfigError(
                 f"out of memory computing {batch.size(x)} per-example gradients of {dim} parameters "
-                f"({batch.size(x) * dim * 4 / 2**30:.1f} GB as float32): lower --max-physical-batch (the math does "
-                f"not change), or use --grad-path fast (no per-example gradient matrix) where it applies") from e
+                f"({batch.size(x) * dim * 4 / 2**30:.1f} GB as float32): lower `max_physical_batch` (the math does "
+                f"not change), or use `grad_path='fast'` (no per-example gradient matrix) where it applies") from e
         labels = (f"{int(y.min())}..{int(y.max())}" if isinstance(y, Tensor) and len(y) and y.dim() == 1
                   and not y.is_floating_point() else batch.describe(y))
         raise ConfigError(

@@ -152,7 +152,7 @@ class PrivacyEngine:
         algo = algorithms.get(algorithm)
         if algo.needs_public:
             raise ConfigError(f"algorithm={algorithm!r} needs public features beside the private data; it runs from "
-                              f"the clipbias CLI (--public-size), not through make_private")
+                              f"`TrainConfig` (`public_size`) or the clipbias CLI, not through make_private")
         n, B = len(data_loader.dataset), data_loader.batch_size
         config = engine_config(optimizer, max_grad_norm, extra.get("ef_clip"), extra.get("settings"))
         self.engine = DPEngine(module, algorithm, n=n, batch_size=B, epochs=epochs, epsilon=epsilon,

@@ -64,7 +64,7 @@ class DPOptions:
                                       or not math.isfinite(value) or value <= 0):
                 raise ConfigError(f"{name} must be a positive number, got {value!r}")
         if self.target_delta is not None:
-            privacy.check_delta(self.target_delta)
+            privacy.check_delta(self.target_delta, "target_delta")
         if self.accountant not in ACCOUNTANTS:
             raise ConfigError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got {self.accountant!r}")
         if self.algorithm not in algorithms.ALGORITHMS:
@@ -75,7 +75,7 @@ class DPOptions:
             raise ConfigError(f"algorithm {self.algorithm!r} is not private (no noise): use dpsgd, dice, ...")
         if algo.needs_public:
             raise ConfigError(f"algorithm {self.algorithm!r} needs public features beside the private data; it "
-                              f"runs from the clipbias CLI (--public-size)")
+                              f"runs from `TrainConfig` (`public_size`) or the clipbias CLI")
         if self.grad_path not in ("auto", "rows", "fast"):
             raise ConfigError(f"grad_path must be auto, rows or fast, got {self.grad_path!r}")
         check_autocast(self.autocast, self.loss_scale)

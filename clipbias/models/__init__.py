@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from clipbias.errors import ConfigError
 from clipbias.models.gru import GRUClassifier
 from clipbias.models.resnet import ResNet20, WSConv2d
 from clipbias.models.scatter import ScatterCNN, ScatterFeatures, ScatterLinear
@@ -47,7 +48,7 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **kw:
     the dataset's shape; scatter models derive their feature shape from it) and
     ``num_classes`` outputs. Extra keywords go to the model's constructor."""
     if name not in _BUILDERS:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+        raise ConfigError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
     return _BUILDERS[name](tuple(input_shape), int(num_classes), **kw)
 
 

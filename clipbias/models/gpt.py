@@ -20,6 +20,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from ..errors import ConfigError
+
 
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: causal self-attention, then an MLP, both residual."""
@@ -29,7 +31,7 @@ class Block(nn.Module):
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
         if width % heads:
-            raise ValueError(f"width {width} must be a multiple of heads {heads}")
+            raise ConfigError(f"width {width} must be a multiple of heads {heads}")
         self.heads = heads
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)

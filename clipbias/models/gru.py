@@ -17,6 +17,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..errors import ConfigError
+
 __all__ = ["GRUClassifier"]
 
 
@@ -27,7 +29,7 @@ def _sequence_shape(input_shape: tuple[int, ...]) -> tuple[int, int]:
         return steps, math.prod(input_shape) // steps
     side = math.isqrt(int(input_shape[0]))
     if side * side != input_shape[0]:
-        raise ValueError(f"gru needs (C, H, W), (T, F) or a square flat input, got {input_shape}")
+        raise ConfigError(f"gru needs (C, H, W), (T, F) or a square flat input, got {input_shape}")
     return side, side
 
 

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..errors import ConfigError
+
 __all__ = ["WSConv2d", "ResNet20"]
 
 
@@ -97,7 +99,7 @@ class ResNet20(nn.Module):
                  groups: int = 4, affine: bool = True, blocks: int = 3) -> None:
         super().__init__()
         if len(input_shape) != 3:
-            raise ValueError(f"resnet20 needs (C, H, W) input, got {tuple(input_shape)}")
+            raise ConfigError(f"resnet20 needs (C, H, W) input, got {tuple(input_shape)}")
         self.input_shape, self.enhanced = tuple(input_shape), enhanced
         conv = WSConv2d if enhanced else nn.Conv2d
         self.conv1 = conv(input_shape[0], 16, 3, stride=1, padding=1, bias=False)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from clipbias.data.datasets import cache_dir
-from clipbias.errors import require
+from clipbias.errors import ConfigError, require
 
 __all__ = ["ScatterFeatures", "ScatterLinear", "ScatterCNN"]
 
@@ -124,7 +124,7 @@ class _ScatterHead(nn.Module):
         if len(input_shape) == 2:
             input_shape = (1, *input_shape)
         if len(input_shape) != 3:
-            raise ValueError(f"scatter models need image input (C, H, W), got {input_shape}")
+            raise ConfigError(f"scatter models need image input (C, H, W), got {input_shape}")
         self.raw_input_shape = tuple(input_shape)
         self.scatter = ScatterFeatures(tuple(input_shape[1:]), J=J, L=L)
         # what forward() takes per example: scattering features, not images

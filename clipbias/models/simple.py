@@ -12,6 +12,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..errors import ConfigError
+
 __all__ = ["LogReg", "MLP", "TramerBonehCNN", "channels_last"]
 
 
@@ -77,7 +79,7 @@ class TramerBonehCNN(nn.Module):
                  groupnorm: int | None = None, padding: int = 3) -> None:
         super().__init__()
         if len(input_shape) != 3:
-            raise ValueError(f"cnn needs (C, H, W) input, got input_shape={tuple(input_shape)}")
+            raise ConfigError(f"cnn needs (C, H, W) input, got input_shape={tuple(input_shape)}")
         self.input_shape = tuple(input_shape)
 
         def norm(c: int) -> nn.Module:
@@ -94,7 +96,7 @@ class TramerBonehCNN(nn.Module):
             try:
                 flat = self.features(torch.zeros(1, *input_shape)).shape[1]
             except RuntimeError as exc:
-                raise ValueError(f"cnn: input_shape {tuple(input_shape)} is too small "
+                raise ConfigError(f"cnn: input_shape {tuple(input_shape)} is too small "
                                  "(it needs about 16x16 pixels or more)") from exc
         self.classifier = nn.Sequential(nn.Linear(flat, 32), nn.Tanh(), nn.Linear(32, num_classes))
         channels_last(self)
@@ -115,7 +117,7 @@ class TramerBonehCIFAR(nn.Module):
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, groupnorm: int | None = None) -> None:
         super().__init__()
         if tuple(input_shape) != (3, 32, 32):
-            raise ValueError(f"the CIFAR-10 cnn needs (3, 32, 32) input, got input_shape={tuple(input_shape)}")
+            raise ConfigError(f"the CIFAR-10 cnn needs (3, 32, 32) input, got input_shape={tuple(input_shape)}")
         self.input_shape = (3, 32, 32)
         layers: list[nn.Module] = []
         c = 3

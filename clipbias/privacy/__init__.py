@@ -18,9 +18,11 @@ from dp_accounting import dp_event
 
 from ..errors import ClipbiasError, ConfigError
 from . import cache, dice, gaussian
+from . import pld, rdp  # noqa: F401  the accountants: each registers itself (accountants.ACCOUNTANTS)
 from .dice import DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING, DiceParams
-from .report import (ACCOUNTANTS, PrivacyReport, check_accountant, check_delta, check_epsilon, check_steps,
-                     delta_warning)
+from .accountants import ACCOUNTANTS
+from .report import (PrivacyReport, check_accountant, check_delta, check_epsilon, check_rate,
+                     check_steps, delta_warning)
 
 __all__ = ["AccountingSpec", "PrivacyReport", "DiceParams", "account", "calibrate", "ACCOUNTANTS",
            "DICE_ACCOUNTING", "DEFAULT_DICE_ACCOUNTING", "delta_warning", "dice", "gaussian"]
@@ -93,8 +95,11 @@ def account(spec: AccountingSpec, steps: int, delta: float, accountant: str = "p
                              spec.noise_multiplier)
     if steps == 0:
         return PrivacyReport(0.0, delta, accountant, "no step taken", True, spec.noise_multiplier)
-    if spec.kind == "gaussian":
+    if spec.kind == "gaussian":  # validated here, once: gaussian.report takes them as they are
         q, t = spec.rate_and_steps(steps)
+        check_rate(q)
+        gaussian.check_noise(spec.noise_multiplier)
+        check_steps(t)
         return gaussian.report(spec.noise_multiplier, q, t, delta, accountant, spec.note)
     if spec.kind == "dice":
         _check_dice_method(spec, dice_accounting)
@@ -111,7 +116,7 @@ def calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, ac
     check_delta(delta)
     check_steps(steps)
     if spec.kind not in ("gaussian", "dice"):
-        raise ConfigError("a non-private algorithm has no noise to calibrate; pick a private --algo")
+        raise ConfigError("a non-private algorithm has no noise to calibrate; pick a private `algorithm`")
     if spec.kind == "dice":
         _check_dice_method(spec, dice_accounting)
     if spec.bands != 1 and spec.kind != "gaussian":
@@ -162,13 +167,13 @@ def _progress(what: str):
 
 def _calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, accountant: str,
                dice_accounting: str) -> float:
-    if spec.kind == "gaussian":
+    if spec.kind == "gaussian":  # epsilon, delta and steps were validated by calibrate
         q, t = spec.rate_and_steps(steps)
-        return gaussian.calibrate(epsilon, delta, q, t, accountant)
+        return gaussian._calibrate(epsilon, delta, check_rate(q), check_steps(t), check_accountant(accountant))
     if spec.kind == "dice":
         _check_dice_method(spec, dice_accounting)
         return dice.calibrate(epsilon, delta, replace(spec.dice, steps=steps), dice_accounting, accountant)
-    raise ConfigError("a non-private algorithm has no noise to calibrate; pick a private --algo")
+    raise ConfigError("a non-private algorithm has no noise to calibrate; pick a private `algorithm`")
 
 
 def _check_dice_method(spec: AccountingSpec, method: str) -> None:
@@ -176,4 +181,4 @@ def _check_dice_method(spec: AccountingSpec, method: str) -> None:
     if method == "paper" and not spec.certifiable:
         from ..errors import PrivacyAccountingError
         raise PrivacyAccountingError(f"the paper's DiceSGD bound does not even claim this algorithm: "
-                                     f"{spec.why_not_certifiable}. Use --dice-accounting sound (the default).")
+                                     f"{spec.why_not_certifiable}. Use `dice_accounting='sound'` (the default).")

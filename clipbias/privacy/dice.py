@@ -30,8 +30,8 @@ import numpy as np
 from dp_accounting import dp_event
 
 from ..errors import ConfigError, PrivacyAccountingError
-from . import gaussian, search
-from .report import (PrivacyReport, check_delta, check_epsilon, check_positive, check_rate,
+from . import gaussian, pld, search
+from .report import (PrivacyReport, check_accountant, check_delta, check_epsilon, check_positive, check_rate,
                      check_steps)
 
 DICE_ACCOUNTING = ("sound", "conservative", "paper", "authors")
@@ -54,11 +54,11 @@ def check_basis(method: str) -> str:
     """The DiceSGD accounting basis, or a ConfigError that names the valid ones."""
     if method in RENAMED:
         raise ConfigError(
-            f"--dice-accounting {method!r} was renamed {RENAMED[method]!r}: it is the paper's Theorem 3.8, "
+            f"`dice_accounting` {method!r} was renamed {RENAMED[method]!r}: it is the paper's Theorem 3.8, "
             f"which a canary attack refutes (docs/privacy.md), so it is no longer certified nor the default. "
             f"Use 'sound' (the default, proven) or 'paper' to reproduce the paper's numbers.")
     if method not in DICE_ACCOUNTING:
-        raise ConfigError(f"--dice-accounting must be one of {', '.join(DICE_ACCOUNTING)}, got {method!r}")
+        raise ConfigError(f"`dice_accounting` must be one of {', '.join(DICE_ACCOUNTING)}, got {method!r}")
     return method
 
 
@@ -81,11 +81,11 @@ class DiceParams:
     def __post_init__(self) -> None:
         check_rate(self.sample_rate)
         check_steps(self.steps)
-        check_positive(self.clip, "--clip")
-        check_positive(self.ef_clip, "--ef-clip")
-        check_positive(self.batch_size, "--batch-size")
+        check_positive(self.clip, "DiceParams.clip")
+        check_positive(self.ef_clip, "DiceParams.ef_clip")
+        check_positive(self.batch_size, "DiceParams.batch_size")
         if self.grad_bound is not None:
-            check_positive(self.grad_bound, "--grad-bound")
+            check_positive(self.grad_bound, "DiceParams.grad_bound")
 
     @property
     def g_prime(self) -> float | None:
@@ -131,7 +131,7 @@ def sound_epsilon(p: DiceParams, z: float, delta: float, discretization: float =
     coarser grids (``SOUND_COARSE``: larger epsilons, cheaper), only to aim.
     """
     check_delta(delta)
-    check_positive(z, "--noise-multiplier")
+    check_positive(z, "noise_multiplier")
     check_positive(discretization, "discretization")
     return _sound_epsilon(p.ratio, p.sample_rate, p.steps, float(z), float(delta), float(discretization))
 
@@ -145,11 +145,11 @@ def _sound_epsilon(r: float, q: float, steps: int, z: float, delta: float,
         # grid would take minutes and gigabytes. The conservative bound (the mixture is dominated by
         # its larger-shift Gaussian; exact GDP) is proven, never below the PLD value, and instant;
         # in this regime no bound is anywhere near a useful epsilon.
-        return gaussian.gaussian_exact_epsilon(z / (1 + 2 * r), steps, delta)
-    gaussian.check_pld_noise(z)
+        return pld.gaussian_exact_epsilon(z / (1 + 2 * r), steps, delta)
+    pld.check_pld_noise(z)
     step = sound_step_event(DiceParams(q, steps, 1.0, r, 1.0), z)  # only r, q and T matter
     try:  # the event's PLD, as dp-accounting's PLDAccountant builds it, kept per process
-        one = gaussian.one_step_pld("mixture", z, tuple(step.sensitivities), tuple(step.sampling_probs),
+        one = pld.one_step_pld("mixture", z, tuple(step.sensitivities), tuple(step.sampling_probs),
                                     discretization)
         return float(one.self_compose(steps).get_epsilon_for_delta(delta))
     except (MemoryError, ValueError) as e:  # out of memory, or "Maximum allowed size exceeded"
@@ -163,7 +163,7 @@ def _sound_epsilon(r: float, q: float, steps: int, z: float, delta: float,
 def conservative_epsilon(p: DiceParams, z: float, delta: float) -> float:
     """Amplification-free bound: T adaptive Gaussians, mean shift <= (1 + 2 r) C1 / B."""
     check_delta(delta)
-    check_positive(z, "--noise-multiplier")
+    check_positive(z, "noise_multiplier")
     z_eff = z / (1 + 2 * p.ratio)
     return gaussian.epsilon(z_eff, 1.0, p.steps, delta, "pld")
 
@@ -236,11 +236,11 @@ def paper_epsilon(p: DiceParams, z: float, delta: float) -> tuple[float, float]:
     Refuted: a canary attack beats this number (docs/privacy.md). For reproduction only.
     """
     check_delta(delta)
-    check_positive(z, "--noise-multiplier")
+    check_positive(z, "noise_multiplier")
     valid, why = paper_conditions(p, z)
     if why:
         raise PrivacyAccountingError("the paper's DiceSGD bound (Thm 3.8) does not apply: " + "; ".join(why)
-                                     + ". Raise the noise or lower q; for a guarantee use --dice-accounting sound.")
+                                     + ". Raise the noise or lower q; for a guarantee use `dice_accounting='sound'`.")
     alphas = _ALPHAS[valid]
     eps = rdp_to_dp(alphas, paper_rdp(p, z, alphas), delta)
     i = int(np.argmin(eps))
@@ -302,9 +302,10 @@ def calibrate(target_epsilon: float, delta: float, p: DiceParams, method: str = 
     check_epsilon(target_epsilon)
     check_delta(delta)
     check_basis(method)
+    check_accountant(accountant)  # the inputs are valid from here on (DiceParams checks its own)
     if method == "authors":
-        return gaussian.calibrate(target_epsilon, delta, p.sample_rate, p.steps, accountant) * authors_factor(p)
-    z_cons = gaussian.calibrate(target_epsilon, delta, 1.0, p.steps, "pld") * (1 + 2 * p.ratio)
+        return gaussian._calibrate(target_epsilon, delta, p.sample_rate, p.steps, accountant) * authors_factor(p)
+    z_cons = gaussian._calibrate(target_epsilon, delta, 1.0, p.steps, "pld") * (1 + 2 * p.ratio)
     if method == "conservative":
         return z_cons
     if method == "sound":
@@ -321,15 +322,15 @@ def _calibrate_sound(target: float, delta: float, p: DiceParams, z_cons: float) 
     below it above the target."""
     def at(discretization: float):
         def eps(z: float) -> float:
-            try:
-                return sound_epsilon(p, z, delta, discretization)
-            except gaussian.NoiseTooSmallError:  # below the PLD's smallest z: certainly too little noise
+            try:  # the inputs were validated by calibrate
+                return _sound_epsilon(p.ratio, p.sample_rate, p.steps, float(z), float(delta), float(discretization))
+            except pld.NoiseTooSmallError:  # below the PLD's smallest z: certainly too little noise
                 return math.inf
         return eps
 
     # the ceiling leaves room above z_cons for the PLD's pessimistic discretisation (a hair above GDP's)
     z = search.calibrate_levels(target, [(at(SOUND_COARSE), 1e-2)], at(SOUND_DISCRETIZATION), start=z_cons,
-                                floor=gaussian.PLD_MIN_NOISE, ceiling=2 * z_cons)
+                                floor=pld.PLD_MIN_NOISE, ceiling=2 * z_cons)
     if math.isinf(z):  # pragma: no cover - eps_sound <= eps_conservative, which z_cons meets
         raise PrivacyAccountingError(f"DiceSGD's sound bound exceeds epsilon={target:g} even at noise multiplier "
                                      f"{2 * z_cons:g}, twice the conservative bound's z: please report this")

@@ -6,8 +6,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from ..errors import ConfigError
-
-ACCOUNTANTS = ("pld", "rdp")
+from .accountants import get
 
 
 @dataclass(frozen=True)
@@ -40,15 +39,17 @@ class PrivacyReport:
         return d
 
 
-def check_epsilon(epsilon: float, flag: str = "--epsilon") -> float:
+def check_epsilon(epsilon: float, name: str = "epsilon") -> float:
+    """``epsilon`` as a float when it is a positive finite number; the error names the parameter ``name``
+    (so do the other checks: the CLI turns the name into its flag)."""
     if not (isinstance(epsilon, (int, float)) and math.isfinite(epsilon) and epsilon > 0):
-        raise ConfigError(f"{flag} must be a positive finite number, got {epsilon!r}")
+        raise ConfigError(f"`{name}` must be a positive finite number, got {epsilon!r}")
     return float(epsilon)
 
 
-def check_delta(delta: float, flag: str = "--delta") -> float:
+def check_delta(delta: float, name: str = "delta") -> float:
     if not (isinstance(delta, (int, float)) and 0 < delta < 1):
-        raise ConfigError(f"{flag} must lie in (0, 1), got {delta!r}; 1e-5 is usual for ~60k examples")
+        raise ConfigError(f"`{name}` must lie in (0, 1), got {delta!r}; 1e-5 is usual for ~60k examples")
     return float(delta)
 
 
@@ -60,48 +61,31 @@ def delta_warning(delta: float, n: int | None) -> str | None:
     return None
 
 
-def floor_note(target: float | None, achieved: float, z: float, accountant: str) -> str | None:
-    """Why a calibrated epsilon sits far below its target (under half of it), said on the spot: the
-    noise multiplier is at the PLD accountant's floor (``gaussian.PLD_MIN_NOISE``), so less noise,
-    and with it an epsilon nearer the target, is not certified here."""
-    from .gaussian import PLD_MIN_NOISE
-    if target is None or not math.isfinite(achieved) or achieved >= 0.5 * target:
-        return None
-    if accountant == "pld" and z <= PLD_MIN_NOISE * 1.01:
-        why = (f"the noise multiplier is at the PLD accountant's floor ({PLD_MIN_NOISE:g}; below it the "
-               f"privacy-loss grid is unmanageable and epsilon meaningless)")
-    else:
-        why = f"no smaller noise multiplier than {z:g} was found to meet it"
-    return (f"note: epsilon {achieved:.4g} is far below the target {target:g}: {why}. The target does not bind; "
-            f"ask for --epsilon {achieved:.4g} (the same noise), or take more steps or a larger batch to use the "
-            f"budget" + (", or --accountant rdp (no floor)" if accountant == "pld" else ""))
-
-
-def check_rate(q: float, flag: str = "--sample-rate") -> float:
+def check_rate(q: float, name: str = "sample_rate") -> float:
     if not (isinstance(q, (int, float)) and 0 < q <= 1):
-        raise ConfigError(f"{flag} must lie in (0, 1], got {q!r}")
+        raise ConfigError(f"`{name}` must lie in (0, 1], got {q!r}")
     return float(q)
 
 
-def check_steps(steps: int, flag: str = "--steps") -> int:
+def check_steps(steps: int, name: str = "steps") -> int:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ConfigError(f"{flag} must be an integer >= 1, got {steps!r}")
+        raise ConfigError(f"`{name}` must be an integer >= 1, got {steps!r}")
     return steps
 
 
-def check_positive(value: float, flag: str) -> float:
+def check_positive(value: float, name: str) -> float:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ConfigError(f"{flag} must be a positive finite number, got {value!r}")
+        raise ConfigError(f"`{name}` must be a positive finite number, got {value!r}")
     return float(value)
 
 
-def check_nonnegative(value: float, flag: str) -> float:
+def check_nonnegative(value: float, name: str) -> float:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-        raise ConfigError(f"{flag} must be a finite number >= 0, got {value!r}")
+        raise ConfigError(f"`{name}` must be a finite number >= 0, got {value!r}")
     return float(value)
 
 
 def check_accountant(name: str) -> str:
-    if name not in ACCOUNTANTS:
-        raise ConfigError(f"--accountant must be one of {', '.join(ACCOUNTANTS)}, got {name!r}")
+    """``name`` when an accountant is registered under it (``accountants.ACCOUNTANTS``)."""
+    get(name)
     return name

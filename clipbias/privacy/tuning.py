@@ -50,7 +50,7 @@ def calibrate(event_of: Callable[[float], dp_event.DpEvent], target: float, delt
     ``event_of(z)`` is one trial's training event. Never overshoots: the upper end of the bracket."""
     if tuned_epsilon(event_of(hi), score_std, delta, mean, shape) > target:
         raise ConfigError(f"tuning with {mean:g} trials on average cannot reach epsilon {target:g} even at noise "
-                          f"multiplier {hi:g}: allow a larger --epsilon, fewer --trials or fewer steps")
+                          f"multiplier {hi:g}: allow a larger `epsilon`, fewer `trials` or fewer steps")
     if tuned_epsilon(event_of(lo), score_std, delta, mean, shape) <= target:
         return lo
     while hi / lo > 1 + rel_tol:

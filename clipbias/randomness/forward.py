@@ -121,7 +121,7 @@ class KeyedForward(TorchFunctionMode):
         if not noise_shape or noise_shape[0] != b:
             raise PathRefusal("fast", f"a dropout input of shape {list(noise_shape)} in a batched forward of {b} "
                               f"examples: masks are keyed per example by the first dimension, which must be the batch "
-                              f"(batch-first layout); use grad_path='rows'")
+                              f"(batch-first layout); use `grad_path='rows'`")
         return self._keep(tuple(noise_shape[1:]), p, device)
 
     def dropout(self, input: Tensor, p: float, train: bool, *, feature: bool = False, alpha: bool = False,

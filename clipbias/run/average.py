@@ -23,7 +23,7 @@ from ..errors import ConfigError
 def check_decay(decay: float) -> float:
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not math.isfinite(decay) \
             or not 0 < decay < 1:
-        raise ConfigError(f"--ema (the decay of the weight average a = decay a + (1 - decay) w) must lie in (0, 1), "
+        raise ConfigError(f"`ema` (the decay of the weight average a = decay a + (1 - decay) w) must lie in (0, 1), "
                           f"e.g. 0.9 for a run of about 100 steps; got {decay!r}")
     return float(decay)
 
@@ -81,8 +81,8 @@ class WeightAverage:
 
     def load_state_dict(self, state: dict) -> None:
         if float(state["decay"]) != self.decay:
-            raise ConfigError(f"cannot resume the weight average: the checkpoint's --ema is {state['decay']}, now "
-                              f"{self.decay}; resume with --ema {state['decay']}")
+            raise ConfigError(f"cannot resume the weight average: the checkpoint's `ema` is {state['decay']}, now "
+                              f"{self.decay}; resume with `ema={state['decay']}`")
         dev = {n: p.device for n, p in self._params().items()}
         self.updates = int(state["updates"])
         self.avg = None if state["avg"] is None else {n: state["avg"][n].to(dev[n]) for n in self.names}

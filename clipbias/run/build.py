@@ -76,7 +76,7 @@ def _batchclip(cfg: TrainConfig, splits: Splits, model: nn.Module, algo: algorit
                algo_cfg: AlgoConfig) -> tuple[nn.Module, AlgoConfig, Predict]:
     """The BatchNorm variant of the model, the public features in the config, majority-vote inference."""
     if splits.public_x is None:
-        raise ConfigError(f"--algo {cfg.algo} needs --public-size (public features)")
+        raise ConfigError(f"`algo='{cfg.algo}'` needs `AlgoConfig.extra['public_size']` (public features)")
     algo_cfg = dataclasses.replace(algo_cfg, extra={**cfg.extra, "public": splits.public_x})
     st = algo.settings(algo_cfg)
 

@@ -33,24 +33,24 @@ def open_run_dir(out: Path | None, cfg: TrainConfig) -> dict | None:
     without ``--overwrite`` and a resume whose settings changed."""
     if out is None:
         if cfg.resume:
-            raise ConfigError("--resume needs --out DIR (the run directory to continue)")
+            raise ConfigError("`resume=True` needs `out` DIR (the run directory to continue)")
         return None
     ck_path = out / CHECKPOINT
     if cfg.resume:
         if not ck_path.is_file():
-            raise ConfigError(f"--resume: no checkpoint at {ck_path}; start the run without --resume")
+            raise ConfigError(f"`resume=True`: no checkpoint at {ck_path}; start the run without `resume=True`")
         ckpt = load_checkpoint(ck_path)
         resume_check(ckpt.get("config", {}), cfg)
         return ckpt
     if ck_path.exists() and not cfg.overwrite:
-        raise ConfigError(f"--out {out} already holds a checkpoint; continue it with --resume, "
-                          f"or replace it with --overwrite")
+        raise ConfigError(f"`out='{out}'` already holds a checkpoint; continue it with `resume=True`, "
+                          f"or replace it with `overwrite=True`")
     if (out / RESULTS).exists() and not cfg.overwrite:
-        raise ConfigError(f"--out {out} already holds a finished run's {RESULTS} (no checkpoint to resume); "
-                          f"choose another --out, or replace it with --overwrite")
+        raise ConfigError(f"`out='{out}'` already holds a finished run's {RESULTS} (no checkpoint to resume); "
+                          f"choose another `out`, or replace it with `overwrite=True`")
     if (out / COMPARE).exists() and not cfg.overwrite:
-        raise ConfigError(f"--out {out} holds a compare ({COMPARE}, {CURVES}); choose another --out, or replace "
-                          f"it with --overwrite")
+        raise ConfigError(f"`out='{out}'` holds a compare ({COMPARE}, {CURVES}); choose another `out`, or "
+                          f"replace it with `overwrite=True`")
     return None
 
 
@@ -80,7 +80,7 @@ def check_out_dir(out: Path) -> None:
     """Refuse, before any work, an ``--out`` that cannot become a run directory; remove the temporary
     files of checkpoint writes whose process died (they hold private state)."""
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a directory; choose a directory path")
+        raise ConfigError(f"`out='{out}'` is a file, not a directory; choose a directory path")
     for tmp in out.glob(".*.tmp*") if out.is_dir() else ():
         pid = tmp.name.rpartition(".tmp")[2]
         if pid.isdigit() and not _alive(int(pid)):
@@ -89,9 +89,9 @@ def check_out_dir(out: Path) -> None:
     while not anc.exists() and anc != anc.parent:
         anc = anc.parent
     if not anc.is_dir():
-        raise ConfigError(f"--out {out} lies under the file {anc}; choose a directory path")
+        raise ConfigError(f"`out='{out}'` lies under the file {anc}; choose a directory path")
     if not os.access(anc, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {out}: {anc} is not writable; choose a directory you can write to")
+        raise ConfigError(f"`out='{out}'`: {anc} is not writable; choose a directory you can write to")
 
 
 def _alive(pid: int) -> bool:
@@ -116,13 +116,13 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     if p.is_dir():
         p = p / CHECKPOINT
     if not p.is_file():
-        raise ConfigError(f"no checkpoint at {p} (train with --out DIR first)")
+        raise ConfigError(f"no checkpoint at {p} (train with `out` DIR first)")
     try:
         ckpt = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling problem is a bad file
         detail = str(exc).strip().split(". ")[0][:160]  # torch appends a paragraph of advice
         raise ConfigError(f"{p} is truncated or corrupted, or not a clipbias checkpoint ({type(exc).__name__}: "
-                          f"{detail}); it cannot be resumed or exported: start the run again with --overwrite") from exc
+                          f"{detail}); it cannot be resumed or exported: start the run again with `overwrite=True`") from exc
     if not isinstance(ckpt, dict) or "model" not in ckpt or "engine" not in ckpt:
         raise ConfigError(f"{p} is not a clipbias checkpoint (no model/engine state)")
     return ckpt
@@ -171,12 +171,12 @@ def resume_check(saved: dict, cfg: TrainConfig) -> None:
                                  and math.isclose(old, value, rel_tol=1e-12)):
             if key == "extra":
                 keys = {*(old or {}), *(value or {})}
-                flag = "method flags (" + ", ".join(sorted(algorithms.setting_flag(k) for k in keys)) + ")"
+                flag = "method settings (" + ", ".join(sorted(f"`AlgoConfig.extra[{k!r}]`" for k in keys)) + ")"
             else:
-                flag = "--" + key.replace("_", "-")
+                flag = f"`{key}`"
             raise ResumeMismatchError(
                 f"cannot resume: {flag} changed (checkpoint {old!r}, now {value!r}). Resume with the "
-                f"original setting, or start a new run (another --out, or --overwrite).")
+                f"original setting, or start a new run (another `out`, or `overwrite=True`).")
 
 
 def _extends(saved: dict, cfg: TrainConfig) -> bool:
@@ -187,9 +187,9 @@ def _extends(saved: dict, cfg: TrainConfig) -> bool:
     if saved.get("noise_multiplier") is None and saved.get("epsilon") is not None:
         raise ResumeMismatchError(
             f"cannot extend this run from {old} to {cfg.epochs} epochs: its noise multiplier was calibrated so that "
-            f"{old} epochs spend exactly --epsilon {saved['epsilon']:g}; more steps at that noise would exceed it. "
-            f"Start a new run with --epochs {cfg.epochs} (the noise is calibrated for all of them), or, to spend "
-            f"more than the original budget, start runs with --noise-multiplier Z, which can be extended")
+            f"{old} epochs spend exactly `epsilon={saved['epsilon']:g}`; more steps at that noise would exceed it. "
+            f"Start a new run with `epochs={cfg.epochs}` (the noise is calibrated for all of them), or, to spend "
+            f"more than the original budget, start runs with `noise_multiplier` Z, which can be extended")
     return True
 
 

@@ -12,7 +12,7 @@ import torch
 
 from .. import algorithms, privacy
 from ..config import AlgoConfig
-from ..data.datasets import DATASET_NAMES
+from ..data.datasets import DATASETS
 from ..errors import ConfigError
 from ..files import new_run_dir
 from ..privacy.report import check_delta, check_epsilon, check_nonnegative, check_positive
@@ -107,82 +107,82 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         """Every check that needs no data, once, where the config is made (``dataclasses.replace``
-        makes a new one and checks it again); each error names the flag."""
-        if self.data not in DATASET_NAMES:
-            raise ConfigError(f"--data must be one of {', '.join(DATASET_NAMES)}, got {self.data!r}")
+        makes a new one and checks it again); each error names the field (the CLI names its flag)."""
+        if self.data not in DATASETS:
+            raise ConfigError(f"`data` must be one of {', '.join(DATASETS)}, got {self.data!r}")
         from ..models import MODEL_NAMES
         if self.model not in MODEL_NAMES:
-            raise ConfigError(f"--model must be one of {', '.join(MODEL_NAMES)}, got {self.model!r}")
+            raise ConfigError(f"`model` must be one of {', '.join(MODEL_NAMES)}, got {self.model!r}")
         algo = algorithms.get(self.algo)
         if self.epsilon is not None:
-            check_epsilon(self.epsilon, "--epsilon")
+            check_epsilon(self.epsilon, "epsilon")
         if self.noise_multiplier is not None:
-            check_positive(self.noise_multiplier, "--noise-multiplier")
-        check_delta(self.delta, "--delta")
+            check_positive(self.noise_multiplier, "noise_multiplier")
+        check_delta(self.delta, "delta")
         if algo.private:
             if self.epsilon is None and self.noise_multiplier is None:
-                raise ConfigError(f"--epsilon is required for the private --algo {self.algo} "
-                                  f"(or give --noise-multiplier)")
+                raise ConfigError(f"`epsilon` is required for the private `algo='{self.algo}'` "
+                                  f"(or give `noise_multiplier`)")
             if self.epsilon is not None and self.noise_multiplier is not None:
-                raise ConfigError("give either --epsilon or --noise-multiplier, not both")
-        check_int(self.epochs, "--epochs", 1)
-        check_positive(self.batch_size, "--batch-size")
+                raise ConfigError("give either `epsilon` or `noise_multiplier`, not both")
+        check_int(self.epochs, "epochs", 1)
+        check_positive(self.batch_size, "batch_size")
         if self.batch_size < 1:
-            raise ConfigError(f"--batch-size is the expected Poisson batch size B and must be >= 1, got "
+            raise ConfigError(f"`batch_size` is the expected Poisson batch size B and must be >= 1, got "
                               f"{self.batch_size!r} (B < 1 would mean more steps per epoch than examples)")
-        check_positive(self.lr, "--lr")
-        check_positive(self.clip, "--clip")
+        check_positive(self.lr, "lr")
+        check_positive(self.clip, "clip")
         if self.ef_clip is not None:
-            check_positive(self.ef_clip, "--ef-clip")
+            check_positive(self.ef_clip, "ef_clip")
             if not algo.reads_ef_clip:  # it would be recorded but change nothing
-                raise ConfigError(f"--ef-clip applies to the clipped error-feedback algorithms (dice, dice-adam, "
-                                  f"dice-perturb, dice-self-aug, ef-sgd); --algo {self.algo} has no clipped "
-                                  f"feedback buffer: drop --ef-clip")
+                raise ConfigError(f"`ef_clip` applies to the clipped error-feedback algorithms (dice, dice-adam, "
+                                  f"dice-perturb, dice-self-aug, ef-sgd); `algo='{self.algo}'` has no clipped "
+                                  f"feedback buffer: drop `ef_clip`")
         if self.grad_bound is not None:
-            check_positive(self.grad_bound, "--grad-bound")
-        check_positive(self.gamma, "--gamma")
+            check_positive(self.grad_bound, "grad_bound")
+        check_positive(self.gamma, "gamma")
         if not (math.isfinite(self.momentum) and 0 <= self.momentum < 1):
-            raise ConfigError(f"--momentum must lie in [0, 1), got {self.momentum!r}")
-        check_nonnegative(self.weight_decay, "--weight-decay")
+            raise ConfigError(f"`momentum` must lie in [0, 1), got {self.momentum!r}")
+        check_nonnegative(self.weight_decay, "weight_decay")
         if self.optimizer is not None and self.optimizer not in ("sgd", "adam", "adamw"):
-            raise ConfigError(f"--optimizer must be one of sgd, adam, adamw, got {self.optimizer!r}")
+            raise ConfigError(f"`optimizer` must be one of sgd, adam, adamw, got {self.optimizer!r}")
         if self.accountant not in privacy.ACCOUNTANTS:
-            raise ConfigError(f"--accountant must be one of {', '.join(privacy.ACCOUNTANTS)}, "
+            raise ConfigError(f"`accountant` must be one of {', '.join(privacy.ACCOUNTANTS)}, "
                               f"got {self.accountant!r}")
         privacy.dice.check_basis(self.dice_accounting)
-        check_int(self.seed, "--seed", 0)
+        check_int(self.seed, "seed", 0)
         if self.seed >= 1 << 64:
-            raise ConfigError(f"--seed (the model initialisation's seed) must be below 2^64, got {self.seed!r}; a "
-                              f"longer secret seed for the batches and noise goes to --reproducible-noise SEED")
+            raise ConfigError(f"`seed` (the model initialisation's seed) must be below 2^64, got {self.seed!r}; a "
+                              f"longer secret seed for the batches and noise goes to `noise_seed` (a reproducible run)")
         if self.noise_seed is not None:
             if not self.reproducible_noise:
-                raise ConfigError("a noise seed is only used with --reproducible-noise: pass --reproducible-noise SEED")
+                raise ConfigError("`noise_seed` is only used with `reproducible_noise=True`")
             check_seed(self.noise_seed)
         check_int(self.split_seed, "split_seed", 0)
         if self.device not in ("cpu", "cuda"):
-            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
-        check_int(self.max_physical_batch, "--max-physical-batch", 1)
+            raise ConfigError(f"`device` must be cpu or cuda, got {self.device!r}")
+        check_int(self.max_physical_batch, "max_physical_batch", 1)
         if self.grad_path not in ("rows", "fast", "auto"):
-            raise ConfigError(f"--grad-path must be rows, fast or auto, got {self.grad_path!r}")
+            raise ConfigError(f"`grad_path` must be rows, fast or auto, got {self.grad_path!r}")
         check_int(self.eval_batch_size, "eval_batch_size", 1)
-        check_int(self.validation, "--validation", 0)
+        check_int(self.validation, "validation", 0)
         if self.ema is not None:
             from .average import check_decay
             check_decay(self.ema)
         _check_bands(self.bands, self.algo, self.bands_strategy)
         if self.subset is not None:
-            check_int(self.subset, "--subset", 1)
+            check_int(self.subset, "subset", 1)
         given = {k: v for k, v in self.extra.items() if v is not None}
         if given and not algo.schema:  # core algorithms read no method setting
-            flags = ", ".join(algorithms.setting_flag(k) for k in given)
-            disk = " (--kappa and --disk-gamma are DiSK's: add --kalman, or use --algo disk)" if \
+            flags = ", ".join(f"`AlgoConfig.extra['{k}']`" for k in given)
+            disk = f" (kappa and disk_gamma are DiSK's: use `algo='{self.algo}+disk'` or `algo='disk'`)" if \
                 {"kappa", "disk_gamma", "kf_gamma"} & set(given) else ""
-            raise ConfigError(f"{flags} {'does' if len(given) == 1 else 'do'} not apply to --algo {self.algo}; the method flags are for "
+            raise ConfigError(f"{flags} {'does' if len(given) == 1 else 'do'} not apply to `algo='{self.algo}'`; the method settings are for "
                               f"the paper methods (perturb, p-avg, inner-outer, ...){disk}")
         if "public_size" in given:
-            check_int(given["public_size"], "--public-size", 1)
+            check_int(given["public_size"], "public_size", 1)
         if self.public_source not in ("test", "holdout"):
-            raise ConfigError(f"--public-source must be test or holdout, got {self.public_source!r}")
+            raise ConfigError(f"`public_source` must be test or holdout, got {self.public_source!r}")
         if given:  # the method's own checks (each message names the flag)
             algo.settings(self.algo_config_without_public() if algo.needs_public else self.algo_config())
 
@@ -191,9 +191,9 @@ class TrainConfig:
         return dataclasses.replace(self.algo_config(), extra={**self.extra, "public": torch.zeros(1, 1)})
 
 
-def check_int(v: Any, flag: str, minimum: int) -> int:
+def check_int(v: Any, name: str, minimum: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ConfigError(f"{flag} must be an integer >= {minimum}, got {v!r}")
+        raise ConfigError(f"`{name}` must be an integer >= {minimum}, got {v!r}")
     return v
 
 
@@ -209,7 +209,7 @@ def _check_bands(bands: int, algo: str, strategy: str) -> None:
     """``--bands``: a whole number >= 1, more than 1 only for the algorithms banded noise is accounted for;
     ``--bands-strategy``: one of ``band_strategy.STRATEGIES``."""
     from ..algorithms.bands import check_strategy
-    check_int(bands, "--bands", 1)
+    check_int(bands, "bands", 1)
     check_strategy(strategy)
     if bands > 1:
         from ..algorithms.bands import check_bandable

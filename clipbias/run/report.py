@@ -122,7 +122,7 @@ def header(run, cfg: TrainConfig, resumed_at_epoch: int | None) -> dict:
         "epsilon_at_end": projected.epsilon, "accountant": projected.accountant,
         "basis": projected.basis, "certified": projected.certified, "caveats": list(projected.caveats),
         "warning": privacy.delta_warning(cfg.delta, round(info.get("n_expected", engine.n))) if private else None,
-        "noise_floor": privacy.report.floor_note(cfg.epsilon, projected.epsilon, engine.noise_multiplier,
+        "noise_floor": privacy.gaussian.floor_note(cfg.epsilon, projected.epsilon, engine.noise_multiplier,
                                                  cfg.accountant) if private and cfg.noise_multiplier is None else None,
         "preprocessing": info["preprocessing"],
         "reproducible_noise": cfg.reproducible_noise, "outside_guarantee": outside_guarantee(cfg) if private else [],

@@ -41,11 +41,11 @@ class Splits:
 def device(name: str) -> torch.device:
     if name == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError("--device cuda: CUDA is not available on this machine "
-                              "(torch.cuda.is_available() is False); use --device cpu")
+            raise ConfigError("`device='cuda'`: CUDA is not available on this machine "
+                              "(torch.cuda.is_available() is False); use `device='cpu'`")
         return torch.device("cuda")
     if name != "cpu":
-        raise ConfigError(f"--device must be cpu or cuda, got {name!r}")
+        raise ConfigError(f"`device` must be cpu or cuda, got {name!r}")
     return torch.device("cpu")
 
 
@@ -55,7 +55,7 @@ def build_model(cfg: TrainConfig, ds_shape: tuple[int, ...], num_classes: int) -
     try:
         return build(cfg.model, ds_shape, num_classes)
     except (ValueError, RuntimeError) as exc:
-        raise ConfigError(f"--model {cfg.model} does not fit --data {cfg.data} (per-example input "
+        raise ConfigError(f"`model='{cfg.model}'` does not fit `data='{cfg.data}'` (per-example input "
                           f"shape {tuple(ds_shape)}): {exc}") from exc
 
 
@@ -71,19 +71,20 @@ def prepare_splits(cfg: TrainConfig, dataset: Dataset | None = None, key: Secret
     dataset = _load(cfg) if dataset is None else _given(cfg, dataset)
     if cfg.subset is not None:  # the private data set IS the first K examples (the definition of the data)
         if cfg.subset > dataset.num_train:
-            raise ConfigError(f"--subset must be <= the {dataset.num_train} training examples, got {cfg.subset}")
+            raise ConfigError(f"`subset` must be <= the {dataset.num_train} training examples, got {cfg.subset}")
         dataset = dataclasses.replace(dataset, x_train=dataset.x_train[:cfg.subset],
                                       y_train=dataset.y_train[:cfg.subset])
     n_given = dataset.num_train
     public_size = cfg.extra.get("public_size")
     if public_size is None and algorithms.get(cfg.algo).needs_public:
-        raise ConfigError(f"--algo {cfg.algo} needs public features: give --public-size N (taken from "
-                          f"the test split, or from the training split with --public-source holdout)")
+        raise ConfigError(f"`algo='{cfg.algo}'` needs public features: give `AlgoConfig.extra['public_size']` N "
+                          f"(taken from the test split, or from the training split with `public_source='holdout'`)")
     public_x = None
     if public_size is not None and cfg.public_source == "test":  # public data, a public choice
         from ..algorithms import public_split
         if public_size >= len(dataset.y_test):
-            raise ConfigError(f"--public-size must be < the {len(dataset.y_test)} test examples, got {public_size}")
+            raise ConfigError(f"`AlgoConfig.extra['public_size']` must be < the {len(dataset.y_test)} test examples, got "
+                              f"{public_size}")
         public_x, dataset = public_split(dataset, public_size, "test", seed=cfg.split_seed)
     x_tr, x_te, public_x, features = _features(cfg, dataset, public_size, public_x)
     y_tr, parts = dataset.y_train, _parts(cfg, n_given, public_size, key)
@@ -112,13 +113,13 @@ def _load(cfg: TrainConfig) -> Dataset:
     except ClipbiasError:
         raise
     except ValueError as exc:
-        raise ConfigError(f"--data {cfg.data}: {exc}") from exc
+        raise ConfigError(f"`data='{cfg.data}'`: {exc}") from exc
 
 
 def _given(cfg: TrainConfig, dataset: Dataset) -> Dataset:
     if dataset.x_val is not None:
         raise ConfigError("the given dataset already holds a validation split (x_val): pass it without one and "
-                          "ask for --validation K (TrainConfig.validation): the run draws that split with its "
+                          "ask for `TrainConfig.validation` K: the run draws that split with its "
                           "secret key")
     return dataset
 
@@ -130,7 +131,8 @@ def _parts(cfg: TrainConfig, n: int, public_size: int | None, key: SecretKey) ->
     k = cfg.validation or 0
     held_out = public_size if (public_size is not None and cfg.public_source == "holdout") else 0
     if k + held_out >= n:
-        asked = [f"--validation {k}"] * bool(k) + [f"--public-size {held_out} (--public-source holdout)"] * bool(held_out)
+        asked = [f"`validation={k}`"] * bool(k) + \
+            [f"`AlgoConfig.extra['public_size']={held_out}` (`public_source='holdout'`)"] * bool(held_out)
         raise ConfigError(f"{' plus '.join(asked)} must be smaller than the training split of {cfg.data} ({n} "
                           f"examples), leaving some for training")
     parts = {"train": torch.ones(n, dtype=torch.bool)}
@@ -143,7 +145,7 @@ def _parts(cfg: TrainConfig, n: int, public_size: int | None, key: SecretKey) ->
     for name, mask in parts.items():
         if not mask.any():
             raise ConfigError(f"the keyed split left the {name} part empty (its expected size is too small for "
-                              f"{n} examples): ask for a larger --validation / --public-size, or use more data")
+                              f"{n} examples): ask for a larger `validation` / `AlgoConfig.extra['public_size']`, or use more data")
     return parts
 
 
@@ -177,7 +179,7 @@ def splits_for(cfg: TrainConfig, splits: Splits | None = None, dataset: Dataset 
     else:
         if splits.info.get("model_key") != model_key(cfg.model):
             raise ConfigError(f"the prepared data are for {splits.info.get('model_key')} models, not "
-                              f"--model {cfg.model}; prepare them with prepare_splits for this model")
+                              f"`model='{cfg.model}'`; prepare them with prepare_splits for this model")
         public = cfg.extra.get("public_size")
         for name, want in (("subset", cfg.subset), ("validation", cfg.validation or 0), ("public_size", public),
                            ("public_source", cfg.public_source if public else None)):
@@ -185,8 +187,8 @@ def splits_for(cfg: TrainConfig, splits: Splits | None = None, dataset: Dataset 
                 raise ConfigError(f"the prepared data have {name}={splits.info.get(name)!r} but the run asks "
                                   f"for --{name.replace('_', '-')} {want!r}; prepare them for this config")
     if cfg.batch_size > splits.n:
-        raise ConfigError(f"--batch-size must lie in [1, N={splits.n}] (the expected batch cannot exceed the "
+        raise ConfigError(f"`batch_size` must lie in [1, N={splits.n}] (the expected batch cannot exceed the "
                           f"{splits.n} training examples), got {cfg.batch_size:g}")
     if cfg.validation and splits.x_val is None:
-        raise ConfigError("--validation: the prepared data hold no validation split")
+        raise ConfigError("`validation`: the prepared data hold no validation split")
     return splits

@@ -198,8 +198,8 @@ def _refuse_diverged(run: Run, rec: dict, history: list[dict], out: Path | None)
                     "steps": run.engine.steps_taken}, out / RESULTS)
     raise TrainingDivergedError(
         f"training diverged in epoch {rec['epoch']} (training loss {rec['train_loss']:.3g}, test loss "
-        f"{rec['test_loss']}): the model is unusable. Lower --lr (now {cfg.lr:g}) and start again"
-        + (f" with --overwrite; {out / RESULTS} records the diverged run" if out is not None else ""))
+        f"{rec['test_loss']}): the model is unusable. Lower `lr` (now {cfg.lr:g}) and start again"
+        + (f" with `overwrite=True`; {out / RESULTS} records the diverged run" if out is not None else ""))
 
 
 def _save(run: Run, out: Path, epoch: int, history: list[dict], wall: float) -> None:
@@ -271,12 +271,12 @@ def run_many(base: TrainConfig, variants: list[tuple[str, dict]], seeds: list[in
     if not variants:
         raise ConfigError("give at least one algorithm to run")
     if not seeds:
-        raise ConfigError("--seeds: give at least one seed")
+        raise ConfigError("`seeds`: give at least one seed")
     for s in seeds:
-        check_int(s, "--seeds", 0)
+        check_int(s, "seeds", 0)
     labels = [label for label, _ in variants]
     if len(set(labels)) != len(labels):
-        raise ConfigError(f"--algos: each algorithm may appear once, got {' '.join(labels)}")
+        raise ConfigError(f"`variants`: each algorithm may appear once, got {' '.join(labels)}")
     cfgs = {label: dataclasses.replace(base, **ov, resume=False) for label, ov in variants}
     if splits is None:
         splits = prepare_splits(next(iter(cfgs.values())))

@@ -49,25 +49,25 @@ class TuneConfig:
 
     def __post_init__(self) -> None:  # valid by construction
         if self.base.epsilon is None:
-            raise ConfigError("tune needs --epsilon: the budget of the whole tuning (the trials' noise is calibrated "
+            raise ConfigError("tune needs `epsilon`: the budget of the whole tuning (the trials' noise is calibrated "
                               "to it)")
         check_epsilon(self.base.epsilon)
         algo = algorithms.get(self.base.algo)
         if not algo.private or algo.accounting != "gaussian":
             raise ConfigError(f"tune accounts the trials with Renyi DP, which covers the Gaussian-accounted "
-                              f"algorithms (dpsgd, normalized, adaptive, perturb, p-avg, ...); --algo {self.base.algo} "
+                              f"algorithms (dpsgd, normalized, adaptive, perturb, p-avg, ...); `algo='{self.base.algo}'` "
                               f"is {'not private' if not algo.private else 'accounted by the DiceSGD mixture'}")
-        for name, (lo, hi) in (("--lr-range", self.lr_range), ("--clip-range", self.clip_range)):
+        for name, (lo, hi) in (("lr_range", self.lr_range), ("clip_range", self.clip_range)):
             if not (check_positive(lo, name) <= check_positive(hi, name)):
-                raise ConfigError(f"{name} must be LO HI with 0 < LO <= HI, got {lo!r} {hi!r}")
+                raise ConfigError(f"`{name}` must be LO HI with 0 < LO <= HI, got {lo!r} {hi!r}")
         if not (isinstance(self.trials, (int, float)) and self.trials >= 1):
-            raise ConfigError(f"--trials (the mean number of trials) must be >= 1, got {self.trials!r}")
+            raise ConfigError(f"`trials` (the mean number of trials) must be >= 1, got {self.trials!r}")
         if not (isinstance(self.shape, (int, float)) and self.shape >= 0 and math.isfinite(self.shape)):
-            raise ConfigError(f"--shape must be a finite number >= 0, got {self.shape!r}")
+            raise ConfigError(f"`shape` must be a finite number >= 0, got {self.shape!r}")
         if not 0 < self.validation < 1:
-            raise ConfigError(f"--validation-fraction must lie in (0, 1), got {self.validation!r}")
+            raise ConfigError(f"`TuneConfig.validation` must lie in (0, 1), got {self.validation!r}")
         if self.score_noise is not None:
-            check_positive(self.score_noise, "--score-noise")
+            check_positive(self.score_noise, "score_noise")
 
 
 def split(splits: Splits, fraction: float, key: SecretKey) -> tuple[Splits, torch.Tensor, torch.Tensor]:
@@ -79,7 +79,7 @@ def split(splits: Splits, fraction: float, key: SecretKey) -> tuple[Splits, torc
     val = val.to(splits.y_train.device)
     if not 0 < int(val.sum()) < splits.n:
         raise ConfigError("the validation part is empty or holds every example: use more data or another "
-                          "--validation-fraction")
+                          "`TuneConfig.validation`")
     # the trials' q, steps and noise come from the part's public expected size, not its realised one
     expected = splits.info.get("n_expected", splits.n) * (1 - fraction)
     part = dataclasses.replace(splits, x_train=splits.x_train[~val], y_train=splits.y_train[~val], x_val=None,

@@ -90,7 +90,7 @@ class _Fetch(Dataset):
 
 
 _DATA_REMEDY = ("Make __getitem__ and collate_fn deterministic (random augmentation of private examples belongs in "
-                "the keyed draws of the training step: --algo self-aug)")
+                "the keyed draws of the training step: `algo='self-aug'`)")
 
 
 def _as_is(data: Any) -> Any:
@@ -148,11 +148,11 @@ class PoissonLoader:
                               f"the sampler draws from n examples and the accounting assumes n; build the engine "
                               f"with n=len(dataset)")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ConfigError(f"--workers (DataLoader worker processes) must be an integer >= 0, got {num_workers!r}")
+            raise ConfigError(f"`num_workers` (DataLoader worker processes) must be an integer >= 0, got {num_workers!r}")
         if num_workers and isinstance(dataset, TensorData) and any(t.device.type != "cpu"
                                                                  for t in batch.leaves(dataset.x)):
             raise ConfigError("DataLoader workers cannot read tensors on a GPU: keep the data on the CPU or use "
-                              "--workers 0")
+                              "`num_workers=0`")
         collate = collate_fn or default_collate
         template = None
         if not isinstance(dataset, TensorData) and len(dataset):

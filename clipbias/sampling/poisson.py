@@ -144,8 +144,8 @@ def band_rate(bands: int, sample_rate: float) -> float:
 def check_bands(bands: int, sample_rate: float) -> None:
     """``bands`` a whole number >= 1 with ``bands * q <= 1`` (the rate of the step's class)."""
     if isinstance(bands, bool) or not isinstance(bands, int) or bands < 1:
-        raise ConfigError(f"--bands must be a whole number >= 1, got {bands!r}")
+        raise ConfigError(f"`bands` must be a whole number >= 1, got {bands!r}")
     if bands * sample_rate > 1:  # band_rate would cap it: the expected batch would shrink
-        raise ConfigError(f"--bands {bands} with sampling rate q = {sample_rate:.4g}: each example joins a step of "
-                          f"its class with probability bands x q = {bands * sample_rate:.4g} > 1; use --bands <= "
+        raise ConfigError(f"`bands={bands}` with sampling rate q = {sample_rate:.4g}: each example joins a step of "
+                          f"its class with probability bands x q = {bands * sample_rate:.4g} > 1; use `bands` <= "
                           f"{max(1, int(1 / sample_rate))} or a smaller batch")

@@ -4,6 +4,7 @@ function of the run's key, the step and the example's index; other random draws 
 import random
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -19,12 +20,31 @@ from clipbias.sampling.loader import PoissonLoader
 KEY = SecretKey.from_seed(11)
 
 
-def reference_masks(key: SecretKey, step: int, ids: list[int], m: int, p: float = 0.5) -> torch.Tensor:
-    """Independent reading of the spec: example i keeps element j of its first dropout call when the
-    j-th little-endian 32-bit word of its FORWARD keystream is below floor((1 - p) 2^32)."""
+def reference_masks(key: SecretKey, step: int, ids: list[int], shape, p: float = 0.5, call: int = 0) -> torch.Tensor:
+    """Independent reading of the spec: example i keeps the element at coordinates c of dropout call
+    ``call`` (per-example ``shape``; an int: one dimension) when word w(c) of its keystream at
+    (FORWARD_CALL, step + 2^32 call, i) is below floor((1 - p) 2^32); w(c) is the row-major position
+    for up to 2 dimensions, else Szudzik(c[-2], c[-1]) * prod(shape[:-2]) + row-major position of c[:-2]."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
     t = int((1 - p) * 2 ** 32)
-    return torch.stack([torch.from_numpy((stream(key, Purpose.FORWARD, step, i, 4 * m).view("<u4") < t).copy())
-                        for i in ids])
+    lead = 1
+    for d in shape[:-2]:
+        lead *= d
+
+    def word(c):
+        if len(c) <= 2:
+            return int(np.ravel_multi_index(c, shape)) if c else 0
+        a, b = c[-2], c[-1]
+        s = b * b + a if a < b else a * a + a + b
+        return s * lead + (int(np.ravel_multi_index(c[:-2], shape[:-2])) if shape[:-2] else 0)
+
+    where = [word(c) for c in np.ndindex(*shape)]
+    n = max(where) + 1
+    rows = []
+    for i in ids:
+        w = stream(key, Purpose.FORWARD_CALL, step + (call << 32), i, 4 * n).view("<u4")
+        rows.append(torch.from_numpy((w[where] < t).copy()).view(shape))
+    return torch.stack(rows)
 
 
 def batched_masks(ids: list[int], m: int, step: int = 0, key: SecretKey = KEY) -> torch.Tensor:
@@ -259,7 +279,7 @@ def test_sdpa_dropout_is_keyed_and_equals_torchs_math_kernel(case):
         return out, seen.calls
 
     out, calls = run([0, 1, 2], ids, p)
-    keep = reference_masks(KEY, 2, ids, H * L * S, p).view(b, H, L, S)
+    keep = reference_masks(KEY, 2, ids, (H, L, S), p)
     want = _math_attention(q, k, v, mask, p, keep, kw["is_causal"], kw["enable_gqa"])
     assert calls == 1 and torch.allclose(out, want, rtol=0, atol=1e-12)
     assert 0.05 < (~keep).float().mean() < 0.6

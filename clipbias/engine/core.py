@@ -154,6 +154,8 @@ class DPEngine:
         # in a process group every rank holds rank 0's key: one global sample, one noise draw
         self.key = distributed.broadcast_key(SecretKey.of(noise_seed))
         self.key.adopt(self)
+        # the layout of each keyed dropout call, as the run's first forward made it (randomness.forward's guard)
+        self._dropout_layouts: dict = {}
         self.accountant, self.dice_accounting = accountant, dice_accounting
 
         self.noise_multiplier = z = noise_multiplier_for(self, epsilon, noise_multiplier)
@@ -303,7 +305,7 @@ class DPEngine:
             try:
                 # dropout masks from the key, per example index; a fully_shard model gathered whole for the sums;
                 # under autocast=, the model's forwards in 16 bits
-                with forward.keyed(self.key, self.steps_taken, dev), self._gathered(), \
+                with forward.keyed(self.key, self.steps_taken, dev, self._dropout_layouts), self._gathered(), \
                         precision.mixed(self._mixed(dev)):
                     for r, p, loss in self._sums(x, y, indices):
                         if ref_sum is not None:

@@ -34,6 +34,7 @@ input is example ``ids[r]`` (an input whose first dimension is not the micro-bat
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 import threading
@@ -48,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 from ..errors import ConfigError, PathRefusal
 from .chacha import BLOCK_BYTES, MAX_BLOCKS
 from .draws import stream
-from .key import Purpose, SecretKey
+from .key import Purpose, SecretKey, forward_call_step
 
 _WORD_BYTES = 4
 _SELU_ALPHA = 1.7580993408473766  # torch's alpha_dropout constant
@@ -58,12 +59,12 @@ _local = threading.local()
 class KeyedForward(TorchFunctionMode):
     """The mode of ``keyed``: dropout from the keystream, every other random operation refused."""
 
-    def __init__(self, key: SecretKey, step: int) -> None:
+    def __init__(self, key: SecretKey, step: int, layouts: dict | None = None) -> None:
         super().__init__()
         self.key, self.step = key, int(step)
+        self.layouts = {} if layouts is None else layouts  # the run's record for the layout guard
         self.ids: list[int] | None = None
         self.position: Tensor | None = None
-        self.offset = 0  # keystream blocks used by the current forward pass
         self.calls = 0   # keyed dropout calls of the current forward pass
         self.inside = False  # within a forward pass (the mode is pushed)
 
@@ -91,27 +92,61 @@ class KeyedForward(TorchFunctionMode):
         return self.ids
 
     def _keep(self, per_example: tuple[int, ...], p: float, device: torch.device) -> Tensor:
-        """``[len(ids), *per_example]`` bool, True where kept: row r from example ``ids[r]``'s keystream,
-        from the pass's next free block."""
+        """``[len(ids), *per_example]`` bool, True where kept: row r from example ``ids[r]``'s keystream of
+        this call (``(Purpose.FORWARD_CALL, (step, call), ids[r])``), laid out by ``layout``."""
         ids = self._rows()
-        m = math.prod(per_example)
-        nbytes = _WORD_BYTES * m
-        blocks = -(-nbytes // BLOCK_BYTES)
-        counter, self.offset, self.calls = self.offset, self.offset + blocks, self.calls + 1
-        if self.offset > MAX_BLOCKS:
-            raise ConfigError(f"the forward pass's dropout masks need more than {MAX_BLOCKS * BLOCK_BYTES >> 30} GiB "
-                              f"of keystream per example")
+        call, self.calls = self.calls, self.calls + 1
+        self._check_layout(call, per_example)
+        words, index = layout(per_example)
+        nbytes = _WORD_BYTES * words
+        if -(-nbytes // BLOCK_BYTES) > MAX_BLOCKS:
+            raise ConfigError(f"dropout call {call} of the forward pass (per-example shape {list(per_example)}) needs "
+                              f"more than {MAX_BLOCKS * BLOCK_BYTES >> 30} GiB of keystream per example")
+        field = forward_call_step(self.step, call)
         threshold = np.uint32(min(int((1.0 - p) * 2.0 ** 32), 2 ** 32 - 1))
-        rows = {i: stream(self.key, Purpose.FORWARD, self.step, i, nbytes, counter).view("<u4") < threshold
-                for i in dict.fromkeys(ids)}  # an example present twice (a counterfactual batch) is drawn once
-        keep = np.stack([rows[i] for i in ids]) if ids else np.zeros((0, m), dtype=bool)
+
+        def row(i: int) -> np.ndarray:
+            bits = stream(self.key, Purpose.FORWARD_CALL, field, i, nbytes).view("<u4") < threshold
+            return bits if index is None else bits[index]
+
+        rows = {i: row(i) for i in dict.fromkeys(ids)}  # an example present twice (a counterfactual batch) is drawn once
+        m = math.prod(per_example)
+        keep = np.stack([rows[i].reshape(-1) for i in ids]) if ids else np.zeros((0, m), dtype=bool)
         return torch.from_numpy(keep).view(len(ids), *per_example).to(device)
+
+    def _check_layout(self, call: int, per_example: tuple[int, ...]) -> None:
+        """Refuse a dropout call whose fixed dimensions (``fixed``) differ from those of the same call at
+        the run's first forward that made it: the layout would then move an example's masks."""
+        sig = fixed(per_example)
+        seen = self.layouts.setdefault("call", {}).setdefault(call, (sig, per_example))
+        if seen[0] != sig:
+            raise ConfigError(
+                f"dropout call {call} of the model's forward pass has per-example shape {list(per_example)}, where an "
+                f"earlier forward of this run had {list(seen[1])}: dropout on an input whose layout changes between "
+                f"batches (e.g. a channel-first sequence padded per batch). The keyed masks are laid out so that only "
+                f"the sequence dimensions (the first of a 1- or 2-d input, the last two of a higher one) may vary; "
+                f"pad to a fixed length, or use a batch-first (sequence, features) layout")
+
+    def check_calls(self) -> None:
+        """At the end of a forward pass with examples: refuse a number of keyed dropout calls different
+        from the run's first such forward (call c is keyed by its number c)."""
+        if not self.ids or self.calls == 0:  # no masks drawn (an empty batch, dropout switched off): nothing keyed
+            return
+        first = self.layouts.setdefault("calls", self.calls)
+        if first != self.calls:
+            raise ConfigError(f"the model's forward pass made {self.calls} keyed dropout calls, where the run's first "
+                              f"made {first}: each call's masks are keyed by its number in the pass, so the number "
+                              f"must not depend on the batch (e.g. on its padded length)")
 
     def _mask(self, noise_shape: tuple[int, ...], p: float, device: torch.device) -> Tensor:
         """The keep mask of a dropout input whose noise has ``noise_shape`` (the input's shape, or its
         first two dimensions for a feature dropout)."""
         if self.position is not None:  # rows path: the whole (logical) input is the one example's
-            keep = self._keep(noise_shape, p, device)
+            # a leading 1 is the batch dimension the rows path adds (batch.unsqueeze): the example's shape
+            # without it, as on the fast path
+            single = len(noise_shape) > 0 and noise_shape[0] == 1
+            keep = self._keep(tuple(noise_shape[1:]) if single else noise_shape, p, device)
+            keep = keep.view(keep.shape[0], *noise_shape)
             return torch.index_select(keep, 0, self.position.reshape(1)).squeeze(0)
         if _transform_level() is not None:
             raise ConfigError("the model draws dropout masks inside a torch.func transform (vmap) that clipbias does "
@@ -142,6 +177,40 @@ class KeyedForward(TorchFunctionMode):
             noise = noise / (1 - p)
         out = input.mul_(noise) if inplace else input * noise
         return out.add_(shift) if alpha else out
+
+
+def _szudzik(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Szudzik's pairing of non-negative integers: ``b^2 + a`` if ``a < b``, else ``a^2 + a + b``; the
+    pairs with ``max(a, b) < n`` fill exactly ``[0, n^2)``."""
+    return np.where(a < b, b * b + a, a * a + a + b)
+
+
+def fixed(per_example: tuple[int, ...]) -> tuple:
+    """The dimensions ``layout`` assumes do not change between batches: none for 0 or 1 dimensions,
+    the last of 2, all but the last two of 3 or more (with the rank)."""
+    k = len(per_example)
+    return (k,) if k <= 1 else (k, per_example[1]) if k == 2 else (k, *per_example[:-2])
+
+
+@functools.lru_cache(maxsize=256)
+def layout(per_example: tuple[int, ...]) -> tuple[int, np.ndarray | None]:
+    """Where each element of an example's dropout input of shape ``per_example`` reads its word of the
+    call's keystream: ``(words, index)``, ``words`` the stream's length used, ``index`` the word of each
+    element (int64, C order; None: the element's own C-order position). Up to 2 dimensions ``(d1, d2)``:
+    row-major, word ``c1 d2 + c2``, which does not depend on ``d1``; 3 or more ``(*lead, a, b)``: word
+    ``S(c_a, c_b) P + linear(lead)`` (``S``: Szudzik's pairing, ``P``: the product of ``lead``), which
+    depends on neither ``a`` nor ``b``. With the dimensions of ``fixed`` fixed, an element's word is a
+    function of its coordinates alone."""
+    k = len(per_example)
+    if k <= 2:
+        return math.prod(per_example), None
+    P, a, b = math.prod(per_example[:-2]), per_example[-2], per_example[-1]
+    if P * a * b == 0:
+        return 0, np.zeros(per_example, dtype=np.int64)
+    s = _szudzik(np.arange(a, dtype=np.int64)[:, None], np.arange(b, dtype=np.int64)[None, :])
+    index = s[None] * P + np.arange(P, dtype=np.int64)[:, None, None]
+    index.setflags(write=False)
+    return int(s.max() + 1) * P, index.reshape(per_example)
 
 
 def _transform_level():
@@ -311,13 +380,15 @@ def check_generators(before: tuple, device: torch.device | str = "cpu", where: s
 
 
 @contextlib.contextmanager
-def keyed(key: SecretKey, step: int, device: torch.device | str = "cpu") -> Iterator[KeyedForward]:
+def keyed(key: SecretKey, step: int, device: torch.device | str = "cpu",
+          layouts: dict | None = None) -> Iterator[KeyedForward]:
     """The private computation of step ``step``: in its forward passes (``one_pass``) dropout keyed per
     example and other draws refused; on leaving, refused if a public generator moved anywhere in it
-    (``check_generators``)."""
+    (``check_generators``). ``layouts``: the run's record of its dropout calls' layouts (a dict kept
+    by the engine across steps; None: a fresh one, for this scope only)."""
     if active() is not None:
         raise RuntimeError("keyed forward scopes do not nest")
-    mode, before = KeyedForward(key, step), snapshot(device)
+    mode, before = KeyedForward(key, step, layouts), snapshot(device)
     _local.mode = mode
     try:
         yield mode
@@ -368,17 +439,18 @@ class Pass:
 @contextlib.contextmanager
 def one_pass(position: Tensor | None = None) -> Iterator[Pass]:
     """One forward pass of the model, under the mode (only the model's own computation: clipbias's
-    arithmetic around it is not intercepted); the keystream counter starts at block 0.
+    arithmetic around it is not intercepted); the dropout calls are numbered from 0.
     ``position``: the rows path's position of the (vmapped) example in ``ids``."""
     mode, seen = active(), Pass()
     if mode is None:
         yield seen
         return
-    saved = mode.offset, mode.calls, mode.position, mode.inside
-    mode.offset, mode.calls, mode.position, mode.inside = 0, 0, position, True
+    saved = mode.calls, mode.position, mode.inside
+    mode.calls, mode.position, mode.inside = 0, position, True
     try:
-        with mode if not saved[3] else contextlib.nullcontext():
+        with mode if not saved[2] else contextlib.nullcontext():
             yield seen
+        mode.check_calls()
     finally:
         seen.calls = mode.calls
-        mode.offset, mode.calls, mode.position, mode.inside = saved
+        mode.calls, mode.position, mode.inside = saved

@@ -6,15 +6,30 @@ of the model in it runs under a ``torch.overrides.TorchFunctionMode`` (``one_pas
 ``torch.feature_dropout``, ``torch.native_dropout`` and the in-place forms: what ``nn.Dropout`` and
 its kind, and Hugging Face's eager attention, call; and the attention-weight mask of
 ``F.scaled_dot_product_attention`` with ``dropout_p > 0``, which is then computed in its math form:
-Hugging Face's default SDPA attention) from the ChaCha20 keystream at the address
-``(Purpose.FORWARD, step, example index)``. Within one forward pass the block counter runs on over
-the dropout calls (call c starts where call c - 1's blocks end), so example i's masks are a pure
-function of the key, the step, i and the shapes of its own forward: the same whatever its position in
-the batch and whichever other examples are present, on the rows path and the fast path, on every rank
-and device, and again on resume (nothing to save). The shapes are the *padded* ones: a collate that
-pads to the batch's longest example makes every example's masks depend on the longest one (1.11 C
-measured, benchmarks/redteam_session/dropout_padding.py); with dropout on, pad to a fixed length. An element is kept when its 32-bit word is below
-``floor((1 - p) 2^32)`` (a keep rate within 2^-32 below 1 - p).
+Hugging Face's default SDPA attention) from the ChaCha20 keystream: call c of a forward pass (its c-th
+keyed dropout call, from 0) draws example i's mask from its own stream, at the address
+``(Purpose.FORWARD_CALL, step + 2^32 c, i)`` (``key.forward_call_step``), from block 0. An element is kept
+when its 32-bit word is below ``floor((1 - p) 2^32)`` (a keep rate within 2^-32 below 1 - p), and
+which word an element reads depends on its coordinates only (``layout``), not on the padded sizes:
+
+* a per-example shape ``(d1, d2)`` (hidden states ``[L, d]``; one or no dimension likewise): row-major,
+  word ``c1 d2 + c2``, which does not depend on ``d1``;
+* ``(*lead, a, b)``, 3 dimensions or more (attention weights ``[H, Lq, Lk]``, both padded): word
+  ``S(c_a, c_b) P + linear(lead)``, with ``P`` the product of ``lead`` and ``S`` Szudzik's pairing
+  (``S(a, b) = b^2 + a`` if ``a < b``, else ``a^2 + a + b``; the pairs with ``max(a, b) < n`` fill
+  ``[0, n^2)``), which depends on neither ``a`` nor ``b``: the call reads ``P max(a, b)^2`` words at most.
+
+The dimensions this assumes fixed (``fixed``: ``d2``; ``lead``) and the number of keyed calls per forward
+are recorded at the run's first forward (the engine's record, ``keyed(..., layouts)``) and a forward that
+differs is refused (``ConfigError``: e.g. dropout on a channel-first ``[d, L]`` sequence padded per
+batch). So example i's mask at an element is a function of the key, the step, i, the call number and the
+element's coordinates only: the same whatever its position in the batch, whichever other examples are
+present and whatever length the batch is padded to, on the rows path and the fast path, on every rank
+and device, and again on resume (nothing to save). Right padding (a collate that pads to the batch's
+longest example, as Hugging Face's do) then leaves an example's masks on its real positions unchanged
+(benchmarks/redteam_session/dropout_padding.py: 1.11 C before, 0 now). Left padding shifts an example's
+coordinates by the padded length: its masks then move with the longest example in the batch, which the
+guard cannot see; with dropout on, pad on the right (or to a fixed length).
 
 Any other random operation the forward calls (``torch.rand``, ``randn``, ``randint``, ``bernoulli``,
 ``multinomial``, ``normal``, ``Tensor.uniform_``, ``rrelu`` in training, ``gumbel_softmax``, ...) is
@@ -27,7 +42,8 @@ Which rows belong to which example: ``examples(ids)`` around the forwards of a m
 that slices it knows the indices; ``None``: a step without indices, whose random forward is refused).
 Within it each forward pass is ``one_pass(position)``: the rows path (``FuncGradients``, one example
 per ``vmap`` call) passes the example's position in ``ids`` as a batched 0-d tensor, and a dropout
-input is that example's whole; the batched forward (fast path) passes none, and row r of a dropout
+input is that example's whole (its per-example shape without the leading 1 of the batch of one the rows
+path makes, as on the fast path); the batched forward (fast path) passes none, and row r of a dropout
 input is example ``ids[r]`` (an input whose first dimension is not the micro-batch is refused).
 """
 

@@ -380,11 +380,18 @@ def test_a_dropout_layout_change_is_refused_in_a_training_run():
         def forward(self, x):  # x [b, L, 3]
             return self.lin(F.dropout(x.transpose(1, 2), 0.2, self.training).transpose(1, 2)).sum((1, 2))
 
+    def engine(path):
+        return DPEngine(ChannelFirst(), "dpsgd", n=16, batch_size=4, steps=3, noise_multiplier=1.0, grad_path=path,
+                        config=AlgoConfig(lr=0.1, clip=1.0), loss_fn=lambda out, y: out, noise_seed=2)
+
     for path in ("rows", "fast"):
-        eng = DPEngine(ChannelFirst(), "dpsgd", n=16, batch_size=4, steps=2, noise_multiplier=1.0, grad_path=path,
-                       config=AlgoConfig(lr=0.1, clip=1.0), loss_fn=lambda out, y: out, noise_seed=2)
+        eng = engine(path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             eng.step(torch.ones(4, 5, 3), torch.zeros(4), torch.arange(4))
             with pytest.raises(ConfigError, match="layout changes between batches"):
                 eng.step(torch.ones(4, 8, 3), torch.zeros(4), torch.arange(4, 8))
+            resumed = engine(path)  # the record travels in the engine's state: a resumed run is held to it
+            resumed.load_state_dict(eng.state_dict())
+            with pytest.raises(ConfigError, match="layout changes between batches"):
+                resumed.step(torch.ones(4, 8, 3), torch.zeros(4), torch.arange(4, 8))

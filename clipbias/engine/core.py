@@ -10,6 +10,7 @@ accounted like any other.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -488,7 +489,7 @@ class DPEngine:
                 "optimizer": self.optimizer.state_dict(), "optimizer_class": type(self.optimizer).__name__,
                 "pipeline": self.pipeline.state_dict(),
                 "sampler": self._sampler_state(), "secret_key": self.key.state_dict(),
-                "rows": self.rows.state_dict()}
+                "rows": self.rows.state_dict(), "dropout_layouts": copy.deepcopy(self._dropout_layouts)}
 
     def _sampler_state(self) -> dict:
         """The sampler's state, with the batch it handed out last and no step has used (a loop that stopped
@@ -538,6 +539,8 @@ class DPEngine:
         self.pipeline.load_state_dict(state["pipeline"])
         self.sampler.load_state_dict(state["sampler"])
         self.rows.load_state_dict(state.get("rows", state.get("grads", {})))  # "grads": before the redesign
+        # the keyed dropout calls' layouts recorded before (randomness.forward's guard; absent: before the guard)
+        self._dropout_layouts = copy.deepcopy(state.get("dropout_layouts", {}))
 
     def _set_key(self, key: SecretKey) -> None:
         """Every secret draw of the run under ``key``: sampler, row source, keyed stages (noise, perturbation)."""

@@ -9,6 +9,7 @@ process, medians of ``--reps`` rounds; also the time inside the mask function al
 Usage::
 
     python benchmarks/keyed_dropout_padding_cost.py --reps 7 --path fast --width 20
+    python benchmarks/keyed_dropout_padding_cost.py --reps 3 --masks
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import importlib.util
 import math
 import pathlib
 import statistics
+import sys
 import time
 import warnings
 
-import numpy as np
-import torch
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's clipbias
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from clipbias.config import AlgoConfig
 from clipbias.data.text import sequence_loss
@@ -36,6 +39,7 @@ _spec = importlib.util.spec_from_file_location("dropout_padding", _here / "redte
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
+assert hasattr(forward, "layout"), f"{forward.__file__}: not the per-call layout"
 _new_keep = forward.KeyedForward._keep
 
 
@@ -55,14 +59,38 @@ def _before_keep(self, per_example, p, device):
     return torch.from_numpy(keep).view(len(ids), *per_example).to(device)
 
 
+def masks_only(reps: int) -> None:
+    """The mask function alone, B = 8, on larger per-example shapes: hidden states [512, 768] (row-major,
+    no gather), square attention weights [12, 512, 512] and a cross-attention-like [12, 128, 512] (the
+    stream is read up to 512^2 per head: 4x the elements)."""
+    from clipbias.randomness import SecretKey
+    key = SecretKey.from_seed(1)
+    for shape in [(512, 768), (12, 512, 512), (12, 128, 512)]:
+        res = {}
+        for arm, fn in (("new", _new_keep), ("before", _before_keep)):
+            ts = []
+            for _ in range(reps + 1):
+                with forward.keyed(key, 0), forward.examples(list(range(8))), forward.one_pass():
+                    t0 = time.perf_counter()
+                    fn(forward.active(), shape, 0.1, torch.device("cpu"))
+                    ts.append(time.perf_counter() - t0)
+            res[arm] = statistics.median(ts[1:]) * 1e3
+        print(f"masks of {list(shape)}, B 8: {res['new']:.1f} ms new vs {res['before']:.1f} ms before "
+              f"({res['new'] / res['before']:.2f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--masks", action="store_true", help="the mask function alone on larger shapes")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--path", default="fast")
     ap.add_argument("--width", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.masks:
+        masks_only(a.reps)
+        return
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 100, (8, a.width), generator=g)
     x, y = bench.batch(tokens, [a.width] * 8, a.width)

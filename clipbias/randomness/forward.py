@@ -113,21 +113,23 @@ class KeyedForward(TorchFunctionMode):
         ids = self._rows()
         call, self.calls = self.calls, self.calls + 1
         self._check_layout(call, per_example)
-        words, index = layout(per_example)
+        words, pairs = layout(per_example)
         nbytes = _WORD_BYTES * words
         if -(-nbytes // BLOCK_BYTES) > MAX_BLOCKS:
             raise ConfigError(f"dropout call {call} of the forward pass (per-example shape {list(per_example)}) needs "
                               f"more than {MAX_BLOCKS * BLOCK_BYTES >> 30} GiB of keystream per example")
         field = forward_call_step(self.step, call)
         threshold = np.uint32(min(int((1.0 - p) * 2.0 ** 32), 2 ** 32 - 1))
-
-        def row(i: int) -> np.ndarray:
-            bits = stream(self.key, Purpose.FORWARD_CALL, field, i, nbytes).view("<u4") < threshold
-            return bits if index is None else bits[index]
-
-        rows = {i: row(i) for i in dict.fromkeys(ids)}  # an example present twice (a counterfactual batch) is drawn once
         m = math.prod(per_example)
-        keep = np.stack([rows[i].reshape(-1) for i in ids]) if ids else np.zeros((0, m), dtype=bool)
+        keep = np.empty((len(ids), m), dtype=bool)
+        first: dict[int, int] = {}  # an example present twice (a counterfactual batch) is drawn once
+        for r, i in enumerate(ids):
+            if i in first:
+                keep[r] = keep[first[i]]
+                continue
+            first[i] = r
+            _gather(stream(self.key, Purpose.FORWARD_CALL, field, i, nbytes).view("<u4") < threshold, per_example,
+                    pairs, keep[r])
         return torch.from_numpy(keep).view(len(ids), *per_example).to(device)
 
     def _check_layout(self, call: int, per_example: tuple[int, ...]) -> None:
@@ -208,13 +210,12 @@ def fixed(per_example: tuple[int, ...]) -> tuple:
     return (k,) if k <= 1 else (k, per_example[1]) if k == 2 else (k, *per_example[:-2])
 
 
-@functools.lru_cache(maxsize=256)
 def layout(per_example: tuple[int, ...]) -> tuple[int, np.ndarray | None]:
     """Where each element of an example's dropout input of shape ``per_example`` reads its word of the
-    call's keystream: ``(words, index)``, ``words`` the stream's length used, ``index`` the word of each
-    element (int64, C order; None: the element's own C-order position). Up to 2 dimensions ``(d1, d2)``:
-    row-major, word ``c1 d2 + c2``, which does not depend on ``d1``; 3 or more ``(*lead, a, b)``: word
-    ``S(c_a, c_b) P + linear(lead)`` (``S``: Szudzik's pairing, ``P``: the product of ``lead``), which
+    call's keystream: ``(words, pairs)``, ``words`` the stream's length used. Up to 2 dimensions
+    ``(d1, d2)``: row-major, word ``c1 d2 + c2``, which does not depend on ``d1`` (``pairs`` None: the
+    element's own C-order position); 3 or more ``(*lead, a, b)``: word ``S(c_a, c_b) P + linear(lead)``
+    (``S``: Szudzik's pairing, ``P``: the product of ``lead``; ``pairs``: ``S`` over ``[a, b]``), which
     depends on neither ``a`` nor ``b``. With the dimensions of ``fixed`` fixed, an element's word is a
     function of its coordinates alone."""
     k = len(per_example)
@@ -222,11 +223,32 @@ def layout(per_example: tuple[int, ...]) -> tuple[int, np.ndarray | None]:
         return math.prod(per_example), None
     P, a, b = math.prod(per_example[:-2]), per_example[-2], per_example[-1]
     if P * a * b == 0:
-        return 0, np.zeros(per_example, dtype=np.int64)
-    s = _szudzik(np.arange(a, dtype=np.int64)[:, None], np.arange(b, dtype=np.int64)[None, :])
-    index = s[None] * P + np.arange(P, dtype=np.int64)[:, None, None]
-    index.setflags(write=False)
-    return int(s.max() + 1) * P, index.reshape(per_example)
+        return 0, np.zeros((a, b), dtype=np.int64)
+    pairs = _pairs(a, b)
+    return (int(pairs.max()) + 1) * P, pairs
+
+
+@functools.lru_cache(maxsize=16)
+def _pairs(a: int, b: int) -> np.ndarray:
+    """Szudzik's pairing of ``[0, a) x [0, b)`` (read-only; int32 where it fits: 4 MB at 1024 x 1024)."""
+    n = max(a, b)
+    dt = np.int32 if n * n < 2 ** 31 else np.int64
+    out = _szudzik(np.arange(a, dtype=dt)[:, None], np.arange(b, dtype=dt)[None, :])
+    out.setflags(write=False)
+    return out
+
+
+def _gather(bits: np.ndarray, per_example: tuple[int, ...], pairs: np.ndarray | None, out: np.ndarray) -> None:
+    """The keep bits of one example into ``out`` (flat, ``per_example`` in C order) from its call's stream
+    bits (``layout``): word ``S P + l`` is column ``S`` of row ``l`` of the stream as ``[-1, P]`` transposed."""
+    if pairs is None:
+        out[:] = bits
+        return
+    P = math.prod(per_example[:-2])
+    if out.size == 0:
+        return
+    rows = np.ascontiguousarray(bits.reshape(-1, P).T) if P > 1 else bits.reshape(1, -1)
+    np.take(rows, pairs.reshape(-1), axis=1, out=out.reshape(P, pairs.size))
 
 
 def _transform_level():

@@ -4,6 +4,7 @@ function of the run's key, the step and the example's index; other random draws 
 import random
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -19,12 +20,31 @@ from clipbias.sampling.loader import PoissonLoader
 KEY = SecretKey.from_seed(11)
 
 
-def reference_masks(key: SecretKey, step: int, ids: list[int], m: int, p: float = 0.5) -> torch.Tensor:
-    """Independent reading of the spec: example i keeps element j of its first dropout call when the
-    j-th little-endian 32-bit word of its FORWARD keystream is below floor((1 - p) 2^32)."""
+def reference_masks(key: SecretKey, step: int, ids: list[int], shape, p: float = 0.5, call: int = 0) -> torch.Tensor:
+    """Independent reading of the spec: example i keeps the element at coordinates c of dropout call
+    ``call`` (per-example ``shape``; an int: one dimension) when word w(c) of its keystream at
+    (FORWARD_CALL, step + 2^32 call, i) is below floor((1 - p) 2^32); w(c) is the row-major position
+    for up to 2 dimensions, else Szudzik(c[-2], c[-1]) * prod(shape[:-2]) + row-major position of c[:-2]."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
     t = int((1 - p) * 2 ** 32)
-    return torch.stack([torch.from_numpy((stream(key, Purpose.FORWARD, step, i, 4 * m).view("<u4") < t).copy())
-                        for i in ids])
+    lead = 1
+    for d in shape[:-2]:
+        lead *= d
+
+    def word(c):
+        if len(c) <= 2:
+            return int(np.ravel_multi_index(c, shape)) if c else 0
+        a, b = c[-2], c[-1]
+        s = b * b + a if a < b else a * a + a + b
+        return s * lead + (int(np.ravel_multi_index(c[:-2], shape[:-2])) if shape[:-2] else 0)
+
+    where = [word(c) for c in np.ndindex(*shape)]
+    n = max(where) + 1
+    rows = []
+    for i in ids:
+        w = stream(key, Purpose.FORWARD_CALL, step + (call << 32), i, 4 * n).view("<u4")
+        rows.append(torch.from_numpy((w[where] < t).copy()).view(shape))
+    return torch.stack(rows)
 
 
 def batched_masks(ids: list[int], m: int, step: int = 0, key: SecretKey = KEY) -> torch.Tensor:
@@ -259,7 +279,7 @@ def test_sdpa_dropout_is_keyed_and_equals_torchs_math_kernel(case):
         return out, seen.calls
 
     out, calls = run([0, 1, 2], ids, p)
-    keep = reference_masks(KEY, 2, ids, H * L * S, p).view(b, H, L, S)
+    keep = reference_masks(KEY, 2, ids, (H, L, S), p)
     want = _math_attention(q, k, v, mask, p, keep, kw["is_causal"], kw["enable_gqa"])
     assert calls == 1 and torch.allclose(out, want, rtol=0, atol=1e-12)
     assert 0.05 < (~keep).float().mean() < 0.6
@@ -299,3 +319,79 @@ def test_sdpa_dropout_rows_and_fast_paths_agree():
         out.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
     assert len(idx) > 2 and torch.allclose(out[0], out[1], rtol=0, atol=1e-10)
     assert (out[1] - out[2]).norm() > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["hidden", "sdpa"])
+def test_an_examples_masks_on_its_real_positions_do_not_depend_on_the_padded_length(kind):
+    """Dynamic padding: the same examples padded to 7 and to 12 positions (a longer example in the batch).
+    Each call has its own stream, and the layout depends on an element's coordinates only: on the real
+    positions the masks of a [L, d] dropout and of SDPA's attention weights [H, L, L] (its second call,
+    after a dropout whose size also changed) are the same; a padded batch's masks match the reference."""
+    def masks(width):
+        x = torch.ones(3, width, 5)
+        q = torch.randn(3, 2, width, 4, generator=torch.Generator().manual_seed(0))
+        with forward.keyed(KEY, 4), forward.examples([6, 1, 3]), forward.one_pass() as seen:
+            h = F.dropout(x, 0.5)
+            if kind == "hidden":
+                return h != 0, seen
+            with torch.no_grad():
+                out = F.scaled_dot_product_attention(q, q, torch.eye(width).expand(3, 2, width, width), dropout_p=0.5)
+            return out != 0, seen  # V = I: the output is the dropped weights, zero where dropped (or masked)
+    short, s1 = masks(7)
+    long, s2 = masks(12)
+    assert s1.calls == s2.calls == (1 if kind == "hidden" else 2)
+    if kind == "hidden":
+        assert torch.equal(short, long[:, :7])
+        assert torch.equal(long, reference_masks(KEY, 4, [6, 1, 3], (12, 5)))
+    else:
+        assert torch.equal(short, long[:, :, :7, :7])
+        assert torch.equal(long, reference_masks(KEY, 4, [6, 1, 3], (2, 12, 12), call=1))
+    assert 0.3 < long.float().mean() < 0.7
+
+
+def test_dropout_whose_layout_changes_between_batches_is_refused():
+    """Dropout on a channel-first [d, L] input whose L is padded per batch: the row-major layout would move
+    an example's masks with L. The run's first forward records each call's fixed dimensions; a later
+    forward with other ones is refused, naming the call and the shapes. The same [L, d] input in the
+    batch-first layout, L varying, is taken; so is a change in the number of calls refused."""
+    layouts = {}
+    for L in (6, 9):
+        with forward.keyed(KEY, L, layouts=layouts), forward.examples([0, 1]), forward.one_pass():
+            F.dropout(torch.ones(2, L, 4), 0.5)
+    layouts = {}
+    with forward.keyed(KEY, 0, layouts=layouts), forward.examples([0, 1]), forward.one_pass():
+        F.dropout(torch.ones(2, 4, 6), 0.5)
+    with pytest.raises(ConfigError, match=r"dropout call 0 .*\[4, 9\].*\[4, 6\].*layout changes between batches"):
+        with forward.keyed(KEY, 1, layouts=layouts), forward.examples([0, 1]), forward.one_pass():
+            F.dropout(torch.ones(2, 4, 9), 0.5)
+    with pytest.raises(ConfigError, match="made 2 keyed dropout calls, where the run's first made 1"):
+        with forward.keyed(KEY, 2, layouts=layouts), forward.examples([0, 1]), forward.one_pass():
+            F.dropout(F.dropout(torch.ones(2, 4, 6), 0.5), 0.5)
+
+
+def test_a_dropout_layout_change_is_refused_in_a_training_run():
+    """Through the engine: a model dropping a channel-first [d, L] view, L padded per batch, is refused at
+    the step whose L differs from the first step's (both paths)."""
+    class ChannelFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 1)
+
+        def forward(self, x):  # x [b, L, 3]
+            return self.lin(F.dropout(x.transpose(1, 2), 0.2, self.training).transpose(1, 2)).sum((1, 2))
+
+    def engine(path):
+        return DPEngine(ChannelFirst(), "dpsgd", n=16, batch_size=4, steps=3, noise_multiplier=1.0, grad_path=path,
+                        config=AlgoConfig(lr=0.1, clip=1.0), loss_fn=lambda out, y: out, noise_seed=2)
+
+    for path in ("rows", "fast"):
+        eng = engine(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            eng.step(torch.ones(4, 5, 3), torch.zeros(4), torch.arange(4))
+            with pytest.raises(ConfigError, match="layout changes between batches"):
+                eng.step(torch.ones(4, 8, 3), torch.zeros(4), torch.arange(4, 8))
+            resumed = engine(path)  # the record travels in the engine's state: a resumed run is held to it
+            resumed.load_state_dict(eng.state_dict())
+            with pytest.raises(ConfigError, match="layout changes between batches"):
+                resumed.step(torch.ones(4, 8, 3), torch.zeros(4), torch.arange(4, 8))

@@ -190,3 +190,45 @@ def test_a_cancelling_tied_example_does_not_round_the_others_away():
     weight's sums are float64, rounded once: removing it leaves the release within float32 rounding."""
     change = _load("tied_absorb").run(4096)
     assert change <= 1e-6
+
+
+def _padded_gpt2_grads(width: int, path: str):
+    """Tiny GPT-2 (dropout 0.1 on hidden states and SDPA attention), 8 examples right-padded to ``width``
+    with their attention mask, under one key, step and indices: the per-example gradients (rows path:
+    FuncGradients; fast path: BookKeeping's sum with a one-hot weight per example) and norms."""
+    from clipbias.data.text import sequence_loss
+    from clipbias.grads.fast import BookKeeping
+    from clipbias.grads.rows import FuncGradients
+    from clipbias.randomness import SecretKey, forward
+
+    bench = _load("dropout_padding")
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 100, (8, 20), generator=g)
+    x, y = bench.batch(tokens, [12, 11, 10, 12, 9, 12, 8, 12], width)
+    model, ids = bench.gpt2(0.1), list(range(20, 28))
+    with forward.keyed(SecretKey.from_seed(7), 3), forward.examples(ids):
+        if path == "rows":
+            grads, _ = FuncGradients(model, sequence_loss)(x, y)
+            return grads.double(), grads.double().norm(dim=1)
+        bk, rows = BookKeeping(model, sequence_loss), []
+        for r in range(8):
+            s, _, _, norms = bk(x, y, lambda n, r=r: torch.nn.functional.one_hot(torch.tensor(r), len(n)).to(n), False)
+            rows.append(s.double())
+        return torch.stack(rows), norms.double()
+
+
+def test_dynamic_padding_does_not_move_an_examples_dropout_masks():
+    """Red team (benchmarks/redteam_session/dropout_padding.py): masks laid out over the padded shape, each
+    call after the previous call's blocks, moved 8 examples' clipped sum by 1.11 C when they were padded to
+    20 tokens instead of 12 (a long example joining the batch). Per-call streams and a layout independent of
+    the padded sizes: each example's gradient is the same at either width, on both paths (and equal across
+    the paths); dropout is on (the gradients differ from dropout's off)."""
+    got = {}
+    for path in ("rows", "fast"):
+        (a, na), (b, nb) = _padded_gpt2_grads(12, path), _padded_gpt2_grads(20, path)
+        scale = float(na.max())
+        assert torch.allclose(na, nb, rtol=1e-5) and float((a - b).norm(dim=1).max()) <= 1e-5 * scale, path
+        got[path] = a
+    assert float((got["rows"] - got["fast"]).norm(dim=1).max()) <= 1e-4 * float(got["rows"].norm(dim=1).max())
+    clipped = _load("dropout_padding").main("fast")
+    assert clipped[0.1] < 1e-4 and clipped["split"] < 1e-4

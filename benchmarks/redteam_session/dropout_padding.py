@@ -5,7 +5,8 @@ the batch's longest example) the longest example's presence changes every other 
 Tiny GPT-2, right padding with its attention mask (which docs/privacy.md calls padding-safe), dropout
 0.1 (hidden and SDPA attention), fast path.  Measured: the clipped sum of 8 short examples padded to
 12 tokens vs the same 8 padded to 20 (as when a long example joins the batch), same key, step and
-indices, in units of C; with dropout off, the same comparison (should be ~0)."""
+indices, in units of C; with dropout off, the same comparison (should be ~0).  Before the fix: 1.11 C on both
+paths.  Fixed (each call its own stream, each element's word by its coordinates): 0.000 C."""
 import pathlib
 import sys
 import warnings

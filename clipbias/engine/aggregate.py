@@ -220,7 +220,7 @@ def attempt_sums(engine, x: Batch, y: Batch, indices: Tensor | None, keep_output
         try:
             # dropout masks from the key, per example index; a fully_shard model gathered whole for the sums;
             # under autocast=, the model's forwards in 16 bits
-            with forward.keyed(engine.key, engine.steps_taken, dev), _gathered(engine), \
+            with forward.keyed(engine.key, engine.steps_taken, dev, engine._dropout_layouts), _gathered(engine), \
                     precision.mixed(_mixed(engine, dev)):
                 for r, p, loss in step_sums(engine, x, y, indices):
                     if ref_sum is not None:

@@ -143,6 +143,8 @@ class DPEngine:
         # in a process group every rank holds rank 0's key: one global sample, one noise draw
         self.key = distributed.broadcast_key(SecretKey.of(noise_seed))
         self.key.adopt(self)
+        # the layout of each keyed dropout call, as the run's first forward made it (randomness.forward's guard)
+        self._dropout_layouts: dict = {}
         self.accountant, self.dice_accounting = accountant, dice_accounting
 
         self.noise_multiplier = z = noise_multiplier_for(self, epsilon, noise_multiplier)

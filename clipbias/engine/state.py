@@ -4,6 +4,7 @@ checks that a resumed run is the same private run (``checks.check_resume``)."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict
 from typing import Any
 
@@ -19,7 +20,7 @@ def state_of(engine: Any) -> dict:
             "optimizer": engine.optimizer.state_dict(), "optimizer_class": type(engine.optimizer).__name__,
             "pipeline": engine.pipeline.state_dict(),
             "sampler": _sampler_state(engine), "secret_key": engine.key.state_dict(),
-            "rows": engine.rows.state_dict()}
+            "rows": engine.rows.state_dict(), "dropout_layouts": copy.deepcopy(engine._dropout_layouts)}
 
 
 def _sampler_state(engine: Any) -> dict:
@@ -67,6 +68,8 @@ def _load(engine: Any, state: dict) -> None:
     engine.pipeline.load_state_dict(state["pipeline"])
     engine.sampler.load_state_dict(state["sampler"])
     engine.rows.load_state_dict(state.get("rows", state.get("grads", {})))  # "grads": before the redesign
+    # the keyed dropout calls' layouts recorded before (randomness.forward's guard; absent: before the guard)
+    engine._dropout_layouts = copy.deepcopy(state.get("dropout_layouts", {}))
 
 
 def set_key(engine: Any, key: SecretKey) -> None:

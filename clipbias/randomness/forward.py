@@ -6,15 +6,30 @@ of the model in it runs under a ``torch.overrides.TorchFunctionMode`` (``one_pas
 ``torch.feature_dropout``, ``torch.native_dropout`` and the in-place forms: what ``nn.Dropout`` and
 its kind, and Hugging Face's eager attention, call; and the attention-weight mask of
 ``F.scaled_dot_product_attention`` with ``dropout_p > 0``, which is then computed in its math form:
-Hugging Face's default SDPA attention) from the ChaCha20 keystream at the address
-``(Purpose.FORWARD, step, example index)``. Within one forward pass the block counter runs on over
-the dropout calls (call c starts where call c - 1's blocks end), so example i's masks are a pure
-function of the key, the step, i and the shapes of its own forward: the same whatever its position in
-the batch and whichever other examples are present, on the rows path and the fast path, on every rank
-and device, and again on resume (nothing to save). The shapes are the *padded* ones: a collate that
-pads to the batch's longest example makes every example's masks depend on the longest one (1.11 C
-measured, benchmarks/redteam_session/dropout_padding.py); with dropout on, pad to a fixed length. An element is kept when its 32-bit word is below
-``floor((1 - p) 2^32)`` (a keep rate within 2^-32 below 1 - p).
+Hugging Face's default SDPA attention) from the ChaCha20 keystream: call c of a forward pass (its c-th
+keyed dropout call, from 0) draws example i's mask from its own stream, at the address
+``(Purpose.FORWARD_CALL, step + 2^32 c, i)`` (``key.forward_call_step``), from block 0. An element is kept
+when its 32-bit word is below ``floor((1 - p) 2^32)`` (a keep rate within 2^-32 below 1 - p), and
+which word an element reads depends on its coordinates only (``layout``), not on the padded sizes:
+
+* a per-example shape ``(d1, d2)`` (hidden states ``[L, d]``; one or no dimension likewise): row-major,
+  word ``c1 d2 + c2``, which does not depend on ``d1``;
+* ``(*lead, a, b)``, 3 dimensions or more (attention weights ``[H, Lq, Lk]``, both padded): word
+  ``S(c_a, c_b) P + linear(lead)``, with ``P`` the product of ``lead`` and ``S`` Szudzik's pairing
+  (``S(a, b) = b^2 + a`` if ``a < b``, else ``a^2 + a + b``; the pairs with ``max(a, b) < n`` fill
+  ``[0, n^2)``), which depends on neither ``a`` nor ``b``: the call reads ``P max(a, b)^2`` words at most.
+
+The dimensions this assumes fixed (``fixed``: ``d2``; ``lead``) and the number of keyed calls per forward
+are recorded at the run's first forward (the engine's record, ``keyed(..., layouts)``) and a forward that
+differs is refused (``ConfigError``: e.g. dropout on a channel-first ``[d, L]`` sequence padded per
+batch). So example i's mask at an element is a function of the key, the step, i, the call number and the
+element's coordinates only: the same whatever its position in the batch, whichever other examples are
+present and whatever length the batch is padded to, on the rows path and the fast path, on every rank
+and device, and again on resume (nothing to save). Right padding (a collate that pads to the batch's
+longest example, as Hugging Face's do) then leaves an example's masks on its real positions unchanged
+(benchmarks/redteam_session/dropout_padding.py: 1.11 C before, 0 now). Left padding shifts an example's
+coordinates by the padded length: its masks then move with the longest example in the batch, which the
+guard cannot see; with dropout on, pad on the right (or to a fixed length).
 
 Any other random operation the forward calls (``torch.rand``, ``randn``, ``randint``, ``bernoulli``,
 ``multinomial``, ``normal``, ``Tensor.uniform_``, ``rrelu`` in training, ``gumbel_softmax``, ...) is
@@ -27,13 +42,15 @@ Which rows belong to which example: ``examples(ids)`` around the forwards of a m
 that slices it knows the indices; ``None``: a step without indices, whose random forward is refused).
 Within it each forward pass is ``one_pass(position)``: the rows path (``FuncGradients``, one example
 per ``vmap`` call) passes the example's position in ``ids`` as a batched 0-d tensor, and a dropout
-input is that example's whole; the batched forward (fast path) passes none, and row r of a dropout
+input is that example's whole (its per-example shape without the leading 1 of the batch of one the rows
+path makes, as on the fast path); the batched forward (fast path) passes none, and row r of a dropout
 input is example ``ids[r]`` (an input whose first dimension is not the micro-batch is refused).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 import threading
@@ -48,7 +65,7 @@ from torch.overrides import TorchFunctionMode
 from ..errors import ConfigError, PathRefusal
 from .chacha import BLOCK_BYTES, MAX_BLOCKS
 from .draws import stream
-from .key import Purpose, SecretKey
+from .key import Purpose, SecretKey, forward_call_step
 
 _WORD_BYTES = 4
 _SELU_ALPHA = 1.7580993408473766  # torch's alpha_dropout constant
@@ -58,12 +75,12 @@ _local = threading.local()
 class KeyedForward(TorchFunctionMode):
     """The mode of ``keyed``: dropout from the keystream, every other random operation refused."""
 
-    def __init__(self, key: SecretKey, step: int) -> None:
+    def __init__(self, key: SecretKey, step: int, layouts: dict | None = None) -> None:
         super().__init__()
         self.key, self.step = key, int(step)
+        self.layouts = {} if layouts is None else layouts  # the run's record for the layout guard
         self.ids: list[int] | None = None
         self.position: Tensor | None = None
-        self.offset = 0  # keystream blocks used by the current forward pass
         self.calls = 0   # keyed dropout calls of the current forward pass
         self.inside = False  # within a forward pass (the mode is pushed)
 
@@ -91,27 +108,63 @@ class KeyedForward(TorchFunctionMode):
         return self.ids
 
     def _keep(self, per_example: tuple[int, ...], p: float, device: torch.device) -> Tensor:
-        """``[len(ids), *per_example]`` bool, True where kept: row r from example ``ids[r]``'s keystream,
-        from the pass's next free block."""
+        """``[len(ids), *per_example]`` bool, True where kept: row r from example ``ids[r]``'s keystream of
+        this call (``(Purpose.FORWARD_CALL, (step, call), ids[r])``), laid out by ``layout``."""
         ids = self._rows()
-        m = math.prod(per_example)
-        nbytes = _WORD_BYTES * m
-        blocks = -(-nbytes // BLOCK_BYTES)
-        counter, self.offset, self.calls = self.offset, self.offset + blocks, self.calls + 1
-        if self.offset > MAX_BLOCKS:
-            raise ConfigError(f"the forward pass's dropout masks need more than {MAX_BLOCKS * BLOCK_BYTES >> 30} GiB "
-                              f"of keystream per example")
+        call, self.calls = self.calls, self.calls + 1
+        self._check_layout(call, per_example)
+        words, pairs = layout(per_example)
+        nbytes = _WORD_BYTES * words
+        if -(-nbytes // BLOCK_BYTES) > MAX_BLOCKS:
+            raise ConfigError(f"dropout call {call} of the forward pass (per-example shape {list(per_example)}) needs "
+                              f"more than {MAX_BLOCKS * BLOCK_BYTES >> 30} GiB of keystream per example")
+        field = forward_call_step(self.step, call)
         threshold = np.uint32(min(int((1.0 - p) * 2.0 ** 32), 2 ** 32 - 1))
-        rows = {i: stream(self.key, Purpose.FORWARD, self.step, i, nbytes, counter).view("<u4") < threshold
-                for i in dict.fromkeys(ids)}  # an example present twice (a counterfactual batch) is drawn once
-        keep = np.stack([rows[i] for i in ids]) if ids else np.zeros((0, m), dtype=bool)
+        m = math.prod(per_example)
+        keep = np.empty((len(ids), m), dtype=bool)
+        first: dict[int, int] = {}  # an example present twice (a counterfactual batch) is drawn once
+        for r, i in enumerate(ids):
+            if i in first:
+                keep[r] = keep[first[i]]
+                continue
+            first[i] = r
+            _gather(stream(self.key, Purpose.FORWARD_CALL, field, i, nbytes).view("<u4") < threshold, per_example,
+                    pairs, keep[r])
         return torch.from_numpy(keep).view(len(ids), *per_example).to(device)
+
+    def _check_layout(self, call: int, per_example: tuple[int, ...]) -> None:
+        """Refuse a dropout call whose fixed dimensions (``fixed``) differ from those of the same call at
+        the run's first forward that made it: the layout would then move an example's masks."""
+        sig = fixed(per_example)
+        seen = self.layouts.setdefault("call", {}).setdefault(call, (sig, per_example))
+        if seen[0] != sig:
+            raise ConfigError(
+                f"dropout call {call} of the model's forward pass has per-example shape {list(per_example)}, where an "
+                f"earlier forward of this run had {list(seen[1])}: dropout on an input whose layout changes between "
+                f"batches (e.g. a channel-first sequence padded per batch). The keyed masks are laid out so that only "
+                f"the sequence dimensions (the first of a 1- or 2-d input, the last two of a higher one) may vary; "
+                f"pad to a fixed length, or use a batch-first (sequence, features) layout")
+
+    def check_calls(self) -> None:
+        """At the end of a forward pass with examples: refuse a number of keyed dropout calls different
+        from the run's first such forward (call c is keyed by its number c)."""
+        if not self.ids or self.calls == 0:  # no masks drawn (an empty batch, dropout switched off): nothing keyed
+            return
+        first = self.layouts.setdefault("calls", self.calls)
+        if first != self.calls:
+            raise ConfigError(f"the model's forward pass made {self.calls} keyed dropout calls, where the run's first "
+                              f"made {first}: each call's masks are keyed by its number in the pass, so the number "
+                              f"must not depend on the batch (e.g. on its padded length)")
 
     def _mask(self, noise_shape: tuple[int, ...], p: float, device: torch.device) -> Tensor:
         """The keep mask of a dropout input whose noise has ``noise_shape`` (the input's shape, or its
         first two dimensions for a feature dropout)."""
         if self.position is not None:  # rows path: the whole (logical) input is the one example's
-            keep = self._keep(noise_shape, p, device)
+            # a leading 1 is the batch dimension the rows path adds (batch.unsqueeze): the example's shape
+            # without it, as on the fast path
+            single = len(noise_shape) > 0 and noise_shape[0] == 1
+            keep = self._keep(tuple(noise_shape[1:]) if single else noise_shape, p, device)
+            keep = keep.view(keep.shape[0], *noise_shape)
             return torch.index_select(keep, 0, self.position.reshape(1)).squeeze(0)
         if _transform_level() is not None:
             raise ConfigError("the model draws dropout masks inside a torch.func transform (vmap) that clipbias does "
@@ -142,6 +195,60 @@ class KeyedForward(TorchFunctionMode):
             noise = noise / (1 - p)
         out = input.mul_(noise) if inplace else input * noise
         return out.add_(shift) if alpha else out
+
+
+def _szudzik(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Szudzik's pairing of non-negative integers: ``b^2 + a`` if ``a < b``, else ``a^2 + a + b``; the
+    pairs with ``max(a, b) < n`` fill exactly ``[0, n^2)``."""
+    return np.where(a < b, b * b + a, a * a + a + b)
+
+
+def fixed(per_example: tuple[int, ...]) -> tuple:
+    """The dimensions ``layout`` assumes do not change between batches: none for 0 or 1 dimensions,
+    the last of 2, all but the last two of 3 or more (with the rank)."""
+    k = len(per_example)
+    return (k,) if k <= 1 else (k, per_example[1]) if k == 2 else (k, *per_example[:-2])
+
+
+def layout(per_example: tuple[int, ...]) -> tuple[int, np.ndarray | None]:
+    """Where each element of an example's dropout input of shape ``per_example`` reads its word of the
+    call's keystream: ``(words, pairs)``, ``words`` the stream's length used. Up to 2 dimensions
+    ``(d1, d2)``: row-major, word ``c1 d2 + c2``, which does not depend on ``d1`` (``pairs`` None: the
+    element's own C-order position); 3 or more ``(*lead, a, b)``: word ``S(c_a, c_b) P + linear(lead)``
+    (``S``: Szudzik's pairing, ``P``: the product of ``lead``; ``pairs``: ``S`` over ``[a, b]``), which
+    depends on neither ``a`` nor ``b``. With the dimensions of ``fixed`` fixed, an element's word is a
+    function of its coordinates alone."""
+    k = len(per_example)
+    if k <= 2:
+        return math.prod(per_example), None
+    P, a, b = math.prod(per_example[:-2]), per_example[-2], per_example[-1]
+    if P * a * b == 0:
+        return 0, np.zeros((a, b), dtype=np.int64)
+    pairs = _pairs(a, b)
+    return (int(pairs.max()) + 1) * P, pairs
+
+
+@functools.lru_cache(maxsize=16)
+def _pairs(a: int, b: int) -> np.ndarray:
+    """Szudzik's pairing of ``[0, a) x [0, b)`` (read-only; int32 where it fits: 4 MB at 1024 x 1024)."""
+    n = max(a, b)
+    dt = np.int32 if n * n < 2 ** 31 else np.int64
+    out = _szudzik(np.arange(a, dtype=dt)[:, None], np.arange(b, dtype=dt)[None, :])
+    out.setflags(write=False)
+    return out
+
+
+def _gather(bits: np.ndarray, per_example: tuple[int, ...], pairs: np.ndarray | None, out: np.ndarray) -> None:
+    """The keep bits of one example into ``out`` (flat, ``per_example`` in C order) from its call's stream
+    bits (``layout``): word ``S P + l`` is column ``S`` of row ``l`` of the stream as ``[-1, P]`` transposed."""
+    if pairs is None:
+        out[:] = bits
+        return
+    P = math.prod(per_example[:-2])
+    if out.size == 0:
+        return
+    rows = np.ascontiguousarray(bits.reshape(-1, P).T) if P > 1 else bits.reshape(1, -1)
+    np.take(rows, pairs.reshape(-1), axis=1, out=out.reshape(P, pairs.size))
 
 
 def _transform_level():
@@ -311,13 +418,15 @@ def check_generators(before: tuple, device: torch.device | str = "cpu", where: s
 
 
 @contextlib.contextmanager
-def keyed(key: SecretKey, step: int, device: torch.device | str = "cpu") -> Iterator[KeyedForward]:
+def keyed(key: SecretKey, step: int, device: torch.device | str = "cpu",
+          layouts: dict | None = None) -> Iterator[KeyedForward]:
     """The private computation of step ``step``: in its forward passes (``one_pass``) dropout keyed per
     example and other draws refused; on leaving, refused if a public generator moved anywhere in it
-    (``check_generators``)."""
+    (``check_generators``). ``layouts``: the run's record of its dropout calls' layouts (a dict kept
+    by the engine across steps; None: a fresh one, for this scope only)."""
     if active() is not None:
         raise RuntimeError("keyed forward scopes do not nest")
-    mode, before = KeyedForward(key, step), snapshot(device)
+    mode, before = KeyedForward(key, step, layouts), snapshot(device)
     _local.mode = mode
     try:
         yield mode
@@ -368,17 +477,18 @@ class Pass:
 @contextlib.contextmanager
 def one_pass(position: Tensor | None = None) -> Iterator[Pass]:
     """One forward pass of the model, under the mode (only the model's own computation: clipbias's
-    arithmetic around it is not intercepted); the keystream counter starts at block 0.
+    arithmetic around it is not intercepted); the dropout calls are numbered from 0.
     ``position``: the rows path's position of the (vmapped) example in ``ids``."""
     mode, seen = active(), Pass()
     if mode is None:
         yield seen
         return
-    saved = mode.offset, mode.calls, mode.position, mode.inside
-    mode.offset, mode.calls, mode.position, mode.inside = 0, 0, position, True
+    saved = mode.calls, mode.position, mode.inside
+    mode.calls, mode.position, mode.inside = 0, position, True
     try:
-        with mode if not saved[3] else contextlib.nullcontext():
+        with mode if not saved[2] else contextlib.nullcontext():
             yield seen
+        mode.check_calls()
     finally:
         seen.calls = mode.calls
-        mode.offset, mode.calls, mode.position, mode.inside = saved
+        mode.calls, mode.position, mode.inside = saved

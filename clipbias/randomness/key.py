@@ -48,10 +48,13 @@ class Purpose(enum.IntEnum):
     TUNE_SCORE = 12    # tuning: the noisy validation count of each trial (per trial)
     TUNE_SPLIT = 13    # tuning: which training examples form the validation part (one draw)
     BAND = 14          # banded noise: each example's participation class mod b (one draw)
-    FORWARD = 15       # the private forward pass's dropout masks (per step and example; the block counter runs
-                       # over the dropout calls of one forward pass: clipbias.randomness.forward)
+    FORWARD = 15       # retired (the dropout masks of one forward pass in one stream, each call after the
+                       # previous call's blocks: padded sizes moved later calls; never reuse)
     VALIDATION_SPLIT = 17  # --validation: which training examples form the validation part (one draw)
     HOLDOUT = 18           # --public-source holdout: which training examples are held out (one draw)
+    FORWARD_CALL = 19      # the private forward pass's dropout masks: one stream per (step, dropout call of the
+                           # forward pass, example); the step field holds the step (low 32 bits) and the call
+                           # number (high 16 bits): ``forward_call_step``; layout: clipbias.randomness.forward
 
 
 class SecretKey:
@@ -132,6 +135,21 @@ def derive_seed(seed: int, *parts: int) -> int:
     data = check_seed(seed).to_bytes(SEED_BITS // 8, "little") + b"".join(
         int(p).to_bytes(16, "little", signed=True) for p in parts)
     return int.from_bytes(hashlib.blake2b(data, digest_size=32, person=b"clipbias-derive").digest(), "little")
+
+
+FORWARD_STEP_BITS, CALL_BITS = 32, 16
+assert FORWARD_STEP_BITS + CALL_BITS == STEP_BITS
+
+
+def forward_call_step(step: int, call: int) -> int:
+    """The step field of a ``Purpose.FORWARD_CALL`` address: ``step`` (< 2^32) in the low bits, the
+    dropout call number of the forward pass (< 2^16) above it."""
+    if not 0 <= step < (1 << FORWARD_STEP_BITS):
+        raise ConfigError(f"keyed dropout masks are addressed by a step below 2^{FORWARD_STEP_BITS}; got step {step}")
+    if not 0 <= call < (1 << CALL_BITS):
+        raise ConfigError(f"the model's forward pass makes more than {(1 << CALL_BITS) - 1} keyed dropout calls "
+                          f"(call {call}): each call has its own keystream address, of {CALL_BITS} bits")
+    return step | (call << FORWARD_STEP_BITS)
 
 
 def nonce(purpose: int, step: int, index: int) -> bytes:

@@ -385,3 +385,31 @@ def test_from_the_second_batch_the_forward_takes_the_step_and_returns_its_output
         nn.functional.cross_entropy(out, yb).backward()
         opt.step()
     assert seen[0] == 0 and seen[1:] == list(range(2, len(seen) + 1)) and pe.privacy_report().certified
+
+
+def test_make_private_takes_banded_noise_with_optimised_coefficients():
+    """``bands_strategy`` reaches the engine: the noise stage holds the coefficients the optimiser gives for
+    the run's steps and the base SGD's momentum; an open-ended run (no length) cannot have them."""
+    from clipbias.algorithms import band_strategy
+    x, y = torch.randn(256, 5), torch.randint(0, 3, (256,))
+    m = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    pe = clipbias.PrivacyEngine()
+    model, opt, dl = pe.make_private_with_epsilon(module=m, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y),
+                                                  batch_size=32), target_epsilon=3, target_delta=1e-5, epochs=2,
+                                                  max_grad_norm=1.0, bands=2, bands_strategy="optimized")
+    noise = pe.engine.pipeline.noise
+    assert noise.strategy == "optimized"
+    assert noise.coefs == pytest.approx(band_strategy.optimized(2, pe.engine.total_steps, 0.9), abs=1e-12)
+    assert noise.coefs != pytest.approx(band_strategy.optimized(2, pe.engine.total_steps, 0.0), abs=1e-6)
+    for xb, yb in dl:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    assert pe.engine.steps_taken > 0 and pe.engine.privacy().certified
+    m2 = nn.Linear(5, 3)
+    with pytest.raises(ConfigError):
+        clipbias.PrivacyEngine().make_private(module=m2, optimizer=torch.optim.SGD(m2.parameters(), lr=0.1),
+                                              data_loader=DataLoader(TensorDataset(x, y), batch_size=32),
+                                              noise_multiplier=1.0, max_grad_norm=1.0, bands=2,
+                                              bands_strategy="optimized")

@@ -92,7 +92,9 @@ class PrivacyEngine:
         (``get_epsilon``). With ``grad_sample_mode="ghost"`` it returns ``(module, optimizer, criterion,
         data_loader)`` as Opacus does. clipbias's own keywords: ``algorithm`` (default ``"dpsgd"``;
         ``"dice"``, ``"disk"``, ``"adaptive"``, ...), ``grad_path`` (``auto``, ``rows``, ``fast``),
-        ``dice_accounting``, ``bands``, ``settings`` (the algorithm's settings, ``AlgoConfig.extra``),
+        ``dice_accounting``, ``bands`` and ``bands_strategy`` (``"taylor"`` or ``"optimized"``: banded noise's
+        coefficients, ``DPEngine``'s; ``"optimized"`` needs the run's length: ``make_private_with_epsilon``),
+        ``settings`` (the algorithm's settings, ``AlgoConfig.extra``),
         ``ef_clip``, ``delta`` (for the engine's own report; default 1e-5), ``max_physical_batch``, ``noise_seed``
         (a reproducible run: reported uncertified, as ``DPEngine``'s), ``autocast`` (``torch.bfloat16`` or
         ``torch.float16``: the engine's forward and backward under ``torch.autocast``, norms and sums in float32;
@@ -144,7 +146,8 @@ class PrivacyEngine:
         if data_loader.batch_size is None:
             raise ConfigError("data_loader has no batch_size (a batch_sampler was given): the expected Poisson "
                               "batch size is read from DataLoader(dataset, batch_size=B)")
-        unknown = set(extra) - {"algorithm", "grad_path", "dice_accounting", "bands", "settings", "ef_clip", "delta",
+        unknown = set(extra) - {"algorithm", "grad_path", "dice_accounting", "bands", "bands_strategy", "settings",
+                                "ef_clip", "delta",
                                 "max_physical_batch", "noise_seed", "autocast", "loss_scale"}
         if unknown:
             raise ConfigError(f"make_private got unexpected keyword(s) {sorted(unknown)}")
@@ -162,6 +165,7 @@ class PrivacyEngine:
                                dice_accounting=extra.get("dice_accounting", privacy.DEFAULT_DICE_ACCOUNTING),
                                config=config, loss_fn=loss_function(criterion), optimizer=optimizer,
                                grad_path=extra.get("grad_path", "auto"), bands=extra.get("bands", 1),
+                               bands_strategy=extra.get("bands_strategy", "taylor"),
                                max_physical_batch=extra.get("max_physical_batch", 512),
                                noise_seed=extra.get("noise_seed"), autocast=extra.get("autocast"),
                                loss_scale=extra.get("loss_scale"))

@@ -31,7 +31,8 @@ class DPOptions:
     ``target_delta``: default ``min(1e-5, 1 / (10 n))`` for ``n`` training examples. ``max_grad_norm``: the
     per-example clipping norm C. ``algorithm``: ``dpsgd`` (default), ``dice``, ``adaptive``, ... (clipbias's
     algorithms with per-example rows). ``grad_path``: ``auto``, ``rows`` (torch.func) or ``fast``
-    (book-keeping, no rows). ``accountant``: ``pld`` (default; ``prv`` is the same), ``rdp``.
+    (book-keeping, no rows). ``accountant``: ``pld`` (default; ``prv`` is the same), ``rdp``. ``bands``,
+    ``bands_strategy``: banded correlated noise and its coefficients (``DPEngine``'s).
     ``noise_seed``: reproducible batches and noise for tests; the run is then reported uncertified.
     ``autocast``: ``"bfloat16"`` / ``"float16"`` (or the torch dtypes) runs each step's forward and backward
     under ``torch.autocast`` with norms, clip factors and sums in float32 (``DPEngine(autocast=...)``);
@@ -46,6 +47,7 @@ class DPOptions:
     accountant: str = "pld"
     dice_accounting: str = privacy.DEFAULT_DICE_ACCOUNTING
     bands: int = 1
+    bands_strategy: str = "taylor"
     settings: dict = field(default_factory=dict)
     ef_clip: float | None = None
     noise_seed: int | None = None
@@ -100,7 +102,8 @@ class DPOptions:
                         epsilon=self.target_epsilon, noise_multiplier=self.noise_multiplier, delta=self.delta(n),
                         accountant=ACCOUNTANTS[self.accountant], dice_accounting=self.dice_accounting,
                         config=config, loss_fn=loss_fn, optimizer=stepped or optimizer, grad_path=self.grad_path,
-                        bands=self.bands, max_physical_batch=max_physical_batch, noise_seed=self.noise_seed,
+                        bands=self.bands, bands_strategy=self.bands_strategy, max_physical_batch=max_physical_batch,
+                        noise_seed=self.noise_seed,
                         autocast=self.autocast, loss_scale=self.loss_scale)
 
 

@@ -12,6 +12,7 @@ A new accountant is one module of ``clipbias.privacy`` that subclasses ``Account
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,7 +44,7 @@ class NoiseTooSmallError(ConfigError):
 EpsOf = Callable[[float], float]
 
 
-class Accountant:
+class Accountant(abc.ABC):
     """Epsilon of T steps of the Poisson-subsampled Gaussian, by one method.
 
     Subclasses set ``name`` (what ``accountant=`` takes), ``basis`` (the theorem, in words, that
@@ -57,9 +58,9 @@ class Accountant:
     floor: float = 0.0
     floor_reason: str = ""
 
+    @abc.abstractmethod
     def compute(self, noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
         """Epsilon for valid inputs (0 < z finite, 0 < q <= 1, steps >= 1, 0 < delta < 1)."""
-        raise NotImplementedError
 
     def epsilon(self, noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
         """``compute``, with what the numerical libraries raise for an unrepresentable (z, q) pair (out of

@@ -14,6 +14,7 @@ the spirit of optax's ``(update, new_state)``. ``PerSample.probe`` is the pure v
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -136,10 +137,12 @@ class PerSample(Stage):
     """Maps per-example rows ``[b, d] -> [b, d]``.
 
     ``bound`` is the guaranteed upper bound on every output row's norm (the per-example
-    sensitivity) when this stage enforces one, else None.
+    sensitivity) when this stage enforces one, else None. A ``dynamic`` stage's bound moves: its
+    ``release(device)`` releases the next one, and the noise stage follows it.
     """
 
     bound: float | None = None
+    dynamic = False  # the bound moves from step to step, released by ``release`` (adaptive clipping)
 
     def __call__(self, g: Tensor, ctx: StepContext) -> Tensor:  # pragma: no cover - every stage overrides it
         return g
@@ -231,42 +234,100 @@ class ErrorFeedback(Carried):
 
 
 class GaussianNoise(Stage):
-    """Adds ``N(0, std^2 I)`` and rounds once onto a grid (``clipbias.randomness.snapped_gaussian``).
+    """The noise stage: Gaussian noise, independent across steps (one band, the plain case) or b-banded
+    (banded matrix factorisation; ``clipbias.algorithms.bands`` for the mechanism, its coefficients and
+    its privacy argument).
 
-    Draw ``t`` (the t-th committed call) is a pure function of the secret key and t; its state is
-    the draw counter. The output has the input's dtype (a deterministic rounding of the released
-    float64 grid value: post-processing)."""
+    With unit-norm coefficients ``coefs = (c_0, ..., c_{b-1})`` (c_0 > 0) the stage releases at its t-th
+    committed call ``y_t = round_g(sum_{k < b} c_k v_{t-k} + std Z_t)`` (Z_t a pure function of the secret
+    key and t; ``clipbias.randomness.snapped_gaussian``) and returns ``g_t = (y_t - sum_{1 <= k < b} c_k
+    g_{t-k}) / c_0``, post-processing of the releases. With one band (``coefs=(1.0,)``) that is
+    ``round_g(v_t + std Z_t)``, computed directly in the input's dtype (a deterministic rounding of the
+    released float64 grid value). The output always has the input's dtype.
 
-    def __init__(self, std: float, key: SecretKey) -> None:
-        if not std >= 0:
-            raise ConfigError(f"noise std must be >= 0, got {std!r}")
+    ``per_bound``: with a moving per-example bound (adaptive clipping), std / bound; ``follow(bound)`` then
+    sets the std for the step's bound.
+
+    State: the draw counter; with b > 1 bands also the last b - 1 inputs ``v`` (PRIVATE: clipped sums
+    without noise, saved only in the engine's private ``state_dict``) and outputs ``g``, all float64."""
+
+    def __init__(self, std: float, key: SecretKey, coefs: tuple[float, ...] = (1.0,), strategy: str = "taylor",
+                 per_bound: float | None = None) -> None:
+        if not std >= 0 or len(coefs) > 1 and not std > 0:
+            raise ConfigError(f"noise std must be >= 0 (> 0 with more than one band), got {std!r}")
+        if not coefs or not coefs[0] > 0 or not math.isclose(sum(c * c for c in coefs), 1.0, rel_tol=1e-12):
+            raise ConfigError(f"noise coefficients must have c_0 > 0 and unit norm, got {coefs!r}")
         if not isinstance(key, SecretKey):
             raise ConfigError(f"GaussianNoise needs a clipbias.randomness.SecretKey, got {type(key).__name__}")
-        self.std, self.key = float(std), key
-        self.draws, self._pending = 0, None
+        self.std, self.key, self.coefs = float(std), key, tuple(float(c) for c in coefs)
+        self.strategy = strategy  # the name of the coefficients' strategy (algorithms.band_strategy.STRATEGIES)
+        self.per_bound = per_bound
+        self.draws = 0
+        self.inputs: list[Tensor] = []   # v_{t-1}, v_{t-2}, ... (at most b - 1)
+        self.outputs: list[Tensor] = []  # g_{t-1}, g_{t-2}, ...
+        self._pending: tuple[int, list[Tensor], list[Tensor]] | None = None
+
+    @property
+    def bands(self) -> int:
+        return len(self.coefs)
+
+    def follow(self, bound: float) -> None:
+        """The std for this step's per-example ``bound`` (a moving bound: ``per_bound``; else unchanged)."""
+        if self.per_bound is not None:
+            self.std = self.per_bound * bound
 
     def __call__(self, v: Tensor) -> Tensor:
-        if self.std == 0:
-            return v
-        self._pending = self.draws + 1
-        return snapped_gaussian(v, self.std, self.key, self.draws, dtype=v.dtype)
+        if self.bands == 1:
+            if self.std == 0:
+                return v
+            self._pending = (self.draws + 1, [], [])
+            return snapped_gaussian(v, self.std, self.key, self.draws, dtype=v.dtype)
+        c, keep = self.coefs, self.bands - 1
+        v64 = v.to(torch.float64, copy=True)  # kept: never an alias of the caller's tensor
+        mixed = c[0] * v64
+        for ck, past in zip(c[1:], self.inputs):
+            mixed += ck * past
+        y = snapped_gaussian(mixed, self.std, self.key, self.draws)  # the release (float64 grid values)
+        for ck, past in zip(c[1:], self.outputs):
+            y -= ck * past
+        g = y.div_(c[0])
+        self._pending = (self.draws + 1, ([v64] + self.inputs)[:keep], ([g] + self.outputs)[:keep])
+        return g.to(v.dtype, copy=True)  # g is kept: the caller gets its own copy
 
     def commit(self) -> None:
         if self._pending is not None:
-            self.draws, self._pending = self._pending, None
+            self.draws, self.inputs, self.outputs = self._pending
+            self._pending = None
 
     def rollback(self) -> None:
         self._pending = None
 
     def state_dict(self) -> dict:
-        return {"draws": self.draws}
+        return {"draws": self.draws, "coefs": list(self.coefs), "strategy": self.strategy,
+                "inputs": [t.clone() for t in self.inputs], "outputs": [t.clone() for t in self.outputs]}
 
     def load_state_dict(self, state: dict) -> None:
         if "draws" not in state:
             raise ConfigError("this noise state comes from a clipbias version whose noise was drawn by a torch "
                               "generator with a 32-bit seed (recoverable from the released model); it cannot be "
                               "resumed: start a new run")
-        self.draws, self._pending = int(state["draws"]), None
+        saved, strategy = tuple(float(c) for c in state.get("coefs", (1.0,))), state.get("strategy", "taylor")
+        # A run keeps one c from its first step to its last: a c changed mid-run would give the columns of
+        # C that straddle the change a norm above 1 (docs/privacy.md, "Banded noise"). So a resumed run goes
+        # on with the saved c: taylor's must equal this run's (the same bands and momentum); optimised ones
+        # are kept as they are (recomputed elsewhere they may differ in the last bits; an extended run's
+        # steps would give others)
+        valid = len(saved) == self.bands and saved[0] > 0 and \
+            math.isclose(sum(c * c for c in saved), 1.0, rel_tol=1e-12)
+        if strategy != self.strategy or not valid or strategy == "taylor" and saved != self.coefs:
+            raise ConfigError(f"noise state has {len(saved)}-band {strategy} coefficients {list(saved)}, this run "
+                              f"{self.bands}-band {self.strategy} {list(self.coefs)}: resume with the same "
+                              f"`bands`, `bands_strategy` and momentum")
+        self.coefs = saved
+        self.draws = int(state["draws"])
+        self.inputs = [t.to(torch.float64) for t in state.get("inputs", ())]
+        self.outputs = [t.to(torch.float64) for t in state.get("outputs", ())]
+        self._pending = None
 
 
 @dataclass
@@ -286,7 +347,6 @@ class Pipeline:
     error_feedback: ErrorFeedback | None = None
     noise: GaussianNoise | None = None
     post: Stage | None = None
-    noise_per_bound: float | None = None  # with a moving bound (adaptive clipping): noise std / bound
 
     def named_stages(self) -> list[tuple[str, Stage]]:
         """Every stage with its ``state_dict`` key, in the order of the data flow."""
@@ -335,10 +395,10 @@ class Pipeline:
         if self.error_feedback is not None:
             v = self.error_feedback(v, reference_sum / self.divisor)
         last = self.per_sample[-1] if self.per_sample else None
-        if getattr(last, "dynamic", False):  # adaptive clipping: its own release, and the noise at this step's bound
+        if last is not None and last.dynamic:  # adaptive clipping: its own release, and the noise at this step's bound
             last.release(v.device)
-            if self.noise is not None and self.noise_per_bound is not None:
-                self.noise.std = self.noise_per_bound * last.bound
+            if self.noise is not None:
+                self.noise.follow(last.bound)
         if self.noise is not None:
             v = self.noise(v)
         return self.post(v) if self.post is not None else v

@@ -64,12 +64,19 @@ def test_banded_noise_is_the_update_plus_the_inverse_of_the_banded_matrix_applie
 
 
 def test_one_band_is_the_plain_noise_stage():
+    """The noise stage is one type: its one-band case is round_g(v + std Z_t) (the plain Gaussian
+    mechanism), and the banded computation with a zero second coefficient gives the same bits."""
+    from clipbias.randomness import snapped_gaussian
+    assert BandedNoise is GaussianNoise
     v = torch.randn(40, dtype=torch.float64)
-    plain, banded = GaussianNoise(0.7, KEY), BandedNoise(0.7, KEY, (1.0,))
-    for _ in range(3):
-        assert torch.equal(plain(v), banded(v))
+    plain, banded = GaussianNoise(0.7, KEY), GaussianNoise(0.7, KEY, (1.0, 0.0))
+    assert plain.bands == 1 and banded.bands == 2
+    for t in range(3):
+        want = snapped_gaussian(v, 0.7, KEY, t)
+        assert torch.equal(plain(v), want) and torch.equal(banded(v), want)
         plain.commit()
         banded.commit()
+    assert plain.draws == banded.draws == 3
 
 
 def test_banded_noise_state_round_trips_and_a_rolled_back_step_leaves_no_trace():

@@ -51,7 +51,7 @@ from .momentum import (InnerMomentumGradients, OuterMomentum, PerExampleMomentum
 from .p_avg import GroupClip, GroupMeanGradients, noise_ratio_vs_dpsgd, num_groups
 from .perturb import Perturb
 
-REGISTRATION_ORDER = (core, momentum, p_avg, batchclip, _compose, disk)
+REGISTRATION_ORDER = (core, momentum, p_avg, batchclip, adaptive, disk, _compose)  # the imports above, in order
 
 __all__ = [
     "ALGORITHMS", "Algorithm", "AugmentedGradients", "BASES", "BatchClipGradients", "COMPOSABLE", "CropFlip",

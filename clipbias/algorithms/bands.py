@@ -1,5 +1,7 @@
 """Banded correlated noise (banded matrix factorisation; Choquette-Choo, Ganesh, McKenna, McMahan,
-Rush, Thakurta, Xu, NeurIPS 2023), a noise stage for the Gaussian-accounted algorithms.
+Rush, Thakurta, Xu, NeurIPS 2023) for the Gaussian-accounted algorithms that declare ``bandable``: the
+mechanism, its coefficients and its accounting. The stage is the one noise stage,
+``transforms.GaussianNoise`` with b coefficients (one coefficient: independent noise).
 
 With b bands the mechanism releases, at step t, ``y_t = sum_{k < b} c_k v_{t-k} + std Z_t`` (v: the
 clipped sum divided by B, as the plain noise stage receives it; Z_t i.i.d. standard normal, rounded
@@ -27,34 +29,13 @@ of the T iterates, ``||A C^{-1}||_F^2`` (``band_strategy``). Either is private w
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
-
-import torch
-from torch import Tensor
 
 from .. import distributed
 from ..errors import ConfigError
 from ..privacy import AccountingSpec
-from ..randomness import SecretKey, snapped_gaussian
-from ..transforms import GaussianNoise, Pipeline, Stage
-from .band_taylor import coefficients  # noqa: F401  (bands.coefficients: the API since banded noise came)
-
-# the algorithms whose rows are a function of one example and one step (no state across steps in the
-# rows or the sums, no second release, one bounding stage): a block of b releases then holds one
-# participation's contribution and nothing else of that example
-BANDABLE = ("dpsgd", "normalized", "disk", "dpsgd+disk", "normalized+disk", "perturb", "self-aug", "perturb+disk",
-            "self-aug+disk")
-
-
-def check_bandable(algorithm: str, bands: int) -> None:
-    """Refuse ``bands`` > 1 for an algorithm the banded accounting does not cover."""
-    if bands != 1 and algorithm not in BANDABLE:
-        raise ConfigError(f"`bands={bands}` is not available for {algorithm}: banded noise is accounted for algorithms "
-                          f"whose rows depend on one example at one step and that release only the noisy update "
-                          f"({', '.join(BANDABLE)}); error feedback, adaptive clipping, per-example momentum and "
-                          f"inner-outer momentum carry an example's gradient across steps or release more "
-                          f"(docs/privacy.md, \"Banded noise\")")
+from ..transforms import GaussianNoise
+from .band_taylor import coefficients
 
 
 def check_strategy(strategy: str) -> None:
@@ -79,88 +60,7 @@ def band_coefficients(bands: int, momentum: float = 0.0, strategy: str = "taylor
     return distributed.from_rank0(lambda: optimized(bands, steps, momentum))
 
 
-class BandedNoise(Stage):
-    """The noise stage of b-banded noise: releases ``y_t`` (rounded onto the grid of ``std``, like
-    ``GaussianNoise``), returns ``g_t`` (module docstring).
-
-    State: the draw counter, the last b - 1 inputs ``v`` (PRIVATE: clipped sums without noise, saved
-    only in the engine's private ``state_dict``) and the last b - 1 outputs ``g``, all float64."""
-
-    def __init__(self, std: float, key: SecretKey, coefs: tuple[float, ...], strategy: str = "taylor") -> None:
-        if not std > 0:
-            raise ConfigError(f"banded noise needs a noise std > 0, got {std!r}")
-        if not coefs or coefs[0] <= 0 or not math.isclose(sum(c * c for c in coefs), 1.0, rel_tol=1e-12):
-            raise ConfigError(f"banded noise coefficients must have c_0 > 0 and unit norm, got {coefs!r}")
-        if not isinstance(key, SecretKey):
-            raise ConfigError(f"BandedNoise needs a clipbias.randomness.SecretKey, got {type(key).__name__}")
-        self.std, self.key, self.coefs = float(std), key, tuple(float(c) for c in coefs)
-        self.strategy = strategy  # the name of the coefficients' strategy (band_strategy.STRATEGIES)
-        self.draws = 0
-        self.inputs: list[Tensor] = []   # v_{t-1}, v_{t-2}, ... (at most b - 1)
-        self.outputs: list[Tensor] = []  # g_{t-1}, g_{t-2}, ...
-        self._pending: tuple[int, list[Tensor], list[Tensor]] | None = None
-
-    @property
-    def bands(self) -> int:
-        return len(self.coefs)
-
-    def __call__(self, v: Tensor) -> Tensor:
-        c, keep = self.coefs, self.bands - 1
-        v64 = v.to(torch.float64, copy=True)  # kept: never an alias of the caller's tensor
-        mixed = c[0] * v64
-        for ck, past in zip(c[1:], self.inputs):
-            mixed += ck * past
-        y = snapped_gaussian(mixed, self.std, self.key, self.draws)  # the release (float64 grid values)
-        for ck, past in zip(c[1:], self.outputs):
-            y -= ck * past
-        g = y.div_(c[0])
-        self._pending = (self.draws + 1, ([v64] + self.inputs)[:keep], ([g] + self.outputs)[:keep])
-        return g.to(v.dtype, copy=True)  # g is kept: the caller gets its own copy
-
-    def commit(self) -> None:
-        if self._pending is not None:
-            self.draws, self.inputs, self.outputs = self._pending
-            self._pending = None
-
-    def rollback(self) -> None:
-        self._pending = None
-
-    def state_dict(self) -> dict:
-        return {"draws": self.draws, "coefs": list(self.coefs), "strategy": self.strategy,
-                "inputs": [t.clone() for t in self.inputs], "outputs": [t.clone() for t in self.outputs]}
-
-    def load_state_dict(self, state: dict) -> None:
-        saved, strategy = tuple(float(c) for c in state.get("coefs", ())), state.get("strategy", "taylor")
-        # A run keeps one c from its first step to its last: a c changed mid-run would give the columns of
-        # C that straddle the change a norm above 1 (docs/privacy.md, "Banded noise"). So a resumed run goes
-        # on with the saved c: taylor's must equal this run's (the same --bands and momentum); optimised ones
-        # are kept as they are (recomputed elsewhere they may differ in the last bits; an extended run's
-        # steps would give others)
-        valid = len(saved) == self.bands and saved[0] > 0 and \
-            math.isclose(sum(c * c for c in saved), 1.0, rel_tol=1e-12)
-        if strategy != self.strategy or not valid or strategy == "taylor" and saved != self.coefs:
-            raise ConfigError(f"banded noise state has {strategy} coefficients {state.get('coefs')}, this run "
-                              f"{self.strategy} {list(self.coefs)}: resume with the same `bands`, "
-                              f"`bands_strategy` and momentum")
-        self.coefs = saved
-        self.draws = int(state["draws"])
-        self.inputs = [t.to(torch.float64) for t in state["inputs"]]
-        self.outputs = [t.to(torch.float64) for t in state["outputs"]]
-        self._pending = None
-
-
-def band_pipeline(pipeline: Pipeline, algorithm: str, bands: int, momentum: float, key: SecretKey,
-                  strategy: str = "taylor", steps: float | None = None) -> Pipeline:
-    """``pipeline`` with its noise stage replaced by ``BandedNoise`` of ``bands`` bands (the same std) and
-    the coefficients of ``strategy`` for ``steps`` steps (``band_coefficients``); refuses algorithms whose
-    rows or releases the banded accounting does not cover."""
-    if bands == 1:
-        return pipeline
-    check_bandable(algorithm, bands)
-    if not isinstance(pipeline.noise, GaussianNoise) or pipeline.noise_per_bound is not None:
-        raise ConfigError(f"`bands={bands}`: {algorithm} has no fixed Gaussian noise stage to band")
-    pipeline.noise = BandedNoise(pipeline.noise.std, key, band_coefficients(bands, momentum, strategy, steps), strategy)
-    return pipeline
+BandedNoise = GaussianNoise  # the noise stage is one type: ``GaussianNoise(std, key, coefs, strategy)``
 
 
 def banded_spec(spec: AccountingSpec, bands: int) -> AccountingSpec:

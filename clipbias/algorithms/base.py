@@ -9,7 +9,7 @@ DiceSGD units). Every method module registers its algorithms with ``register``; 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -19,8 +19,10 @@ from ..config import AlgoConfig, Setting, read_settings
 from ..errors import ConfigError
 from ..grads.rows import FuncGradients, LossFn, PerExampleRows, RowSource
 from ..privacy import AccountingSpec, DiceParams
+from ..privacy.dice import default_ef_clip
 from ..randomness import SecretKey
 from ..transforms import Clip, ErrorFeedback, GaussianNoise, Normalize, PerSample, Pipeline, Stage
+from .bands import banded_spec
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,10 @@ class Algorithm:
     note: Callable[[AlgoConfig, dict], str] | None = None
     # the gradient noise multiplier when the accounted z also pays for another release (adaptive clipping)
     gradient_noise: Callable[[AlgoConfig, dict, float, float], float] | None = None
+    # its rows are a function of one example and one step (no state across steps in the rows or the sums),
+    # it releases only the noisy update and one stage bounds the rows: the banded accounting covers it
+    # (``algorithms.bands``), so its noise may have more than one band
+    bandable: bool = False
 
     def settings(self, cfg: AlgoConfig) -> dict:
         """The validated method settings of ``cfg.extra`` (unknown keys refused)."""
@@ -83,24 +89,52 @@ class Algorithm:
     def parts(self, cfg: AlgoConfig, expected_batch_size: float = 1.0, key: SecretKey | None = None) -> Parts:
         return self.build(cfg, self.settings(cfg), expected_batch_size, key)
 
-    def pipeline(self, cfg: AlgoConfig, expected_batch_size: float, z: float, key: SecretKey) -> Pipeline:
-        """The update rule; the noise std is ``z * sensitivity / divisor``; ``key`` keys the noise and the
-        stages' secret draws."""
+    def with_defaults(self, cfg: AlgoConfig, expected_batch_size: float) -> AlgoConfig:
+        """``cfg`` with what the accounting needs filled in: DiceSGD's feedback clip C2 (``ef_clip``), when
+        not given, the one of ``privacy.dice.default_ef_clip`` (r = B C2 / C1 = 0.01)."""
+        if self.accounting == "dice" and cfg.ef_clip is None:
+            return replace(cfg, ef_clip=default_ef_clip(cfg.clip, expected_batch_size))
+        return cfg
+
+    def check_bands(self, bands: int) -> None:
+        """Refuse noise of ``bands`` > 1 bands where the banded accounting does not cover the algorithm."""
+        if bands != 1 and not self.bandable:
+            names = sorted(n for n, a in ALGORITHMS.items() if a.bandable)
+            raise ConfigError(f"`bands={bands}` is not available for {self.name}: banded noise is accounted for "
+                              f"algorithms whose rows depend on one example at one step and that release only the "
+                              f"noisy update ({', '.join(names)}, and each with +disk); error feedback, adaptive "
+                              f"clipping, per-example momentum, inner-outer momentum and group clipping carry an "
+                              f"example's gradient across steps, release more or mix examples in a row "
+                              f"(docs/privacy.md, \"Banded noise\")")
+
+    def workload_momentum(self, cfg: AlgoConfig) -> float:
+        """The momentum the banded noise's coefficients are shaped for: the base SGD's (0 for Adam)."""
+        return cfg.momentum if (cfg.optimizer or self.optimizer) == "sgd" else 0.0
+
+    def pipeline(self, cfg: AlgoConfig, expected_batch_size: float, z: float, key: SecretKey,
+                 coefs: tuple[float, ...] = (1.0,), strategy: str = "taylor") -> Pipeline:
+        """The update rule; the noise std is ``z * sensitivity / divisor``, its coefficients ``coefs`` (one
+        band: independent noise; more: banded noise whose coefficients ``strategy`` named, refused where
+        ``bandable`` is not declared); ``key`` keys the noise and the stages' secret draws."""
         parts = self.parts(cfg, expected_batch_size, key)
         reference = [Clip(cfg.grad_bound)] if cfg.grad_bound is not None else []
         div = parts.divisor if parts.divisor is not None else expected_batch_size
         p = Pipeline(parts.per_sample, div, reference, parts.error_feedback, post=parts.post)
+        self.check_bands(len(coefs))
         if self.private:
             if p.sensitivity is None:
                 raise ConfigError(f"{self.name}: no stage bounds the per-example norm")
             zg = self.gradient_noise(cfg, self.settings(cfg), z, expected_batch_size) if self.gradient_noise else z
-            p.noise = GaussianNoise(zg * p.sensitivity / div, key)
-            if getattr(p.per_sample[-1], "dynamic", False):  # the bound moves: the noise follows it
-                p.noise_per_bound = zg / div
+            # a moving bound (adaptive clipping): the noise follows it
+            per_bound = zg / div if p.per_sample[-1].dynamic else None
+            p.noise = GaussianNoise(zg * p.sensitivity / div, key, coefs, strategy, per_bound)
         return p
 
-    def spec(self, cfg: AlgoConfig, sample_rate: float, z: float, expected_batch_size: float) -> AccountingSpec:
-        """The accounting description: kind, rate, z, the numeric sensitivity and why it holds."""
+    def spec(self, cfg: AlgoConfig, sample_rate: float, z: float, expected_batch_size: float,
+             bands: int = 1) -> AccountingSpec:
+        """The accounting description: kind, rate, z, the numeric sensitivity and why it holds; with noise
+        of ``bands`` > 1 bands, the banded accounting (``bands.banded_spec``)."""
+        self.check_bands(bands)
         s = self.settings(cfg)
         if self.validate is not None:
             self.validate(cfg, s, sample_rate, expected_batch_size)
@@ -119,8 +153,8 @@ class Algorithm:
             c1, c2 = self.dice_units(cfg)
             gb = self.dice_grad_bound(cfg, s) if self.dice_grad_bound is not None else cfg.grad_bound
             dice = DiceParams(sample_rate, 1, c1, c2, expected_batch_size, gb)
-        return AccountingSpec(self.accounting, sample_rate, z, note, dice, self.certifiable,
-                              self.why_not_certifiable, last.bound)
+        return banded_spec(AccountingSpec(self.accounting, sample_rate, z, note, dice, self.certifiable,
+                                          self.why_not_certifiable, last.bound), bands)
 
     def row_source(self, model: nn.Module, loss_fn: LossFn, cfg: AlgoConfig, *, n: int, batch_size: float,
                    key: SecretKey | None = None) -> RowSource:

@@ -89,7 +89,8 @@ def compose(base: str, *methods: str, name: str | None = None, register: bool = 
     algo = Algorithm(name or "+".join((base, *methods)), f"{b.description} with {what}", True, b.accounting,
                      build, schema=schema, source=augment.augmented_source if selfaug else None,
                      optimizer=b.optimizer, certifiable=b.certifiable, why_not_certifiable=b.why_not_certifiable,
-                     dice_units=b.dice_units, dice_grad_bound=dice_grad_bound, note=note)
+                     dice_units=b.dice_units, dice_grad_bound=dice_grad_bound, note=note,
+                     bandable=b.bandable)  # both pieces keep a row one example's at one step
     return registry.register(algo) if register else algo
 
 

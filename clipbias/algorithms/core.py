@@ -12,9 +12,9 @@ register(Algorithm("clip-sgd", "SGD with per-example clipping, no noise (non-pri
 register(Algorithm("ef-sgd", "clipped error-feedback SGD, no noise (non-private DiceSGD)", False, "none",
                    lambda c, s, b, key: Parts([Clip(c.clip)], ErrorFeedback(c.c2))))
 register(Algorithm("dpsgd", "DPSGD-GC (Abadi et al. 2016; Zhang et al. Alg. 1)", True, "gaussian",
-                   lambda c, s, b, key: Parts([Clip(c.clip)])))
+                   lambda c, s, b, key: Parts([Clip(c.clip)]), bandable=True))
 register(Algorithm("normalized", "per-example normalisation g/(||g||+gamma) (automatic clipping)", True,
-                   "gaussian", lambda c, s, b, key: Parts([Normalize(c.gamma)])))
+                   "gaussian", lambda c, s, b, key: Parts([Normalize(c.gamma)]), bandable=True))
 register(Algorithm("dice", "DiceSGD, clipped error feedback (Zhang et al. Alg. 2)", True, "dice",
                    lambda c, s, b, key: Parts([Clip(c.clip)], ErrorFeedback(c.c2))))
 register(Algorithm("dice-adam", "DiceSGD with Adam/AdamW on v + w (Zhang et al. Alg. 3)", True, "dice",

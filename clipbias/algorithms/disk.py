@@ -224,7 +224,8 @@ def kalman(base: str, name: str | None = None) -> Algorithm:
     return Algorithm(name or f"{b.name}+{SUFFIX}", f"{b.description} + DiSK (Zhang et al. 2025)", b.private,
                      b.accounting, build, schema=(*b.schema, *SETTINGS), source=source, optimizer=b.optimizer,
                      certifiable=b.certifiable, why_not_certifiable=b.why_not_certifiable, dice_units=b.dice_units,
-                     dice_grad_bound=dice_grad_bound, validate=validate, note=note, gradient_noise=gradient_noise)
+                     dice_grad_bound=dice_grad_bound, validate=validate, note=note, gradient_noise=gradient_noise,
+                     bandable=b.bandable)  # both points are one example's gradients at one step
 
 
 def kalman_name(algo: str) -> str:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .. import algorithms, privacy
-from ..algorithms.bands import band_pipeline, banded_spec, check_bandable
+from ..algorithms.bands import coefficients
 from ..config import AlgoConfig
 from ..errors import ConfigError
 from ..privacy.report import check_delta, check_positive, check_rate, check_steps
@@ -92,7 +92,7 @@ class CanaryAudit:
         if self.anti_norm is not None:
             check_positive(self.anti_norm, "CanaryAudit.anti_norm")
         check_bands(self.bands, self.sample_rate)
-        check_bandable(self.algo, self.bands)
+        algorithms.get(self.algo).check_bands(self.bands)
         if self.band_class is not None and not (isinstance(self.band_class, int) and 0 <= self.band_class < self.bands):
             raise ConfigError(f"`band_class` must be a whole number in [0, `bands`) = [0, {self.bands}), "
                               f"got {self.band_class!r}")
@@ -101,11 +101,9 @@ class CanaryAudit:
                               "audit banded noise without it")
 
     def algo_config(self) -> AlgoConfig:
-        ef_clip = self.ef_clip
-        if ef_clip is None and algorithms.get(self.algo).accounting == "dice":
-            ef_clip = privacy.dice.default_ef_clip(self.clip, self.batch_size)
-        return AlgoConfig(lr=1.0, clip=self.clip, ef_clip=ef_clip, grad_bound=self.grad_bound,
-                          gamma=self.gamma, extra=dict(self.extra))
+        cfg = AlgoConfig(lr=1.0, clip=self.clip, ef_clip=self.ef_clip, grad_bound=self.grad_bound,
+                         gamma=self.gamma, extra=dict(self.extra))
+        return algorithms.get(self.algo).with_defaults(cfg, self.batch_size)
 
     @property
     def norm(self) -> float:
@@ -153,10 +151,10 @@ def simulate(audit: CanaryAudit, with_canary: bool, *, progress: bool = False) -
     trials = audit.trials
     seed = audit.seed * 2 + int(with_canary)
     # the audit is an experiment, not a release: its mechanism runs under a key from its own seed
-    pipe = algo.pipeline(cfg, audit.batch_size, audit.noise_multiplier, SecretKey.from_seed(seed))
+    pipe = algo.pipeline(cfg, audit.batch_size, audit.noise_multiplier, SecretKey.from_seed(seed),
+                         coefficients(audit.bands, audit.band_momentum))
     if pipe.noise is None or pipe.noise.std <= 0:
         raise ConfigError(f"`algo='{audit.algo}'`: its pipeline adds no noise")
-    pipe = band_pipeline(pipe, audit.algo, audit.bands, audit.band_momentum, SecretKey.from_seed(seed))
     sigma = pipe.noise.std
     gen = torch.Generator().manual_seed(seed + (1 << 40))
     signs = gradient_signs(audit)
@@ -274,7 +272,7 @@ def claim(audit: CanaryAudit) -> privacy.PrivacyReport:
     """What the library states for this configuration (at ``claim_noise_multiplier`` if given)."""
     algo = algorithms.get(audit.algo)
     z = audit.claim_noise_multiplier or audit.noise_multiplier
-    spec = banded_spec(algo.spec(audit.algo_config(), audit.sample_rate, z, audit.batch_size), audit.bands)
+    spec = algo.spec(audit.algo_config(), audit.sample_rate, z, audit.batch_size, audit.bands)
     return privacy.account(spec, audit.steps, audit.delta, "pld", audit.dice_accounting)
 
 

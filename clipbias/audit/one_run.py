@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 from .. import algorithms, privacy
-from ..algorithms.bands import banded_spec
 from ..errors import ConfigError
 from ..grads.rows import FuncGradients, cross_entropy
 from ..privacy.report import check_delta, check_positive
@@ -139,8 +138,8 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
     acc, _ = evaluate(model, c["x_test"], c["y_test"],
                       predict=(lambda m, x: logits(x).argmax(1)) if algo.needs_public else None)
     best = _estimates(scores, inside, a)
-    spec = banded_spec(algo.spec(engine.config, engine.sample_rate, a.claim_noise_multiplier or a.noise_multiplier,
-                                 engine.expected_batch_size), a.bands)
+    spec = algo.spec(engine.config, engine.sample_rate, a.claim_noise_multiplier or a.noise_multiplier,
+                     engine.expected_batch_size, a.bands)
     rep = privacy.account(spec, a.steps, a.delta, "pld", a.dice_accounting)
     m = a.canaries
     return {**best, "epsilon_claimed": rep.epsilon, "certified": rep.certified, "basis": rep.basis,

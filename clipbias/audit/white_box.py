@@ -24,7 +24,6 @@ import torch
 from torch import Tensor, nn
 
 from .. import algorithms, privacy
-from ..algorithms.bands import banded_spec
 from ..config import AlgoConfig
 from ..errors import ConfigError
 from ..sampling.poisson import band_rate
@@ -105,8 +104,8 @@ def white_box_one_run(audit: CanaryAudit, canaries: int = 1000) -> dict:
     kw = dict(delta=audit.delta, significance=1 - audit.confidence)
     plain = one_run_estimate(scores[inside.numpy()], scores[~inside.numpy()], method="one-run", **kw)
     fdp = one_run_estimate(scores[inside.numpy()], scores[~inside.numpy()], method="one-run-fdp", **kw)
-    spec = banded_spec(algo.spec(engine.config, engine.sample_rate, audit.claim_noise_multiplier
-                                 or audit.noise_multiplier, engine.expected_batch_size), audit.bands)
+    spec = algo.spec(engine.config, engine.sample_rate, audit.claim_noise_multiplier or audit.noise_multiplier,
+                     engine.expected_batch_size, audit.bands)
     rep = privacy.account(spec, audit.steps, audit.delta, "pld", audit.dice_accounting)
     return {"epsilon_lower_bound": plain["epsilon_lower_bound"], "epsilon_lower_bound_fdp": fdp["epsilon_lower_bound"],
             "epsilon_claimed": rep.epsilon, "certified": rep.certified, "basis": rep.basis,

@@ -10,14 +10,14 @@ accounted like any other.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from .. import algorithms, privacy
-from ..algorithms.bands import band_pipeline, banded_spec, check_bandable, check_strategy
+from ..algorithms.bands import band_coefficients, check_strategy
 from ..data import batch
 from .. import distributed
 from ..data.batch import Batch
@@ -122,9 +122,7 @@ class DPEngine:
         self.sharded = distributed.is_sharded(model)  # fully_shard: gathered whole for each step (``_gathered``)
         if self.sharded:
             distributed.check_sharded(model, rule_kind)
-        if self.algo.accounting == "dice" and self.config.ef_clip is None:
-            # the privacy cost of error feedback grows with r = B C2 / C1: default r = 0.01
-            self.config = replace(self.config, ef_clip=privacy.dice.default_ef_clip(self.config.clip, batch_size))
+        self.config = self.algo.with_defaults(self.config, batch_size)
         if max_physical_batch < 1:
             raise ConfigError(f"max_physical_batch must be >= 1, got {max_physical_batch!r}")
         if epsilon is not None and noise_multiplier is not None:
@@ -134,7 +132,7 @@ class DPEngine:
         self.n, self.expected_batch_size = n, float(batch_size)
         self.sample_rate = self.expected_batch_size / n if sample_rate is None else check_rate(sample_rate)
         check_bands(bands, self.sample_rate)
-        check_bandable(self.algo.name, bands)
+        self.algo.check_bands(bands)
         check_strategy(bands_strategy)
         self.bands, self.bands_strategy = bands, bands_strategy
         steps_per_epoch = max(1, round(n / self.expected_batch_size) if sample_rate is None else round(1 / sample_rate))
@@ -148,7 +146,7 @@ class DPEngine:
         self.accountant, self.dice_accounting = accountant, dice_accounting
 
         self.noise_multiplier = z = noise_multiplier_for(self, epsilon, noise_multiplier)
-        self.spec = banded_spec(self.algo.spec(self.config, self.sample_rate, z, self.expected_batch_size), bands)
+        self.spec = self.algo.spec(self.config, self.sample_rate, z, self.expected_batch_size, bands)
         if self.algo.private:  # refuses now (not after training) when the guarantee cannot hold
             self.privacy(steps if steps != math.inf else 1)
         self.model = model
@@ -159,9 +157,8 @@ class DPEngine:
         self.rows, self.loss_fn = as_row_source(grads), loss_fn
         self.rows.key = self.key
         self.params = self.rows.layout.params(model)
-        self.pipeline = band_pipeline(self.algo.pipeline(self.config, self.expected_batch_size, z, self.key),
-                                      self.algo.name, bands, band_momentum(self.config, self.algo), self.key,
-                                      bands_strategy, steps)
+        coefs = band_coefficients(bands, self.algo.workload_momentum(self.config), bands_strategy, steps)
+        self.pipeline = self.algo.pipeline(self.config, self.expected_batch_size, z, self.key, coefs, bands_strategy)
         self.optimizer = check_base_optimizer(optimizer, self.params, self.rows.layout.names) or \
             algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer, self.params, self.config)
         self.sampler = PoissonSampler(n, self.sample_rate, self.key, steps_per_epoch, bands)
@@ -316,11 +313,6 @@ def planned_steps(epochs: int | None, steps: int | None, steps_per_epoch: int, o
             raise ConfigError(f"give `epochs` >= 1 or `steps` >= 1 (got epochs={epochs!r})")
         steps = epochs * steps_per_epoch
     return steps if steps == math.inf else privacy.check_steps(steps)
-
-
-def band_momentum(config: AlgoConfig, algo) -> float:
-    """The momentum the banded noise's coefficients are shaped for: the base SGD's (0 for Adam)."""
-    return config.momentum if (config.optimizer or algo.optimizer) == "sgd" else 0.0
 
 
 def check_rate(sample_rate: float) -> float:

@@ -212,5 +212,4 @@ def _check_bands(bands: int, algo: str, strategy: str) -> None:
     check_int(bands, "bands", 1)
     check_strategy(strategy)
     if bands > 1:
-        from ..algorithms.bands import check_bandable
-        check_bandable(algo, bands)
+        algorithms.get(algo).check_bands(bands)

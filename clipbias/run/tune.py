@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from .. import algorithms
-from ..algorithms.bands import banded_spec
 from ..errors import ClipbiasError, ConfigError
 from ..privacy import tuning
 from ..privacy.report import check_epsilon, check_positive
@@ -156,5 +155,5 @@ def _calibrate(tc: TuneConfig, base: TrainConfig, part: Splits, score_std: float
     steps = base.epochs * max(1, round(1 / q))
 
     def event_of(z: float):  # a trial's own accounting, banded noise included
-        return banded_spec(algo.spec(cfg, q, z, base.batch_size), base.bands).dp_event(steps)
+        return algo.spec(cfg, q, z, base.batch_size, base.bands).dp_event(steps)
     return tuning.calibrate(event_of, base.epsilon, base.delta, tc.trials, tc.shape, score_std), event_of

@@ -265,3 +265,16 @@ def test_a_new_data_set_is_one_registration_and_the_cli_trains_on_it(tiny_data, 
          "--lr", "0.5", "--noise-multiplier", "1.0", "--out", str(tmp_path / "run")])
     res = train(config_from_args(args, out=str(tmp_path / "run")), plot=False)
     assert res["steps"] == 5 and res["certified"] is True
+
+
+def test_every_method_module_is_in_the_catalogs_registration_order():
+    """``algorithms.REGISTRATION_ORDER`` is the catalog's imports of the modules that register methods,
+    in order: a method module that registers and is not listed there is found by nobody."""
+    from clipbias import algorithms
+    registering = {p.stem for p in (PKG / "algorithms").glob("*.py")
+                   if any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "register"
+                          for n in ast.walk(ast.parse(p.read_text()))) and p.stem not in ("base", "__init__")}
+    listed = [m.__name__.rpartition(".")[2] for m in algorithms.REGISTRATION_ORDER]
+    assert set(listed) == registering, (listed, registering)
+    src = (PKG / "algorithms" / "__init__.py").read_text()
+    assert [src.index(f"from . import {m}") for m in listed] == sorted(src.index(f"from . import {m}") for m in listed)

@@ -4,6 +4,7 @@ cyclic Poisson sampler, the accounting against dp-accounting directly, and the r
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -409,3 +410,23 @@ def test_under_torchrun_every_rank_bands_with_rank_0s_optimised_coefficients(tmp
     _spawn(_coefs_on_rank, str(tmp_path / "c"))
     got = [torch.load(tmp_path / f"c.{r}") for r in range(2)]
     assert got[0] == got[1] == optimized(4, 63, 0.9)
+
+
+def test_bandable_is_declared_by_the_algorithms_and_covers_exactly_the_one_step_ones():
+    """The engine names no algorithm: each declares ``bandable`` (compositions and +disk inherit their
+    base's). The set is the one the banded accounting covers: rows of one example at one step, one
+    release, one bounding stage."""
+    from clipbias import algorithms
+    names = [*algorithms.ALGORITHMS, *(f"{n}+disk" for n in algorithms.ALGORITHMS)]
+    got = set()
+    for n in names:
+        try:
+            if algorithms.get(n).bandable:
+                got.add(n)
+        except ConfigError:  # a base DiSK does not extend
+            pass
+    assert got == {"dpsgd", "normalized", "disk", "dpsgd+disk", "normalized+disk", "perturb", "self-aug",
+                   "perturb+disk", "self-aug+disk"}
+    for n in ("dice", "adaptive", "inner-outer", "p-avg", "dice+disk"):
+        with pytest.raises(ConfigError, match=re.escape(f"`bands=2` is not available for {n}")):
+            algorithms.get(n).spec(algorithms.get(n).with_defaults(AlgoConfig(), 8), 0.1, 1.0, 8, bands=2)

@@ -23,16 +23,14 @@ evaluations per example per step, one where ``c`` is 1 (``gamma = (1 - kappa) / 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import replace
-from typing import Iterator
 
-import torch
 from torch import Tensor, nn
 
 from ..config import AlgoConfig, Setting, real
 from ..errors import ConfigError
 from ..grads.rows import LossFn, RowSource
+from ..grads.two_point import TwoPointRows
 from ..randomness import SecretKey
 from ..transforms import Carried, Chain
 from . import base as registry
@@ -72,110 +70,6 @@ class KalmanFilter(Carried):
         g = v if self.g is None else (1.0 - self.kappa) * self.g.to(v.device) + self.kappa * v
         self._pending = g
         return g
-
-
-class TwoPointRows(RowSource):
-    """The rows ``c r(x_t + gamma d_t) + (1 - c) r(x_t)`` of a base source ``r`` (its rows at both points
-    of the same step: the same examples, keyed draws and groups), ``d_t = x_t - x_{t-1}``.
-
-    The base's rows at the extrapolated point are computed with the model's parameters set there and
-    restored bit for bit. The iterate the step started from is staged and kept by ``commit`` (state:
-    ``prev``, in ``state_dict``). Where ``c`` is 0 (or at the first step) only ``x_t`` is evaluated; where
-    ``c`` is 1 only the extrapolated point, unless the base stages state of its own (then both, so that
-    its state follows ``x_t``)."""
-
-    def __init__(self, rows: RowSource, params: list[nn.Parameter], gamma: float, c: float) -> None:
-        self.base, self.params, self.gamma, self.c = rows, list(params), float(gamma), float(c)
-        self.layout = rows.layout
-        self.structured = rows.structured
-        self.distributed_refusal = rows.distributed_refusal
-        self.prev: list[Tensor] | None = None
-        self._pending: list[Tensor] | None = None
-
-    @property
-    def key(self) -> SecretKey | None:  # the base's keyed draws (the engine sets and restores it)
-        return self.base.key
-
-    @key.setter
-    def key(self, key: SecretKey | None) -> None:
-        self.base.key = key
-
-    def owners(self, indices: Tensor, step: int, world: int) -> Tensor:
-        return self.base.owners(indices, step, world)
-
-    def ahead(self, now: list[Tensor]) -> list[Tensor] | None:
-        """``x_t + gamma (x_t - x_{t-1})``, or None where it is not needed (first step, c = 0)."""
-        if self.prev is None or self.c == 0.0:
-            return None
-        return [n + self.gamma * (n - p.to(n.device)) for n, p in zip(now, self.prev)]
-
-    @contextmanager
-    def at(self, point: list[Tensor]):
-        """The model's parameters set to ``point`` inside the block, restored exactly after it."""
-        saved = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for p, v in zip(self.params, point):
-                p.copy_(v)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, v in zip(self.params, saved):
-                    p.copy_(v)
-
-    def begin(self) -> list[Tensor] | None:
-        """Stage the iterate this step starts from; the extrapolated point (None: evaluate x_t only)."""
-        now = [p.detach().clone() for p in self.params]
-        self._pending = now
-        return self.ahead(now)
-
-    def iter_rows(self, x, y, indices: Tensor | None, step: int, max_physical_batch: int) -> Iterator:
-        point = self.begin()
-        if point is None:
-            yield from self.base.iter_rows(x, y, indices, step, max_physical_batch)
-            return
-        there = self.base.iter_rows(x, y, indices, step, max_physical_batch)
-        stateful = type(self.base).commit is not RowSource.commit
-        here = self.base.iter_rows(x, y, indices, step, max_physical_batch) if self.c != 1.0 or stateful else None
-        while True:
-            with self.at(point):
-                far = next(there, None)
-            near = next(here, None) if here is not None else None
-            if far is None:
-                return
-            if near is None:
-                yield far
-            else:
-                yield far[0].mul_(self.c).add_(near[0], alpha=1.0 - self.c), near[1], near[2]  # in place: no [b, d] copy
-
-    def probe(self, x, y, max_physical_batch: int = 512) -> Tensor:
-        near = self.base.probe(x, y, max_physical_batch)
-        point = self.ahead([p.detach().clone() for p in self.params])
-        if point is None:
-            return near
-        with self.at(point):
-            far = self.base.probe(x, y, max_physical_batch)
-        return self.c * far + (1.0 - self.c) * near
-
-    def commit(self) -> None:
-        if self._pending is not None:
-            self.prev, self._pending = self._pending, None
-        self.base.commit()
-
-    def rollback(self) -> None:
-        self._pending = None
-        self.base.rollback()
-
-    def state_dict(self) -> dict:
-        return {"prev": None if self.prev is None else [p.clone() for p in self.prev], "base": self.base.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if not state:
-            return
-        prev = state["prev"]
-        self.prev = None if prev is None else [v.to(p.device) for v, p in zip(prev, self.params)]
-        self._pending = None
-        self.base.load_state_dict(state["base"])
 
 
 def kalman(base: str, name: str | None = None) -> Algorithm:

@@ -23,7 +23,7 @@ from ..grads.rows import (FuncGradients, LossFn, ParamSums, PerExampleRows, RowS
                           check_finite_norms, cross_entropy, guarded)
 from ..randomness import forward
 from ..transforms import Pipeline, StepContext, scales_by_norm
-from ..algorithms.disk import TwoPointRows
+from ..grads.two_point import TwoPointRows
 
 AUTO_ROWS_BYTES = 2**30
 """``grad_path="auto"`` takes the fast path when one micro-batch of float32 rows would exceed this. Measured on
@@ -125,7 +125,7 @@ def fast_wins(model: nn.Module, loss_fn: LossFn = cross_entropy, rows_bytes: flo
 
 
 class TwoPoint:
-    """DiSK's rows ``c g(x_t + gamma d_t) + (1 - c) g(x_t)`` (``algorithms.disk.TwoPointRows``) through a
+    """Rows at two points ``c g(x_t + gamma d_t) + (1 - c) g(x_t)`` (``grads.two_point.TwoPointRows``: DiSK's) through a
     norm-scaling aggregate (``ParamSums`` or ``BookKeeping``): it stages the step's iterate and gives the
     aggregate the extrapolated point (None at the first step or c = 0: x_t alone). ``begin()`` once per
     step, before its micro-batches (also an empty step's: the iterate is staged all the same)."""
@@ -155,7 +155,7 @@ def step_sums(engine, x: Batch, y: Batch, indices: Tensor | None):
         return
     scale = engine.pipeline.per_sample[0].scale
     need_ref = engine.pipeline.error_feedback is not None
-    if hasattr(engine._aggregate, "begin"):  # a step-level preparation (DiSK stages the step's iterate)
+    if isinstance(engine._aggregate, TwoPoint):  # a step-level preparation (the step's iterate is staged)
         engine._aggregate.begin()
     source = output_source(engine)
     if source is not None:

@@ -88,7 +88,7 @@ def test_nothing_below_the_catalog_imports_it():
 
 
 # The pipeline's floors, bottom to top: a unit may import only its own floor and the floors below.
-FLOORS = [("errors", "config", "files", "distributed", "randomness"),  # bottom: no pipeline stage
+FLOORS = [("errors", "config", "files", "distributed", "randomness", "registry"),  # bottom: no pipeline stage
           ("data",),                                                  # data sets, text, batch structures
           ("models", "sampling", "grads", "transforms", "privacy"),   # stages and accounting
           ("algorithms",), ("engine",), ("run", "integrations"), ("analysis", "audit"), ("cli",), ("__main__",)]
@@ -278,3 +278,21 @@ def test_every_method_module_is_in_the_catalogs_registration_order():
     assert set(listed) == registering, (listed, registering)
     src = (PKG / "algorithms" / "__init__.py").read_text()
     assert [src.index(f"from . import {m}") for m in listed] == sorted(src.index(f"from . import {m}") for m in listed)
+
+
+def test_the_extension_points_are_one_registry_type():
+    """Algorithms, accountants and data sets are ``clipbias.registry.Registry``s: one name once, a lookup
+    that names the API parameter."""
+    from clipbias import algorithms
+    from clipbias.data.dataset import DATASETS
+    from clipbias.errors import ConfigError
+    from clipbias.privacy.accountants import ACCOUNTANTS
+    from clipbias.registry import Registry
+    for reg in (algorithms.ALGORITHMS, ACCOUNTANTS, DATASETS):
+        assert isinstance(reg, Registry) and len(reg) >= 2
+        first = next(iter(reg.values()))
+        with pytest.raises(ConfigError, match="needs a name not yet registered"):
+            reg.register(first)
+        with pytest.raises(ConfigError, match=f"`{reg.parameter}` must be one of"):
+            reg.lookup("no-such-name")
+        assert reg.lookup(first.name) is first

@@ -21,6 +21,7 @@ from ..grads.rows import FuncGradients, LossFn, PerExampleRows, RowSource
 from ..privacy import AccountingSpec, DiceParams
 from ..privacy.dice import default_ef_clip
 from ..randomness import SecretKey
+from ..registry import Registry
 from ..transforms import Clip, ErrorFeedback, GaussianNoise, Normalize, PerSample, Pipeline, Stage
 from .bands import banded_spec
 
@@ -171,17 +172,15 @@ class Algorithm:
         return ef is not None and ef.c2 == 3.0
 
 
-ALGORITHMS: dict[str, Algorithm] = {}
+ALGORITHMS: Registry[Algorithm] = Registry("an algorithm", "algo")
 # "BASE+SUFFIX" names built on demand (not listed in ALGORITHMS): suffix -> builder from the base's name
 DERIVED: dict[str, Callable[[str], Algorithm]] = {}
 _derived: dict[str, Algorithm] = {}
 
 
 def register(algo: Algorithm) -> Algorithm:
-    if algo.name in ALGORITHMS:
-        raise ConfigError(f"an algorithm named {algo.name!r} is already registered")
-    ALGORITHMS[algo.name] = algo
-    return algo
+    """Add ``algo`` to ``ALGORITHMS`` under its name (a name is registered once)."""
+    return ALGORITHMS.register(algo)
 
 
 def get(name: str) -> Algorithm:

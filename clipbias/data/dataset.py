@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..errors import ClipbiasError, ConfigError, require
 from ..randomness import Purpose, SecretKey, poisson_indices
+from ..registry import Registry
 
 
 class DataNotFoundError(ClipbiasError, FileNotFoundError):
@@ -74,16 +75,13 @@ class DataSource:
     description: str = ""
 
 
-DATASETS: dict[str, DataSource] = {}
+DATASETS: Registry[DataSource] = Registry("a data set", "data")
 """The data sets loadable by name, in the order the CLI offers them (``register_dataset``)."""
 
 
 def register_dataset(source: DataSource) -> DataSource:
     """Add ``source`` to ``DATASETS`` under its name (a name is registered once)."""
-    if not source.name or source.name in DATASETS:
-        raise ConfigError(f"a data set needs a name not yet registered, got {source.name!r}")
-    DATASETS[source.name] = source
-    return source
+    return DATASETS.register(source)
 
 
 def stratified_split(y: np.ndarray, size: int | float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -19,6 +19,7 @@ from typing import Callable
 from dp_accounting import dp_event
 
 from ..errors import ClipbiasError, ConfigError
+from ..registry import Registry
 
 
 @dataclass(frozen=True)
@@ -90,20 +91,15 @@ class Accountant(abc.ABC):
         return []
 
 
-ACCOUNTANTS: dict[str, Accountant] = {}
+ACCOUNTANTS: Registry[Accountant] = Registry("an accountant", "accountant")
 """The registered accountants by name (``register``); ``pld`` is the default everywhere."""
 
 
 def register(accountant: Accountant) -> Accountant:
     """Add ``accountant`` to ``ACCOUNTANTS`` under its name (a name is registered once)."""
-    if not accountant.name or accountant.name in ACCOUNTANTS:
-        raise ConfigError(f"an accountant needs a name not yet registered, got {accountant.name!r}")
-    ACCOUNTANTS[accountant.name] = accountant
-    return accountant
+    return ACCOUNTANTS.register(accountant)
 
 
 def get(name: str) -> Accountant:
     """The accountant registered as ``name``."""
-    if name not in ACCOUNTANTS:
-        raise ConfigError(f"`accountant` must be one of {', '.join(ACCOUNTANTS)}, got {name!r}")
-    return ACCOUNTANTS[name]
+    return ACCOUNTANTS.lookup(name)

@@ -142,3 +142,63 @@ def test_a_banded_tuning_accounts_each_trial_with_its_bands():
     want = banded_spec(algorithms.get("dpsgd").spec(base.algo_config(), q, z, base.batch_size), 3).dp_event(steps)
     assert event_of(z) == want and want.event.sampling_probability == 3 * q
     assert tuning.tuned_epsilon(event_of(z), 20.0, base.delta, 2.0, tc.shape) <= base.epsilon
+
+
+def test_trials_that_choose_among_events_are_accounted_at_the_largest_renyi_curve():
+    """A trial that draws its number of bands is a mixture of the events; the tuning is accounted at the
+    pointwise largest of their curves (Thm. 2 of that curve, recomputed here), which is at least each
+    event alone and at most their composition. One event gives dp-accounting's own RepeatAndSelect."""
+    other = dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.15, dp_event.GaussianDpEvent(1.2)), 20)
+    assert tuning.tuned_epsilon([TRAINING], 25.0, 1e-5, 8.0, 1.0) == tuning.tuned_epsilon(TRAINING, 25.0, 1e-5, 8.0, 1.0)
+    curves = []
+    for e in (TRAINING, other):
+        acc = rdp.RdpAccountant()
+        acc.compose(tuning.trial_event(e, 25.0))
+        orders, c = list(acc._orders), list(acc._rdp)
+        curves.append(c)
+    worst = list(np.maximum(*curves))
+    assert curves[0] != worst and curves[1] != worst  # neither curve dominates: the maximum is pointwise
+    ours = [_theorem_2(orders, worst, i, 8.0, 1.0) for i in range(len(orders))]
+    eps, _ = rdp.compute_epsilon(orders, ours, 1e-5)
+    both = tuning.tuned_epsilon([TRAINING, other], 25.0, 1e-5, 8.0, 1.0)
+    assert both == pytest.approx(eps, rel=1e-9)
+    singles = [tuning.tuned_epsilon(e, 25.0, 1e-5, 8.0, 1.0) for e in (TRAINING, other)]
+    composed = tuning.tuned_epsilon(dp_event.ComposedDpEvent([TRAINING, other]), 25.0, 1e-5, 8.0, 1.0)
+    assert max(singles) <= both + 1e-12 and both < composed
+
+
+def test_a_tuning_searches_the_bands_with_keyed_draws_and_one_calibration():
+    """``bands_choices``: each trial draws its bands from the tuning's key (not from its position), the
+    calibration covers every choice, and the best trial's bands are released with it."""
+    import dataclasses
+    from clipbias.run import tune as tune_module
+    base = dataclasses.replace(BASE, momentum=0.9)
+    tc = TuneConfig(base, (0.05, 5.0), (0.1, 10.0), trials=2.0, bands_choices=(1, 3), strategy_choices=("taylor",))
+    key = SecretKey.from_seed(3)
+    drawn = {tune_module._trial_config(tc, key, t, 1.0).bands for t in range(40)}
+    assert drawn == {1, 3}
+    other = {t: tune_module._trial_config(tc, SecretKey.from_seed(4), t, 1.0).bands for t in range(40)}
+    assert other != {t: tune_module._trial_config(tc, key, t, 1.0).bands for t in range(40)}  # keyed, not by position
+    part = tune_module.prepare_splits(dataclasses.replace(base, validation=0))
+    z, event_of = tune_module._calibrate(tc, base, part, 20.0)
+    events = event_of(z)
+    assert len(events) == 2 and events[1].event.sampling_probability == pytest.approx(3 * events[0].event.sampling_probability)
+    eps = tuning.tuned_epsilon(events, 20.0, base.delta, 2.0, tc.shape)
+    assert eps <= base.epsilon and all(tuning.tuned_epsilon(e, 20.0, base.delta, 2.0, tc.shape) <= eps + 1e-12
+                                       for e in events)
+    res = tune(tc, key)
+    assert res["best"]["bands"] in (1, 3) and res["best"]["config"]["bands"] == res["best"]["bands"]
+    assert res["epsilon"] <= base.epsilon
+
+
+@pytest.mark.parametrize("kw, match", [({"bands_choices": (1, 3), "base_algo": "dice"}, "tune accounts"),
+                                       ({"bands_choices": (0,)}, "`bands_choices` must hold"),
+                                       ({"bands_choices": (2, 2)}, "must not repeat"),
+                                       ({"strategy_choices": ("nope",)}, "`bands_strategy` must be one of"),
+                                       ({"bands_choices": (2,), "base_algo": "adaptive"}, "not available for adaptive")])
+def test_band_search_refusals(kw, match):
+    import dataclasses
+    kw = dict(kw)
+    base = dataclasses.replace(BASE, algo=kw.pop("base_algo")) if "base_algo" in kw else BASE
+    with pytest.raises(ConfigError, match=match):
+        TuneConfig(base, (0.05, 5.0), (0.1, 10.0), **kw)

@@ -30,7 +30,8 @@ def _run(args: argparse.Namespace) -> int:
     mid = [(lo * hi) ** 0.5 if lo > 0 and hi > 0 else 1.0 for lo, hi in (args.lr_range, args.clip_range)]
     base = config_from_args(args, lr=mid[0], clip=mid[1])
     tc = TuneConfig(base, tuple(args.lr_range), tuple(args.clip_range), trials=args.trials, shape=args.shape,
-                    validation=args.validation_fraction, score_noise=args.score_noise)
+                    validation=args.validation_fraction, score_noise=args.score_noise,
+                    bands_choices=tuple(args.bands_choices), strategy_choices=tuple(args.strategy_choices))
     out = Path(args.out) if args.out else None
     if out is not None and (out / "tune.json").exists() and not args.overwrite:
         raise ConfigError(f"--out {out} holds a tuning already (tune.json); pass --overwrite or another --out")
@@ -46,7 +47,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         emit(res, True)
         return 0
-    emit({"best lr": f"{res['best']['lr']:.4g}", "best clip": f"{res['best']['clip']:.4g}",
+    searched = ({"best bands": f"{res['best']['bands']} ({res['best']['bands_strategy']} coefficients)"}
+                if tc.bands_choices or tc.strategy_choices else {})
+    emit({"best lr": f"{res['best']['lr']:.4g}", "best clip": f"{res['best']['clip']:.4g}", **searched,
           "validation accuracy": f"{res['best']['validation_accuracy']:.4f} (noisy: the released score)",
           "test accuracy": f"{res['best']['test_accuracy']:.4f} (the public test split; not used to select)",
           "noise multiplier": f"{res['noise_multiplier']:.4g} (every trial)",
@@ -79,6 +82,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="fraction of the training data scored (default 0.1)")
     p.add_argument("--score-noise", type=float, default=None, metavar="S",
                    help="std of the noisy validation count (default 1 %% of the validation part, at least 10)")
+    p.add_argument("--bands-choices", nargs="+", type=int, default=(), metavar="b",
+                   help="numbers of noise bands each trial draws one of, uniformly (default: --bands for every trial); "
+                        "one calibration covers them all (the largest of their Renyi DP curves)")
+    p.add_argument("--strategy-choices", nargs="+", default=(), metavar="S",
+                   help="band coefficient strategies (taylor, optimized) each trial draws one of, uniformly "
+                        "(default: --bands-strategy)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model initialisation (public)")
     p.add_argument("--out", default=None, metavar="DIR", help="write tune.json and model.pt (best weights) here")
     p.add_argument("--overwrite", action="store_true", help="replace a tuning in --out")

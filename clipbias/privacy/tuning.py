@@ -18,7 +18,9 @@ tuning meets a target epsilon. The other trials' outputs, and K itself, must sta
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Sequence
+
+import numpy as np
 
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
@@ -37,17 +39,35 @@ def trial_event(training: dp_event.DpEvent, score_std: float) -> dp_event.DpEven
     return dp_event.ComposedDpEvent([training, dp_event.GaussianDpEvent(score_std)])
 
 
-def tuned_epsilon(training: dp_event.DpEvent, score_std: float, delta: float, mean: float, shape: float) -> float:
-    """Epsilon at ``delta`` of releasing the best of K ~ TNB(shape, mean) trials."""
-    acc = rdp.RdpAccountant()
-    acc.compose(dp_event.RepeatAndSelectDpEvent(trial_event(training, score_std), mean, shape))
-    return float(acc.get_epsilon(delta))
+def tuned_epsilon(training: dp_event.DpEvent | Sequence[dp_event.DpEvent], score_std: float, delta: float,
+                  mean: float, shape: float) -> float:
+    """Epsilon at ``delta`` of releasing the best of K ~ TNB(shape, mean) trials. ``training``: one trial's
+    training event, or the events a trial chooses among (a secret draw independent of the data, e.g. the
+    number of noise bands): then a trial is a mixture of them, whose Renyi divergence at every order is at
+    most the largest of theirs (joint quasi-convexity; van Erven & Harremoes 2014, Thm. 13), and that
+    pointwise maximum is the one-trial RDP that Papernot & Steinke's Thm. 2 takes."""
+    events = [training] if isinstance(training, dp_event.DpEvent) else list(training)
+    if len(events) == 1:
+        acc = rdp.RdpAccountant()
+        acc.compose(dp_event.RepeatAndSelectDpEvent(trial_event(events[0], score_std), mean, shape))
+        return float(acc.get_epsilon(delta))
+    orders = np.asarray(rdp.DEFAULT_RDP_ORDERS, dtype=np.float64)
+    curves = []
+    for e in events:
+        acc = rdp.RdpAccountant(list(orders))
+        acc.compose(trial_event(e, score_std))
+        curves.append(np.asarray(acc._rdp, dtype=np.float64))  # one trial's RDP at ``orders``
+    worst = np.max(curves, axis=0)
+    return float(rdp.compute_epsilon(orders, rdp._compute_rdp_repeat_and_select(orders, worst, mean, shape),
+                                     delta)[0])
 
 
-def calibrate(event_of: Callable[[float], dp_event.DpEvent], target: float, delta: float, mean: float,
-              shape: float, score_std: float, lo: float = 0.3, hi: float = 100.0, rel_tol: float = 2e-3) -> float:
+def calibrate(event_of: Callable[[float], dp_event.DpEvent | Sequence[dp_event.DpEvent]], target: float,
+              delta: float, mean: float, shape: float, score_std: float, lo: float = 0.3, hi: float = 100.0,
+              rel_tol: float = 2e-3) -> float:
     """The smallest noise multiplier z (to ``rel_tol``) whose tuning epsilon is at most ``target``;
-    ``event_of(z)`` is one trial's training event. Never overshoots: the upper end of the bracket."""
+    ``event_of(z)`` is one trial's training event (or the events it chooses among, ``tuned_epsilon``).
+    Never overshoots: the upper end of the bracket."""
     if tuned_epsilon(event_of(hi), score_std, delta, mean, shape) > target:
         raise ConfigError(f"tuning with {mean:g} trials on average cannot reach epsilon {target:g} even at noise "
                           f"multiplier {hi:g}: allow a larger `epsilon`, fewer `trials` or fewer steps")

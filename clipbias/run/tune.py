@@ -20,11 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from .. import algorithms
+from ..algorithms.bands import check_strategy
 from ..errors import ClipbiasError, ConfigError
 from ..privacy import tuning
 from ..privacy.report import check_epsilon, check_positive
 from ..randomness import Purpose, SecretKey, poisson_indices, snapped_gaussian, stream, uint64s
 from ..engine import run_steps
+from ..sampling.poisson import check_bands
 from .build import build_run
 from .config import TrainConfig
 from .splits import Splits, prepare_splits
@@ -36,7 +38,9 @@ class TuneConfig:
     the budget of the whole tuning). ``lr_range``/``clip_range``: log-uniform search ranges;
     ``trials``: the mean number of trials; ``shape``: of their truncated negative binomial (0:
     logarithmic, 1: geometric); ``validation``: the fraction of the training data scored;
-    ``score_noise``: std of the validation count's noise (default: 1 % of the validation part, at least 10)."""
+    ``score_noise``: std of the validation count's noise (default: 1 % of the validation part, at least 10);
+    ``bands_choices``/``strategy_choices``: numbers of noise bands and coefficient strategies each trial draws
+    one of, uniformly (empty: ``base.bands`` and ``base.bands_strategy`` for every trial)."""
 
     base: TrainConfig
     lr_range: tuple[float, float]
@@ -45,6 +49,8 @@ class TuneConfig:
     shape: float = 1.0
     validation: float = 0.1
     score_noise: float | None = None
+    bands_choices: tuple[int, ...] = ()
+    strategy_choices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:  # valid by construction
         if self.base.epsilon is None:
@@ -67,6 +73,25 @@ class TuneConfig:
             raise ConfigError(f"`TuneConfig.validation` must lie in (0, 1), got {self.validation!r}")
         if self.score_noise is not None:
             check_positive(self.score_noise, "score_noise")
+        for b in self.bands_choices:
+            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+                raise ConfigError(f"`bands_choices` must hold whole numbers >= 1, got {self.bands_choices!r}")
+            algo.check_bands(b)
+        for s in self.strategy_choices:
+            check_strategy(s)
+        if len(set(self.bands_choices)) != len(self.bands_choices) or \
+                len(set(self.strategy_choices)) != len(self.strategy_choices):
+            raise ConfigError("`bands_choices` and `strategy_choices` must not repeat a value (each is drawn uniformly)")
+
+    @property
+    def bands(self) -> tuple[int, ...]:
+        """The numbers of bands a trial draws from."""
+        return self.bands_choices or (self.base.bands,)
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        """The coefficient strategies a trial draws from."""
+        return self.strategy_choices or (self.base.bands_strategy,)
 
 
 def split(splits: Splits, fraction: float, key: SecretKey) -> tuple[Splits, torch.Tensor, torch.Tensor]:
@@ -91,10 +116,15 @@ def _uniform(key: SecretKey, purpose: int, step: int, index: int) -> float:
 
 
 def _trial_config(tc: TuneConfig, key: SecretKey, trial: int, z: float) -> TrainConfig:
+    """The trial's hyperparameters, drawn from the tuning's key at the trial's own addresses (index 2 is
+    its training key; 3 and 4 its bands and strategy): lr and clip log-uniform, bands and strategy uniform."""
     u_lr, u_clip = _uniform(key, Purpose.TUNE, 1 + trial, 0), _uniform(key, Purpose.TUNE, 1 + trial, 1)
     (lr0, lr1), (c0, c1) = tc.lr_range, tc.clip_range
+    bands = tc.bands[int(_uniform(key, Purpose.TUNE, 1 + trial, 3) * len(tc.bands))]
+    strategy = tc.strategies[int(_uniform(key, Purpose.TUNE, 1 + trial, 4) * len(tc.strategies))]
     return dataclasses.replace(tc.base, epsilon=None, noise_multiplier=z, out=None, validation=0,
-                               lr=lr0 * (lr1 / lr0) ** u_lr, clip=c0 * (c1 / c0) ** u_clip)
+                               lr=lr0 * (lr1 / lr0) ** u_lr, clip=c0 * (c1 / c0) ** u_clip, bands=bands,
+                               bands_strategy=strategy)
 
 
 def tune(tc: TuneConfig, key: SecretKey | None = None, splits: Splits | None = None) -> dict:
@@ -127,8 +157,8 @@ def tune(tc: TuneConfig, key: SecretKey | None = None, splits: Splits | None = N
                     run.evaluate(part.x_test, part.y_test)[0])
     score, cfg, weights, test_acc = best
     eps = tuning.tuned_epsilon(event_of(z), score_std, base.delta, tc.trials, tc.shape)
-    return {"best": {"lr": cfg.lr, "clip": cfg.clip, "config": cfg.to_dict(), "validation_accuracy": score,
-                     "test_accuracy": test_acc},
+    return {"best": {"lr": cfg.lr, "clip": cfg.clip, "bands": cfg.bands, "bands_strategy": cfg.bands_strategy,
+                     "config": cfg.to_dict(), "validation_accuracy": score, "test_accuracy": test_acc},
             "weights": weights, "noise_multiplier": z, "epsilon": eps, "delta": base.delta,
             "accountant": "rdp", "certified": not key.reproducible,
             "caveats": (["the tuning's key derives from a seed: the guarantee holds only while it stays secret"]
@@ -154,6 +184,10 @@ def _calibrate(tc: TuneConfig, base: TrainConfig, part: Splits, score_std: float
     q = base.batch_size / expected
     steps = base.epochs * max(1, round(1 / q))
 
-    def event_of(z: float):  # a trial's own accounting, banded noise included
-        return algo.spec(cfg, q, z, base.batch_size, base.bands).dp_event(steps)
+    for b in tc.bands:  # cyclic participation needs b q <= 1 at the trials' rate
+        check_bands(b, q)
+
+    def event_of(z: float):  # a trial's own accounting, banded noise included: one event per number of bands
+        events = [algo.spec(cfg, q, z, base.batch_size, b).dp_event(steps) for b in tc.bands]
+        return events[0] if len(events) == 1 else events
     return tuning.calibrate(event_of, base.epsilon, base.delta, tc.trials, tc.shape, score_std), event_of

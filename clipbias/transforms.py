@@ -262,10 +262,6 @@ class GaussianNoise(Stage):
         return {"draws": self.draws}
 
     def load_state_dict(self, state: dict) -> None:
-        if "draws" not in state:
-            raise ConfigError("this noise state comes from a clipbias version whose noise was drawn by a torch "
-                              "generator with a 32-bit seed (recoverable from the released model); it cannot be "
-                              "resumed: start a new run")
         self.draws, self._pending = int(state["draws"]), None
 
 
@@ -355,10 +351,7 @@ class Pipeline:
         return {k: s.state_dict() for k, s in self.named_stages()}
 
     def load_state_dict(self, state: dict) -> None:
-        named = self.named_stages()
-        if "0" in state:  # checkpoints before named keys: stages by position, same order
-            state = {k: state[str(i)] for i, (k, _) in enumerate(named)}
-        for k, s in named:
+        for k, s in self.named_stages():
             s.load_state_dict(state[k])
 
 

@@ -130,7 +130,7 @@ class BandedNoise(Stage):
                 "inputs": [t.clone() for t in self.inputs], "outputs": [t.clone() for t in self.outputs]}
 
     def load_state_dict(self, state: dict) -> None:
-        saved, strategy = tuple(float(c) for c in state.get("coefs", ())), state.get("strategy", "taylor")
+        saved, strategy = tuple(float(c) for c in state["coefs"]), state["strategy"]
         # A run keeps one c from its first step to its last: a c changed mid-run would give the columns of
         # C that straddle the change a norm above 1 (docs/privacy.md, "Banded noise"). So a resumed run goes
         # on with the saved c: taylor's must equal this run's (the same --bands and momentum); optimised ones
@@ -139,7 +139,7 @@ class BandedNoise(Stage):
         valid = len(saved) == self.bands and saved[0] > 0 and \
             math.isclose(sum(c * c for c in saved), 1.0, rel_tol=1e-12)
         if strategy != self.strategy or not valid or strategy == "taylor" and saved != self.coefs:
-            raise ConfigError(f"banded noise state has {strategy} coefficients {state.get('coefs')}, this run "
+            raise ConfigError(f"banded noise state has {strategy} coefficients {state['coefs']}, this run "
                               f"{self.strategy} {list(self.coefs)}: resume with the same `bands`, "
                               f"`bands_strategy` and momentum")
         self.coefs = saved

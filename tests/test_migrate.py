@@ -13,7 +13,7 @@ from torch import nn
 
 from clipbias.config import AlgoConfig
 from clipbias.engine import migrate
-from clipbias.engine.core import DPEngine
+from clipbias.engine.core import SEEDED_CAVEAT, DPEngine
 from clipbias.errors import ConfigError, ResumeMismatchError
 from clipbias.privacy import dice
 from clipbias.run.training import CHECKPOINT, TrainConfig, load_checkpoint, prepare_splits, train
@@ -176,20 +176,26 @@ RUN = TrainConfig(data="digits", model="logreg", algo="dpsgd", epochs=2, batch_s
                   noise_multiplier=2.0, reproducible_noise=True)
 
 
-def test_a_checkpoint_from_before_the_world_size_resumes_bit_exactly(tmp_path):
+def test_a_checkpoint_from_before_the_world_size_and_the_caveats_resumes_bit_exactly(tmp_path):
     splits = prepare_splits(RUN)
     train(dataclasses.replace(RUN, out=str(tmp_path / "a")), splits=splits, plot=False)
     cfg = dataclasses.replace(RUN, out=str(tmp_path / "b"))
     interrupt_after_first_epoch(cfg, splits)
     ck = torch.load(tmp_path / "b" / CHECKPOINT, weights_only=True)
     assert ck["format"] == migrate.CHECKPOINT_FORMAT and ck["world_size"] == 1
+    assert ck["history"][0]["caveats"] == [SEEDED_CAVEAT]
     for k in ("world_size", "torch_rng_ranks"):
         del ck[k]
+    del ck["history"][0]["caveats"]
     ck["format"] = 1
     torch.save(ck, tmp_path / "b" / CHECKPOINT)
-    assert load_checkpoint(tmp_path / "b")["torch_rng_ranks"][0].equal(ck["torch_rng"])
+    migrated = load_checkpoint(tmp_path / "b")
+    assert migrated["world_size"] == 1 and migrated["torch_rng_ranks"][0].equal(ck["torch_rng"])
+    assert migrated["history"][0]["caveats"] == []  # what the older version recorded: none
     train(dataclasses.replace(cfg, resume=True), splits=splits, plot=False)
-    _assert_same(load_checkpoint(tmp_path / "a")["model"], load_checkpoint(tmp_path / "b")["model"])
+    a, b = load_checkpoint(tmp_path / "a"), load_checkpoint(tmp_path / "b")
+    _assert_same(a["model"], b["model"])
+    assert a["history"][1] == {**b["history"][1], **{k: a["history"][1][k] for k in ("epoch_time_s", "eval_time_s")}}
 
 
 def test_a_pre_refutation_dicesgd_checkpoint_is_migrated_to_the_refuted_paper_bound():
@@ -200,6 +206,7 @@ def test_a_pre_refutation_dicesgd_checkpoint_is_migrated_to_the_refuted_paper_bo
     assert new["config"]["dice_accounting"] == "paper" and new["format"] == migrate.CHECKPOINT_FORMAT
     for rec in new["history"]:
         assert rec["certified"] is False and rec["basis"] == f"DiceSGD Thm 3.8; {dice.REFUTED.format(basis='paper')}"
+        assert rec["caveats"] == []
     assert old["config"]["dice_accounting"] == "certified" and old["history"][0]["certified"] is True
     dpsgd = migrate.migrate_checkpoint(dict(old, config={"algo": "dpsgd", "dice_accounting": "certified"}))
     assert dpsgd["config"]["dice_accounting"] == "certified"  # not a DiceSGD run: its accounting is not dice

@@ -135,13 +135,13 @@ def dice_accounting_renamed(ckpt: dict) -> None:
     paper's bound (docs/privacy.md): a DiceSGD run from before records the refuted bound as certified. Its
     config names the bound ``paper`` and every record of its history says ``certified: false`` with the
     REFUTED basis, what this version reports for that accounting (and what its export releases)."""
-    cfg = ckpt.get("config", {})
+    cfg = ckpt["config"]
     if cfg.get("dice_accounting") not in dice.RENAMED or cfg.get("algo") not in algorithms.ALGORITHMS or \
             algorithms.get(cfg["algo"]).accounting != "dice":
         return
     cfg["dice_accounting"] = dice.RENAMED[cfg["dice_accounting"]]
     refuted = dice.REFUTED.format(basis=cfg["dice_accounting"])
-    for rec in ckpt.get("history", []):
+    for rec in ckpt["history"]:
         rec.update(certified=False, basis=f"{rec.get('basis')}; {refuted}")
 
 
@@ -155,7 +155,15 @@ def per_rank_states(ckpt: dict) -> None:
         ckpt["torch_rng_ranks"] = [ckpt["torch_rng"]]
 
 
-CHECKPOINT_STEPS: tuple[Callable[[dict], None], ...] = (dice_accounting_renamed, per_rank_states)
+def record_caveats(ckpt: dict) -> None:
+    """3 -> 4, issue 24: each record of the history lists the ``caveats`` of its privacy statement (a seeded
+    key, batches the sampler did not draw, ...). An older record named none: ``[]``, what that version
+    stated (and exported) for the run."""
+    for rec in ckpt["history"]:
+        rec.setdefault("caveats", [])
+
+
+CHECKPOINT_STEPS: tuple[Callable[[dict], None], ...] = (dice_accounting_renamed, per_rank_states, record_caveats)
 CHECKPOINT_FORMAT = 1 + len(CHECKPOINT_STEPS)
 """The format of the checkpoint.pt a run writes (its first format was 1)."""
 

@@ -135,15 +135,14 @@ def export_weights(run_dir: str | os.PathLike, file: str | os.PathLike) -> dict:
     states stay in the private checkpoint. Returns what was written (minus the tensors).
     """
     ckpt = load_checkpoint(run_dir)
-    cfg = ckpt.get("config", {})
-    last = (ckpt.get("history") or [{}])[-1]
+    cfg, last = ckpt["config"], ckpt["history"][-1]
     weights = {k: v.detach().cpu().clone() for k, v in ckpt["model"].items()}
     meta = {"model": cfg.get("model"), "data": cfg.get("data"), "algo": cfg.get("algo"),
-            "input_shape": ckpt.get("input_shape"), "num_classes": ckpt.get("num_classes"),
-            "epochs_trained": ckpt.get("epoch"), "steps": last.get("steps"),
+            "input_shape": ckpt["input_shape"], "num_classes": ckpt["num_classes"],
+            "epochs_trained": ckpt["epoch"], "steps": last.get("steps"),
             "epsilon": last.get("epsilon"), "delta": cfg.get("delta"),
             "accountant": last.get("accountant"), "certified": last.get("certified"),
-            "caveats": last.get("caveats", []), "basis": last.get("basis")}
+            "caveats": last["caveats"], "basis": last.get("basis")}
     out = {"state_dict": weights, "meta": jsonable(meta)}
     if ckpt.get("ema_model") is not None:  # --ema: the averaged weights too (post-processing of the same run)
         out["ema_state_dict"] = {k: v.detach().cpu().clone() for k, v in ckpt["ema_model"].items()}

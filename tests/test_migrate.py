@@ -176,7 +176,9 @@ RUN = TrainConfig(data="digits", model="logreg", algo="dpsgd", epochs=2, batch_s
                   noise_multiplier=2.0, reproducible_noise=True)
 
 
-def test_a_checkpoint_from_before_the_world_size_and_the_caveats_resumes_bit_exactly(tmp_path):
+def test_the_oldest_resumable_run_checkpoint_resumes_bit_exactly(tmp_path):
+    """Every run checkpoint step (but the DiceSGD rename, for another algorithm) and every engine step
+    undone: the run resumes to the uninterrupted run's weights and records."""
     splits = prepare_splits(RUN)
     train(dataclasses.replace(RUN, out=str(tmp_path / "a")), splits=splits, plot=False)
     cfg = dataclasses.replace(RUN, out=str(tmp_path / "b"))
@@ -187,11 +189,17 @@ def test_a_checkpoint_from_before_the_world_size_and_the_caveats_resumes_bit_exa
     for k in ("world_size", "torch_rng_ranks"):
         del ck[k]
     del ck["history"][0]["caveats"]
+    for k in ("ema", "bands", "bands_strategy"):
+        del ck["config"][k]
+    ck["engine"] = _older(ck["engine"], "settings/bands", "sampler/bands", "optimizer_class", "undrawn_steps",
+                          "sampler/skipped", "dropout_layouts")
     ck["format"] = 1
     torch.save(ck, tmp_path / "b" / CHECKPOINT)
     migrated = load_checkpoint(tmp_path / "b")
     assert migrated["world_size"] == 1 and migrated["torch_rng_ranks"][0].equal(ck["torch_rng"])
     assert migrated["history"][0]["caveats"] == []  # what the older version recorded: none
+    assert (migrated["config"]["ema"], migrated["config"]["bands"], migrated["config"]["bands_strategy"]) == \
+        (None, 1, "taylor")
     train(dataclasses.replace(cfg, resume=True), splits=splits, plot=False)
     a, b = load_checkpoint(tmp_path / "a"), load_checkpoint(tmp_path / "b")
     _assert_same(a["model"], b["model"])

@@ -163,7 +163,28 @@ def record_caveats(ckpt: dict) -> None:
         rec.setdefault("caveats", [])
 
 
-CHECKPOINT_STEPS: tuple[Callable[[dict], None], ...] = (dice_accounting_renamed, per_rank_states, record_caveats)
+def no_weight_average(ckpt: dict) -> None:
+    """4 -> 5, ``ema``: a run may keep an exponential moving average of its weights (the config's ``ema``
+    decay, the checkpoint's ``ema`` state). An older run kept none: ``ema`` None (a resume that asks for one
+    is then refused as a changed setting: there is no average to continue)."""
+    ckpt["config"].setdefault("ema", None)
+
+
+def one_band_run(ckpt: dict) -> None:
+    """5 -> 6, banded noise: the config records ``bands``. An older run had one participation class and
+    independent noise: ``bands`` 1 (its engine state is migrated alike, ``one_band``)."""
+    ckpt["config"].setdefault("bands", 1)
+
+
+def taylor_run(ckpt: dict) -> None:
+    """6 -> 7, ``bands_strategy``: the config records the strategy of the banded noise's coefficients. Before,
+    the Taylor coefficients were the only ones: ``taylor`` (its engine state is migrated alike,
+    ``taylor_strategy``)."""
+    ckpt["config"].setdefault("bands_strategy", "taylor")
+
+
+CHECKPOINT_STEPS: tuple[Callable[[dict], None], ...] = (dice_accounting_renamed, per_rank_states, record_caveats,
+                                                        no_weight_average, one_band_run, taylor_run)
 CHECKPOINT_FORMAT = 1 + len(CHECKPOINT_STEPS)
 """The format of the checkpoint.pt a run writes (its first format was 1)."""
 

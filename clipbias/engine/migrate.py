@@ -10,12 +10,13 @@ state that cannot be resumed soundly. After them every loader reads the current 
 of a newer format than this code's is refused.
 
 An engine state without ``"format"`` is format 0: every state written before the version was recorded.
-Those span several layouts, so the steps from format 0 test for the keys each change added (a state
-written after the change already has them); the steps of later formats need no such test. States from
+Those span several layouts, so the steps up to the first recorded format (7) test for the keys each
+change added (a state written after the change already has them); a step added for a later change reads
+a state whose format says its layout, and needs no such test. States from
 before the secret key (format 0 without ``"secret_key"``) are refused by the first step, so the layouts
 older than it (pipeline stages keyed by position, the row source's state under ``"grads"`` or absent)
-need no step. A run checkpoint has always carried ``"format": 1``; its layouts up to this version are
-told apart the same way.
+need no step. A run checkpoint has always carried ``"format": 1``; its layouts up to the first format
+that told them apart (7) are told apart the same way.
 
 Recipe for a change of layout: bump ``FORMAT`` (or ``CHECKPOINT_FORMAT``), append one step, test it in
 ``tests/test_migrate.py`` (docs/architecture.md, "Checkpoint format and migrations").

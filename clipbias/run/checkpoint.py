@@ -39,7 +39,7 @@ def open_run_dir(out: Path | None, cfg: TrainConfig) -> dict | None:
         if not ck_path.is_file():
             raise ConfigError(f"`resume=True`: no checkpoint at {ck_path}; start the run without `resume=True`")
         ckpt = load_checkpoint(ck_path)
-        resume_check(ckpt.get("config", {}), cfg)
+        resume_check(ckpt["config"], cfg)
         return ckpt
     if ck_path.exists() and not cfg.overwrite:
         raise ConfigError(f"`out='{out}'` already holds a checkpoint; continue it with `resume=True`, "

@@ -307,11 +307,7 @@ class GaussianNoise(Stage):
                 "inputs": [t.clone() for t in self.inputs], "outputs": [t.clone() for t in self.outputs]}
 
     def load_state_dict(self, state: dict) -> None:
-        if "draws" not in state:
-            raise ConfigError("this noise state comes from a clipbias version whose noise was drawn by a torch "
-                              "generator with a 32-bit seed (recoverable from the released model); it cannot be "
-                              "resumed: start a new run")
-        saved, strategy = tuple(float(c) for c in state.get("coefs", (1.0,))), state.get("strategy", "taylor")
+        saved, strategy = tuple(float(c) for c in state["coefs"]), state["strategy"]
         # A run keeps one c from its first step to its last: a c changed mid-run would give the columns of
         # C that straddle the change a norm above 1 (docs/privacy.md, "Banded noise"). So a resumed run goes
         # on with the saved c: taylor's must equal this run's (the same bands and momentum); optimised ones
@@ -325,8 +321,8 @@ class GaussianNoise(Stage):
                               f"`bands`, `bands_strategy` and momentum")
         self.coefs = saved
         self.draws = int(state["draws"])
-        self.inputs = [t.to(torch.float64) for t in state.get("inputs", ())]
-        self.outputs = [t.to(torch.float64) for t in state.get("outputs", ())]
+        self.inputs = [t.to(torch.float64) for t in state["inputs"]]
+        self.outputs = [t.to(torch.float64) for t in state["outputs"]]
         self._pending = None
 
 
@@ -415,10 +411,7 @@ class Pipeline:
         return {k: s.state_dict() for k, s in self.named_stages()}
 
     def load_state_dict(self, state: dict) -> None:
-        named = self.named_stages()
-        if "0" in state:  # checkpoints before named keys: stages by position, same order
-            state = {k: state[str(i)] for i, (k, _) in enumerate(named)}
-        for k, s in named:
+        for k, s in self.named_stages():
             s.load_state_dict(state[k])
 
 

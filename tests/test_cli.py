@@ -225,6 +225,7 @@ def test_export_writes_weights_only(capsys, tmp_path):
     # refuted, never as certified
     ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=False)
     ck["config"]["dice_accounting"] = "certified"
+    ck["format"] = 1  # the format of the checkpoints written then
     ck["history"][-1].update(certified=True, basis="DiceSGD Thm 3.8 (Zhang et al.) ...")
     torch.save(ck, tmp_path / "r" / "checkpoint.pt")
     code, _, err = run(["export", tmp_path / "r", tmp_path / "old.pt"], capsys)

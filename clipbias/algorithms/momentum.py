@@ -227,8 +227,6 @@ class InnerMomentumGradients(RowSource):
                 "history": [{k: v.clone() for k, v in h.items()} for h in self.history]}
 
     def load_state_dict(self, state: dict) -> None:
-        if not state:
-            return
         if state["k0"] != self.k0 or state["gamma0"] != self.gamma0:
             raise ConfigError(f"cannot resume inner-outer: checkpoint has K0={state['k0']}, "
                               f"gamma0={state['gamma0']} but now K0={self.k0}, gamma0={self.gamma0}; "

@@ -67,20 +67,17 @@ def check_step(engine, x: Batch, y: Batch, indices: Tensor | None) -> None:
 def check_optimizer_resume(state: dict, optimizer: torch.optim.Optimizer) -> None:
     """Refuse (``ResumeMismatchError``) a state whose base optimizer is another kind than this engine's
     (its moments or momentum buffers and hyperparameters mean nothing to the other: torch would fail
-    at load or at the first step, or keep the other's settings). States saved before the class was
-    recorded are told apart by the hyperparameters that mark a family (Adam's ``betas``, SGD's
-    ``momentum``): the full set of names varies with the torch version."""
-    mine, saved = type(optimizer).__name__, state.get("optimizer_class")
-    groups = state["optimizer"].get("param_groups") if isinstance(state["optimizer"], dict) else None
-    def marks(gs: list[dict]) -> set[str]:
-        return {k for g in gs for k in g if k in ("betas", "momentum")}
-    other = saved != mine if saved is not None else bool(groups) and marks(groups) != marks(optimizer.param_groups)
-    if other:
-        names = sorted({k for g in groups for k in g} - {"params"}) if groups else []
-        was = saved or f"another kind (hyperparameters {', '.join(names)})"
-        raise ResumeMismatchError(f"cannot resume: the checkpoint's base optimizer is {was}, this engine's is {mine}. "
-                                  f"Build the engine with the original optimizer (`AlgoConfig.optimizer` and "
-                                  f"`AlgoConfig.momentum`), or start a new run")
+    at load or at the first step, or keep the other's settings)."""
+    mine = type(optimizer).__name__
+    if state["optimizer_class"] != mine:
+        raise optimizer_mismatch(state["optimizer_class"], mine)
+
+
+def optimizer_mismatch(was: str, mine: str) -> ResumeMismatchError:
+    """The refusal of a resume whose base optimizer was ``was`` into an engine whose is ``mine``."""
+    return ResumeMismatchError(f"cannot resume: the checkpoint's base optimizer is {was}, this engine's is {mine}. "
+                               f"Build the engine with the original optimizer (`AlgoConfig.optimizer` and "
+                               f"`AlgoConfig.momentum`), or start a new run")
 
 
 def check_band_class(engine, indices: Tensor | None) -> None:
@@ -210,7 +207,7 @@ def check_distributed(name: str, rows: RowSource, pipeline) -> int:
 def _extendable(saved: dict, now: dict) -> bool:
     """More steps than the checkpoint's at a noise multiplier that was given, not calibrated to a
     target epsilon: the accounting covers the longer run (``privacy()`` reports its epsilon)."""
-    return saved.get("target_epsilon") is None and now["target_epsilon"] is None and now["steps"] > saved["steps"]
+    return saved["target_epsilon"] is None and now["target_epsilon"] is None and now["steps"] > saved["steps"]
 
 
 def canon(v) -> str:
@@ -229,8 +226,7 @@ def _same(a, b) -> bool:
 def check_resume(saved: dict, now: dict) -> None:
     """Refuse (``ResumeMismatchError``) a resumed run whose privacy-relevant settings changed; more steps
     at a given (not calibrated) noise multiplier are allowed (``_extendable``)."""
-    saved = {"bands": 1, **saved}  # checkpoints from before banded noise had one band
-    diff = {k: (saved.get(k), v) for k, v in now.items() if not _same(saved.get(k), v)
+    diff = {k: (saved[k], v) for k, v in now.items() if not _same(saved[k], v)
             and not (k == "steps" and _extendable(saved, now))}
     if diff:
         lines = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())

@@ -8,14 +8,15 @@ import copy
 from dataclasses import asdict
 from typing import Any
 
-from ..errors import ConfigError, ResumeMismatchError
+from ..errors import ConfigError
 from ..randomness import SecretKey
 from .checks import check_optimizer_resume, check_resume
+from .migrate import FORMAT, migrate
 
 
 def state_of(engine: Any) -> dict:
     """All DP state of ``engine`` except the model weights. PRIVATE: never release it."""
-    return {"settings": asdict(engine.settings), "steps_taken": engine.steps_taken,
+    return {"format": FORMAT, "settings": asdict(engine.settings), "steps_taken": engine.steps_taken,
             "undrawn_steps": engine.undrawn_steps,
             "optimizer": engine.optimizer.state_dict(), "optimizer_class": type(engine.optimizer).__name__,
             "pipeline": engine.pipeline.state_dict(),
@@ -39,11 +40,7 @@ def load(engine: Any, state: dict) -> None:
     if missing:
         raise ConfigError(f"load_state_dict: not a DPEngine state ({', '.join(missing)} missing); pass what "
                           f"DPEngine.state_dict() returned (a checkpoint's 'engine' entry)")
-    if "secret_key" not in state:
-        raise ResumeMismatchError("cannot resume: this checkpoint comes from a clipbias version whose batches and "
-                                  "noise came from torch generators with 32-bit seeds, which can be recovered "
-                                  "from the released model; continuing it would not be private. Start a new run "
-                                  "(a new run directory, or `overwrite=True`)")
+    state = migrate(state, engine)  # an older format's state in the current one (engine.migrate), or refused
     check_resume(state["settings"], asdict(engine.settings))
     check_optimizer_resume(state, engine.optimizer)
     if engine.steps_taken:
@@ -63,13 +60,12 @@ def _load(engine: Any, state: dict) -> None:
     key.adopt(engine)
     set_key(engine, key)
     engine.steps_taken = state["steps_taken"]
-    engine.undrawn_steps = state.get("undrawn_steps", 0)
+    engine.undrawn_steps = state["undrawn_steps"]
     engine.optimizer.load_state_dict(state["optimizer"])
     engine.pipeline.load_state_dict(state["pipeline"])
     engine.sampler.load_state_dict(state["sampler"])
-    engine.rows.load_state_dict(state.get("rows", state.get("grads", {})))  # "grads": before the redesign
-    # the keyed dropout calls' layouts recorded before (randomness.forward's guard; absent: before the guard)
-    engine._dropout_layouts = copy.deepcopy(state.get("dropout_layouts", {}))
+    engine.rows.load_state_dict(state["rows"])
+    engine._dropout_layouts = copy.deepcopy(state["dropout_layouts"])  # the keyed dropout calls' layouts so far
 
 
 def set_key(engine: Any, key: SecretKey) -> None:

@@ -112,8 +112,6 @@ class TwoPointRows(RowSource):
         return {"prev": None if self.prev is None else [p.clone() for p in self.prev], "base": self.base.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if not state:
-            return
         prev = state["prev"]
         self.prev = None if prev is None else [v.to(p.device) for v, p in zip(prev, self.params)]
         self._pending = None

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import algorithms, privacy
+from ..engine.migrate import CHECKPOINT_FORMAT, migrate_checkpoint  # noqa: F401  (CHECKPOINT_FORMAT: what _save writes)
 from ..errors import ConfigError, ResumeMismatchError
 from ..files import atomic_write
 from .config import RESUME_FREE, TrainConfig
@@ -25,7 +25,6 @@ from .report import COMPARE, CURVES, RESULTS, jsonable
 
 CHECKPOINT = "checkpoint.pt"
 PRIVATE_NOTE = "contains the DiceSGD error-feedback buffer and the secret key; never release"
-CHECKPOINT_FORMAT = 1
 
 
 def open_run_dir(out: Path | None, cfg: TrainConfig) -> dict | None:
@@ -40,7 +39,7 @@ def open_run_dir(out: Path | None, cfg: TrainConfig) -> dict | None:
         if not ck_path.is_file():
             raise ConfigError(f"`resume=True`: no checkpoint at {ck_path}; start the run without `resume=True`")
         ckpt = load_checkpoint(ck_path)
-        resume_check(ckpt.get("config", {}), cfg)
+        resume_check(ckpt["config"], cfg)
         return ckpt
     if ck_path.exists() and not cfg.overwrite:
         raise ConfigError(f"`out='{out}'` already holds a checkpoint; continue it with `resume=True`, "
@@ -111,7 +110,8 @@ def save_private(obj: Any, path: Path) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
-    """Load a PRIVATE checkpoint written by :func:`train` (a directory or the file itself)."""
+    """Load a PRIVATE checkpoint written by :func:`train` (a directory or the file itself), in the current
+    format (``engine.migrate.migrate_checkpoint``; its ``"engine"`` entry is migrated when an engine loads it)."""
     p = Path(path)
     if p.is_dir():
         p = p / CHECKPOINT
@@ -125,7 +125,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
                           f"{detail}); it cannot be resumed or exported: start the run again with `overwrite=True`") from exc
     if not isinstance(ckpt, dict) or "model" not in ckpt or "engine" not in ckpt:
         raise ConfigError(f"{p} is not a clipbias checkpoint (no model/engine state)")
-    return ckpt
+    return migrate_checkpoint(ckpt)
 
 
 def export_weights(run_dir: str | os.PathLike, file: str | os.PathLike) -> dict:
@@ -135,19 +135,14 @@ def export_weights(run_dir: str | os.PathLike, file: str | os.PathLike) -> dict:
     states stay in the private checkpoint. Returns what was written (minus the tensors).
     """
     ckpt = load_checkpoint(run_dir)
-    cfg = ckpt.get("config", {})
-    last = (ckpt.get("history") or [{}])[-1]
+    cfg, last = ckpt["config"], ckpt["history"][-1]
     weights = {k: v.detach().cpu().clone() for k, v in ckpt["model"].items()}
     meta = {"model": cfg.get("model"), "data": cfg.get("data"), "algo": cfg.get("algo"),
-            "input_shape": ckpt.get("input_shape"), "num_classes": ckpt.get("num_classes"),
-            "epochs_trained": ckpt.get("epoch"), "steps": last.get("steps"),
+            "input_shape": ckpt["input_shape"], "num_classes": ckpt["num_classes"],
+            "epochs_trained": ckpt["epoch"], "steps": last.get("steps"),
             "epsilon": last.get("epsilon"), "delta": cfg.get("delta"),
             "accountant": last.get("accountant"), "certified": last.get("certified"),
-            "caveats": last.get("caveats", []), "basis": last.get("basis")}
-    if cfg.get("dice_accounting") in privacy.dice.RENAMED and cfg.get("algo") in algorithms.ALGORITHMS and \
-            algorithms.get(cfg["algo"]).accounting == "dice":
-        # a run from before the refutation: its "certified" DiceSGD epsilon is the paper's bound
-        meta.update(certified=False, basis=f"{meta['basis']}; {privacy.dice.REFUTED.format(basis='paper')}")
+            "caveats": last["caveats"], "basis": last.get("basis")}
     out = {"state_dict": weights, "meta": jsonable(meta)}
     if ckpt.get("ema_model") is not None:  # --ema: the averaged weights too (post-processing of the same run)
         out["ema_state_dict"] = {k: v.detach().cpu().clone() for k, v in ckpt["ema_model"].items()}

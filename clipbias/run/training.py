@@ -133,20 +133,20 @@ def _restore(run: Run, ckpt: dict | None) -> tuple[list[dict], int, float]:
     if ckpt is None:
         return [], 0, 0.0
     rank, world = distributed.context()
-    if ckpt.get("world_size", 1) != world:
+    if ckpt["world_size"] != world:
         raise ResumeMismatchError(
-            f"cannot resume: the checkpoint was written by a run on {ckpt.get('world_size', 1)} process(es), this "
+            f"cannot resume: the checkpoint was written by a run on {ckpt['world_size']} process(es), this "
             f"one has {world}. Resume at the same world size (torchrun --nproc-per-node / --nnodes as before, or "
             f"plain `clipbias train` for 1): each process's share of the batches and its random state continue "
             f"exactly only there; changing it is refused rather than approximated")
     run.engine.load_state_dict(ckpt["engine"])  # ResumeMismatchError if privacy settings changed
     run.model.load_state_dict(ckpt["model"])
-    torch.set_rng_state(ckpt["torch_rng_ranks"][rank] if "torch_rng_ranks" in ckpt else ckpt["torch_rng"])
-    if run.device.type == "cuda" and ckpt.get("cuda_rng") is not None:
+    torch.set_rng_state(ckpt["torch_rng_ranks"][rank])
+    if run.device.type == "cuda" and ckpt["cuda_rng"] is not None:
         torch.cuda.set_rng_state(ckpt["cuda_rng"], run.device)
     if run.ema is not None:
         run.ema.load_state_dict(ckpt["ema"])
-    return list(ckpt["history"]), int(ckpt["epoch"]), float(ckpt.get("wall_time_s", 0.0))
+    return list(ckpt["history"]), int(ckpt["epoch"]), float(ckpt["wall_time_s"])
 
 
 def _epoch(run: Run, epoch: int, bar: "_Progress | None") -> dict:

@@ -124,15 +124,11 @@ class PoissonSampler:
                 "ahead": [t.clone() for t in self._ahead]}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["n"] != self.n or state["q"] != self.q or state.get("bands", 1) != self.bands:
-            raise ConfigError(f"sampler state is for n={state['n']}, q={state['q']}, bands={state.get('bands', 1)}; "
+        if state["n"] != self.n or state["q"] != self.q or state["bands"] != self.bands:
+            raise ConfigError(f"sampler state is for n={state['n']}, q={state['q']}, bands={state['bands']}; "
                               f"this sampler has n={self.n}, q={self.q}, bands={self.bands}")
-        if "drawn" not in state:
-            raise ConfigError("this sampler state comes from a clipbias version whose batches were drawn by a "
-                              "torch generator with a 32-bit seed (recoverable from the released model); it "
-                              "cannot be resumed: start a new run")
-        self.drawn, self.skipped = int(state["drawn"]), int(state.get("skipped", 0))
-        self._ahead, self.handed, self._last = [t.clone() for t in state.get("ahead", [])], 0, None
+        self.drawn, self.skipped = int(state["drawn"]), int(state["skipped"])
+        self._ahead, self.handed, self._last = [t.clone() for t in state["ahead"]], 0, None
 
 
 def band_rate(bands: int, sample_rate: float) -> float:

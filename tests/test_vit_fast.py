@@ -283,5 +283,7 @@ def test_a_dropout_pre_hook_and_a_foreign_graph_are_refused():
     patches = torch.randn(3, 4, 32, dtype=torch.float64)
     swapped = torch.cat((patches, emb.cls_token.expand(3, -1, -1)), 1) + emb.position_embeddings
     assert "class token does not enter" in vit_rule.check_graph(emb, swapped)
+    twice = torch.cat((emb.cls_token.expand(3, 2, -1), patches[:, 1:]), 1) + emb.position_embeddings
+    assert "class token does not enter" in vit_rule.check_graph(emb, twice)  # its gradient would be G_i[0] + G_i[1]
     right = torch.cat((emb.cls_token.expand(3, -1, -1), patches), 1) + emb.position_embeddings
     assert vit_rule.check_graph(emb, right) is None

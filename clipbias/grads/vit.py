@@ -136,9 +136,20 @@ def check_graph(m: nn.Module, t: Tensor) -> str | None:
         ok = _is(cat, "CatBackward0") and getattr(cat, "_saved_dim", None) == 1 and len(cat.next_functions) == 2
         expand = cat.next_functions[0][0] if ok else None
         if not (_is(expand, "ExpandBackward0") and tuple(getattr(expand, "_saved_self_sym_sizes", ())) ==
-                tuple(cls.shape) and len(expand.next_functions) == 1 and _leaf(expand.next_functions[0][0]) is cls):
+                tuple(cls.shape) and len(expand.next_functions) == 1 and _leaf(expand.next_functions[0][0]) is cls
+                and _expanded_positions(expand) in (1, None)):
             return "the class token does not enter the embeddings as their first position, expanded to the batch"
     return None
+
+
+def _expanded_positions(expand) -> int | None:
+    """The positions the class token was expanded to (1 in the reviewed forward), from the node's output
+    metadata (private torch API: None where this torch has none; the reviewed bytecode says 1)."""
+    meta = getattr(expand, "_input_metadata", None)
+    try:
+        return int(meta[0].shape[1])
+    except Exception:  # no metadata of that form in this torch
+        return None
 
 
 def hooks(m: nn.Module, record) -> list:

@@ -30,8 +30,10 @@ expanded to the batch, so that each example's output gradient is its own;
 statistics updates buffers: refused at the step) and ``nn.RMSNorm``, and the weight of Hugging Face's
 RMSNorm classes reviewed in ``grads.rms`` (Llama, Qwen2, Qwen3, Mistral; their ``forward`` checked to
 be the reviewed one): per-example gradients computed directly from the normalised input, one value
-per channel or feature. All of these form the per-example gradients they sum, so their norms are
-``sq_norms``' upper bounds on what is summed, whatever the rounding; only the ghost norm of a
+per channel or feature; and the bare ``cls_token`` and ``position_embeddings`` of Hugging Face's
+``ViTEmbeddings`` (its ``forward`` checked: ``grads.vit``), whose per-example gradients are rows of the
+output gradient at the embeddings' dropout input. All of these form the per-example gradients they
+sum, so their norms are ``sq_norms``' upper bounds on what is summed, whatever the rounding; only the ghost norm of a
 ``groups=1`` Linear/Conv over several positions needs its own rounding bound (``ghost_norm_bound``).
 A Conv or InstanceNorm given an input without its batch dimension is refused at the step.
 A weight shared by an ``nn.Embedding`` and a Linear or Conv1D (a language model's tied input and
@@ -83,7 +85,7 @@ from ..randomness import forward
 from . import precision
 from .precision import exact32, full_float32, sq_norms, unit_roundoff
 from .precision import gamma as _gamma
-from . import rms, separable
+from . import rms, separable, vit
 from .conv_rows import conv_weight_rows, input_rows
 from .fast_checks import MIN_PROBE_NORM, MIXED_RTOL, PROBES, RuntimeChecks, _trainable  # noqa: F401  (the API's names)
 from .fast_losses import PerExampleLosses
@@ -97,8 +99,9 @@ _SUPPORTED = (nn.Linear, *_CONV, nn.Embedding, *_NORMS)
 
 def _supported(m: nn.Module) -> bool:
     """A layer with a fast-path rule: one of ``_SUPPORTED``, a reviewed Hugging Face RMSNorm class
-    (``grads.rms``) or transformers' ``Conv1D`` (their forward checked by ``why_unsupported``)."""
-    return isinstance(m, _SUPPORTED) or rms.hf_class(m) or _is_conv1d(m)
+    (``grads.rms``), transformers' ``Conv1D`` or ``ViTEmbeddings`` (``grads.vit``; their forward checked by
+    ``why_unsupported``)."""
+    return isinstance(m, _SUPPORTED) or rms.hf_class(m) or _is_conv1d(m) or vit.hf_class(m)
 
 
 def rule_kind(m: nn.Module) -> str | None:
@@ -106,7 +109,7 @@ def rule_kind(m: nn.Module) -> str | None:
     bases (so that a class FSDP derives from a layer still counts), or None: the engine's check that
     no ``fully_shard`` unit is itself such a layer."""
     for c in type(m).__mro__:
-        if c in _SUPPORTED or (c.__module__, c.__qualname__) in rms.REVIEWED or \
+        if c in _SUPPORTED or (c.__module__, c.__qualname__) in rms.REVIEWED | vit.REVIEWED or \
                 (c.__module__, c.__name__) == (_CONV1D_MODULE, _CONV1D_NAME):
             return c.__name__
     return None
@@ -182,6 +185,11 @@ def why_unsupported(model: nn.Module) -> str | None:
             why = rms.why_not_hf(m)
             if why is not None:
                 return f"module '{name}': {why}"
+        elif vit.hf_class(m):  # its own parameters, shapes and forward: grads.vit
+            why = vit.why_not(m)
+            if why is not None:
+                return f"module '{name}': {why}"
+            continue
         elif not isinstance(m, _SUPPORTED):
             return f"module '{name}' ({type(m).__name__}) has trainable parameters and no fast-path rule"
         else:
@@ -517,7 +525,7 @@ def _own_reference(m: nn.Module, ghost: set) -> bool:
     layer, a Linear/Conv that forms its per-example gradients (``_Matrix.pe``), or a one-position
     layer, whose float64 sums convert each cached block of inputs once for both rows (cheaper than
     autograd's float32 weight gradient, which reads the whole input again); ``ghost``: ``ghost_plan``'s."""
-    if _is_norm(m):
+    if _is_norm(m) or vit.hf_class(m):
         return True
     if not _is_matrix(m):
         return False
@@ -601,6 +609,8 @@ def _rule(m: nn.Module, a: Tensor, g: Tensor, ghost: bool):
     # exactly to float32: every norm, factor and sum below then runs in float32 or float64, as for a float32
     # model (16-bit sums moved the release by 1.27 C at B = 256; float16 squares underflow at 2^-12)
     a, g = exact32(a), exact32(g)
+    if vit.hf_class(m):
+        return vit.Tokens(m, g)
     if _is_matrix(m):
         return _Matrix(m, a, g, ghost)
     return (_Affine if _is_norm(m) else _Embed)(m, a, g)
@@ -802,8 +812,10 @@ class BookKeeping(RuntimeChecks, PerExampleLosses):
             return out
 
         b = batch.size(x)
-        handles = [m.register_forward_hook(hook) for m in self.layers]
+        handles: list = []
         try:
+            for m in self.layers:  # a ViTEmbeddings' output gradient is taken at its dropout's input (grads.vit)
+                handles += vit.hooks(m, hook) if vit.hf_class(m) else [m.register_forward_hook(hook)]
             with torch.enable_grad():
                 # keyed dropout: row r's masks from example r's index; the step's autocast (DPEngine(autocast=...))
                 # around the model's own forward (not the float64 recheck's: ``call``)

@@ -15,7 +15,7 @@ from ..data import batch
 from ..data.batch import Batch
 from ..errors import ConfigError, PathRefusal
 from ..randomness import forward
-from . import precision
+from . import precision, vit
 from .precision import row_norms
 
 PROBES = 4
@@ -46,7 +46,10 @@ def _batched_dims(m: nn.Module, default: int) -> int:
 
 
 def _trainable(m: nn.Module) -> list[nn.Parameter]:
-    """The layer's trainable parameters in the order the rules return them: weight, bias."""
+    """The layer's trainable parameters in the order the rules return them: weight, bias (a ViTEmbeddings':
+    ``vit.PARAMS``)."""
+    if vit.hf_class(m):
+        return vit.trainable(m)
     return [p for p in (getattr(m, "weight", None), getattr(m, "bias", None)) if p is not None and p.requires_grad]
 
 

@@ -54,9 +54,11 @@ _FIELDS = ("co_code", "co_consts", "co_names", "co_varnames", "co_argcount", "co
 
 def same_code(f: object, reviewed=_reviewed_forward) -> bool:
     """``f`` computes what ``reviewed`` computes: same bytecode, constants, names and arguments (line
-    numbers and file aside), no defaults, and ``torch`` in its globals is torch."""
+    numbers and file aside), the same defaults (none, where ``reviewed`` has none), and ``torch`` in its
+    globals is torch."""
     code, want = getattr(f, "__code__", None), reviewed.__code__
-    if code is None or getattr(f, "__defaults__", None) or getattr(f, "__kwdefaults__", None):
+    if code is None or getattr(f, "__defaults__", None) != reviewed.__defaults__ or \
+            getattr(f, "__kwdefaults__", None) != reviewed.__kwdefaults__:
         return False
     consts = tuple(c for c in code.co_consts if not isinstance(c, str))  # a docstring aside
     return (all(getattr(code, k) == getattr(want, k) for k in _FIELDS if k != "co_consts")

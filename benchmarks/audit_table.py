@@ -1,4 +1,4 @@
-"""Print the "Audits" table of docs/privacy.md from the JSON files of ``benchmarks/audits/``
+"""Print the "Audits" table of docs/privacy.md from the JSON files of ``benchmarks/results/audits/``
 (written by ``benchmarks/audits.sh`` and ``benchmarks/audits_one_run.sh``; each file is one command).
 
     python benchmarks/audit_table.py
@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-DIR = Path(__file__).resolve().parent / "audits"
+DIR = Path(__file__).resolve().parent / "results" / "audits"
 
 
 def main() -> int:

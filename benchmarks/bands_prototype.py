@@ -14,7 +14,7 @@ ceil(T/b) times (Theorem 4 of the paper), PLD, epsilon <= 3 at delta 1e-5.
 
 The library's mechanism is ``--bands`` (clipbias/algorithms/bands.py, groups drawn i.i.d. per example as
 ``--assign iid`` here). The numbers of docs/results.md ("Banded noise") came from
-(JSON in benchmarks/results-bands-prototype/; settings chosen on seeds 0-4 of a wider sweep, then):
+(JSON in benchmarks/results/bands_simulator/; settings chosen on seeds 0-4 of a wider sweep, then):
 
     S="5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24"
     python benchmarks/bands_prototype.py --protocol compare --out compare_confirm.json --seeds $S --bands 1 \

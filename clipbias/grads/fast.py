@@ -580,7 +580,7 @@ def _tie_cross(emb: "_Embed", mat: "_Matrix") -> Tensor:
     float32, where ``sq_norms``' enlargement dominates) after clipping; summed in float32 with the
     other examples' gradients each addition at that magnitude rounds another example's term by up to
     half an ulp (removing such an example moved the others' float32 embedding sum by 1.96 C at
-    B = 2^18: benchmarks/redteam_session/tied_absorb.py). So the tied weight's sums, both uses', are
+    B = 2^18: benchmarks/redteam/session/tied_absorb.py). So the tied weight's sums, both uses', are
     float64 (``tied``), added, and rounded once to the weight's precision (``BookKeeping._ordered``)."""
     a, g = (mat.g, mat.a) if mat.t else (mat.a, mat.g)  # g's last dimension indexes the table's rows
     b, L, d = a.shape
@@ -792,7 +792,7 @@ class BookKeeping:
             # step's output, a hook it registered there ran in the step's backward (one normalising the logits'
             # gradient by the batch's norm moved the clipped sum by 1.27 C), and a statistic it kept (a
             # temperature set from the first batch) entered every later step (an example of the first step
-            # moved the second's sum by 0.65 C): benchmarks/redteam_separable/rt_loss_hooks.py, rt_loss_first_call.py
+            # moved the second's sum by 0.65 C): benchmarks/redteam/separable/rt_loss_hooks.py, rt_loss_first_call.py
             # Two examples' zeros tell a total from per-example losses (zeros of the whole output would
             # double a language model's first-step peak: 1.65 GB of logits for a 64M GPT at B = 128)
             try:
@@ -819,7 +819,7 @@ class BookKeeping:
         """A summed ``loss_fn`` evaluated one example at a time (``vmap``), with saved-tensor hooks
         disabled inside it: their unpack runs in the backward, outside ``vmap``, on the whole batch's
         tensors (one adding the batch mean to a saved tensor moved the clipped sum by 5.41 C with the
-        probe skipped: benchmarks/redteam_separable/rt_loss_hooks.py). A loss that enters them is
+        probe skipped: benchmarks/redteam/separable/rt_loss_hooks.py). A loss that enters them is
         evaluated again with them, and ``self._loss_alone = False``: the step is probed. (Tensor and
         graph-node hooks that a loss registers inside ``vmap`` do not run in the backward.)"""
         try:

@@ -1,4 +1,4 @@
-"""Print the "Audits" table of docs/privacy.md from the JSON files of ``benchmarks/audits/``
+"""Print the "Audits" table of docs/privacy.md from the JSON files of ``benchmarks/results/audits/``
 (written by ``benchmarks/audits.sh`` and ``benchmarks/audits_one_run.sh``; each file is one command).
 
     python benchmarks/audit_table.py
@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-DIR = Path(__file__).resolve().parent / "audits"
+DIR = Path(__file__).resolve().parent / "results" / "audits"
 
 
 def main() -> int:
@@ -29,10 +29,12 @@ def main() -> int:
                                                       if st.get("claim_noise_multiplier") else "")
                    + f", {d['trials']} runs per world")
         else:
-            cfg = (f"{st['data']}/{st['model']}, q = {d['sample_rate']:.3g}, T = {st['steps']}, z = "
+            where = f"{st['data']}/{st['model']}, " if "data" in st else ""  # white-box engine runs: no data
+            acc = f", test acc {100 * d['test_accuracy']:.1f} %" if "test_accuracy" in d else ""
+            cfg = (f"{where}q = {d.get('sample_rate') or st.get('sample_rate'):.3g}, T = {st['steps']}, z = "
                    f"{st['noise_multiplier']:.4g}" + (f" (claim at z = {st['claim_noise_multiplier']:g})"
                                                       if st.get("claim_noise_multiplier") else "")
-                   + f", {d['canaries']} canaries, test acc {100 * d['test_accuracy']:.1f} %")
+                   + f", {d['canaries']} canaries{acc}")
         claimed = d["epsilon_claimed"]
         claimed = claimed if isinstance(claimed, str) else f"{claimed:.4g}"
         verdict = "**refuted**" if d["refuted"] else "holds"

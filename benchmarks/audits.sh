@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The audits of docs/privacy.md ("Audits"): each line is the command of one table row; JSON results in
-# benchmarks/audits/. Canary audits take seconds to a minute each on one CPU core; one-run audits minutes.
+# benchmarks/results/audits/. Canary audits take seconds to a minute each on one CPU core; one-run audits minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 A=".venv/bin/clipbias audit --quiet --json"
-O=benchmarks/audits
+O=benchmarks/results/audits
 mkdir -p $O
 # 1. the refutation of DiceSGD's Thm 3.8 (issue configuration), every basis
 for b in paper authors sound conservative; do

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The audits of banded noise (docs/privacy.md, "Banded noise"): each line is the command of one table row;
-# JSON results in benchmarks/audits/. PY names the interpreter (default .venv/bin/python).
+# JSON results in benchmarks/results/audits/. PY names the interpreter (default .venv/bin/python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 A="$PY -m clipbias audit --quiet --json"
-O=benchmarks/audits
+O=benchmarks/results/audits
 mkdir -p $O
 # 1. canary audits, likelihood-ratio statistic, 100,000 runs per world: plain noise, 4 bands with the class
 #    drawn per run (unknown to the adversary), known class 0, known class 3 (its last block truncated)

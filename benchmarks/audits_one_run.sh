@@ -7,7 +7,7 @@
 # SKIP_CNN=1 runs part 2 only; ALGOS="..." restricts its list.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-O=benchmarks/audits
+O=benchmarks/results/audits
 mkdir -p $O
 A="${PY:-.venv/bin/python} -m clipbias audit --mode one-run --quiet --json"
 if [ -z "${SKIP_CNN:-}" ]; then

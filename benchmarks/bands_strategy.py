@@ -2,7 +2,7 @@
 (``--bands-strategy optimized``, clipbias/algorithms/band_strategy.py) against the Taylor coefficients
 (the default), at the step counts of the Fashion-MNIST protocols, and the time to optimise.
 
-    python benchmarks/bands_strategy.py --out benchmarks/results-bands-strategy/ratios.json
+    python benchmarks/bands_strategy.py --out benchmarks/results/bands_strategy/ratios.json
 
 Both strategies have unit norm and the same accounting (the same noise multiplier), so the ratio is the
 ratio of the noise variance the iterates receive, summed over the run. It also prints the error of

@@ -8,7 +8,7 @@ jax-privacy is not a clipbias dependency: install it into a throwaway folder and
     pip install --target /tmp/jaxp jax-privacy jax
     PYTHONPATH=/tmp/jaxp python benchmarks/bands_strategy_jax.py jax --out /tmp/jaxp_coefs.json
     python benchmarks/bands_strategy_jax.py compare --jax /tmp/jaxp_coefs.json \
-        --out benchmarks/results-bands-strategy/jax_privacy.json
+        --out benchmarks/results/bands_strategy/jax_privacy.json
 """
 
 from __future__ import annotations

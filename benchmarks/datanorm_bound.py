@@ -10,9 +10,9 @@ on a validation split (50 000 / 10 000, seed 0) and the test split, raw weights 
 weights. A private release could only do worse than the "data" arm (its noise, and the budget it
 takes from the training). Usage::
 
-    python benchmarks/datanorm_bound.py --out benchmarks/results-selection-extra/datanorm_bound.json
+    python benchmarks/datanorm_bound.py --out benchmarks/results/selection_studies/datanorm_bound.json
     python benchmarks/datanorm_bound.py --protocol long --seeds 0 \\
-        --out benchmarks/results-selection-extra/datanorm_bound_long.json
+        --out benchmarks/results/selection_studies/datanorm_bound_long.json
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1, measured fastest here; 0 = torch's default)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default="benchmarks/results/fmnist_main_table")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     if args.threads:

@@ -10,7 +10,7 @@ process); the first step is a warm-up, the median of the rest is reported. With 
 the memory is the GPU's peak allocation (``torch.cuda.max_memory_allocated``) and the table has
 Opacus' ghost clipping (``opacus-ghost``, when ``import opacus`` works) as a reference. Usage::
 
-    python benchmarks/gpt_scale.py --steps 3 --batch-size 128 --out benchmarks/results/gpt_scale.json
+    python benchmarks/gpt_scale.py --steps 3 --batch-size 128 --out benchmarks/results/gpt_scale/gpt_scale.json
     python benchmarks/gpt_scale.py --device cuda --steps 6 --arms nonprivate,dpsgd,dice,opacus-ghost
 """
 

@@ -25,7 +25,7 @@ per-sample hooks need an embedding input with the batch dimension.
 One warm-up step, then ``--steps`` timed steps (median and min reported)::
 
     PYTHONPATH=.:/tmp/opacus_site python benchmarks/hf_side_by_side.py --models gpt2 bert vit --steps 2 \\
-        --out benchmarks/results/hf_side_by_side_gpt2_bert_vit.json
+        --out benchmarks/results/side_by_side_opacus/hf_side_by_side_gpt2_bert_vit.json
 """
 
 from __future__ import annotations

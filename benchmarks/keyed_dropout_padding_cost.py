@@ -1,5 +1,5 @@
 """What padding-independent keyed dropout costs per step: a ``DPEngine.step`` of the red team's tiny GPT-2
-(benchmarks/redteam_session/dropout_padding.py: 2 layers, 32 wide, 2 heads, dropout 0.1 on hidden states and
+(benchmarks/redteam/session/dropout_padding.py: 2 layers, 32 wide, 2 heads, dropout 0.1 on hidden states and
 SDPA attention weights, 8 examples right-padded to ``--width`` tokens) with the masks of
 ``clipbias.randomness.forward`` (one stream per call, Szudzik layout of the attention weights: ``new``)
 against the layout before it (one stream per example and pass, each call after the previous call's blocks,
@@ -35,7 +35,7 @@ from clipbias.randomness.chacha import BLOCK_BYTES
 from clipbias.randomness.draws import stream
 
 _here = pathlib.Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("dropout_padding", _here / "redteam_session" / "dropout_padding.py")
+_spec = importlib.util.spec_from_file_location("dropout_padding", _here / "redteam" / "session" / "dropout_padding.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 

@@ -1,4 +1,4 @@
-"""Per-step cost of the data loop alone (no gradient work): the old `sampler.sample(); x[idx]` against
+"""Per-step cost of the data loop alone (no gradient work): a bare `sampler.sample(); x[idx]` loop against
 PoissonLoader.epoch over TensorData, one Fashion-MNIST-sized epoch (n = 60000, B = 256, 234 steps)."""
 import time, torch
 from torch import nn

@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", default="both", choices=("both", "baseline", "method"),
                    help="run only one arm of each pair (to split a pair over two processes with the same "
                         "--out; a later 'both' call assembles the pair from the cached runs)")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default="benchmarks/results/methods_pairs")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     if a.threads:

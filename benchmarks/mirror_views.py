@@ -10,7 +10,7 @@ Scored on a validation split (50 000 / 10 000, seed 0), raw weights and an EMA (
 also with test-time averaging of the two views' probabilities. Compare's protocol: 3 epochs,
 B = 2048, momentum 0.9. Usage::
 
-    python benchmarks/mirror_views.py --out benchmarks/results-selection-extra/mirror_views.json
+    python benchmarks/mirror_views.py --out benchmarks/results/selection_studies/mirror_views.json
 """
 
 from __future__ import annotations

@@ -7,12 +7,12 @@
 # Every run is cached, so phase B (a separate call, or AB in one) reuses phase A's runs; the result
 # is exactly what one sequential `methods_fmnist.py --pairs PAIR ... --seeds 0 1 2` would compute.
 # Usage: benchmarks/parallel_pairs.sh A|B|AB PAIR [PAIR ...]
-#   env: OUT (benchmarks/results-gpu), EPOCHS (10), DEVICE (cuda), PY (python)
+#   env: OUT (benchmarks/results/gpu), EPOCHS (10), DEVICE (cuda), PY (python)
 set -u
 cd "$(dirname "$0")/.."
 phase=$1; shift
 [ $# -ge 1 ] || { echo "usage: $0 A|B|AB PAIR [PAIR ...]" >&2; exit 2; }
-OUT=${OUT:-benchmarks/results-gpu}; PY=${PY:-python}
+OUT=${OUT:-benchmarks/results/gpu}; PY=${PY:-python}
 mkdir -p "$OUT"
 C="--epochs ${EPOCHS:-10} --batch-size 256 --clip 1.0 --epsilon 3 --delta 1e-5 --validation 5000
    --probe-size 256 --device ${DEVICE:-cuda} --out $OUT --quiet"

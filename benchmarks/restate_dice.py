@@ -4,8 +4,8 @@ canary attack's lower bound at that configuration (20,000 runs per world, 95% co
 
     python benchmarks/restate_dice.py        # prints the markdown table of docs/results.md (~2-5 min)
 
-Sources: ``benchmarks/results*/fmnist_*_eps*.json`` (issue-3 benchmark cells) and the DiceSGD arms of
-``benchmarks/results*/methods_summary.json`` (method pairs).
+Sources: ``benchmarks/results/*/fmnist_*_eps*.json`` (issue-3 benchmark cells) and the DiceSGD arms of
+``benchmarks/results/*/methods_summary.json`` (method pairs).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ OLD = {"certified": "paper", "paper": "paper", "authors": "authors"}
 
 
 def rows():
-    for f in sorted(ROOT.glob("results*/fmnist_*_eps*.json")):
+    for f in sorted(ROOT.glob("results/*/fmnist_*_eps*.json")):
         cell = json.loads(f.read_text())
         n, hp = cell["n"], cell["hyper_parameters"]
         b = hp["batch_size"]
@@ -32,7 +32,7 @@ def rows():
                 yield (f"{f.parent.name}/{f.name}", f"{cell['model']} eps {cell['target_epsilon']:g} {r['variant']}",
                        OLD[r["dice_accounting"]], n, b, steps, r["noise_multiplier"], hp["clip"], r["ef_clip"],
                        r["epsilon"], r["test_accuracy_mean"])
-    for f in sorted(ROOT.glob("results*/methods_summary.json")):
+    for f in sorted(ROOT.glob("results/*/methods_summary.json")):
         for name, pair in json.loads(f.read_text())["pairs"].items():
             pr = pair["protocol"]
             if pr.get("dice_accounting") not in OLD:

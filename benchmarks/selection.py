@@ -22,9 +22,9 @@ Runs are ``clipbias train`` processes, ``--jobs`` at a time with one thread each
 ``NAME:flag=value,...`` (``disk:kappa=0.9,disk-gamma=1``): one more row with the same grid. Writes
 ``OUT/selection.json`` and prints a markdown table::
 
-    python benchmarks/selection.py --protocol long --out benchmarks/results-long          # ~45 min on 2 cores
+    python benchmarks/selection.py --protocol long --out benchmarks/results/selection_long          # ~45 min on 2 cores
     python benchmarks/selection.py --protocol compare --algos dpsgd dice disk normalized adaptive \\
-        inner-outer p-avg --out benchmarks/results-selection                              # ~25 min
+        inner-outer p-avg --out benchmarks/results/selection_compare                              # ~25 min
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Print the markdown tables of docs/results.md from the stored benchmark runs (no training).
 
-    python benchmarks/tables.py                       # benchmarks/results (main table)
-    python benchmarks/tables.py --out benchmarks/results-40ep
+    python benchmarks/tables.py                       # benchmarks/results/fmnist_main_table (main table)
+    python benchmarks/tables.py --out benchmarks/results/fmnist_40_epochs
 
 Reads every ``OUT/runs/<model>-eps<E>/<variant>-s<seed>/results.json`` written by
 ``benchmarks/fmnist.py`` and summarises them per (model, epsilon, variant) with the same code as
@@ -49,7 +49,7 @@ def cells(out: Path) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default="benchmarks/results/fmnist_main_table")
     a = p.parse_args(argv)
     cs = cells(Path(a.out))
     if not cs:

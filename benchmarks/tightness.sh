@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Tightness of the audits (docs/privacy.md, "Tightness"): lower bound / claim for every algorithm, white-box
-# Dirac canaries. JSON in benchmarks/tightness/; the table: python benchmarks/tightness_table.py.
+# Dirac canaries. JSON in benchmarks/results/tightness/; the table: python benchmarks/tightness_table.py.
 # Run from the repository root; PY names the interpreter (default .venv/bin/python). Each command is short
 # (seconds to two minutes on one shared core); run the script under nice on a shared machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 A="$PY -m clipbias audit --quiet --json"
-O=benchmarks/tightness
+O=benchmarks/results/tightness
 mkdir -p $O
 # 1. DPSGD-GC, full batch (q = 1, T = 4: the Gaussian mechanism, mu = 2/z), claims 2.0, 4.4, 7.6:
 #    many-run canary audit (lr statistic, 20,000 runs per world) and one white-box run with 10,000 canaries

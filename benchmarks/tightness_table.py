@@ -1,4 +1,4 @@
-"""Print the "Tightness" table of docs/privacy.md from the JSON files of ``benchmarks/tightness/``
+"""Print the "Tightness" table of docs/privacy.md from the JSON files of ``benchmarks/results/tightness/``
 (written by ``benchmarks/tightness.sh``; each file is one command).
 
     python benchmarks/tightness_table.py
@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-DIR = Path(__file__).resolve().parent / "tightness"
+DIR = Path(__file__).resolve().parent / "results" / "tightness"
 
 
 def _row(name: str, d: dict) -> str:

@@ -1,11 +1,15 @@
 """The layout as checked properties: no import cycle, imports only downward through the pipeline's
 floors, nothing below the catalog imports it, short functions and classes, and a new method, accountant
-or data set is one registration (a method's settings become CLI flags by themselves)."""
+or data set is one registration (a method's settings become CLI flags by themselves). benchmarks/ has
+an index with a line per script, its results in one folder, and every path into it that the docs and
+code name exists."""
 
 from __future__ import annotations
 
 import ast
+import glob
 import pathlib
+import re
 
 import pytest
 
@@ -294,3 +298,65 @@ def test_the_extension_points_are_one_registry_type():
         with pytest.raises(ConfigError, match=f"`{reg.parameter}` must be one of"):
             reg.lookup("no-such-name")
         assert reg.lookup(first.name) is first
+
+
+BENCH = PKG.parent / "benchmarks"
+
+
+def _bench_scripts() -> list[pathlib.Path]:
+    """Every script of benchmarks/: the ``*.py`` and ``*.sh`` files in it and in the folders of scripts
+    under it (the red team's); results/ holds data only."""
+    found = []
+    for folder in [BENCH, *sorted(p for p in (BENCH / "redteam").iterdir() if p.is_dir())]:
+        found += sorted(f for f in folder.iterdir() if f.suffix in (".py", ".sh"))
+    return found
+
+
+def test_every_benchmark_has_a_line_in_the_index_and_every_result_is_under_results():
+    """benchmarks/README.md is the index: each script has a table row naming it by its path (what it
+    measures, how long it takes, where its results go). benchmarks/ holds scripts, the index, the red
+    team's folder and results/, the one folder of results."""
+    rows = [line for line in (BENCH / "README.md").read_text().splitlines() if line.startswith("|")]
+    missing = [str(f.relative_to(PKG.parent)) for f in _bench_scripts()
+               if not any(f"benchmarks/{f.relative_to(BENCH).as_posix()}" in row for row in rows)]
+    assert not missing, f"scripts without a line in benchmarks/README.md: {missing}"
+    stray = sorted(p.name for p in BENCH.iterdir() if p.name != "__pycache__"
+                   and p.suffix not in (".py", ".sh") and p.name not in ("README.md", "results", "redteam"))
+    assert not stray, f"benchmarks/ holds scripts, README.md, redteam/ and results/ only: {stray}"
+    assert (BENCH / "results").is_dir()
+
+
+_BENCH_PATH = re.compile(r"(--out[ =]|--json[ =]|OUT=|> ?)?(benchmarks/[A-Za-z0-9_.*/{},<>-]*[A-Za-z0-9_*/}>])")
+
+
+def _expand(path: str) -> list[str]:
+    """``a_{1,2}.json`` as ``a_1.json`` and ``a_2.json``; a placeholder ``<name>`` as ``*``."""
+    path = path.rstrip(".")
+    if path.endswith("}") and "{" not in path:
+        path = path[:-1]  # the end of a shell default, ${OUT:-benchmarks/...}
+    m = re.search(r"\{([^{}]*)\}", path)
+    if not m:
+        return [re.sub(r"<[^<>]*>", "*", path)]
+    return [q for alt in m.group(1).split(",") for q in _expand(path[:m.start()] + alt + path[m.end():])]
+
+
+def test_every_benchmarks_path_the_docs_and_code_name_exists():
+    """Every ``benchmarks/...`` path written in the README, docs/, the changelog, the tests, the package,
+    examples/, scripts/ and the benchmarks' own scripts and READMEs names something that exists (a glob
+    matches something); an output path (after --out, --json, OUT= or >) names an existing folder."""
+    root = PKG.parent
+    sources = {f for pattern in ("README.md", "CHANGELOG.md", "docs/*.md", "tests/**/*.py", "clipbias/**/*.py",
+                                 "examples/**/*.py", "examples/**/*.md", "scripts/**/*", "benchmarks/*.py",
+                                 "benchmarks/*.sh", "benchmarks/README.md", "benchmarks/redteam/**/*")
+               for f in root.glob(pattern) if f.is_file() and f.suffix in (".md", ".py", ".sh", "")} - {pathlib.Path(__file__)}
+    broken = []
+    for f in sorted(sources):
+        for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+            for m in _BENCH_PATH.finditer(line):
+                for path in _expand(m.group(2)):
+                    ok = bool(glob.glob(str(root / path)))
+                    if not ok and m.group(1):
+                        ok = (root / path.rstrip("/")).parent.is_dir()
+                    if not ok:
+                        broken.append(f"{f.relative_to(root)}:{n}: {path}")
+    assert not broken, "\n".join(broken)

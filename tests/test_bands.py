@@ -235,8 +235,8 @@ def test_account_and_calibrate_take_bands(capsys):
 
 def test_a_failed_banded_step_is_retried_with_its_own_batch_and_another_class_is_refused():
     """A loop that skips a failed step and samples on would release the next class's batch at the
-    failed step's position (overlapping blocks: epsilon 10.8 against a claim of 2.9 in
-    benchmarks/bands_skipped_steps.py). The failed batch goes back to the sampler, and a batch of
+    failed step's position (overlapping blocks: epsilon 10.8 against a claim of 2.9 with
+    a NaN example in classes 1-3, b = 4, T = 32). The failed batch goes back to the sampler, and a batch of
     another class is refused before anything changes."""
     from clipbias.errors import NonFiniteGradientError
     eng = _engine(bands=4, n=400)

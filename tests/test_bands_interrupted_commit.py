@@ -1,8 +1,8 @@
 """Banded noise: an exception that lands in ``DPEngine.step``'s ``finally`` block after the noisy update was
 applied (a KeyboardInterrupt there; injected by wrapping ``optimizer.zero_grad`` or ``rows.commit``) must not
 let a later step reuse the step's noise draw or release a class at another class's noise position.
-benchmarks/bands_interrupt_in_commit.py measures it: the reused draw cancels exactly in the difference of
-the two updates; the shifted classes give mu 0.608 against the accounted 0.500 (b = 4, T = 16, z = 4)."""
+Otherwise the reused draw cancels exactly in the difference of the two updates, and the shifted classes
+give mu 0.608 against the accounted 0.500 (b = 4, T = 16, z = 4)."""
 
 from __future__ import annotations
 

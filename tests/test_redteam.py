@@ -1,5 +1,5 @@
 """Red-team regressions: ways a training loop or a model made a run report ``certified: true`` while its
-per-example sensitivity exceeded C or its randomness was public (benchmarks/redteam_integrations/ measures each)."""
+per-example sensitivity exceeded C or its randomness was public (benchmarks/redteam/integrations/ measures each)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _one_step(pe, loader, body):
 
 
 def test_a_batch_mixed_in_place_in_the_loop_is_not_the_batch_as_drawn():
-    """benchmarks/redteam_integrations/a1_inplace_mix.py: x.add_(x.mean(0)) mutates the drawn tensor itself, so comparing the model's
+    """benchmarks/redteam/integrations/a1_inplace_mix.py: x.add_(x.mean(0)) mutates the drawn tensor itself, so comparing the model's
     input with the drawn batch compared it with itself (16 C between neighbours, certified)."""
     pe, model, opt, loader = _private(_linear(), torch.randn(32, D), torch.zeros(32, dtype=torch.long))
 
@@ -72,7 +72,7 @@ class _WithLabels(nn.Module):
 
 
 def test_labels_rewritten_in_the_loop_are_not_the_batch_as_drawn():
-    """benchmarks/redteam_integrations/a2_labels_kwarg.py: model(x=..., labels=...) takes the targets from the keyword, which was not
+    """benchmarks/redteam/integrations/a2_labels_kwarg.py: model(x=..., labels=...) takes the targets from the keyword, which was not
     compared with the drawn batch (every example given the target's label: 16 C, certified)."""
     pe, model, opt, loader = _private(_WithLabels(), torch.randn(32, D), torch.randint(0, 3, (32,)))
 
@@ -83,7 +83,7 @@ def test_labels_rewritten_in_the_loop_are_not_the_batch_as_drawn():
 
 
 def test_a_sub_unit_perturbation_of_an_integer_batch_is_not_a_cast():
-    """benchmarks/redteam_integrations/a4_cast_truncation.py: the model's float input was cast (truncated) to the drawn uint8 dtype
+    """benchmarks/redteam/integrations/a4_cast_truncation.py: the model's float input was cast (truncated) to the drawn uint8 dtype
     before the comparison, so x.float() + delta with 0 <= delta < 1 (from other examples) passed."""
     x = torch.randint(0, 255, (32, D), dtype=torch.uint8)
     pe, model, opt, loader = _private(_linear(), x, torch.zeros(32, dtype=torch.long))
@@ -110,7 +110,7 @@ class _Running(nn.Module):
 
 
 def test_a_forward_that_reassigns_a_buffer_is_refused_and_restored():
-    """benchmarks/redteam_integrations/a3_buffers.py: `self.running = 0.9 * self.running + ...` replaces the buffer object, whose
+    """benchmarks/redteam/integrations/a3_buffers.py: `self.running = 0.9 * self.running + ...` replaces the buffer object, whose
     version counter the check read, so the private batch's mean reached the released state_dict, noise-free."""
     net = _Running()
     pe, model, opt, loader = _private(net, torch.randn(32, D), torch.zeros(32, dtype=torch.long))
@@ -125,7 +125,7 @@ def test_a_forward_that_reassigns_a_buffer_is_refused_and_restored():
 
 
 def test_skipping_or_redrawing_batches_makes_the_run_uncertified():
-    """benchmarks/redteam_integrations/a5_batch_selection.py: a loop that keeps only batches of its choosing (here: of at least 4 rows)
+    """benchmarks/redteam/integrations/a5_batch_selection.py: a loop that keeps only batches of its choosing (here: of at least 4 rows)
     stays certified though the target's inclusion rate among the released steps is q' = 1.32 q."""
     n, B = 40, 4
     eng = DPEngine(nn.Linear(3, 2), "dpsgd", n=n, batch_size=B, steps=5, noise_multiplier=1.0,
@@ -157,7 +157,7 @@ class _AtenMask(nn.Module):
 
 
 def test_a_draw_from_a_models_own_generator_through_aten_is_refused():
-    """benchmarks/redteam_integrations/d2_aten_own_generator.py: neither refused by name (aten OpOverloads are not in the list) nor
+    """benchmarks/redteam/integrations/d2_aten_own_generator.py: neither refused by name (aten OpOverloads are not in the list) nor
     after the fact (no global generator moves): a position-assigned public mask, 2.83 C between neighbours."""
     eng = DPEngine(_AtenMask(), "dpsgd", n=16, batch_size=16, steps=1, noise_multiplier=1.0,
                    config=AlgoConfig(lr=0.1), grad_path="rows")
@@ -172,11 +172,11 @@ def test_a_draw_from_a_models_own_generator_through_aten_is_refused():
                          f"(certified={eng.privacy().certified})")
 
 
-_BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "redteam_session"
+_BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "redteam" / "session"
 
 
 def _load(name: str):
-    """A benchmarks/redteam_session script as a module (its measurement functions)."""
+    """A benchmarks/redteam/session script as a module (its measurement functions)."""
     spec = importlib.util.spec_from_file_location(f"redteam_{name}", _BENCH / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -218,7 +218,7 @@ def _padded_gpt2_grads(width: int, path: str):
 
 
 def test_dynamic_padding_does_not_move_an_examples_dropout_masks():
-    """Red team (benchmarks/redteam_session/dropout_padding.py): masks laid out over the padded shape, each
+    """Red team (benchmarks/redteam/session/dropout_padding.py): masks laid out over the padded shape, each
     call after the previous call's blocks, moved 8 examples' clipped sum by 1.11 C when they were padded to
     20 tokens instead of 12 (a long example joining the batch). Per-call streams and a layout independent of
     the padded sizes: each example's gradient is the same at either width, on both paths (and equal across

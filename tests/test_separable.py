@@ -335,7 +335,7 @@ def test_a_global_of_a_reviewed_model_module_replaced_after_import_voids_the_pro
                                                                                     replacement):
     """The reviewed forwards call their module's globals (resnet's ``_shortcut_a`` and ``F``, gpt's ``F``):
     one rebound after import (to centre the batch) moved the clipped sum by 2.37 / 3.15 / 1.15 C with
-    the probe skipped (benchmarks/redteam_separable/rt_model_module_globals.py)."""
+    the probe skipped (benchmarks/redteam/separable/rt_model_module_globals.py)."""
     import importlib
     from clipbias.models.gpt import GPT
     home = importlib.import_module(f"clipbias.models.{module}")
@@ -367,7 +367,7 @@ def test_a_summed_loss_never_sees_a_batch_whole(monkeypatch):
     so runs on zeros. On the step's output, a hook the loss registered there (normalising the logits'
     gradient by the batch's norm) ran in the first step's backward (1.27 C), and a temperature it set
     from the first batch it saw entered every later step (0.65 C from an example of another step):
-    benchmarks/redteam_separable/rt_loss_hooks.py, rt_loss_first_call.py."""
+    benchmarks/redteam/separable/rt_loss_hooks.py, rt_loss_first_call.py."""
     calls = _probes(monkeypatch)
     x, y = torch.randn(12, 12), torch.randint(0, 10, (12,))
     x[0] *= 50
@@ -429,7 +429,7 @@ class _CentringWeight(nn.Parameter):
 
 def test_a_parameter_that_is_a_tensor_subclass_voids_the_proof_and_the_probe_refuses_it(monkeypatch):
     """Its ``__torch_function__`` runs inside the layer, where no module input shows it: with the probe
-    skipped it moved the clipped sum by 1.25 C (benchmarks/redteam_separable/rt_param_subclass.py)."""
+    skipped it moved the clipped sum by 1.25 C (benchmarks/redteam/separable/rt_param_subclass.py)."""
     calls = _probes(monkeypatch)
     torch.manual_seed(0)
     m = nn.Sequential(nn.Flatten(), nn.Linear(16, 10))

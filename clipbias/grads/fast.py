@@ -577,7 +577,7 @@ def _tie_cross(emb: "_Embed", mat: "_Matrix") -> Tensor:
     float32, where ``sq_norms``' enlargement dominates) after clipping; summed in float32 with the
     other examples' gradients each addition at that magnitude rounds another example's term by up to
     half an ulp (removing such an example moved the others' float32 embedding sum by 1.96 C at
-    B = 2^18: benchmarks/redteam_session/tied_absorb.py). So the tied weight's sums, both uses', are
+    B = 2^18: benchmarks/redteam/session/tied_absorb.py). So the tied weight's sums, both uses', are
     float64 (``tied``), added, and rounded once to the weight's precision (``BookKeeping._ordered``)."""
     a, g = (mat.g, mat.a) if mat.t else (mat.a, mat.g)  # g's last dimension indexes the table's rows
     b, L, d = a.shape

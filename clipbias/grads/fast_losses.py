@@ -32,7 +32,7 @@ class PerExampleLosses:
             # step's output, a hook it registered there ran in the step's backward (one normalising the logits'
             # gradient by the batch's norm moved the clipped sum by 1.27 C), and a statistic it kept (a
             # temperature set from the first batch) entered every later step (an example of the first step
-            # moved the second's sum by 0.65 C): benchmarks/redteam_separable/rt_loss_hooks.py, rt_loss_first_call.py
+            # moved the second's sum by 0.65 C): benchmarks/redteam/separable/rt_loss_hooks.py, rt_loss_first_call.py
             # Two examples' zeros tell a total from per-example losses (zeros of the whole output would
             # double a language model's first-step peak: 1.65 GB of logits for a 64M GPT at B = 128)
             try:
@@ -59,7 +59,7 @@ class PerExampleLosses:
         """A summed ``loss_fn`` evaluated one example at a time (``vmap``), with saved-tensor hooks
         disabled inside it: their unpack runs in the backward, outside ``vmap``, on the whole batch's
         tensors (one adding the batch mean to a saved tensor moved the clipped sum by 5.41 C with the
-        probe skipped: benchmarks/redteam_separable/rt_loss_hooks.py). A loss that enters them is
+        probe skipped: benchmarks/redteam/separable/rt_loss_hooks.py). A loss that enters them is
         evaluated again with them, and ``self._loss_alone = False``: the step is probed. (Tensor and
         graph-node hooks that a loss registers inside ``vmap`` do not run in the backward.)"""
         try:

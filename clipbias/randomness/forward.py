@@ -27,7 +27,7 @@ element's coordinates only: the same whatever its position in the batch, whichev
 present and whatever length the batch is padded to, on the rows path and the fast path, on every rank
 and device, and again on resume (nothing to save). Right padding (a collate that pads to the batch's
 longest example, as Hugging Face's do) then leaves an example's masks on its real positions unchanged
-(benchmarks/redteam_session/dropout_padding.py: 1.11 C before, 0 now). Left padding shifts an example's
+(benchmarks/redteam/session/dropout_padding.py: 1.11 C before, 0 now). Left padding shifts an example's
 coordinates by the padded length: its masks then move with the longest example in the batch, which the
 guard cannot see; with dropout on, pad on the right (or to a fixed length).
 

@@ -8,7 +8,7 @@ import pathlib
 import sys
 import warnings
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this checkout's clipbias
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))  # this checkout's clipbias
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 

@@ -6,7 +6,7 @@ units of C (same clip factors for the others: their norms do not depend on the b
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this checkout's clipbias
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))  # this checkout's clipbias
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 

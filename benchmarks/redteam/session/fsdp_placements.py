@@ -9,7 +9,7 @@ import socket
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402

@@ -6,7 +6,7 @@ released steps is q' = q P(Bin(n-1, q) >= k-1) / P(Bin(n, q) >= k) > q.  On the 
 example's gradient 0, the target's C) a released step is exactly the subsampled Gaussian at rate q', so
 eps(q', T) is a lower bound on the true epsilon, against the reported eps(q, T)."""
 import os, sys, math, warnings
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset

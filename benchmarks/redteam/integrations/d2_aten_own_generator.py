@@ -5,7 +5,7 @@ the micro-batch row r of the draw: the mask goes by batch POSITION, the attack o
 ("Forward-pass randomness").  Measured: adding one example in front of n others moves the clipped sum by
 far more than C.  Same key in both worlds (noise cancels)."""
 import os, sys, warnings
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 import torch
 from torch import nn
 from clipbias.config import AlgoConfig

@@ -3,7 +3,7 @@ listed, called inside a private step's forward (rows path and fast path) through
 generator object of the model's own (public seed, position-assigned draws), and we record whether the step is
 refused.  An op that is not refused draws public randomness by batch position in a certified run."""
 import os, sys, warnings
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 import torch
 from torch import nn
 from clipbias.config import AlgoConfig

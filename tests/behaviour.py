@@ -7,7 +7,10 @@ does not measure time, plus a SHA-256 of the final model weights and of the priv
 13); ``tests/test_behaviour.py`` asserts that every algorithm still gives them bit for bit.
 
 Regenerate (only when a change is *meant* to change results, and say so in the commit):
-``python -m tests.behaviour > tests/data/behaviour.json``.
+``python -m tests.behaviour > tests/data/behaviour.json``. A new method adds its case (an entry of
+``CASES``) and only its numbers: ``python -m tests.behaviour --add NAME`` runs it and writes it into
+``tests/data/behaviour.json``, every other case untouched; made on another machine than the file's, the
+case records its own ``fingerprint`` (its bit-for-bit machine).
 
 Float results depend on the machine's kernels (SIMD width, BLAS build): the golden file records the
 machine it was made on (``fingerprint``). On that machine the check is bit for bit; elsewhere it
@@ -21,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import pathlib
 import platform
 import sys
 import tempfile
@@ -123,8 +127,29 @@ def _private(algo: str) -> bool:
     return get(algo).private
 
 
+GOLDEN_PATH = pathlib.Path(__file__).parent / "data" / "behaviour.json"
+
+
+def add(algos: list[str]) -> None:
+    """Run ``algos`` and write their cases into ``GOLDEN_PATH`` (the others kept as they are), each with
+    this machine's fingerprint where it is not the file's."""
+    with open(GOLDEN_PATH) as f:
+        golden = json.load(f)
+    for a in algos:
+        case = numbers(a)
+        if fingerprint() != golden["fingerprint"]:
+            case["fingerprint"] = fingerprint()
+        golden["cases"][a] = case
+    with open(GOLDEN_PATH, "w") as f:
+        json.dump(golden, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
+    if sys.argv[1:2] == ["--add"]:
+        add(sys.argv[2:])
+        sys.exit()
     algos = sys.argv[1:] or list(CASES)
     json.dump({"fingerprint": fingerprint(), "cases": {a: numbers(a) for a in algos}}, sys.stdout, indent=1,
               sort_keys=True)

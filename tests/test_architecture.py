@@ -1,8 +1,8 @@
 """The layout as checked properties: no import cycle, imports only downward through the pipeline's
 floors, nothing below the catalog imports it, short functions and classes, and a new method, accountant
-or data set is one registration (a method's settings become CLI flags by themselves). benchmarks/ has
-an index with a line per script, its results in one folder, and every path into it that the docs and
-code name exists."""
+or data set is one registration (a method's settings become CLI flags by themselves): the registrations
+that docs/architecture.md's recipes show are the ones these tests run. benchmarks/ has an index with a line
+per script, its results in one folder, and every path into it that the docs and code name exists."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import ast
 import glob
 import pathlib
 import re
+import textwrap
 
 import pytest
 
@@ -162,20 +163,25 @@ def test_no_class_is_longer_than_250_lines():
     assert not long, long
 
 
+RECIPES = (PKG.parent / "docs" / "architecture.md").read_text()
+
+
+def run_recipe(section: str, package: str) -> dict:
+    """Run the code block of docs/architecture.md's ``## section`` as a module of ``package`` (its relative
+    imports resolve there): the recipe's example is what the test registers."""
+    body = RECIPES.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    code = textwrap.dedent(re.search(r"```python\n(.*?)```", body, re.S).group(1))
+    ns = {"__name__": f"{package}._recipe", "__package__": package}
+    exec(compile(code, f"docs/architecture.md ({section})", "exec"), ns)
+    return ns
+
+
 @pytest.fixture
 def half_clip():
-    """A new method declared in one place: an Algorithm with one Setting, registered."""
+    """A new method declared in one place: the recipe's Algorithm with one Setting, registered."""
     from clipbias import algorithms
-    from clipbias.algorithms.base import Algorithm, Parts
-    from clipbias.config import Setting, real
-    from clipbias.transforms import Clip
-
-    shrink = Setting("shrink", 0.5, "a number in (0, 1]", real(0, 1, lo_open=True), "--shrink", float,
-                     "clip at shrink * C")
-    algo = algorithms.register(Algorithm(
-        "half-clip", "DPSGD clipping at shrink * C (a test method)", True, "gaussian",
-        lambda cfg, s, b, key: Parts([Clip(s["shrink"] * cfg.clip)]), schema=(shrink,)))
-    yield algo
+    run_recipe("Adding a method", "clipbias.algorithms")
+    yield algorithms.ALGORITHMS["half-clip"]
     del algorithms.ALGORITHMS["half-clip"]
 
 
@@ -205,19 +211,12 @@ def test_a_new_method_is_one_declaration_and_the_cli_takes_its_setting(half_clip
 
 @pytest.fixture
 def gdp_accountant():
-    """A new accountant declared in one place: the full-batch exact formula applied to any rate (valid
-    only as an upper bound when q = 1; a test accountant), registered."""
-    from clipbias.privacy import accountants, pld
-
-    class FullBatchGDP(accountants.Accountant):
-        name = "test-gdp"
-        basis = "full-batch Gaussian, mu-GDP (a test accountant)"
-
-        def compute(self, noise_multiplier, sample_rate, steps, delta):
-            return pld.gaussian_exact_epsilon(noise_multiplier, steps, delta)
-
-    yield accountants.register(FullBatchGDP())
-    del accountants.ACCOUNTANTS["test-gdp"]
+    """A new accountant declared in one place: the recipe's, the full-batch exact formula at any rate (an
+    upper bound: Poisson subsampling only amplifies), registered."""
+    from clipbias.privacy import accountants
+    run_recipe("Adding an accountant", "clipbias.privacy")
+    yield accountants.ACCOUNTANTS["full-batch-gdp"]
+    del accountants.ACCOUNTANTS["full-batch-gdp"]
 
 
 def test_a_new_accountant_is_one_registration_and_the_cli_offers_it(gdp_accountant):
@@ -229,27 +228,21 @@ def test_a_new_accountant_is_one_registration_and_the_cli_offers_it(gdp_accounta
 
     exact = pld.gaussian_exact_epsilon(2.0, 50, 1e-5)
     spec = privacy.AccountingSpec("gaussian", 1.0, noise_multiplier=2.0)
-    rep = privacy.account(spec, 50, 1e-5, "test-gdp")
-    assert rep.epsilon == exact and rep.accountant == "test-gdp" and rep.basis.startswith("full-batch Gaussian, mu")
-    z = gaussian.calibrate(exact, 1e-5, 1.0, 50, "test-gdp")
-    assert gaussian.epsilon(z, 1.0, 50, 1e-5, "test-gdp") <= exact and z == pytest.approx(2.0, rel=2e-3)
+    rep = privacy.account(spec, 50, 1e-5, "full-batch-gdp")
+    assert rep.epsilon == exact and rep.accountant == "full-batch-gdp" and rep.basis.startswith("T-fold Gaussian, exact mu-GDP")
+    z = gaussian.calibrate(exact, 1e-5, 1.0, 50, "full-batch-gdp")
+    assert gaussian.epsilon(z, 1.0, 50, 1e-5, "full-batch-gdp") <= exact and z == pytest.approx(2.0, rel=2e-3)
     args = build_parser().parse_args(["account", "--noise-multiplier", "1", "--sample-rate", "1", "--steps", "3",
-                                      "--accountant", "test-gdp", "--delta", "1e-5"])
-    assert args.accountant == "test-gdp"
+                                      "--accountant", "full-batch-gdp", "--delta", "1e-5"])
+    assert args.accountant == "full-batch-gdp"
 
 
 @pytest.fixture
 def tiny_data():
-    """A new data set declared in one place: a DataSource, registered."""
-    import torch
-    from clipbias.data import DATASETS, DataSource, Dataset, register_dataset
-
-    def load(**_):
-        g = torch.Generator().manual_seed(0)
-        x, y = torch.randn(120, 5, generator=g), torch.randint(0, 3, (120,), generator=g)
-        return Dataset("tiny", x[:100], y[:100], x[100:], y[100:], num_classes=3, input_shape=(5,))
-
-    yield register_dataset(DataSource("tiny", load, "120 Gaussian points in 3 classes (a test data set)"))
+    """A new data set declared in one place: the recipe's DataSource, registered."""
+    from clipbias.data import DATASETS
+    run_recipe("Adding a data set", "clipbias.data")
+    yield DATASETS["tiny"]
     del DATASETS["tiny"]
 
 
@@ -360,3 +353,22 @@ def test_every_benchmarks_path_the_docs_and_code_name_exists():
                     if not ok:
                         broken.append(f"{f.relative_to(root)}:{n}: {path}")
     assert not broken, "\n".join(broken)
+
+
+def test_the_recipes_name_files_and_tests_that_exist():
+    """docs/architecture.md's recipes (method, accountant, data set, model layer) name real files, tests and
+    commands: every path in backquotes exists (``<name>`` is the new module's), every ``test_...`` it names
+    is defined in tests/, and the commands name modules that run."""
+    root = PKG.parent
+    recipes = "".join(RECIPES.split(f"\n## {s}\n", 1)[1].split("\n## ", 1)[0]
+                      for s in ("Adding a method", "Adding an accountant", "Adding a data set", "Adding a model layer"))
+    paths = {p for p in re.findall(r"`((?:clipbias|tests|docs)/[\w/.<>]+?)(?:::\w+)?`", recipes) if "<" not in p}
+    paths |= set(re.findall(r"\b((?:clipbias|tests|docs)/[\w/]+\.(?:py|md|json))\b", recipes))
+    assert len(paths) >= 15 and [p for p in sorted(paths) if not (root / p).exists()] == []
+    defined = set(re.findall(r"^def (test_\w+)", "".join(p.read_text() for p in (root / "tests").glob("test_*.py")), re.M))
+    named = set(re.findall(r"`(?:[\w/.]+::)?(test_\w+)`", recipes))
+    assert named and named - defined == set(), named - defined
+    for stem in re.findall(r"`(test_\w+)_\.\.\.`|`\.\.\.(_\w+)`", recipes):  # abbreviated names: a prefix or a suffix
+        assert any(d.startswith(stem[0]) if stem[0] else d.endswith(stem[1]) for d in defined), stem
+    for module in re.findall(r"python -m ([\w.]+)", recipes):
+        assert (root / (module.replace(".", "/") + ".py")).exists(), module

@@ -1,6 +1,6 @@
 """The fast path's rules for the layers of fine-tuned models: grouped and depthwise convolutions,
-Conv3d, padding modes, InstanceNorm, RMSNorm (torch's and Hugging Face's), each against the rows
-path, and a tiny Llama decoder end to end."""
+Conv3d, padding modes, InstanceNorm, RMSNorm (torch's and Hugging Face's), PReLU, each against the
+rows path, and a tiny Llama decoder end to end."""
 
 from __future__ import annotations
 
@@ -77,6 +77,25 @@ class Norms(nn.Module):
         return self.out(h.flatten(1))
 
 
+class Prelus(nn.Module):
+    """PReLU with one weight per channel of a Conv2d's output and of a sequence ``[b, C, L]``, one per
+    feature of a flat ``[b, F]``, and a single shared one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(1, 4, 3, stride=2)
+        self.p4 = nn.PReLU(4)
+        self.seq = nn.PReLU(4, init=0.1)
+        self.lin = nn.Linear(36, 5)
+        self.p5 = nn.PReLU(5)
+        self.p1 = nn.PReLU()
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = self.seq(self.p4(self.c(x)).flatten(2))                # [b, 4, 9]
+        return self.out(self.p1(self.p5(self.lin(h.flatten(1)))))
+
+
 def _perturbed(m: nn.Module) -> nn.Module:
     """Norm weights and biases away from their ones and zeros, so that their gradients are not special."""
     torch.manual_seed(2)
@@ -87,7 +106,7 @@ def _perturbed(m: nn.Module) -> nn.Module:
     return m
 
 
-@pytest.mark.parametrize("model_cls", [Grouped, Cube, Norms])
+@pytest.mark.parametrize("model_cls", [Grouped, Cube, Norms, Prelus])
 def test_fast_norms_and_sums_equal_the_rows_path(model_cls, float64, branch):
     """Every example's norm, the clipped sum and the unclipped reference sum on the fast path equal
     the rows path's (per-example gradients by ``torch.func``) to 1e-10 in float64."""
@@ -103,7 +122,7 @@ def test_fast_norms_and_sums_equal_the_rows_path(model_cls, float64, branch):
     assert (rows[3] > 0.5).sum() >= 3  # the clip is active on several examples
 
 
-@pytest.mark.parametrize("model_cls", [Grouped, Norms])
+@pytest.mark.parametrize("model_cls", [Grouped, Norms, Prelus])
 def test_fast_path_update_equals_the_rows_path_in_the_engine(model_cls, float64):
     rows, _ = _run(model_cls, "dpsgd", "rows", steps=2)
     fast, e_fast = _run(model_cls, "dpsgd", "fast", steps=2)
@@ -111,7 +130,7 @@ def test_fast_path_update_equals_the_rows_path_in_the_engine(model_cls, float64)
     torch.testing.assert_close(fast, rows, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("model_cls", [Grouped, Cube, Norms])
+@pytest.mark.parametrize("model_cls", [Grouped, Cube, Norms, Prelus])
 def test_the_probes_combined_attribution_is_the_weighted_sum_of_their_own(model_cls):
     torch.manual_seed(0)
     bk = BookKeeping(_perturbed(model_cls()))
@@ -255,6 +274,25 @@ def test_the_new_layers_in_a_sequential_are_per_example_by_construction(monkeypa
     assert not separable.batched({sep[7]: [1]})
 
 
+def test_prelus_in_a_sequential_are_per_example_by_construction(monkeypatch):
+    """PReLU is an elementwise layer: in an ``nn.Sequential`` it is proven per-example, so the step runs
+    without the probe, and its norms and clipped sum are the rows path's."""
+    import clipbias.grads.fast as fc
+    from clipbias.grads import separable
+    torch.manual_seed(0)
+    seq = _perturbed(nn.Sequential(nn.Conv2d(1, 3, 3), nn.PReLU(3), nn.Flatten(), nn.Linear(108, 4), nn.PReLU(),
+                                   nn.Linear(4, 3))).double()  # float64 without set_default_dtype: it replaces torch.Storage
+    assert separable.why_not(seq) is None
+    probes = []
+    monkeypatch.setattr(fc.BookKeeping, "_check_examples", lambda self, *a: probes.append(1))
+    x, y = _data(6)
+    fast = BookKeeping(seq)(x.double(), y, lambda n: clip_scale(n, 0.5), False)
+    rows = ParamSums(FuncGradients(seq))(x.double(), y, lambda n: clip_scale(n, 0.5), False)
+    assert probes == []
+    for got, want in ((fast[0], rows[0]), (fast[3], rows[3])):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
@@ -299,7 +337,7 @@ def test_a_llama_decoder_runs_on_the_fast_path_equal_to_the_rows_path():
     torch.testing.assert_close(fast_w, rows_w, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("model_cls", [Grouped, Cube, Norms])
+@pytest.mark.parametrize("model_cls", [Grouped, Cube, Norms, Prelus])
 def test_the_two_point_combination_equals_the_rows_path(model_cls, float64):
     """DiSK's rows ``c g(far) + (1 - c) g(here)`` (``at=``): the new rules' cross terms give the rows
     path's norms and clipped sum."""
@@ -327,7 +365,7 @@ def test_the_two_point_combination_equals_the_rows_path(model_cls, float64):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=what)
 
 
-@pytest.mark.parametrize("model_cls", [Grouped, Cube, Norms])
+@pytest.mark.parametrize("model_cls", [Grouped, Cube, Norms, Prelus])
 def test_each_clipped_contribution_is_within_the_clip_in_float32(model_cls):
     """In float32, each example's clipped contribution (the example alone in the batch), measured in
     float64, is at most C: the new rules' norms are upper bounds on what they sum. Inputs over

@@ -157,11 +157,12 @@ def test_fast_path_in_float32_is_within_1e5_after_one_step(algo, branch):
 
 
 def test_fast_path_refusals_and_auto_fallback():
-    m = nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.PReLU(), nn.Linear(8, 3))
-    with pytest.raises(ConfigError, match="PReLU.*no fast-path rule"):
+    m = nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.Unflatten(1, (1, 8)), nn.ConvTranspose1d(1, 1, 3, padding=1),
+                      nn.Flatten(), nn.Linear(8, 3))
+    with pytest.raises(ConfigError, match="ConvTranspose1d.*no fast-path rule"):
         DPEngine(m, "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="fast")
     eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="auto")
-    assert eng.fast is None and "PReLU" in eng.grad_path_note
+    assert eng.fast is None and "ConvTranspose1d" in eng.grad_path_note
     with pytest.raises(ConfigError, match="computes its own rows"):
         DPEngine(Wide(), "p-avg", n=40, batch_size=10, steps=1, noise_multiplier=1.0, grad_path="fast")
     with pytest.raises(ConfigError, match="grad-bound"):

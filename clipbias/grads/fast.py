@@ -30,10 +30,12 @@ expanded to the batch, so that each example's output gradient is its own;
 statistics updates buffers: refused at the step) and ``nn.RMSNorm``, and the weight of Hugging Face's
 RMSNorm classes reviewed in ``grads.rms`` (Llama, Qwen2, Qwen3, Mistral; their ``forward`` checked to
 be the reviewed one): per-example gradients computed directly from the normalised input, one value
-per channel or feature; and the bare ``cls_token`` and ``position_embeddings`` of Hugging Face's
-``ViTEmbeddings`` (its ``forward`` checked: ``grads.vit``), whose per-example gradients are rows of the
-output gradient at the embeddings' dropout input. All of these form the per-example gradients they
-sum, so their norms are ``sq_norms``' upper bounds on what is summed, whatever the rounding; only the ghost norm of a
+per channel or feature; likewise the weight of ``nn.PReLU`` (one per channel or a single one:
+``min(0, x)`` times the output gradient, summed over the channel's positions); and the bare ``cls_token`` and
+``position_embeddings`` of Hugging Face's ``ViTEmbeddings`` (its ``forward`` checked: ``grads.vit``), whose
+per-example gradients are rows of the output gradient at the embeddings' dropout input. All of these form the
+per-example gradients they sum, so their norms are ``sq_norms``' upper bounds on what is summed, whatever the
+rounding; only the ghost norm of a
 ``groups=1`` Linear/Conv over several positions needs its own rounding bound (``ghost_norm_bound``).
 A Conv or InstanceNorm given an input without its batch dimension is refused at the step.
 A weight shared by an ``nn.Embedding`` and a Linear or Conv1D (a language model's tied input and
@@ -94,7 +96,8 @@ from .rows import LossFn, ParamLayout, check_model, cross_entropy
 _INSTANCE = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 _NORMS = (nn.GroupNorm, nn.LayerNorm, *_INSTANCE, *rms.TORCH_RMSNORM)
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_SUPPORTED = (nn.Linear, *_CONV, nn.Embedding, *_NORMS)
+_PER_CHANNEL = (*_NORMS, nn.PReLU)  # the layers of _Affine: one value per channel or feature
+_SUPPORTED = (nn.Linear, *_CONV, nn.Embedding, *_PER_CHANNEL)
 
 
 def _supported(m: nn.Module) -> bool:
@@ -117,7 +120,7 @@ def rule_kind(m: nn.Module) -> str | None:
 
 def _is_norm(m: nn.Module) -> bool:
     """A layer whose rule is ``_Affine``."""
-    return isinstance(m, _NORMS) or rms.hf_class(m)
+    return isinstance(m, _PER_CHANNEL) or rms.hf_class(m)
 
 
 _CONV1D_MODULE, _CONV1D_NAME = "transformers.pytorch_utils", "Conv1D"
@@ -390,11 +393,13 @@ class _Matrix:
 
 
 class _Affine:
-    """GroupNorm/LayerNorm/InstanceNorm/RMSNorm: the per-example gradients of the affine weight and
+    """GroupNorm/LayerNorm/InstanceNorm/RMSNorm/PReLU: the per-example gradients of the affine weight and
     bias are small (one value per channel or normalised feature): computed directly from the
     normalised input (an InstanceNorm's from the statistics its forward uses: the example's own in
     training or without running statistics, the constant running ones in evaluation; a Hugging Face
-    RMSNorm's normalised in float32 and cast back, as its forward does: ``grads.rms``)."""
+    RMSNorm's normalised in float32 and cast back, as its forward does: ``grads.rms``). A PReLU's
+    ``y = max(0, x) + w min(0, x)`` has ``dy/dw = min(0, x)``: its "normalised input", summed over
+    each channel's positions (channels on dimension 1; one weight: over everything)."""
 
     def __init__(self, m: nn.Module, a: Tensor, g: Tensor) -> None:
         b = a.shape[0]
@@ -408,6 +413,8 @@ class _Affine:
         elif isinstance(m, nn.LayerNorm):
             xhat = F.layer_norm(a, m.normalized_shape, eps=m.eps)
             dims = tuple(range(1, a.dim() - len(m.normalized_shape)))  # leading positions
+        elif isinstance(m, nn.PReLU):  # F.prelu refuses C > 1 weights unless dimension 1 has C channels
+            xhat, dims = a.clamp(max=0), tuple(range(1 if m.weight.numel() == 1 else 2, a.dim()))
         else:
             n = rms.trailing(m)
             if tuple(m.weight.shape) != tuple(a.shape[a.dim() - n:]) or a.dim() <= n:

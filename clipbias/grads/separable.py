@@ -19,7 +19,8 @@ hooks added, between steps):
   path refuses at every step whatever this proof says), ``nn.LayerNorm`` and ``nn.RMSNorm`` (each
   position normalised over its own trailing features: the input must have more dimensions than
   they normalise), ``nn.Embedding`` without ``max_norm`` and ``scale_grad_by_freq`` (a lookup per
-  token); the elementwise activations ``ELEMENTWISE``, not in place; max and average pooling, 1-D
+  token); the elementwise activations ``ELEMENTWISE``, not in place, and ``nn.PReLU`` (each entry
+  scaled by its channel's weight where negative); max and average pooling, 1-D
   to 3-D (over the trailing dimensions only); ``nn.Flatten`` from dimension 1 or later; or one of
   clipbias's reviewed model classes: defined in ``clipbias.models`` and declaring
   ``PER_EXAMPLE = True`` in its own body, whose ``forward`` (reviewed) only composes its children
@@ -85,7 +86,7 @@ _BATCHED_DIMS = {nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5,  # an input of one di
                  nn.InstanceNorm1d: 3, nn.InstanceNorm2d: 4, nn.InstanceNorm3d: 5}
 _TRAILING = (nn.LayerNorm, *_RMS)  # normalise over their normalized_shape: the input must have more dimensions
 _TYPES = (nn.Sequential, nn.Linear, *_BATCHED_DIMS, nn.GroupNorm, *_TRAILING, nn.Embedding, nn.Flatten,
-          *ELEMENTWISE, *_POOLS)
+          *ELEMENTWISE, nn.PReLU, *_POOLS)
 _DIMS_OF = (nn.Linear, *_TRAILING, *_BATCHED_DIMS)
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")

@@ -665,7 +665,7 @@ class BookKeeping(RuntimeChecks, PerExampleLosses):
         check_model(model)
         reason = why_unsupported(model)
         if reason is not None:
-            raise ValueError(reason)
+            raise ConfigError(reason)
         self.model, self.loss_fn, self.layout = model, loss_fn, ParamLayout.of(model)
         self.layers = [m for m in model.modules() if _supported(m) and _trainable(m)]
         names = {id(p): n for n, p in model.named_parameters()}

@@ -333,14 +333,16 @@ def test_fast_path_names_layers_it_cannot_handle(layer, why):
     assert why in why_unsupported(nn.Sequential(layer))
 
 
-def test_dropout_model_is_checked_by_the_counterfactual_batch(monkeypatch):
-    """Under dropout the example is checked in a counterfactual batch of copies of itself, each
-    drawing its keyed masks: no false refusal, and that path is really taken; torch's generator is
-    not drawn from (the masks come from the run's key)."""
+def test_dropout_model_is_checked_alone_under_its_keyed_masks(monkeypatch):
+    """Under dropout, in the engine's step, the probed example is run alone (a batch of one) under the
+    keyed masks it draws in the batch, and its attribution equals that gradient: no counterfactual batch
+    of copies (a whole second forward and backward). Where the two differ (here: forced), the batch of
+    copies decides, as before: no false refusal. torch's generator is not drawn from."""
     import clipbias.grads.fast as fc
     calls = []
-    real = fc.BookKeeping._counterfactual
-    monkeypatch.setattr(fc.BookKeeping, "_counterfactual", lambda *a: calls.append(1) or real(*a))
+    alone, copies = fc.BookKeeping._alone, fc.BookKeeping._counterfactual
+    monkeypatch.setattr(fc.BookKeeping, "_alone", lambda *a: calls.append("alone") or alone(*a))
+    monkeypatch.setattr(fc.BookKeeping, "_counterfactual", lambda *a: calls.append("copies") or copies(*a))
     torch.manual_seed(0)
     m = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Dropout(0.5), nn.Linear(32, 3))
     eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=2, noise_multiplier=1.0, grad_path="fast")
@@ -349,7 +351,30 @@ def test_dropout_model_is_checked_by_the_counterfactual_batch(monkeypatch):
     eng.step(x[:8], y[:8], torch.arange(8))
     after = torch.rand(1)
     torch.manual_seed(5)
-    assert eng.steps_taken == 1 and calls == [1] and torch.equal(after, torch.rand(1))
+    assert eng.steps_taken == 1 and calls == ["alone"] and torch.equal(after, torch.rand(1))
+    monkeypatch.setattr(fc.BookKeeping, "_alone", lambda *a: calls.append("alone") or [2 * g for g in alone(*a)])
+    eng.step(x[8:16], y[8:16], torch.arange(8, 16))
+    assert eng.steps_taken == 2 and calls == ["alone", "alone", "copies"]
+
+
+def test_a_dropout_models_gradient_alone_is_its_row_in_the_batch():
+    """What ``_alone`` relies on: an example's keyed dropout masks are the same in a batch of one as in
+    its row of the batch, so its gradient alone equals its attributed row exactly (float64)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Dropout(0.5), nn.Linear(32, 3)).double()
+    from clipbias.grads.fast import BookKeeping
+    from clipbias.randomness import SecretKey, forward
+    bk = BookKeeping(m)
+    x, y = _data()
+    x = x[:8].double()
+    with forward.keyed(SecretKey.generate(), 3):
+        with forward.examples(torch.arange(10, 18)):
+            _, acts, grads = bk._backward(x, y[:8])
+            rows = [bk._ordered([r.one(i) for r in bk._rules_at(acts, grads)]) for i in range(8)]
+            for i in (0, 5):
+                got = bk._alone(x, y[:8], i)
+                assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-15) for a, b in zip(got, rows[i]))
+            assert not all(torch.allclose(a, b) for a, b in zip(rows[0], rows[5]))
 
 
 @pytest.mark.parametrize("model_cls", [Net, Tokens])

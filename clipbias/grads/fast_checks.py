@@ -104,16 +104,24 @@ class RuntimeChecks:
         equal their own gradients (to 1e-4). A deterministic forward: ``PROBES`` examples, each run
         through the model alone (``_own``), and one secret random combination of their gradients is
         compared (``_probe_weights``). A forward that draws random numbers
-        (dropout; ``rng`` is the state before it): one example, and its attribution is recomputed in
-        a counterfactual batch where every other row is a copy of it, with the same random draws (a
-        second forward and backward). A model whose rows see other examples' data (batch
+        (dropout; ``rng`` is the state before it): one secret random example. In the engine's step (masks
+        keyed per example) it is first run alone, a batch of one under its own masks (``_alone``: 1/b of
+        the step's forward and backward), and its attribution must equal that gradient, its own by
+        definition; only where they differ beyond rounding (float32 kernels round a batch of one and a
+        batch of b apart), or outside the engine's step (torch's generator), its attribution is recomputed
+        in a counterfactual batch where every other row is a copy of it, with the same random draws (a
+        second forward and backward of the whole batch), and must equal that. A model whose rows see
+        other examples' data (batch
         statistics, mixup, cross-example attention, a sequence-first layout) changes the probes'
         gradients. A mixing confined to a few examples is caught with probability (examples probed)
         x (examples affected) / b per step (docs/results.md)."""
         b = batch.size(x)
         if rng is not None:
             i = self._check_rng.randrange(b)
-            if not _close(self._ordered([r.one(i) for r in rules]), self._counterfactual(x, y, i, rng), params, 1e-4):
+            mine = self._ordered([r.one(i) for r in rules])
+            if forward.active() is not None and _close(mine, self._alone(x, y, i), params, 1e-4):
+                return
+            if not _close(mine, self._counterfactual(x, y, i, rng), params, 1e-4):
                 raise PathRefusal("fast", _MIXING.format(i=i, alone="among copies of itself"))
             return
         probes = self._check_rng.sample(range(b), min(PROBES, b))
@@ -202,6 +210,15 @@ class RuntimeChecks:
         return _close(attributed, together, leaves, 1e-4, scale) and _close(
             [t.to(a.dtype) for t, a in zip(attributed32, attributed)], attributed, leaves,
             MIXED_RTOL if precision.active_mixed() is not None else 5e-2)
+
+    def _alone(self, x: Batch, y: Batch, i: int) -> list[Tensor]:
+        """Example i's gradient with the example alone, a batch of one, under the keyed masks it draws in the
+        step (``forward.only``: the masks are functions of the key, the step, the call and the example's
+        index, laid out by the per-example shape, so the same as its row's in the batch)."""
+        xi, yi = (batch.take(v, slice(i, i + 1)) for v in (x, y))
+        with forward.only(i):
+            _, acts, grads = self._backward(xi, yi)
+        return self._ordered([r.one(0) for r in self._rules_at(acts, grads)])
 
     def _counterfactual(self, x: Batch, y: Batch, i: int, rng: tuple) -> list[Tensor]:
         """Example i's attributed gradient in the batch whose every row is example i, under the

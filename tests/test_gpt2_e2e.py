@@ -110,6 +110,14 @@ def test_lora_fast_path_equals_rows_path():
     assert torch.allclose(out["fast"], out["rows"], rtol=1e-4, atol=1e-6)
 
 
+def test_auto_takes_the_rows_path_for_lora_adapters():
+    """LoRA's rows are small (the adapters' dimension) and GPT-2 is not per-example by construction: `auto`
+    takes the rows path, the faster of the two for LoRA GPT-2 on the CPU (docs/models.md)."""
+    eng = DPEngine(no_dropout_lora(), "dpsgd", n=24, batch_size=8, steps=2, noise_multiplier=1.0,
+                   loss_fn=sequence_loss, grad_path="auto")
+    assert eng.fast is None and eng.grad_path_note.startswith("rows")
+
+
 def test_a_padded_example_has_the_gradient_it_has_alone():
     """Right padding with the attention mask: a short example's per-example gradient in a batch padded
     to a longer example's length equals its gradient alone (no dependence on the other example)."""

@@ -112,6 +112,12 @@ def test_the_command_line_takes_the_ranges_alone_and_refuses_a_fixed_lr(tmp_path
     assert (tmp_path / "t" / "tune.json").exists() and (tmp_path / "t" / "model.pt").exists()
     assert main(argv[:-3] + ["--lr", "1", "--clip", "1"]) != 0
     assert "drop --lr and --clip" in capsys.readouterr().err
+    banded = argv[:-3] + ["--momentum", "0.9", "--bands-choices", "1", "2", "--strategy-choices", "taylor"]
+    assert main(banded + ["--out", str(tmp_path / "b"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["best"]["bands"] in (1, 2) and res["best"]["bands_strategy"] == "taylor" and res["epsilon"] <= 3.0
+    assert main(banded + ["--bands-choices", "0", "--out", str(tmp_path / "c")]) != 0
+    assert "--bands-choices must hold" in capsys.readouterr().err
 
 
 def test_a_refused_trial_stops_the_search_without_naming_examples():

@@ -142,7 +142,8 @@ def test_a_banded_tuning_accounts_each_trial_with_its_bands():
     base = dataclasses.replace(BASE, bands=3, momentum=0.9)
     tc = TuneConfig(base, (0.05, 5.0), (0.1, 10.0), trials=2.0)
     part = tune_module.prepare_splits(dataclasses.replace(base, validation=0))
-    z, event_of = tune_module._calibrate(tc, base, part, 20.0)
+    z, event_of, noise_of = tune_module._calibrate(tc, base, part, 20.0)
+    assert noise_of(z) == {3: z}
     q, steps = base.batch_size / part.n, base.epochs * round(part.n / base.batch_size)
     from clipbias import algorithms
     want = banded_spec(algorithms.get("dpsgd").spec(base.algo_config(), q, z, base.batch_size), 3).dp_event(steps)
@@ -186,14 +187,21 @@ def test_a_tuning_searches_the_bands_with_keyed_draws_and_one_calibration():
     other = {t: tune_module._trial_config(tc, SecretKey.from_seed(4), t, 1.0).bands for t in range(40)}
     assert other != {t: tune_module._trial_config(tc, key, t, 1.0).bands for t in range(40)}  # keyed, not by position
     part = tune_module.prepare_splits(dataclasses.replace(base, validation=0))
-    z, event_of = tune_module._calibrate(tc, base, part, 20.0)
-    events = event_of(z)
+    s, event_of, noise_of = tune_module._calibrate(tc, base, part, 20.0)
+    zs = noise_of(s)
+    # each number of bands trains at its own noise multiplier: the ratio a search over it alone would take
+    alone = {b: tune_module._calibrate(dataclasses.replace(tc, bands_choices=(b,)), base, part, 20.0)[0] for b in (1, 3)}
+    assert zs[1] == s and zs[3] / zs[1] == pytest.approx(alone[3] / alone[1], rel=1e-12) and zs[3] > zs[1]
+    assert s >= alone[1] * (1 - 1e-2) and zs[3] >= alone[3] * (1 - 1e-2)  # the mixture costs at least either alone
+    events = event_of(s)
     assert len(events) == 2 and events[1].event.sampling_probability == pytest.approx(3 * events[0].event.sampling_probability)
     eps = tuning.tuned_epsilon(events, 20.0, base.delta, 2.0, tc.shape)
     assert eps <= base.epsilon and all(tuning.tuned_epsilon(e, 20.0, base.delta, 2.0, tc.shape) <= eps + 1e-12
                                        for e in events)
     res = tune(tc, key)
     assert res["best"]["bands"] in (1, 3) and res["best"]["config"]["bands"] == res["best"]["bands"]
+    assert res["noise_multiplier"] == pytest.approx(res["noise_multipliers"][str(res["best"]["bands"])])
+    assert "noise bands among 1, 3: accounted at the largest of their Renyi curves" in res["basis"]
     assert res["epsilon"] <= base.epsilon
 
 

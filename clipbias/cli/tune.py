@@ -52,7 +52,9 @@ def _run(args: argparse.Namespace) -> int:
     emit({"best lr": f"{res['best']['lr']:.4g}", "best clip": f"{res['best']['clip']:.4g}", **searched,
           "validation accuracy": f"{res['best']['validation_accuracy']:.4f} (noisy: the released score)",
           "test accuracy": f"{res['best']['test_accuracy']:.4f} (the public test split; not used to select)",
-          "noise multiplier": f"{res['noise_multiplier']:.4g} (every trial)",
+          "noise multiplier": (f"{res['noise_multiplier']:.4g} (every trial)" if "noise_multipliers" not in res else
+                               f"{res['noise_multiplier']:.4g} (the best trial's; by bands: " + ", ".join(
+                                   f"{b}: {z:.4g}" for b, z in res["noise_multipliers"].items()) + ")"),
           "epsilon": f"{res['epsilon']:.4g} (the whole search; delta {res['delta']:g})",
           "certified": fmt_certified(res["certified"], True, res["caveats"]), "basis": res["basis"],
           "not output": res["secret"],

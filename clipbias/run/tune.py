@@ -115,13 +115,14 @@ def _uniform(key: SecretKey, purpose: int, step: int, index: int) -> float:
     return (int(uint64s(key, purpose, step, index, 1)[0]) + 0.5) / 2.0 ** 64
 
 
-def _trial_config(tc: TuneConfig, key: SecretKey, trial: int, z: float) -> TrainConfig:
+def _trial_config(tc: TuneConfig, key: SecretKey, trial: int, z: float | dict[int, float]) -> TrainConfig:
     """The trial's hyperparameters, drawn from the tuning's key at the trial's own addresses (index 2 is
     its training key; 3 and 4 its bands and strategy): lr and clip log-uniform, bands and strategy uniform."""
     u_lr, u_clip = _uniform(key, Purpose.TUNE, 1 + trial, 0), _uniform(key, Purpose.TUNE, 1 + trial, 1)
     (lr0, lr1), (c0, c1) = tc.lr_range, tc.clip_range
     bands = tc.bands[int(_uniform(key, Purpose.TUNE, 1 + trial, 3) * len(tc.bands))]
     strategy = tc.strategies[int(_uniform(key, Purpose.TUNE, 1 + trial, 4) * len(tc.strategies))]
+    z = z[bands] if isinstance(z, dict) else z  # the noise multiplier of the trial's bands
     return dataclasses.replace(tc.base, epsilon=None, noise_multiplier=z, out=None, validation=0,
                                lr=lr0 * (lr1 / lr0) ** u_lr, clip=c0 * (c1 / c0) ** u_clip, bands=bands,
                                bands_strategy=strategy)
@@ -134,7 +135,8 @@ def tune(tc: TuneConfig, key: SecretKey | None = None, splits: Splits | None = N
     base = dataclasses.replace(tc.base, validation=0, out=None)
     part, x_val, y_val = split(splits or prepare_splits(base, key=key), tc.validation, key)
     score_std = tc.score_noise if tc.score_noise is not None else max(10.0, 0.01 * len(y_val))
-    z, event_of = _calibrate(tc, base, part, score_std)
+    s, event_of, noise_of = _calibrate(tc, base, part, score_std)
+    z = noise_of(s)
     trials = tuning.trial_count(_uniform(key, Purpose.TUNE, 0, 0), tc.trials, tc.shape)
     best = None
     for trial in range(trials):
@@ -156,14 +158,17 @@ def tune(tc: TuneConfig, key: SecretKey | None = None, splits: Splits | None = N
             best = (score, cfg, {name: t.detach().cpu().clone() for name, t in run.model.state_dict().items()},
                     run.evaluate(part.x_test, part.y_test)[0])
     score, cfg, weights, test_acc = best
-    eps = tuning.tuned_epsilon(event_of(z), score_std, base.delta, tc.trials, tc.shape)
+    eps = tuning.tuned_epsilon(event_of(s), score_std, base.delta, tc.trials, tc.shape)
     return {"best": {"lr": cfg.lr, "clip": cfg.clip, "bands": cfg.bands, "bands_strategy": cfg.bands_strategy,
                      "config": cfg.to_dict(), "validation_accuracy": score, "test_accuracy": test_acc},
-            "weights": weights, "noise_multiplier": z, "epsilon": eps, "delta": base.delta,
+            "weights": weights, "noise_multiplier": cfg.noise_multiplier, "epsilon": eps, "delta": base.delta,
+            **({"noise_multipliers": {str(b): zb for b, zb in z.items()}} if len(z) > 1 else {}),
             "accountant": "rdp", "certified": not key.reproducible,
             "caveats": (["the tuning's key derives from a seed: the guarantee holds only while it stays secret"]
                         if key.reproducible else []),
-            "basis": tuning.BASIS.format(shape=tc.shape, mean=tc.trials, score_std=score_std),
+            "basis": tuning.BASIS.format(shape=tc.shape, mean=tc.trials, score_std=score_std) + (
+                f"; each trial draws its noise bands among {', '.join(map(str, tc.bands))}: accounted at the largest "
+                f"of their Renyi curves (joint quasi-convexity)" if len(tc.bands) > 1 else ""),
             "secret": ("the number of trials and every other trial's result are not output; the run's duration "
                        "grows with the number of trials, so keep it from the adversary (else account K revealed)"),
             "n_train": part.n, "n_validation": len(y_val),  # no wall time: it grows with K (module docstring)
@@ -177,17 +182,30 @@ OUTSIDE_SIZES = ("n_train, n_validation: the realised sizes of the keyed validat
 
 
 def _calibrate(tc: TuneConfig, base: TrainConfig, part: Splits, score_std: float):
-    """(z, the training event of one trial as a function of z) for the tuning's target epsilon."""
+    """(s, the trials' training events as a function of s, the noise multiplier of each number of bands as a
+    function of s) with s calibrated for the tuning's target epsilon. One number of bands: s is the trials'
+    noise multiplier. Several: bands b trains at ``s * k_b``, where ``k_b`` is the ratio of the noise
+    multiplier a search over b alone would take to that of the first choice (so that no choice is held to
+    another's noise), and the search is accounted at the largest of their Renyi curves
+    (``tuning.tuned_epsilon``)."""
     algo = algorithms.get(base.algo)
     cfg = base.algo_config()
     expected = part.info["n_expected"]  # public (``split``): the trials' engines use the same q and steps
     q = base.batch_size / expected
     steps = base.epochs * max(1, round(1 / q))
-
     for b in tc.bands:  # cyclic participation needs b q <= 1 at the trials' rate
         check_bands(b, q)
 
-    def event_of(z: float):  # a trial's own accounting, banded noise included: one event per number of bands
-        events = [algo.spec(cfg, q, z, base.batch_size, b).dp_event(steps) for b in tc.bands]
+    def alone(b: int):  # a trial's own accounting with b bands, as a function of its noise multiplier
+        return lambda z: algo.spec(cfg, q, z, base.batch_size, b).dp_event(steps)
+    calib = {b: tuning.calibrate(alone(b), base.epsilon, base.delta, tc.trials, tc.shape, score_std)
+             for b in tc.bands} if len(tc.bands) > 1 else {tc.bands[0]: 1.0}
+    ratio = {b: calib[b] / calib[tc.bands[0]] for b in tc.bands}
+
+    def noise_of(s: float) -> dict[int, float]:
+        return {b: s * ratio[b] for b in tc.bands}
+
+    def event_of(s: float):  # one event per number of bands (one: the event itself)
+        events = [alone(b)(z) for b, z in noise_of(s).items()]
         return events[0] if len(events) == 1 else events
-    return tuning.calibrate(event_of, base.epsilon, base.delta, tc.trials, tc.shape, score_std), event_of
+    return tuning.calibrate(event_of, base.epsilon, base.delta, tc.trials, tc.shape, score_std), event_of, noise_of

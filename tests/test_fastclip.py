@@ -9,7 +9,7 @@ from torch.nn import functional as F
 
 from clipbias.config import AlgoConfig
 from clipbias.engine.core import DPEngine
-from clipbias.errors import ClipbiasError, ConfigError, NonFiniteGradientError
+from clipbias.errors import ClipbiasError, ConfigError, NonFiniteGradientError, PathRefusal
 
 
 class Net(nn.Module):
@@ -336,13 +336,14 @@ def test_fast_path_names_layers_it_cannot_handle(layer, why):
 def test_dropout_model_is_checked_alone_under_its_keyed_masks(monkeypatch):
     """Under dropout, in the engine's step, the probed example is run alone (a batch of one) under the
     keyed masks it draws in the batch, and its attribution equals that gradient: no counterfactual batch
-    of copies (a whole second forward and backward). Where the two differ (here: forced), the batch of
-    copies decides, as before: no false refusal. torch's generator is not drawn from."""
+    of copies (a whole second forward and backward). Where the two differ in float32 (here: forced), the
+    float64 recheck of both decides: no false refusal. torch's generator is not drawn from."""
     import clipbias.grads.fast as fc
     calls = []
-    alone, copies = fc.BookKeeping._alone, fc.BookKeeping._counterfactual
-    monkeypatch.setattr(fc.BookKeeping, "_alone", lambda *a: calls.append("alone") or alone(*a))
+    alone, copies, wide = fc.BookKeeping._alone, fc.BookKeeping._counterfactual, fc.BookKeeping._alone_in_float64
+    monkeypatch.setattr(fc.BookKeeping, "_alone", lambda *a, **k: calls.append("alone") or alone(*a, **k))
     monkeypatch.setattr(fc.BookKeeping, "_counterfactual", lambda *a: calls.append("copies") or copies(*a))
+    monkeypatch.setattr(fc.BookKeeping, "_alone_in_float64", lambda *a: calls.append("float64") or wide(*a))
     torch.manual_seed(0)
     m = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Dropout(0.5), nn.Linear(32, 3))
     eng = DPEngine(m, "dpsgd", n=40, batch_size=10, steps=2, noise_multiplier=1.0, grad_path="fast")
@@ -352,9 +353,37 @@ def test_dropout_model_is_checked_alone_under_its_keyed_masks(monkeypatch):
     after = torch.rand(1)
     torch.manual_seed(5)
     assert eng.steps_taken == 1 and calls == ["alone"] and torch.equal(after, torch.rand(1))
-    monkeypatch.setattr(fc.BookKeeping, "_alone", lambda *a: calls.append("alone") or [2 * g for g in alone(*a)])
+    monkeypatch.setattr(fc.BookKeeping, "_alone", lambda *a, **k: calls.append("alone") or (
+        alone(*a, **k) if "call" in k else [2 * g for g in alone(*a, **k)]))  # float32 only: forced apart
     eng.step(x[8:16], y[8:16], torch.arange(8, 16))
-    assert eng.steps_taken == 2 and calls == ["alone", "alone", "copies"]
+    assert eng.steps_taken == 2 and calls == ["alone", "alone", "float64", "alone"]
+
+
+class _RowsByBatch(nn.Module):
+    """Red team: every row gets ``(-1)^b v`` (b the batch's size) or ``(r - (b - 1) / 2) v`` (r its position), one
+    example's presence moving every other row. A batch of copies keeps b and the positions, so the
+    counterfactual check let it through (7.7 C, certified); alone, the row differs."""
+
+    def __init__(self, by: str) -> None:
+        super().__init__()
+        self.by, self.lin, self.drop = by, nn.Linear(64, 3), nn.Dropout(0.3)
+        self.register_buffer("v", torch.tensor([5.0, 0.0, -5.0]))  # not a constant shift of the logits
+
+    def forward(self, x):
+        h = self.lin(self.drop(x.flatten(1)))
+        b = h.shape[0]
+        shift = (-1.0) ** b if self.by == "size" else (torch.arange(b, dtype=h.dtype) - (b - 1) / 2).unsqueeze(1)
+        return h + shift * self.v
+
+
+@pytest.mark.parametrize("by", ["size", "position"])
+def test_dropout_rows_that_depend_on_the_batch_size_or_position_are_refused(by):
+    torch.manual_seed(0)
+    eng = DPEngine(_RowsByBatch(by), "dpsgd", n=40, batch_size=10, steps=2, noise_multiplier=1.0, grad_path="fast")
+    x, y = _data()
+    with pytest.raises(PathRefusal, match="run alone under its own dropout masks"):
+        eng.step(x[:8], y[:8], torch.arange(8))
+    assert eng.steps_taken == 0
 
 
 def test_a_dropout_models_gradient_alone_is_its_row_in_the_batch():
@@ -470,7 +499,7 @@ def _inplace():
 
 @pytest.mark.parametrize("make,match", [
     (_Mixup, "each run alone.*lets examples see each other"),
-    (lambda: _Mixup(dropout=0.3), "copies of itself.*lets examples see each other"),
+    (lambda: _Mixup(dropout=0.3), "run alone under its own dropout masks.*lets examples see each other"),
     (_RunningMean, r"updates buffer\(s\) \['mu'\]"),
     (lambda: nn.Sequential(nn.Flatten(), nn.BatchNorm1d(64, affine=False, track_running_stats=False).eval(),
                            nn.Linear(64, 3)), "mixes examples"),

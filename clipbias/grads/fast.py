@@ -61,9 +61,9 @@ attributed gradients must equal their own: when the forward is deterministic, ``
 each run alone (a batch of one; all in one vectorised forward and one backward), and a secret random
 combination of their attributed gradients, each scaled to unit norm, must equal the same combination
 of their own gradients; when it draws random numbers (dropout), one example run alone (a batch of
-one) under the masks it draws in the batch (keyed per example, in the engine's step), or, where that
-differs beyond rounding or outside the engine's step, recomputed in a batch of copies of itself under
-the same draws. A model
+one) under the masks it draws in the batch (keyed per example, in the engine's step; rechecked in
+float64 where float32 rounding parts them), or, outside the engine's step, recomputed in a batch of
+copies of itself under the same draws. A model
 whose rows see other examples' data (batch statistics, mixup, cross-example attention) fails these;
 a mixing confined to a few examples is caught with probability (examples probed) x (examples
 affected) / b per step. Where the model's structure proves that no module mixes examples

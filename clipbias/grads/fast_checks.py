@@ -105,13 +105,13 @@ class RuntimeChecks:
         through the model alone (``_own``), and one secret random combination of their gradients is
         compared (``_probe_weights``). A forward that draws random numbers
         (dropout; ``rng`` is the state before it): one secret random example. In the engine's step (masks
-        keyed per example) it is first run alone, a batch of one under its own masks (``_alone``: 1/b of
-        the step's forward and backward), and its attribution must equal that gradient, its own by
-        definition; only where they differ beyond rounding (float32 kernels round a batch of one and a
-        batch of b apart), or outside the engine's step (torch's generator), its attribution is recomputed
-        in a counterfactual batch where every other row is a copy of it, with the same random draws (a
-        second forward and backward of the whole batch), and must equal that. A model whose rows see
-        other examples' data (batch
+        keyed per example) it is run alone, a batch of one under its own masks (``_alone``: 1/b of the
+        step's forward and backward), and its attribution must equal that gradient, its own by definition,
+        in float32 or else in float64 (``_alone_in_float64``: float32 kernels round a batch of one and a
+        batch of b apart). A row that depends on the batch's size or on its position in it differs alone.
+        Outside the engine's step (torch's generator, which draws by batch position) its attribution is
+        recomputed in a counterfactual batch where every other row is a copy of it, with the same random
+        draws, and must equal that. A model whose rows see other examples' data (batch
         statistics, mixup, cross-example attention, a sequence-first layout) changes the probes'
         gradients. A mixing confined to a few examples is caught with probability (examples probed)
         x (examples affected) / b per step (docs/results.md)."""
@@ -119,9 +119,11 @@ class RuntimeChecks:
         if rng is not None:
             i = self._check_rng.randrange(b)
             mine = self._ordered([r.one(i) for r in rules])
-            if forward.active() is not None and _close(mine, self._alone(x, y, i), params, 1e-4):
+            if forward.active() is not None:  # the engine's step: masks keyed per example, the same alone
+                if not (_close(mine, self._alone(x, y, i), params, 1e-4) or self._alone_in_float64(x, y, i, mine)):
+                    raise PathRefusal("fast", _MIXING.format(i=i, alone="run alone under its own dropout masks"))
                 return
-            if not _close(mine, self._counterfactual(x, y, i, rng), params, 1e-4):
+            if not _close(mine, self._counterfactual(x, y, i, rng), params, 1e-4):  # torch's generator: copies
                 raise PathRefusal("fast", _MIXING.format(i=i, alone="among copies of itself"))
             return
         probes = self._check_rng.sample(range(b), min(PROBES, b))
@@ -211,14 +213,45 @@ class RuntimeChecks:
             [t.to(a.dtype) for t, a in zip(attributed32, attributed)], attributed, leaves,
             MIXED_RTOL if precision.active_mixed() is not None else 5e-2)
 
-    def _alone(self, x: Batch, y: Batch, i: int) -> list[Tensor]:
+    def _alone(self, x: Batch, y: Batch, i: int, call: Callable | None = None) -> list[Tensor]:
         """Example i's gradient with the example alone, a batch of one, under the keyed masks it draws in the
         step (``forward.only``: the masks are functions of the key, the step, the call and the example's
-        index, laid out by the per-example shape, so the same as its row's in the batch)."""
+        index, laid out by the per-example shape, so the same as its row's in the batch). A model that
+        cannot run one example alone is refused (under ``grad_path="auto"`` the rows path takes it)."""
         xi, yi = (batch.take(v, slice(i, i + 1)) for v in (x, y))
-        with forward.only(i):
-            _, acts, grads = self._backward(xi, yi)
+        try:
+            with forward.only(i):
+                _, acts, grads = self._backward(xi, yi, call=call, check_graph=call is None)
+        except PathRefusal:
+            raise
+        except Exception as err:  # the model's own error on a batch of one (e.g. an output squeezed to a scalar)
+            raise PathRefusal("fast", f"`grad_path='fast'`: the model cannot compute one example alone (a batch of "
+                              f"one), which the fast path's check of each step needs: {type(err).__name__}: "
+                              f"{err}. Use `grad_path='rows'`") from err
         return self._ordered([r.one(0) for r in self._rules_at(acts, grads)])
+
+    def _alone_in_float64(self, x: Batch, y: Batch, i: int, attributed32: list[Tensor]) -> bool:
+        """Under dropout in the engine's step: example i's attribution in the batch and its gradient alone,
+        both recomputed in float64 under the same keyed masks, agree to 1e-4, and the float32 attribution
+        lies within 5e-2 of the float64 one (``MIXED_RTOL`` under autocast), as ``_agree_in_float64`` decides
+        for a deterministic forward. A row that depends on the batch's size or on its position in the batch
+        differs alone in float64 as in float32: refused. False when the model cannot run in float64."""
+        wide = {n: t.detach().double() if t.is_floating_point() else t
+                for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]}
+        leaves = [wide[n].requires_grad_() for n in self.layout.names]
+
+        def call(*args, **kwargs):
+            return torch.func.functional_call(self.model, wide, args, kwargs)
+        xw = batch.tree_map(lambda t: t.double() if t.is_floating_point() else t, x)
+        try:
+            _, acts, grads = self._backward(xw, y, call=call, check_graph=False)
+            attributed = self._ordered([r.one(i) for r in self._rules_at(acts, grads)])
+            alone = self._alone(xw, y, i, call=call)
+        except (RuntimeError, ConfigError):  # an op without float64 support, a dtype clash inside the model
+            return False
+        return _close(attributed, alone, leaves, 1e-4) and _close(
+            [t.to(a.dtype) for t, a in zip(attributed32, attributed)], attributed, leaves,
+            MIXED_RTOL if precision.active_mixed() is not None else 5e-2)
 
     def _counterfactual(self, x: Batch, y: Batch, i: int, rng: tuple) -> list[Tensor]:
         """Example i's attributed gradient in the batch whose every row is example i, under the

@@ -1,5 +1,5 @@
 """Every algorithm at hyperparameters selected with the same budget: ScatterNet + linear on
-Fashion-MNIST at epsilon 3 (delta 1e-5, Poisson, PLD), momentum 0.9, two protocols:
+Fashion-MNIST at epsilon 3 (``--epsilon``; delta 1e-5, Poisson, PLD), momentum 0.9, two protocols:
 
 * ``--protocol compare``: `clipbias compare`'s, 3 epochs of expected batch size 2048 (87 steps);
 * ``--protocol long``: Tramer & Boneh's, 40 epochs of expected batch size 8192 (280 steps).
@@ -87,8 +87,10 @@ def main() -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--select-only", action="store_true", help="stop after the validation grid (no test runs)")
+    ap.add_argument("--epsilon", type=float, default=3.0, help="every run's certified epsilon (default 3)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
+    COMMON[COMMON.index("--epsilon") + 1] = f"{a.epsilon:g}"
     proto, ema, steps = PROTOCOLS[a.protocol]
     steps = a.steps or steps
     points = [(algo, lr, c) for algo in a.algos for lr, c in grid(algo, steps, a.clips)]

@@ -7,6 +7,7 @@ import importlib.util
 import pathlib
 import warnings
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -232,3 +233,31 @@ def test_dynamic_padding_does_not_move_an_examples_dropout_masks():
     assert float((got["rows"] - got["fast"]).norm(dim=1).max()) <= 1e-4 * float(got["rows"].norm(dim=1).max())
     clipped = _load("dropout_padding").main("fast")
     assert clipped[0.1] < 1e-4 and clipped["split"] < 1e-4
+
+
+def test_left_padding_under_dropout_is_refused_and_right_padding_taken():
+    """Keyed dropout masks are laid out by token position: left padding would shift an example's masks with
+    the batch's longest example (another example's presence moving its randomness). A left-padded
+    attention mask is refused, before anything changes, while the model draws dropout; right padding, and
+    left padding without dropout, are taken."""
+    from clipbias.data.text import sequence_loss
+    from clipbias.engine import DPEngine
+    bench = _load("dropout_padding")
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 100, (4, 12), generator=g)
+    x, y = bench.batch(tokens, [12, 9, 10, 8], 12)
+    left = {k: torch.stack([torch.roll(r, int((x["attention_mask"][i] == 0).sum())) for i, r in enumerate(v)])
+            for k, v in x.items()}
+    assert int(left["attention_mask"][1, 0]) == 0 and int(left["attention_mask"][1, -1]) == 1
+    for p, batch_x, refused in ((0.1, left, True), (0.1, x, False), (0.0, left, False)):
+        model = bench.gpt2(p)
+        before = [t.detach().clone() for t in model.parameters()]
+        eng = DPEngine(model, "dpsgd", n=40, batch_size=4, steps=2, noise_multiplier=1.0, loss_fn=sequence_loss,
+                       grad_path="fast")
+        if refused:
+            with pytest.raises(ConfigError, match="pads an example on the left"):
+                eng.step(batch_x, y, torch.arange(4))
+            assert eng.steps_taken == 0 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        else:
+            eng.step(batch_x, y, torch.arange(4))
+            assert eng.steps_taken == 1

@@ -225,3 +225,19 @@ def test_a_pre_refutation_dicesgd_checkpoint_is_migrated_to_the_refuted_paper_bo
     assert current["config"]["dice_accounting"] == "certified"  # the version decides, not the keys
     with pytest.raises(ResumeMismatchError, match="newer clipbias"):
         migrate.migrate_checkpoint(dict(old, format=migrate.CHECKPOINT_FORMAT + 1))
+
+
+def test_a_run_from_before_the_secret_key_is_no_longer_certified_on_export(tmp_path):
+    """A run checkpoint whose engine state has no secret key drew its batches and noise from torch generators
+    with 32-bit seeds: its records (and so its export) said certified; migrated, they say not, with why.
+    A run with the secret key keeps its statement."""
+    old = {"format": 1, "model": {"w": torch.zeros(2)}, "engine": {"sampler": {}, "pipeline": {}},
+           "torch_rng": torch.get_rng_state(), "input_shape": [2], "num_classes": 2, "epoch": 1,
+           "config": {"algo": "dpsgd", "model": "logreg", "data": "digits", "delta": 1e-5},
+           "history": [{"certified": True, "epsilon": 3.0, "basis": "PLD", "steps": 10}]}
+    torch.save(old, tmp_path / CHECKPOINT)
+    from clipbias.run.checkpoint import export_weights
+    meta = export_weights(tmp_path, tmp_path / "weights.pt")
+    assert meta["certified"] is False and meta["caveats"] == [migrate.TORCH_GENERATOR_CAVEAT]
+    keyed = migrate.migrate_checkpoint(dict(old, engine={"secret_key": {}, "sampler": {}, "pipeline": {}}))
+    assert keyed["history"][0]["certified"] is True and keyed["history"][0]["caveats"] == []

@@ -193,8 +193,28 @@ def taylor_run(ckpt: dict) -> None:
     ckpt["config"].setdefault("bands_strategy", "taylor")
 
 
+TORCH_GENERATOR_CAVEAT = ("the run's batches and noise came from torch generators with 32-bit seeds, which can be "
+                          "recovered from the released model: no privacy guarantee holds (a clipbias version before "
+                          "the secret key)")
+
+
+def seeded_runs_uncertified(ckpt: dict) -> None:
+    """7 -> 8: a run whose engine state has no ``secret_key`` drew its batches and noise from torch generators
+    with 32-bit seeds (before the secret key, issue 24), which can be recovered from the released model, so
+    none of its statements holds: every record says ``certified: false`` with that caveat. Its version said
+    certified, and an export of it released that claim; the engine already refuses to resume it
+    (``refuse_torch_generators``)."""
+    engine = ckpt.get("engine")
+    if not (isinstance(engine, dict) and engine and "secret_key" not in engine):
+        return
+    for rec in ckpt["history"]:
+        if rec.get("certified"):
+            rec.update(certified=False, caveats=[*rec["caveats"], TORCH_GENERATOR_CAVEAT])
+
+
 CHECKPOINT_STEPS: tuple[Callable[[dict], None], ...] = (dice_accounting_renamed, per_rank_states, record_caveats,
-                                                        no_weight_average, one_band_run, taylor_run)
+                                                        no_weight_average, one_band_run, taylor_run,
+                                                        seeded_runs_uncertified)
 CHECKPOINT_FORMAT = 1 + len(CHECKPOINT_STEPS)
 """The format of the checkpoint.pt a run writes (its first format was 1)."""
 

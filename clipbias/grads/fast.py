@@ -93,6 +93,7 @@ from . import rms, separable, vit
 from .conv_rows import conv_weight_rows, input_rows
 from .fast_checks import MIN_PROBE_NORM, MIXED_RTOL, PROBES, RuntimeChecks, _trainable  # noqa: F401  (the API's names)
 from .fast_losses import PerExampleLosses
+from .formed import FormedRows
 from .rows import LossFn, ParamLayout, check_model, cross_entropy
 
 _INSTANCE = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
@@ -394,7 +395,7 @@ class _Matrix:
         return w * self.w + ((self.g.sum(1) * o.g.sum(1)).sum(1) if self.bias else 0)
 
 
-class _Affine:
+class _Affine(FormedRows):
     """GroupNorm/LayerNorm/InstanceNorm/RMSNorm/PReLU: the per-example gradients of the affine weight and
     bias are small (one value per channel or normalised feature): computed directly from the
     normalised input (an InstanceNorm's from the statistics its forward uses: the example's own in
@@ -430,21 +431,7 @@ class _Affine:
             parts.append(((xhat * g).sum(dims) if dims else xhat * g).reshape(b, -1))
         if bias:
             parts.append((g.sum(dims) if dims else g).reshape(b, -1))
-        self.rows = parts
-        self.sq = sum(sq_norms(r) for r in parts)
-        self.terms = sum(r.shape[1] for r in parts) + 1
-
-    def sums(self, S: Tensor) -> list[Tensor]:
-        return [S.to(r.dtype) @ r for r in self.rows]
-
-    def one(self, i: int) -> list[Tensor]:
-        return [r[i] for r in self.rows]
-
-    def combo(self, idx: list[int], w: list[float]) -> list[Tensor]:
-        return [torch.tensor(w, dtype=r.dtype, device=r.device) @ r[idx] for r in self.rows]
-
-    def cross(self, o: "_Affine") -> Tensor:
-        return sum((r * s).sum(1) for r, s in zip(self.rows, o.rows))
+        self.form(parts)
 
 
 class _Embed:

@@ -194,13 +194,7 @@ class RuntimeChecks:
         float32 only, as far as 5e-2 of the gradient; below that such a model, written to evade the
         check, passes (docs/results.md); under autocast the 16-bit attribution is compared at
         ``MIXED_RTOL``. False when the model cannot run in float64 (the float32 mismatch then stands)."""
-        wide = {n: t.detach().double() if t.is_floating_point() else t
-                for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]}
-        leaves = [wide[n].requires_grad_() for n in self.layout.names]
-
-        def call(*args, **kwargs):
-            return torch.func.functional_call(self.model, wide, args, kwargs)
-        xw = batch.tree_map(lambda t: t.double() if t.is_floating_point() else t, x)
+        call, leaves, xw = self._widened(x)
         try:
             _, acts, grads = self._backward(xw, y, call=call, check_graph=False)
             rules = self._rules_at(acts, grads)
@@ -212,6 +206,18 @@ class RuntimeChecks:
         return _close(attributed, together, leaves, 1e-4, scale) and _close(
             [t.to(a.dtype) for t, a in zip(attributed32, attributed)], attributed, leaves,
             MIXED_RTOL if precision.active_mixed() is not None else 5e-2)
+
+    def _widened(self, x: Batch) -> tuple[Callable, list[Tensor], Batch]:
+        """The model's float64 twin for a recheck: a call running the model on its parameters and buffers
+        widened to float64 (the model itself unchanged), those parameters as gradient leaves in layout
+        order, and ``x`` with its floating tensors widened."""
+        wide = {n: t.detach().double() if t.is_floating_point() else t
+                for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]}
+        leaves = [wide[n].requires_grad_() for n in self.layout.names]
+
+        def call(*args, **kwargs):
+            return torch.func.functional_call(self.model, wide, args, kwargs)
+        return call, leaves, batch.tree_map(lambda t: t.double() if t.is_floating_point() else t, x)
 
     def _alone(self, x: Batch, y: Batch, i: int, call: Callable | None = None) -> list[Tensor]:
         """Example i's gradient with the example alone, a batch of one, under the keyed masks it draws in the
@@ -236,13 +242,7 @@ class RuntimeChecks:
         lies within 5e-2 of the float64 one (``MIXED_RTOL`` under autocast), as ``_agree_in_float64`` decides
         for a deterministic forward. A row that depends on the batch's size or on its position in the batch
         differs alone in float64 as in float32: refused. False when the model cannot run in float64."""
-        wide = {n: t.detach().double() if t.is_floating_point() else t
-                for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]}
-        leaves = [wide[n].requires_grad_() for n in self.layout.names]
-
-        def call(*args, **kwargs):
-            return torch.func.functional_call(self.model, wide, args, kwargs)
-        xw = batch.tree_map(lambda t: t.double() if t.is_floating_point() else t, x)
+        call, leaves, xw = self._widened(x)
         try:
             _, acts, grads = self._backward(xw, y, call=call, check_graph=False)
             attributed = self._ordered([r.one(i) for r in self._rules_at(acts, grads)])

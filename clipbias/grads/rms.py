@@ -66,13 +66,19 @@ def same_code(f: object, reviewed=_reviewed_forward) -> bool:
             and getattr(f, "__globals__", {}).get("torch") is torch)
 
 
-def hf_class(m: nn.Module) -> bool:
-    """``m``'s class is one of ``REVIEWED`` (the class its module defines), whatever its forward."""
+def reviewed_class(m: nn.Module, reviewed) -> bool:
+    """``m``'s class is one of ``reviewed`` ((module, qualified name) pairs), the class its module defines
+    (not a subclass, not a class of the same name elsewhere), whatever its forward."""
     t = type(m)
-    if (t.__module__, t.__qualname__) not in REVIEWED:
+    if (t.__module__, t.__qualname__) not in reviewed:
         return False
     home = sys.modules.get(t.__module__)
     return home is not None and getattr(home, t.__qualname__, None) is t
+
+
+def hf_class(m: nn.Module) -> bool:
+    """``m``'s class is one of ``REVIEWED`` (the class its module defines), whatever its forward."""
+    return reviewed_class(m, REVIEWED)
 
 
 def why_not_hf(m: nn.Module) -> str | None:

@@ -25,14 +25,12 @@ that each parameter enters the graph once, there. A refusal is a ``PathRefusal``
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import Tensor, nn
 
 from ..errors import PathRefusal
 from . import rms
-from .precision import sq_norms
+from .formed import FormedRows
 
 REVIEWED = frozenset({("transformers.models.vit.modeling_vit", "ViTEmbeddings")})
 """transformers' ViT embeddings class whose ``forward`` was reviewed (transformers 5.x): (module, class name)."""
@@ -78,11 +76,7 @@ def _reviewed_forward(
 
 def hf_class(m: nn.Module) -> bool:
     """``m``'s class is one of ``REVIEWED`` (the class its module defines), whatever its forward."""
-    t = type(m)
-    if (t.__module__, t.__qualname__) not in REVIEWED:
-        return False
-    home = sys.modules.get(t.__module__)
-    return home is not None and getattr(home, t.__qualname__, None) is t
+    return rms.reviewed_class(m, REVIEWED)
 
 
 def trainable(m: nn.Module) -> list[nn.Parameter]:
@@ -186,25 +180,11 @@ def hooks(m: nn.Module, record) -> list:
             m.dropout.register_forward_pre_hook(before_dropout)]
 
 
-class Tokens:
+class Tokens(FormedRows):
     """The rule: from ``g = dL/dt`` (``[b, P, d]``), example i's class-token gradient ``g_i[0]`` and
     position-embedding gradient ``g_i``, formed (module doc)."""
 
     def __init__(self, m: nn.Module, g: Tensor) -> None:
         b = g.shape[0]
         cls, pos = (isinstance(p, Tensor) and p.requires_grad for p in (m.cls_token, m.position_embeddings))
-        self.rows = ([g[:, 0]] if cls else []) + ([g.reshape(b, -1)] if pos else [])
-        self.sq = sum(sq_norms(r) for r in self.rows)
-        self.terms = sum(r.shape[1] for r in self.rows) + 1
-
-    def sums(self, S: Tensor) -> list[Tensor]:
-        return [S.to(r.dtype) @ r for r in self.rows]
-
-    def one(self, i: int) -> list[Tensor]:
-        return [r[i] for r in self.rows]
-
-    def combo(self, idx: list[int], w: list[float]) -> list[Tensor]:
-        return [torch.tensor(w, dtype=r.dtype, device=r.device) @ r[idx] for r in self.rows]
-
-    def cross(self, o: "Tokens") -> Tensor:
-        return sum((r * s).sum(1) for r, s in zip(self.rows, o.rows))
+        self.form(([g[:, 0]] if cls else []) + ([g.reshape(b, -1)] if pos else []))

@@ -184,6 +184,30 @@ def test_the_fast_uint64_conversion_and_complement_path_equal_box_muller_of_nump
     assert torch.equal(_normals_of(np.stack([h, l, a]), torch.device("cpu")), want)
 
 
+def test_reading_l_only_where_h_is_below_2_to_the_54_gives_the_bits_of_the_whole_expression():
+    """``_box_muller`` reads L only where H < 2^54: everywhere the same normals as the expression
+    ``(H + (L + 1/2) 2^-64) 2^-64`` evaluated for every pair (written out here), at H just below and
+    above 2^53 and 2^54 with L's largest values (where the added term is 1, a tie at ulp 2) and at
+    random."""
+    import math as m
+    from clipbias.randomness.draws import _T64, box_muller
+    g = np.random.default_rng(5)  # test inputs
+    n = 6000
+    h, l, a = (g.integers(0, 2 ** 64, n, dtype=np.uint64) for _ in range(3))
+    for i, base in enumerate((2 ** 53, 2 ** 54, 2 ** 55)):
+        h[1000 * i:1000 * i + 500] = np.uint64(base) - g.integers(0, 2 ** 12, 500, dtype=np.uint64)
+        h[1000 * i + 500:1000 * i + 1000] = np.uint64(base) + g.integers(0, 2 ** 12, 500, dtype=np.uint64)
+    l[::2] = np.uint64(2 ** 64 - 1) - g.integers(0, 2 ** 11, (n + 1) // 2, dtype=np.uint64)  # L + 1/2 -> 2^64
+    w = [torch.from_numpy(x.astype(np.float64)) for x in (h, l, a, ~h, ~l)]
+    u = (w[0] + (w[1] + 0.5) * _T64) * _T64
+    near = u > 1.0 - 2.0 ** -20
+    lg = torch.log(u)
+    lg[near] = torch.log1p(-((w[3][near] + (w[4][near] + 0.5) * _T64) * _T64))
+    r, th = torch.sqrt(-2.0 * lg), (w[2] + 0.5) * (2.0 * m.pi * _T64)
+    want = torch.stack([r * torch.cos(th), r * torch.sin(th)], 1).reshape(-1)
+    assert int((w[0] < 2.0 ** 54).sum()) > 1000 and torch.equal(box_muller(w), want)
+
+
 # ------------------------------------------------------------------ the release
 def test_snap_rounds_the_exact_sum_onto_the_grid():
     """round_g(x + s) of the exact real sum (computed here in rationals), ties included."""

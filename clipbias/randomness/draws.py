@@ -139,13 +139,16 @@ def _normals_of(runs: np.ndarray, device: torch.device) -> Tensor:
     in C order) on ``device``. The complements ~H, ~L are converted only where ``box_muller`` reads
     them (about one pair in a million)."""
     h, l, a = (runs[i].reshape(-1) for i in range(3))
-    f = [torch.from_numpy(_float64(v)).to(device) for v in (h, l, a)]
+
+    def low(at: Tensor) -> Tensor:
+        return torch.from_numpy(_float64(l[at.cpu().numpy()])).to(device)
 
     def complements(near_one: Tensor) -> tuple[Tensor, Tensor]:
         at = near_one.nonzero().squeeze(1).cpu().numpy()
         return tuple(torch.from_numpy(np.invert(v[at]).astype(np.float64)).to(device) for v in (h, l))
 
-    return _box_muller(*f, complements)
+    return _box_muller(torch.from_numpy(_float64(h)).to(device), low, torch.from_numpy(_float64(a)).to(device),
+                       complements)
 
 
 def _float64(v: np.ndarray) -> np.ndarray:
@@ -198,12 +201,21 @@ def box_muller(w) -> Tensor:
     radius: sqrt(-2 ln u) is accurate to a few ulp everywhere, near 0 as in the tails (u down to
     2^-129: 13.37); theta = 2 pi (A + 1/2) / 2^64."""
     h, l, a, hc, lc = w
-    return _box_muller(h, l, a, lambda near_one: (hc[near_one], lc[near_one]))
+    return _box_muller(h, lambda at: l[at], a, lambda near_one: (hc[near_one], lc[near_one]))
 
 
-def _box_muller(h: Tensor, l: Tensor, a: Tensor, complements) -> Tensor:
-    """``box_muller`` with ~H, ~L asked for only where u > 1 - 2^-20: ``complements(mask)``."""
-    u = (h + (l + 0.5) * _T64) * _T64
+def _box_muller(h: Tensor, low, a: Tensor, complements) -> Tensor:
+    """``box_muller`` with L asked for only where H < 2^54 (``low(indices)``, about one pair in a
+    thousand) and ~H, ~L only where u > 1 - 2^-20 (``complements(mask)``).
+
+    Why L is read only there: u is the float64 value of ``(H + (L + 1/2) 2^-64) 2^-64``, in which the
+    added term lies in (0, 1]. Where H's float64 is at least 2^54 its ulp is at least 4, so adding at
+    most 1 rounds back to it exactly, and u = H 2^-64 (a power-of-two scaling, exact): the same bits as the whole
+    expression, which is still evaluated as written wherever H < 2^54."""
+    u = h * _T64
+    few = (h < 2.0 ** 54).nonzero().squeeze(1)
+    if len(few):
+        u[few] = (h[few] + (low(few) + 0.5) * _T64) * _T64
     lg = torch.log(u)
     near_one = u > 1.0 - 2.0 ** -20
     if bool(near_one.any()):  # about one pair in a million

@@ -41,14 +41,14 @@ def snap(x: Tensor, s: Tensor, g: float) -> Tensor:
     correction runs only when one occurs). Exact while ulp(x + s) <= g, i.e. |x + s| < 2^52 g (about
     2^44 std): beyond, t itself is a grid point within ulp/2 of the exact sum."""
     t = x + s
-    k = torch.round(t * (1.0 / g))
-    r = t - k * g
-    ties = r.abs() == g / 2
-    if bool(ties.any()):
+    k = t.mul(1.0 / g).round_()
+    r = torch.add(t, k, alpha=-g)  # t - k g: k g is exact (g a power of two), so one rounding either way
+    if bool((r.abs() == g / 2).any()):
+        ties = r.abs() == g / 2
         bp = t - x
         err = (x - (t - bp)) + (s - bp)
         k = k + (ties & (r > 0) & (err > 0)).to(k.dtype) - (ties & (r < 0) & (err < 0)).to(k.dtype)
-    return k * g
+    return k.mul_(g)
 
 
 def snapped_gaussian(x: Tensor, std: float, key: SecretKey, draw: int, purpose: int = Purpose.NOISE,
@@ -60,5 +60,5 @@ def snapped_gaussian(x: Tensor, std: float, key: SecretKey, draw: int, purpose: 
     out = torch.empty(flat.shape, dtype=dtype, device=x.device)
     for start, z in normal_chunks(key, purpose, draw, 0, flat.numel(), x.device):
         piece = slice(start, start + len(z))
-        out[piece] = snap(flat[piece].to(torch.float64), std * z, g)
+        out[piece] = snap(flat[piece].to(torch.float64), z.mul_(std), g)
     return out.view(x.shape)

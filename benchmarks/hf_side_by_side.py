@@ -22,10 +22,13 @@ example; the non-private arm and Opacus (``loss_reduction="mean"``) average it o
 ``position_ids`` (``[B, T]``, GPT-2 and BERT) and ``token_type_ids`` (BERT) are passed in every arm: Opacus's
 per-sample hooks need an embedding input with the batch dimension.
 
-One warm-up step, then ``--steps`` timed steps (median and min reported)::
+``--batch-size`` sets B for every arm (default 8; one physical batch of B in every arm, clipbias's
+``max_physical_batch`` included). One warm-up step, then ``--steps`` timed steps (median and min reported)::
 
     PYTHONPATH=.:/tmp/opacus_site python benchmarks/hf_side_by_side.py --models gpt2 bert vit --steps 2 \\
         --out benchmarks/results/side_by_side_opacus/hf_side_by_side_gpt2_bert_vit.json
+    PYTHONPATH=.:/tmp/opacus_site python benchmarks/hf_side_by_side.py --models bert --batch-size 32 \
+        --arms nonprivate clipbias opacus-ghost --steps 3
 """
 
 from __future__ import annotations
@@ -146,15 +149,18 @@ def arm(name: str, which: str, steps: int) -> dict:
 
 
 def main() -> None:
+    global B
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", choices=["gpt2", "bert", "vit"], default=["gpt2", "bert", "vit"])
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8, help="examples per step in every arm (default 8)")
     p.add_argument("--arm", nargs=3, metavar=("MODEL", "WHICH", "STEPS"), help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
+    B = a.batch_size
     if a.arm:
         print(json.dumps(arm(a.arm[0], a.arm[1], int(a.arm[2]))))
         return
@@ -164,8 +170,8 @@ def main() -> None:
     for name in a.models:
         for which in a.arms:
             t = time.perf_counter()
-            out = subprocess.run([sys.executable, __file__, "--threads", str(a.threads), "--arm", name, which,
-                                  str(a.steps)], capture_output=True, text=True)
+            out = subprocess.run([sys.executable, __file__, "--threads", str(a.threads), "--batch-size", str(B),
+                                  "--arm", name, which, str(a.steps)], capture_output=True, text=True)
             if out.returncode:
                 lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]
                 err = next((ln for ln in reversed(lines) if "Error" in ln.split(":")[0]), lines[-1] if lines else "?")

@@ -1,0 +1,134 @@
+"""Where a fast-path step's time goes, phase by phase, against a non-private step of the same model in the
+same process (Hugging Face models at full size, random weights, the batches of ``hf_side_by_side.py``).
+
+Each phase's function is wrapped with a wall-clock timer that counts its own time, without the time of the
+other phases it calls (a stack of timers), so the phases add up to the step:
+
+* ``forward and backward``: ``BookKeeping._backward`` (the batch's forward and one backward to the layer
+  outputs, no weight gradients) and the reference sum's parameters where it takes them;
+* ``rules: norms``: ``_rules_of`` (every layer's rule: the ghost norms' Gram matrices and rounding bounds, the
+  formed per-example gradients, the Embedding's rows);
+* ``rules: clipped sums``: every rule's ``sums`` (the ghost layers' float64 ``(s * g)^T a``);
+* ``check``: ``RuntimeChecks._check_examples`` (a secret random example run alone under its keyed dropout masks,
+  or the probes run alone without dropout; the float64 recheck where float32 parts them);
+* ``noise``: ``snapped_gaussian`` (ChaCha20 keystream, float64 Box-Muller, rounding onto the grid);
+* ``optimizer``: the base optimizer's ``step`` (AdamW);
+* ``other``: the rest of ``DPEngine.step`` (batch handling, clip factors, accounting, bookkeeping).
+
+The non-private step (forward, one backward of the batch's mean loss, AdamW) and the private step alternate on
+the same batches, ``--rounds`` times after one warm-up round of each::
+
+    PYTHONPATH=.:benchmarks python benchmarks/fast_step_breakdown.py --models bert gpt2 --rounds 3 \\
+        --out benchmarks/results/speed/fast_step_breakdown.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from collections import defaultdict
+
+import torch
+
+import hf_side_by_side as hf
+from speed import cpu_description
+
+_clock: list = []  # the timers running: [phase, start, time of the phases nested in it]
+_spent: dict = defaultdict(float)
+
+
+def timed(phase: str, fn):
+    def wrapper(*args, **kwargs):
+        _clock.append([phase, time.perf_counter(), 0.0])
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            name, start, nested = _clock.pop()
+            took = time.perf_counter() - start
+            _spent[name] += took - nested
+            if _clock:
+                _clock[-1][2] += took
+    return wrapper
+
+
+def instrument() -> None:
+    from clipbias import transforms
+    from clipbias.grads import fast, fast_checks
+    fast.BookKeeping._backward = timed("forward and backward", fast.BookKeeping._backward)
+    fast._rules_of = timed("rules: norms", fast._rules_of)
+    for cls in {c for c in vars(fast).values() if isinstance(c, type) and "sums" in vars(c)}:
+        cls.sums = timed("rules: clipped sums", cls.sums)
+    fast_checks.RuntimeChecks._check_examples = timed("check", fast_checks.RuntimeChecks._check_examples)
+    transforms.snapped_gaussian = timed("noise", transforms.snapped_gaussian)
+    torch.optim.AdamW.step = timed("optimizer", torch.optim.AdamW.step)
+
+
+def run(name: str, rounds: int) -> dict:
+    from clipbias.config import AlgoConfig
+    from clipbias.engine.core import DPEngine
+    model, make = hf.build(name)
+    model.train()
+    n = hf.B * (rounds + 1)
+    xs, ys = make(n)
+    batches = [({k: v[s * hf.B:(s + 1) * hf.B] for k, v in xs.items()}, ys[s * hf.B:(s + 1) * hf.B],
+                torch.arange(s * hf.B, (s + 1) * hf.B)) for s in range(rounds + 1)]
+    private, plain = hf.Loss(name == "gpt2", "none"), hf.Loss(name == "gpt2")
+    eng = DPEngine(model, "dpsgd", n=n, batch_size=hf.B, steps=rounds + 1, noise_multiplier=1.0,
+                   config=AlgoConfig(lr=1e-4, clip=1.0, optimizer="adamw"), loss_fn=private, max_physical_batch=hf.B,
+                   noise_seed=0, grad_path="fast")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rows = []
+    for r, (x, y, idx) in enumerate(batches):
+        t = time.perf_counter()
+        opt.zero_grad()
+        plain(model(**x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        nonprivate = time.perf_counter() - t
+        _spent.clear()
+        t = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            eng.step(x, y, idx)
+        step = time.perf_counter() - t
+        phases = dict(_spent)
+        phases["optimizer"] = phases.get("optimizer", 0.0)
+        phases["other"] = step - sum(phases.values())
+        if r:  # round 0 warms both up
+            rows.append({"nonprivate_s": nonprivate, "private_s": step, "phases_s": phases})
+    med = {k: statistics.median(row["phases_s"][k] for row in rows) for k in rows[0]["phases_s"]}
+    non, pri = (statistics.median(row[k] for row in rows) for k in ("nonprivate_s", "private_s"))
+    return {"model": name, "grad_path": eng.grad_path_note, "nonprivate_s_median": non, "private_s_median": pri,
+            "ratio": pri / non, "phases_s_median": med, "rounds": rows}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", choices=["gpt2", "bert", "vit"], default=["bert"])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    instrument()
+    out = {"cpu": cpu_description(), "threads": a.threads, "torch": torch.__version__, "batch_size": hf.B,
+           "seq_len": hf.T, "command": " ".join(sys.argv), "models": []}
+    for name in a.models:
+        res = run(name, a.rounds)
+        out["models"].append(res)
+        print(f"{name}: non-private {res['nonprivate_s_median']:.2f} s, private {res['private_s_median']:.2f} s "
+              f"({res['ratio']:.2f}x)", flush=True)
+        for k, v in sorted(res["phases_s_median"].items(), key=lambda kv: -kv[1]):
+            print(f"  {k:24s} {v:6.2f} s  {v / res['private_s_median']:5.1%}  "
+                  f"{v / res['nonprivate_s_median']:.2f}x non-private", flush=True)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -238,6 +238,11 @@ a block that stays in the cache, instead of a float64 copy of the whole input wr
 read back (the step's largest cost on ScatterNet + linear at B = 2048)."""
 
 
+def _stacked(rows: list[Tensor]) -> Tensor:
+    """``torch.stack(rows)``, without copying a single row (a GPT head's sum is 154 MB)."""
+    return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
+
+
 def ghost_norm_bound(a: Tensor, g: Tensor) -> Tensor:
     """An upper bound on ``||g_i^T a_i||^2`` per example, from the ghost norm (rows ``a [b, L, k]``,
     ``g [b, L, o]``): ``<A A^T, G G^T>`` with the Gram matrices in ``a``'s precision and their
@@ -323,7 +328,7 @@ class _Matrix:
             elif self.pe is not None:
                 out.append(S.to(dt) @ self.pe.flatten(1))
             elif self.ghost:  # float64: see the class docstring
-                out.append(torch.stack([self._wide_sum(s) for s in S]))
+                out.append(_stacked([self._wide_sum(s) for s in S]))
             else:  # L = 1: one product per example, in float64 and rounded once: in float32 a_ij s_i could
                 # round into the subnormals (up to 100 %) before meeting a huge g_i (1.96 C was released)
                 out.append(self._one_position_sums(S))
@@ -461,7 +466,7 @@ class _Embed:
     def sums(self, S: Tensor) -> list[Tensor]:
         rows = self.rows.double() if self.tied else self.rows  # tied: float64, rounded once with the head's
         S = S.to(rows.dtype)
-        return [torch.stack([self._place(self.token, rows * s[self.owner].unsqueeze(1)) for s in S])]
+        return [_stacked([self._place(self.token, rows * s[self.owner].unsqueeze(1)) for s in S])]
 
     def one(self, i: int) -> list[Tensor]:
         mine = self.owner == i

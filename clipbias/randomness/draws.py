@@ -136,8 +136,8 @@ def _stream_runs(key: SecretKey, address: bytes, chunk: int, pairs: int, out: np
 
 def _normals_of(runs: np.ndarray, device: torch.device) -> Tensor:
     """Box-Muller of the pairs of ``runs`` (``[3, ...]`` uint64: H, L, A, any trailing shape, flattened
-    in C order) on ``device``. The complements ~H, ~L are converted only where ``box_muller`` reads
-    them (about one pair in a million)."""
+    in C order) on ``device``. L is converted only where H < 2^54 (about one pair in a thousand) and the
+    complements ~H, ~L only where ``box_muller`` reads them (about one pair in a million): ``_box_muller``."""
     h, l, a = (runs[i].reshape(-1) for i in range(3))
 
     def low(at: Tensor) -> Tensor:

@@ -72,18 +72,11 @@ def instrument() -> None:
 
 
 def run(name: str, rounds: int) -> dict:
-    from clipbias.config import AlgoConfig
-    from clipbias.engine.core import DPEngine
     model, make = hf.build(name)
     model.train()
-    n = hf.B * (rounds + 1)
-    xs, ys = make(n)
-    batches = [({k: v[s * hf.B:(s + 1) * hf.B] for k, v in xs.items()}, ys[s * hf.B:(s + 1) * hf.B],
-                torch.arange(s * hf.B, (s + 1) * hf.B)) for s in range(rounds + 1)]
-    private, plain = hf.Loss(name == "gpt2", "none"), hf.Loss(name == "gpt2")
-    eng = DPEngine(model, "dpsgd", n=n, batch_size=hf.B, steps=rounds + 1, noise_multiplier=1.0,
-                   config=AlgoConfig(lr=1e-4, clip=1.0, optimizer="adamw"), loss_fn=private, max_physical_batch=hf.B,
-                   noise_seed=0, grad_path="fast")
+    batches = hf.fixed_batches(make, rounds + 1)
+    plain = hf.Loss(name == "gpt2")
+    eng = hf.engine(model, name, rounds + 1, "fast")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rows = []
     for r, (x, y, idx) in enumerate(batches):

@@ -93,22 +93,31 @@ class Loss(nn.Module):
         return per if self.reduction == "none" else per.mean() if self.reduction == "mean" else per.sum()
 
 
+def fixed_batches(make, count: int) -> list:
+    """``count`` fixed batches ``(x, y, indices)`` of B examples of one seeded random data set."""
+    xs, ys = make(B * count)
+    return [({k: v[s * B:(s + 1) * B] for k, v in xs.items()}, ys[s * B:(s + 1) * B],
+             torch.arange(s * B, (s + 1) * B)) for s in range(count)]
+
+
+def engine(model, name: str, steps: int, grad_path: str):
+    """clipbias's arm: ``DPEngine(..., "dpsgd")`` with AdamW, one physical batch of B, per-example losses."""
+    from clipbias.config import AlgoConfig
+    from clipbias.engine.core import DPEngine
+    return DPEngine(model, "dpsgd", n=B * steps, batch_size=B, steps=steps, noise_multiplier=1.0,
+                    config=AlgoConfig(lr=1e-4, clip=1.0, optimizer="adamw"), loss_fn=Loss(name == "gpt2", "none"),
+                    max_physical_batch=B, noise_seed=0, grad_path=grad_path)
+
+
 def arm(name: str, which: str, steps: int) -> dict:
     model, make = build(name)
     model.train()
     n = B * (steps + 1)
-    xs, ys = make(n)
-    batches = [({k: v[s * B:(s + 1) * B] for k, v in xs.items()}, ys[s * B:(s + 1) * B],
-                torch.arange(s * B, (s + 1) * B)) for s in range(steps + 1)]
+    batches = fixed_batches(make, steps + 1)
     crit = Loss(name == "gpt2")
     note = None
     if which.startswith("clipbias"):
-        from clipbias.config import AlgoConfig
-        from clipbias.engine.core import DPEngine
-        crit.reduction = "none"
-        eng = DPEngine(model, "dpsgd", n=n, batch_size=B, steps=steps + 1, noise_multiplier=1.0,
-                       config=AlgoConfig(lr=1e-4, clip=1.0, optimizer="adamw"), loss_fn=crit, max_physical_batch=B,
-                       noise_seed=0, grad_path="fast" if which == "clipbias-fast" else "auto")
+        eng = engine(model, name, steps + 1, "fast" if which == "clipbias-fast" else "auto")
 
         def step(x, y, idx):
             eng.step(x, y, idx)

@@ -15,6 +15,7 @@ from clipbias.config import AlgoConfig
 from clipbias.engine import DPEngine
 from clipbias.errors import ConfigError
 from clipbias.randomness import SecretKey, snapped_gaussian
+from tests.weights import at_weights
 
 N, DIN, K = 60, 4, 3
 
@@ -209,7 +210,6 @@ def test_a_clipped_combination_stays_within_the_clip_in_float32(path):
     c^2 ||f||^2 + (1 - c)^2 ||n||^2 + 2 c (1 - c) <f, n> of a row's squared norm is then a difference of
     terms c^2 times larger than the result, and in float32 it understated the norm so much that one
     example's clipped contribution reached 37 C. Each example alone: its contribution's norm <= C."""
-    from contextlib import contextmanager
     from clipbias.grads.fast import BookKeeping
     from clipbias.grads.rows import FuncGradients, ParamSums, cross_entropy
     from clipbias.transforms import clip_scale
@@ -219,17 +219,7 @@ def test_a_clipped_combination_stays_within_the_clip_in_float32(path):
     gamma, clip = 1e-4, 0.1
     c = combination(0.7, gamma)
     far = [p.detach() + gamma * 1e-3 * torch.randn_like(p) for p in m.parameters()]
-
-    @contextmanager
-    def enter():
-        saved = [p.detach().clone() for p in m.parameters()]
-        with torch.no_grad():
-            for p, v in zip(m.parameters(), far):
-                p.copy_(v)
-        yield
-        with torch.no_grad():
-            for p, v in zip(m.parameters(), saved):
-                p.copy_(v)
+    enter = at_weights(m, far)
     agg = ParamSums(FuncGradients(m, cross_entropy)) if path == "rows" else BookKeeping(m, cross_entropy)
     worst = max(float(agg(x[i:i + 1], y[i:i + 1], lambda n: clip_scale(n, clip), False, at=(enter, c))[0]
                       .double().norm()) for i in range(len(y)))

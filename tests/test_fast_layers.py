@@ -15,6 +15,7 @@ from clipbias.errors import ConfigError
 from clipbias.grads.fast import BookKeeping, why_unsupported
 from clipbias.grads.rows import FuncGradients, ParamSums
 from clipbias.transforms import clip_scale
+from tests.weights import at_weights
 from tests.test_fastclip import _data, _run, branch, float64  # noqa: F401  (fixtures)
 
 transformers = pytest.importorskip("transformers")
@@ -341,21 +342,10 @@ def test_a_llama_decoder_runs_on_the_fast_path_equal_to_the_rows_path():
 def test_the_two_point_combination_equals_the_rows_path(model_cls, float64):
     """DiSK's rows ``c g(far) + (1 - c) g(here)`` (``at=``): the new rules' cross terms give the rows
     path's norms and clipped sum."""
-    from contextlib import contextmanager
     torch.manual_seed(1)
     m = _perturbed(model_cls())
     far = [p.detach() + 0.05 * torch.randn_like(p) for p in m.parameters()]
-
-    @contextmanager
-    def enter():
-        saved = [p.detach().clone() for p in m.parameters()]
-        with torch.no_grad():
-            for p, v in zip(m.parameters(), far):
-                p.copy_(v)
-        yield
-        with torch.no_grad():
-            for p, v in zip(m.parameters(), saved):
-                p.copy_(v)
+    enter = at_weights(m, far)
     x, y = _data(7)
     scale = lambda n: clip_scale(n, 0.5)  # noqa: E731
     fast = BookKeeping(m)(x, y, scale, False, at=(enter, 1.7))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from clipbias.grads import vit as vit_rule  # noqa: E402
 from clipbias.grads.fast import BookKeeping, _rules_of, why_unsupported  # noqa: E402
 from clipbias.grads.rows import FuncGradients, ParamSums  # noqa: E402
 from clipbias.transforms import clip_scale  # noqa: E402
+from tests.weights import at_weights  # noqa: E402
 
 
 def vit(drop: float = 0.0, seed: int = 0, mask_token: bool = False) -> nn.Module:
@@ -125,17 +125,7 @@ def test_two_point_combination_equals_the_rows_path():
     """DiSK's rows ``c g(far) + (1 - c) g(here)``: the rule's cross term gives the rows path's norms and sums."""
     m = vit().double().eval()
     far = [p.detach() + 0.05 * torch.randn_like(p) for p in m.parameters()]
-
-    @contextmanager
-    def enter():
-        saved = [p.detach().clone() for p in m.parameters()]
-        with torch.no_grad():
-            for p, v in zip(m.parameters(), far):
-                p.copy_(v)
-        yield
-        with torch.no_grad():
-            for p, v in zip(m.parameters(), saved):
-                p.copy_(v)
+    enter = at_weights(m, far)
     x, y = images(4), labels(4)
     scale = lambda n: clip_scale(n, 0.5)  # noqa: E731
     fast = BookKeeping(m, classify)(x, y, scale, False, at=(enter, 1.7))

@@ -307,6 +307,9 @@ class GaussianNoise(Stage):
                 "inputs": [t.clone() for t in self.inputs], "outputs": [t.clone() for t in self.outputs]}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("strategy") == "blt":
+            raise ConfigError(f"noise state is BLT noise, this run {self.bands}-band {self.strategy} noise: resume with "
+                              f"the same `bands` and `bands_strategy`")
         saved, strategy = tuple(float(c) for c in state["coefs"]), state["strategy"]
         # A run keeps one c from its first step to its last: a c changed mid-run would give the columns of
         # C that straddle the change a norm above 1 (docs/privacy.md, "Banded noise"). So a resumed run goes
@@ -323,6 +326,76 @@ class GaussianNoise(Stage):
         self.draws = int(state["draws"])
         self.inputs = [t.to(torch.float64) for t in state["inputs"]]
         self.outputs = [t.to(torch.float64) for t in state["outputs"]]
+        self._pending = None
+
+
+class BLTNoise(GaussianNoise):
+    """BLT noise (``clipbias.algorithms.blt`` for the strategy and its privacy argument): the noise stage of
+    ``bands_strategy="blt"``. With the strategy's ``scale`` c_0, ``omegas`` and ``thetas``, the t-th committed
+    call releases ``y_t = round_g(c_0 (v_t + sum_i omega_i s_i) + std Z_t)`` and returns ``g_t = y_t / c_0 -
+    sum_i omega_i r_i``, where ``s_i = sum_{j < t} theta_i^(t-1-j) v_j`` and ``r_i`` the same sum of the
+    outputs: ``y = C v + std Z`` and ``g = C^{-1} y``, post-processing of the releases.
+
+    State: the draw counter and the 2 x len(omegas) float64 sums ``s`` (PRIVATE: sums of clipped sums
+    without noise, saved only in the engine's private ``state_dict``) and ``r``, updated in place on commit."""
+
+    def __init__(self, std: float, key: SecretKey, blt) -> None:
+        if not std > 0:
+            raise ConfigError(f"noise std must be > 0 with BLT noise, got {std!r}")
+        if not isinstance(key, SecretKey):
+            raise ConfigError(f"BLTNoise needs a clipbias.randomness.SecretKey, got {type(key).__name__}")
+        self.std, self.key, self.blt = float(std), key, blt
+        self.coefs, self.strategy, self.per_bound = (blt.scale,), "blt", None
+        self.draws = 0
+        self.sums: list[Tensor] = []  # s_1 .. s_d (empty before the first step: zeros)
+        self.out_sums: list[Tensor] = []  # r_1 .. r_d
+        self._pending = None
+
+    @property
+    def bands(self) -> int:
+        return self.blt.classes
+
+    def __call__(self, v: Tensor) -> Tensor:
+        b = self.blt
+        v64 = v.to(torch.float64, copy=True)  # kept: never an alias of the caller's tensor
+        mixed = v64.clone()
+        for w, s in zip(b.omegas, self.sums):
+            mixed.add_(s, alpha=w)
+        y = snapped_gaussian(mixed.mul_(b.scale), self.std, self.key, self.draws)  # the release
+        g = y.div_(b.scale)
+        for w, r in zip(b.omegas, self.out_sums):
+            g.sub_(r, alpha=w)
+        self._pending = (self.draws + 1, v64, g)
+        return g.to(v.dtype, copy=True)  # g is kept: the caller gets its own copy
+
+    def commit(self) -> None:
+        if self._pending is None:
+            return
+        self.draws, v64, g = self._pending
+        self._pending = None
+        if not self.sums:
+            self.sums = [torch.zeros_like(v64) for _ in self.blt.thetas]
+            self.out_sums = [torch.zeros_like(g) for _ in self.blt.thetas]
+        for th, s, r in zip(self.blt.thetas, self.sums, self.out_sums):
+            s.mul_(th).add_(v64)
+            r.mul_(th).add_(g)
+
+    def state_dict(self) -> dict:
+        return {"draws": self.draws, "strategy": "blt", "blt": self.blt.to_dict(),
+                "sums": [t.clone() for t in self.sums], "out_sums": [t.clone() for t in self.out_sums]}
+
+    def load_state_dict(self, state: dict) -> None:
+        # like the optimised bands, a resumed run goes on with its saved strategy (the engine then accounts
+        # with it: engine.state), as long as it is a BLT strategy for the same classes
+        saved = state.get("blt") if state.get("strategy") == "blt" else None
+        if not isinstance(saved, dict) or int(saved.get("classes", -1)) != self.blt.classes:
+            raise ConfigError(f"noise state is not BLT noise in {self.blt.classes} classes: resume with the same "
+                              f"`bands` and `bands_strategy`")
+        self.blt = type(self.blt).from_dict(saved)
+        self.coefs = (self.blt.scale,)
+        self.draws = int(state["draws"])
+        self.sums = [t.to(torch.float64) for t in state["sums"]]
+        self.out_sums = [t.to(torch.float64) for t in state["out_sums"]]
         self._pending = None
 
 

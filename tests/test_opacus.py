@@ -413,3 +413,24 @@ def test_make_private_takes_banded_noise_with_optimised_coefficients():
                                               data_loader=DataLoader(TensorDataset(x, y), batch_size=32),
                                               noise_multiplier=1.0, max_grad_norm=1.0, bands=2,
                                               bands_strategy="optimized")
+
+
+def test_make_private_with_epsilon_takes_blt_noise():
+    """``bands_strategy="blt"`` through the Opacus interface: the engine's noise stage is BLT noise for the
+    run's steps in ``bands`` classes, the accounting is its Gaussian mechanism, and training proceeds."""
+    from clipbias.transforms import BLTNoise
+    x, y = torch.randn(256, 5), torch.randint(0, 3, (256,))
+    m = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    pe = clipbias.PrivacyEngine()
+    model, opt, dl = pe.make_private_with_epsilon(module=m, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y),
+                                                  batch_size=32), target_epsilon=3, target_delta=1e-5, epochs=2,
+                                                  max_grad_norm=1.0, bands=8, bands_strategy="blt")
+    noise = pe.engine.pipeline.noise
+    assert isinstance(noise, BLTNoise) and noise.blt.classes == 8 and noise.blt.steps == pe.engine.total_steps
+    for xb, yb in dl:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    rep = pe.engine.privacy()
+    assert pe.engine.steps_taken > 0 and rep.certified and "BLT noise" in rep.basis and rep.epsilon <= 3

@@ -34,7 +34,7 @@ from scipy.signal import lfilter
 from ..errors import ConfigError
 from .band_taylor import coefficients
 
-STRATEGIES = ("taylor", "optimized")
+STRATEGIES = ("taylor", "optimized", "blt")  # blt: clipbias.algorithms.blt
 
 
 def workload(steps: int, momentum: float = 0.0) -> np.ndarray:

@@ -50,21 +50,35 @@ def band_coefficients(bands: int, momentum: float = 0.0, strategy: str = "taylor
     """The coefficients of ``strategy`` (``taylor`` or ``optimized``, which needs the run's finite number of
     ``steps``); with torchrun, rank 0's (every rank then bands with the same bits)."""
     from .band_strategy import optimized
+    from .blt import optimized as blt_optimized
     check_strategy(strategy)
+    if strategy == "blt" and bands == 1:
+        raise ConfigError("bands_strategy='blt' needs `bands` >= 2 participation classes: it claims no amplification "
+                          "by sampling, so give bands = floor(1 / sample rate) (every example in one step per epoch)")
     if strategy == "taylor" or bands == 1:
         return coefficients(bands, momentum)
     coefficients(bands, momentum)  # refuses a momentum outside [0, 1)
     if not (isinstance(steps, int) and steps >= 1):
-        raise ConfigError(f"bands_strategy='optimized' shapes the noise for the run's length: give epochs or steps "
+        raise ConfigError(f"bands_strategy={strategy!r} shapes the noise for the run's length: give epochs or steps "
                           f"(got steps={steps!r})")
+    if strategy == "blt":
+        return distributed.from_rank0(lambda: blt_optimized(steps, bands, momentum))
     return distributed.from_rank0(lambda: optimized(bands, steps, momentum))
 
 
 BandedNoise = GaussianNoise  # the noise stage is one type: ``GaussianNoise(std, key, coefs, strategy)``
 
 
-def banded_spec(spec: AccountingSpec, bands: int) -> AccountingSpec:
-    """``spec`` with ``bands`` bands, its note saying what the accounting then rests on."""
+def banded_spec(spec: AccountingSpec, bands: int, shape=None) -> AccountingSpec:
+    """``spec`` with ``bands`` bands, its note saying what the accounting then rests on; ``shape`` a
+    ``blt.BLT``: BLT noise in ``bands`` classes, accounted without amplification (``blt``)."""
+    from .blt import BLT
+    if isinstance(shape, BLT):
+        note = (f"{spec.note}; BLT noise (buffered linear Toeplitz, {len(shape.omegas)} buffers) with cyclic "
+                f"participation in {bands} classes: the Gaussian mechanism at sensitivity Delta(T) = sqrt(max over "
+                f"classes of sum |C^T C| over the class's steps) (C / B units), no amplification by sampling "
+                f"(Denisov et al. 2022 for adaptivity; docs/privacy.md, \"BLT noise\")")
+        return replace(spec, bands=bands, note=note, blt=(shape.scale, *shape.omegas, *shape.thetas))
     if bands == 1:
         return spec
     note = (f"{spec.note}; {bands}-banded noise with cyclic Poisson participation in {bands} classes: each "

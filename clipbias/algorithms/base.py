@@ -22,7 +22,7 @@ from ..privacy import AccountingSpec, DiceParams
 from ..privacy.dice import default_ef_clip
 from ..randomness import SecretKey
 from ..registry import Registry
-from ..transforms import Clip, ErrorFeedback, GaussianNoise, Normalize, PerSample, Pipeline, Stage
+from ..transforms import BLTNoise, Clip, ErrorFeedback, GaussianNoise, Normalize, PerSample, Pipeline, Stage
 from .bands import banded_spec
 
 
@@ -121,20 +121,25 @@ class Algorithm:
         reference = [Clip(cfg.grad_bound)] if cfg.grad_bound is not None else []
         div = parts.divisor if parts.divisor is not None else expected_batch_size
         p = Pipeline(parts.per_sample, div, reference, parts.error_feedback, post=parts.post)
-        self.check_bands(len(coefs))
+        from .blt import BLT
+        blt = coefs if isinstance(coefs, BLT) else None
+        self.check_bands(blt.classes if blt is not None else len(coefs))
         if self.private:
             if p.sensitivity is None:
                 raise ConfigError(f"{self.name}: no stage bounds the per-example norm")
             zg = self.gradient_noise(cfg, self.settings(cfg), z, expected_batch_size) if self.gradient_noise else z
             # a moving bound (adaptive clipping): the noise follows it
             per_bound = zg / div if p.per_sample[-1].dynamic else None
-            p.noise = GaussianNoise(zg * p.sensitivity / div, key, coefs, strategy, per_bound)
+            std = zg * p.sensitivity / div
+            p.noise = BLTNoise(std, key, blt) if blt is not None else \
+                GaussianNoise(std, key, coefs, strategy, per_bound)
         return p
 
     def spec(self, cfg: AlgoConfig, sample_rate: float, z: float, expected_batch_size: float,
-             bands: int = 1) -> AccountingSpec:
+             bands: int = 1, shape=None) -> AccountingSpec:
         """The accounting description: kind, rate, z, the numeric sensitivity and why it holds; with noise
-        of ``bands`` > 1 bands, the banded accounting (``bands.banded_spec``)."""
+        of ``bands`` > 1 bands, the banded accounting (``bands.banded_spec``), or with ``shape`` a BLT
+        strategy (``blt.BLT``), BLT noise's."""
         self.check_bands(bands)
         s = self.settings(cfg)
         if self.validate is not None:
@@ -155,7 +160,7 @@ class Algorithm:
             gb = self.dice_grad_bound(cfg, s) if self.dice_grad_bound is not None else cfg.grad_bound
             dice = DiceParams(sample_rate, 1, c1, c2, expected_batch_size, gb)
         return banded_spec(AccountingSpec(self.accounting, sample_rate, z, note, dice, self.certifiable,
-                                          self.why_not_certifiable, last.bound), bands)
+                                          self.why_not_certifiable, last.bound), bands, shape)
 
     def row_source(self, model: nn.Module, loss_fn: LossFn, cfg: AlgoConfig, *, n: int, batch_size: float,
                    key: SecretKey | None = None) -> RowSource:

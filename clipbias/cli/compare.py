@@ -34,7 +34,7 @@ DEFAULT_SEEDS = [0, 1, 2]
 
 def parse_variant(spec: str) -> tuple[str, dict]:
     """``NAME``, ``NAME:ACCOUNTING`` (e.g. ``dice:authors``) or ``NAME:bands=B`` (banded noise, e.g.
-    ``dpsgd:bands=4``; ``NAME:bands=B:optimized`` with the optimised coefficients) -> (label, config
+    ``dpsgd:bands=4``; ``NAME:bands=B:optimized`` with the optimised coefficients, ``NAME:bands=K:blt`` BLT noise) -> (label, config
     overrides)."""
     from .. import algorithms
     from ..privacy.dice import check_basis
@@ -54,8 +54,8 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         except ValueError:
             raise ConfigError(f"--algos {spec}: bands=B takes a whole number, e.g. {name}:bands=4") from None
         if strategy:
-            if strategy not in ("taylor", "optimized"):
-                raise ConfigError(f"--algos {spec}: bands=B:STRATEGY takes taylor or optimized, e.g. "
+            if strategy not in ("taylor", "optimized", "blt"):
+                raise ConfigError(f"--algos {spec}: bands=B:STRATEGY takes taylor, optimized or blt, e.g. "
                                   f"{name}:bands=4:optimized")
             over["bands_strategy"] = strategy
     elif acc:
@@ -327,11 +327,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "clip 0.054 (chosen by clipbias tune), seeds 0 1 2, all available cores. Measured on 2 shared AMD EPYC cores: 74 s "
                     "with the scattering features cached; the first run adds 60-70 s to compute and cache "
                     "them (docs/cli.md).")
-    p.add_argument("--algos", nargs="+", default=None, metavar="NAME[:ACCOUNTING|:bands=B[:optimized]]",
+    p.add_argument("--algos", nargs="+", default=None, metavar="NAME[:ACCOUNTING|:bands=B[:optimized|:blt]]",
                    help="algorithms (default: dpsgd dice); NAME:ACCOUNTING picks DiceSGD's accounting "
                         "per row, e.g. dice:sound dice:paper (paper and authors are refuted: reproduction only); "
                         "NAME:bands=B runs that row with banded noise (--bands), e.g. dpsgd:bands=4, and "
-                        "NAME:bands=B:optimized with its optimised coefficients (--bands-strategy optimized)")
+                        "NAME:bands=B:optimized with its optimised coefficients (--bands-strategy optimized), "
+                        "NAME:bands=K:blt with BLT noise in K classes (--bands-strategy blt)")
     p.add_argument("--seeds", nargs="+", type=int, default=None, metavar="S",
                    help=f"seeds (default: {' '.join(map(str, DEFAULT_SEEDS))})")
     add_training_flags(p, algo=False, defaults=DEFAULTS)

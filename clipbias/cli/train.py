@@ -78,11 +78,15 @@ def _add_privacy_flags(p: argparse.ArgumentParser, d: dict) -> None:
                         "with the b-1 before it so that accumulated updates carry less of it; accounted as the "
                         "subsampled Gaussian at rate b*q for ceil(T/b) steps (docs/privacy.md). Needs b*q <= 1; "
                         "dpsgd, normalized, disk, perturb, self-aug. Default 1: independent noise")
-    g.add_argument("--bands-strategy", choices=("taylor", "optimized"), default="taylor",
+    g.add_argument("--bands-strategy", choices=("taylor", "optimized", "blt"), default="taylor",
                    help="the coefficients of --bands: taylor (default; the truncated square root of the momentum "
                         "workload) or optimized (the banded Toeplitz strategy of least total squared error of the "
                         "iterates for this run's steps and momentum, computed in well under a second and cached; "
-                        "docs/privacy.md, \"Banded noise\"). The privacy guarantee is the same")
+                        "docs/privacy.md, \"Banded noise\"), with the same privacy guarantee; or blt: buffered "
+                        "linear Toeplitz noise whose correlation spans the whole run, with --bands b participation "
+                        "classes (use b = floor(1/q): every example in one step per epoch) and no amplification by "
+                        "sampling (the Gaussian mechanism at the strategy's sensitivity over the run; docs/privacy.md, "
+                        "\"BLT noise\")")
     g.add_argument("--reproducible-noise", nargs="?", const=True, default=False, type=noise_seed, metavar="SEED",
                    help="derive the secret key of the Poisson batches, the Gaussian noise and the keyed draws from "
                         "SEED (an integer below 2^256, decimal or 0x-hex; all its bits are used), or from --seed "

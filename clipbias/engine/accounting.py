@@ -25,7 +25,8 @@ def noise_multiplier_for(engine: Any, epsilon: float | None, noise_multiplier: f
     if epsilon is None:
         raise ConfigError(f"{engine.algo.name} is private: give `epsilon` (calibrates the noise) or "
                           f"`noise_multiplier`")
-    spec = engine.algo.spec(engine.config, engine.sample_rate, 0.0, engine.expected_batch_size, engine.bands)
+    spec = engine.algo.spec(engine.config, engine.sample_rate, 0.0, engine.expected_batch_size, engine.bands,
+                            engine.noise_shape)
     # in a process group rank 0 calibrates and every rank takes its answer (and its error, if any)
     return distributed.from_rank0(lambda: privacy.calibrate(spec, epsilon, engine.delta, engine.total_steps,
                                                             engine.accountant, engine.dice_accounting))

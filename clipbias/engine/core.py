@@ -138,6 +138,8 @@ class DPEngine:
         steps_per_epoch = max(1, round(n / self.expected_batch_size) if sample_rate is None else round(1 / sample_rate))
         steps = planned_steps(epochs, steps, steps_per_epoch, open_ended=noise_multiplier is not None)
         self.total_steps, self.delta = steps, delta
+        # the noise's coefficients (or BLT strategy: the accounting reads it), before the noise is calibrated
+        self.noise_shape = band_coefficients(bands, self.algo.workload_momentum(self.config), bands_strategy, steps)
         # in a process group every rank holds rank 0's key: one global sample, one noise draw
         self.key = distributed.broadcast_key(SecretKey.of(noise_seed))
         self.key.adopt(self)
@@ -146,7 +148,7 @@ class DPEngine:
         self.accountant, self.dice_accounting = accountant, dice_accounting
 
         self.noise_multiplier = z = noise_multiplier_for(self, epsilon, noise_multiplier)
-        self.spec = self.algo.spec(self.config, self.sample_rate, z, self.expected_batch_size, bands)
+        self.spec = self.algo.spec(self.config, self.sample_rate, z, self.expected_batch_size, bands, self.noise_shape)
         if self.algo.private:  # refuses now (not after training) when the guarantee cannot hold
             self.privacy(steps if steps != math.inf else 1)
         self.model = model
@@ -157,8 +159,8 @@ class DPEngine:
         self.rows, self.loss_fn = as_row_source(grads), loss_fn
         self.rows.key = self.key
         self.params = self.rows.layout.params(model)
-        coefs = band_coefficients(bands, self.algo.workload_momentum(self.config), bands_strategy, steps)
-        self.pipeline = self.algo.pipeline(self.config, self.expected_batch_size, z, self.key, coefs, bands_strategy)
+        self.pipeline = self.algo.pipeline(self.config, self.expected_batch_size, z, self.key, self.noise_shape,
+                                           bands_strategy)
         self.optimizer = check_base_optimizer(optimizer, self.params, self.rows.layout.names) or \
             algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer, self.params, self.config)
         self.sampler = PoissonSampler(n, self.sample_rate, self.key, steps_per_epoch, bands)

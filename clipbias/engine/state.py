@@ -63,6 +63,11 @@ def _load(engine: Any, state: dict) -> None:
     engine.undrawn_steps = state["undrawn_steps"]
     engine.optimizer.load_state_dict(state["optimizer"])
     engine.pipeline.load_state_dict(state["pipeline"])
+    noise = engine.pipeline.noise
+    if noise is not None and noise.strategy == "blt":  # a resumed BLT run is accounted with its saved strategy
+        engine.noise_shape = noise.blt
+        engine.spec = engine.algo.spec(engine.config, engine.sample_rate, engine.noise_multiplier,
+                                       engine.expected_batch_size, engine.bands, noise.blt)
     engine.sampler.load_state_dict(state["sampler"])
     engine.rows.load_state_dict(state["rows"])
     engine._dropout_layouts = copy.deepcopy(state["dropout_layouts"])  # the keyed dropout calls' layouts so far

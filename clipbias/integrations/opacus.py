@@ -93,7 +93,8 @@ class PrivacyEngine:
         data_loader)`` as Opacus does. clipbias's own keywords: ``algorithm`` (default ``"dpsgd"``;
         ``"dice"``, ``"disk"``, ``"adaptive"``, ...), ``grad_path`` (``auto``, ``rows``, ``fast``),
         ``dice_accounting``, ``bands`` and ``bands_strategy`` (``"taylor"`` or ``"optimized"``: banded noise's
-        coefficients, ``DPEngine``'s; ``"optimized"`` needs the run's length: ``make_private_with_epsilon``),
+        coefficients, ``DPEngine``'s; ``"blt"``: BLT noise in ``bands`` classes; ``"optimized"`` and ``"blt"``
+        need the run's length: ``make_private_with_epsilon``),
         ``settings`` (the algorithm's settings, ``AlgoConfig.extra``),
         ``ef_clip``, ``delta`` (for the engine's own report; default 1e-5), ``max_physical_batch``, ``noise_seed``
         (a reproducible run: reported uncertified, as ``DPEngine``'s), ``autocast`` (``torch.bfloat16`` or

@@ -32,7 +32,7 @@ class DPOptions:
     per-example clipping norm C. ``algorithm``: ``dpsgd`` (default), ``dice``, ``adaptive``, ... (clipbias's
     algorithms with per-example rows). ``grad_path``: ``auto``, ``rows`` (torch.func) or ``fast``
     (book-keeping, no rows). ``accountant``: ``pld`` (default; ``prv`` is the same), ``rdp``. ``bands``,
-    ``bands_strategy``: banded correlated noise and its coefficients (``DPEngine``'s).
+    ``bands_strategy``: banded correlated noise and its coefficients, or ``"blt"``: BLT noise (``DPEngine``'s).
     ``noise_seed``: reproducible batches and noise for tests; the run is then reported uncertified.
     ``autocast``: ``"bfloat16"`` / ``"float16"`` (or the torch dtypes) runs each step's forward and backward
     under ``torch.autocast`` with norms, clip factors and sums in float32 (``DPEngine(autocast=...)``);

@@ -41,6 +41,9 @@ class AccountingSpec:
     ``bands`` = b > 1 (kind ``gaussian`` only): cyclic Poisson participation (classes mod b) with b-banded noise
     (``clipbias.algorithms.bands``), accounted as the subsampled Gaussian at rate b q for ceil(T / b)
     steps (docs/privacy.md, "Banded noise").
+    ``blt`` = (c_0, omegas..., thetas...) (kind ``gaussian``, ``bands`` = k classes): BLT noise
+    (``clipbias.algorithms.blt``), accounted as one Gaussian mechanism at multiplier z / Delta(T), Delta the
+    strategy's sensitivity over T steps in k classes, with no amplification (docs/privacy.md, "BLT noise").
     """
 
     kind: str
@@ -52,11 +55,26 @@ class AccountingSpec:
     why_not_certifiable: str = ""
     sensitivity: float | None = None  # None: non-private, or a spec written by hand (clipbias account)
     bands: int = 1
+    blt: tuple[float, ...] = ()
+
+    def blt_sensitivity(self, steps: int) -> float:
+        """BLT noise: Delta(steps) in units of the per-example sensitivity (1.0 without BLT noise)."""
+        if not self.blt:
+            return 1.0
+        from .toeplitz import blt_sensitivity
+        d = (len(self.blt) - 1) // 2
+        return blt_sensitivity(self.blt[0], self.blt[1:1 + d], self.blt[1 + d:], self.bands, steps)
+
+    def multiplier(self, steps: int) -> float:
+        """The noise multiplier the accountant sees after ``steps`` steps: z, or with BLT noise z / Delta."""
+        return self.noise_multiplier / self.blt_sensitivity(steps)
 
     def rate_and_steps(self, steps: int) -> tuple[float, int]:
         """(sampling rate, number of compositions) of the subsampled Gaussian that ``steps`` steps
         amount to: (q, T), or with b bands (b q, ceil(T / b)): each example can join one step in b,
         and the b rows its contribution reaches are one Gaussian release (docs/privacy.md)."""
+        if self.blt:
+            return 1.0, 1  # no amplification: the whole run is one Gaussian mechanism
         if self.bands == 1:
             return self.sample_rate, steps
         from ..sampling.poisson import band_rate  # the sampler's own float
@@ -72,7 +90,7 @@ class AccountingSpec:
             return dp_event.NonPrivateDpEvent()
         if self.kind == "gaussian":
             q, t = self.rate_and_steps(steps)
-            return gaussian.SampledGaussian(self.noise_multiplier, q).event(t)
+            return gaussian.SampledGaussian(self.multiplier(steps), q).event(t)
         if self.kind == "dice" and dice.check_basis(dice_accounting) == "sound":
             return dice.sound_event(replace(self.dice, steps=steps), self.noise_multiplier)
         return dp_event.UnsupportedDpEvent()
@@ -100,6 +118,9 @@ def account(spec: AccountingSpec, steps: int, delta: float, accountant: str = "p
         check_rate(q)
         gaussian.check_noise(spec.noise_multiplier)
         check_steps(t)
+        if spec.blt:
+            rep = gaussian.report(spec.multiplier(steps), q, t, delta, accountant, spec.note)
+            return replace(rep, noise_multiplier=spec.noise_multiplier)
         return gaussian.report(spec.noise_multiplier, q, t, delta, accountant, spec.note)
     if spec.kind == "dice":
         _check_dice_method(spec, dice_accounting)
@@ -121,7 +142,7 @@ def calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, ac
         _check_dice_method(spec, dice_accounting)
     if spec.bands != 1 and spec.kind != "gaussian":
         raise ConfigError(f"banded noise is accounted for the subsampled Gaussian only, not {spec.kind!r}")
-    key = {"kind": spec.kind, "q": spec.sample_rate, "bands": spec.bands,
+    key = {"kind": spec.kind, "q": spec.sample_rate, "bands": spec.bands, **({"blt": spec.blt} if spec.blt else {}),
            "dice": None if spec.dice is None else asdict(spec.dice), "epsilon": epsilon, "delta": delta,
            "steps": steps, "accountant": accountant,
            "basis": dice_accounting if spec.kind == "dice" else None}
@@ -169,7 +190,13 @@ def _calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, a
                dice_accounting: str) -> float:
     if spec.kind == "gaussian":  # epsilon, delta and steps were validated by calibrate
         q, t = spec.rate_and_steps(steps)
-        return gaussian._calibrate(epsilon, delta, check_rate(q), check_steps(t), check_accountant(accountant))
+        z = gaussian._calibrate(epsilon, delta, check_rate(q), check_steps(t), check_accountant(accountant))
+        if not spec.blt:
+            return z
+        scaled, sens = z * spec.blt_sensitivity(steps), spec.blt_sensitivity(steps)
+        while scaled / sens < z:  # never below the Gaussian mechanism's multiplier after the division
+            scaled = math.nextafter(scaled, math.inf)
+        return scaled
     if spec.kind == "dice":
         _check_dice_method(spec, dice_accounting)
         return dice.calibrate(epsilon, delta, replace(spec.dice, steps=steps), dice_accounting, accountant)

@@ -79,6 +79,10 @@ class TuneConfig:
             algo.check_bands(b)
         for s in self.strategy_choices:
             check_strategy(s)
+        if "blt" in (*self.strategy_choices, self.base.bands_strategy):
+            raise ConfigError("tune searches banded noise (`bands_strategy` taylor or optimized), not BLT noise: a BLT "
+                              "trial's noise multiplier depends on its strategy, which the tuning's one calibration "
+                              "does not cover")
         if len(set(self.bands_choices)) != len(self.bands_choices) or \
                 len(set(self.strategy_choices)) != len(self.strategy_choices):
             raise ConfigError("`bands_choices` and `strategy_choices` must not repeat a value (each is drawn uniformly)")

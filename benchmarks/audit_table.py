@@ -1,5 +1,6 @@
 """Print the "Audits" table of docs/privacy.md from the JSON files of ``benchmarks/results/audits/``
-(written by ``benchmarks/audits.sh`` and ``benchmarks/audits_one_run.sh``; each file is one command).
+(written by ``benchmarks/audits.sh``, ``benchmarks/audits_one_run.sh``, ``audits_bands.sh`` and ``audits_blt.py``;
+each file is one command, or one row of ``audits_blt.py``).
 
     python benchmarks/audit_table.py
 """
@@ -24,7 +25,10 @@ def main() -> int:
         d = json.loads(text)
         st = d["settings"]
         if d["method"] == "canary":
-            cfg = (f"q = {st['sample_rate']:.4g}, T = {st['steps']}, B = {st['batch_size']:g}, z = "
+            blt = "" if st.get("bands_strategy") != "blt" else (
+                f"BLT noise in k = {st['bands']} classes (no amplification; mechanism level, audits_blt.py), "
+                f"class {st['band_class']}, ")
+            cfg = (f"{blt}q = {st['sample_rate']:.4g}, T = {st['steps']}, B = {st['batch_size']:g}, z = "
                    f"{st['noise_multiplier']:.4g}" + (f" (claim at z = {st['claim_noise_multiplier']:g})"
                                                       if st.get("claim_noise_multiplier") else "")
                    + f", {d['trials']} runs per world")

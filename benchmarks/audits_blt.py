@@ -46,7 +46,7 @@ ROWS = {
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="", help="run only the rows whose name contains this")
+    p.add_argument("--only", default="", help="run only this row (its full name), or the rows whose name contains this")
     p.add_argument("--runs", type=int, default=None, help="runs per world instead of each row's")
     p.add_argument("--seed", type=int, default=None, help="reproducible keys (SecretKey.of(derived seeds))")
     p.add_argument("--out", type=Path, default=OUT, help="the folder of the JSON rows")
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
           "canary's exact eps (mu) | s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, audit in ROWS.items():
-        if args.only not in name:
+        if (name != args.only) if args.only in ROWS else (args.only not in name):  # a row's name: that row only
             continue
         if args.runs is not None or args.seed is not None:
             from dataclasses import replace

@@ -394,8 +394,10 @@ class BLTNoise(GaussianNoise):
         self.blt = type(self.blt).from_dict(saved)
         self.coefs = (self.blt.scale,)
         self.draws = int(state["draws"])
-        self.sums = [t.to(torch.float64) for t in state["sums"]]
-        self.out_sums = [t.to(torch.float64) for t in state["out_sums"]]
+        # copies: commit updates the sums in place, which must never write into the state it was given (a
+        # discarded continuation would then leave its clipped sums in the caller's checkpoint)
+        self.sums = [t.to(torch.float64, copy=True) for t in state["sums"]]
+        self.out_sums = [t.to(torch.float64, copy=True) for t in state["out_sums"]]
         self._pending = None
 
 

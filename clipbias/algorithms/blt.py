@@ -69,9 +69,9 @@ class BLT:
               and all(math.isfinite(w) for w in self.omegas) and all(0 < t < 1 for t in self.thetas)
               and isinstance(self.classes, int) and self.classes >= 1 and isinstance(self.steps, int)
               and self.steps >= 1)
-        if not ok:
-            raise ConfigError(f"a BLT strategy needs scale > 0, finite omegas, thetas in (0, 1), classes >= 1 "
-                              f"and steps >= 1, got {self!r}")
+        if not ok or not stable(self.omegas, self.thetas):
+            raise ConfigError(f"a BLT strategy needs scale > 0, finite omegas, thetas in (0, 1), classes >= 1, "
+                              f"steps >= 1 and no zero of C(x) in the closed unit disc (a stable C^-1), got {self!r}")
 
     def column(self, steps: int) -> np.ndarray:
         """``c_0 .. c_{steps-1}``: the first column of C (every column is it, shifted)."""
@@ -110,11 +110,18 @@ def _polys(omegas: np.ndarray, thetas: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return np.trim_zeros(num, "b"), den
 
 
+def stable(omegas, thetas) -> bool:
+    """Whether C(x) has no zero in the closed unit disc (else C^{-1}'s noise grows without bound: useless,
+    though as private as any strategy)."""
+    num = _polys(np.asarray(omegas, float), np.asarray(thetas, float))[0]
+    return len(num) <= 1 or bool(np.all(np.abs(np.roots(num[::-1])) > 1.0 + 1e-9))
+
+
 def error(omegas, thetas, steps: int, momentum: float = 0.0) -> float:
     """``||A C^{-1}||_F^2`` with c_0 = 1 (the series ``a(x) D(x) / N(x)``), inf where C^{-1} is unstable."""
     num, den = _polys(np.asarray(omegas, float), np.asarray(thetas, float))
-    if np.any(np.abs(np.roots(num[::-1])) <= 1.0 + 1e-9) if len(num) > 1 else False:
-        return math.inf  # a zero of C(x) in the closed unit disc: C^{-1}'s noise grows without bound
+    if not stable(omegas, thetas):
+        return math.inf
     a, w = workload(steps, momentum), np.arange(steps, 0, -1, dtype=np.float64)
     with np.errstate(over="ignore", invalid="ignore"):
         h = lfilter(den, num, a)

@@ -114,6 +114,7 @@ def account(spec: AccountingSpec, steps: int, delta: float, accountant: str = "p
     if steps == 0:
         return PrivacyReport(0.0, delta, accountant, "no step taken", True, spec.noise_multiplier)
     if spec.kind == "gaussian":  # validated here, once: gaussian.report takes them as they are
+        check_steps(steps)
         q, t = spec.rate_and_steps(steps)
         check_rate(q)
         gaussian.check_noise(spec.noise_multiplier)

@@ -7,6 +7,7 @@ contributions, ``S_l = sum_{i, j in class l} |X_ij|``, X = C^T C (docs/privacy.m
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -33,5 +34,11 @@ def class_sums(c: np.ndarray, classes: int) -> np.ndarray:
 
 
 def blt_sensitivity(scale: float, omegas, thetas, classes: int, steps: int) -> float:
-    """Delta(steps) in units of the per-example sensitivity: ``sqrt(max_l S_l)``."""
+    """Delta(steps) in units of the per-example sensitivity: ``sqrt(max_l S_l)`` (remembered: a run's report
+    asks for it at every epoch, and it costs O(steps^2 / classes))."""
+    return _sensitivity(float(scale), tuple(map(float, omegas)), tuple(map(float, thetas)), int(classes), int(steps))
+
+
+@functools.lru_cache(maxsize=256)
+def _sensitivity(scale: float, omegas: tuple, thetas: tuple, classes: int, steps: int) -> float:
     return math.sqrt(float(class_sums(blt_column(scale, omegas, thetas, steps), classes).max()))

@@ -62,7 +62,7 @@ def exact(b: blt.BLT, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def main() -> None:
     rng = np.random.default_rng(0)
     strategies = {"optimize(87, 29, 0.9)": blt.optimize(87, 29, 0.9), "optimize(40, 4, 0.9)": blt.optimize(40, 4, 0.9),
-                  "normalised((0.9, -0.95), (0.99, 0.9))": blt.normalised((0.9, -0.95), (0.99, 0.9), 4, 40),
+                  "normalised((1, -0.95), (0.99, 0.9))": blt.normalised((1.0, -0.95), (0.99, 0.9), 4, 40),
                   "normalised((1, -1), (0.999, 0.998))": blt.normalised((1.0, -1.0), (0.999, 0.998), 4, 40)}
     print("| strategy | input | T | max rel. error of x vs C v | max |g - v| / max |v| | s |")
     print("|---|---|---|---|---|---|")

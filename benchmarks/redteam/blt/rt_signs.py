@@ -79,8 +79,13 @@ def main() -> None:
         for k in (2, 3, 5):
             for m in (0.0, 0.5, 0.9):
                 cases[f"optimize({T}, {k}, {m})"] = blt.optimize(T, k, m)
-    for om, th in (((-0.8, 0.5), (0.9, 0.3)), ((1.0, -1.0), (0.95, 0.5)), ((-1.0, -0.5), (0.7, 0.2)),
+    # hand-made strategies with negative entries in C; the BLT type refuses an unstable C^{-1}, so those
+    # whose C(x) has a zero in the unit disc are replaced by stable ones with negative entries
+    for om, th in (((-0.05, 0.1), (0.9, 0.3)), ((1.0, -1.0), (0.95, 0.5)), ((-0.3, 0.5), (0.6, 0.2)),
                    ((0.9, -0.95), (0.99, 0.9))):
+        if not blt.stable(om, th):
+            print(f"skipped normalised({om}, {th}): unstable C^-1 (refused by blt.BLT)")
+            continue
         for T, k in ((24, 2), (40, 4), (30, 3)):
             cases[f"normalised({om}, {th}, {k}, {T})"] = blt.normalised(om, th, k, T)
     print("| strategy | min c | negative X_ij in a class (t = T, 2T) | max found / claimed S(t) |")

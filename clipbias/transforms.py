@@ -283,6 +283,7 @@ class GaussianNoise(Stage):
             self._pending = (self.draws + 1, [], [])
             return snapped_gaussian(v, self.std, self.key, self.draws, dtype=v.dtype)
         c, keep = self.coefs, self.bands - 1
+        self.inputs, self.outputs = _on(v.device, self.inputs), _on(v.device, self.outputs)  # a loaded state: CPU
         v64 = v.to(torch.float64, copy=True)  # kept: never an alias of the caller's tensor
         mixed = c[0] * v64
         for ck, past in zip(c[1:], self.inputs):
@@ -329,6 +330,11 @@ class GaussianNoise(Stage):
         self._pending = None
 
 
+def _on(device: torch.device, tensors: list[Tensor]) -> list[Tensor]:
+    """``tensors`` on ``device`` (a checkpoint's state is read onto the CPU; the run may be on a GPU)."""
+    return tensors if all(t.device == device for t in tensors) else [t.to(device) for t in tensors]
+
+
 class BLTNoise(GaussianNoise):
     """BLT noise (``clipbias.algorithms.blt`` for the strategy and its privacy argument): the noise stage of
     ``bands_strategy="blt"``. With the strategy's ``scale`` c_0, ``omegas`` and ``thetas``, the t-th committed
@@ -357,6 +363,7 @@ class BLTNoise(GaussianNoise):
 
     def __call__(self, v: Tensor) -> Tensor:
         b = self.blt
+        self.sums, self.out_sums = _on(v.device, self.sums), _on(v.device, self.out_sums)  # a loaded state: CPU
         v64 = v.to(torch.float64, copy=True)  # kept: never an alias of the caller's tensor
         mixed = v64.clone()
         for w, s in zip(b.omegas, self.sums):

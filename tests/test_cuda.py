@@ -354,3 +354,35 @@ def test_clipped_sums_are_full_float32_under_tf32(path):
         want = want * min(1.0, 0.5 / float(want.norm()))
     assert float((got.double().cpu() - want).norm() / want.norm()) < 1e-5
     assert float(got.double().norm()) <= 0.5 * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["taylor", "blt"])
+def test_correlated_noise_on_cuda_makes_the_cpu_update_and_resumes_from_a_cpu_state(strategy):
+    """Banded and BLT noise: the same weights on the GPU as on the CPU, and a state saved to the CPU
+    (as ``clipbias train`` writes it) resumes on the GPU to the uninterrupted run's weights."""
+    def run(device, resume_after=None):
+        g = torch.Generator().manual_seed(1)
+        x = (3 * torch.randn(N, 1, D_IN, D_IN, generator=g)).to(device)
+        y = torch.randint(0, CLASSES, (N,), generator=g).to(device)
+
+        def engine(model):
+            return DPEngine(model, "dpsgd", n=N, batch_size=4.0, steps=8, noise_multiplier=2.0, accountant="rdp",
+                            noise_seed=0, bands=3, bands_strategy=strategy,
+                            config=AlgoConfig(lr=0.1, clip=0.5, momentum=0.9))
+        torch.manual_seed(0)
+        model = tiny_cnn().to(device)
+        eng = engine(model)
+        for t in range(8):
+            if t == resume_after:
+                state = {k: v for k, v in eng.state_dict().items()}
+                state = torch.utils._pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, state)
+                fresh = tiny_cnn().to(device)
+                fresh.load_state_dict(model.state_dict())
+                eng, model = engine(fresh), fresh
+                eng.load_state_dict(state)
+            idx = eng.sampler.sample()
+            eng.step(x[idx.to(device)], y[idx.to(device)], idx)
+        return params_of(model)
+    cpu = run(torch.device("cpu"))
+    assert torch.allclose(run(CUDA), cpu, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(run(CUDA, resume_after=4), cpu, rtol=1e-4, atol=1e-5)

@@ -230,7 +230,7 @@ def test_account_and_calibrate_take_bands(capsys):
     assert 2.97 < acc.get_epsilon(1e-5) <= 3.0
     assert main(["account", *args, "--noise-multiplier", "1.5", "--bands", "8", "--algo", "dice",
                  "--batch-size", "30"]) != 0
-    assert "--bands applies to --algo dpsgd" in capsys.readouterr().err
+    assert "--bands and --bands-strategy apply to --algo dpsgd" in capsys.readouterr().err
 
 
 def test_a_failed_banded_step_is_retried_with_its_own_batch_and_another_class_is_refused():

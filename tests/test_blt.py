@@ -266,3 +266,21 @@ def test_under_torchrun_every_rank_uses_rank_0s_blt_strategy(tmp_path):
     _spawn(_blt_on_rank, str(tmp_path / "c"))
     got = [torch.load(tmp_path / f"c.{r}") for r in range(2)]
     assert got[0] == got[1] == blt.optimized(63, 4, 0.9).to_dict()
+
+
+def test_account_and_calibrate_take_blt_noise(capsys):
+    """At the planned T the strategy has sensitivity 1: the Gaussian mechanism's epsilon and multiplier."""
+    import json
+
+    from clipbias.cli import main
+    args = ["--sample-rate", "0.03", "--steps", "90", "--delta", "1e-5", "--bands", "33", "--bands-strategy", "blt",
+            "--json"]
+    assert main(["account", *args, "--noise-multiplier", "1.5"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["epsilon"] == pytest.approx(_gauss_epsilon(1 / 1.5, 1e-5), rel=1e-6) and "BLT noise" in got["basis"]
+    assert main(["calibrate", *args, "--epsilon", "3"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert 2.99 < _gauss_epsilon(1 / got["noise_multiplier"], 1e-5) <= 3.0
+    assert main(["calibrate", "--sample-rate", "0.03", "--steps", "90", "--delta", "1e-5", "--bands-strategy", "blt",
+                 "--epsilon", "3"]) != 0
+    assert "needs --bands >= 2" in capsys.readouterr().err

@@ -29,6 +29,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bands", type=int, default=1, metavar="b",
                    help="dpsgd with b-banded noise (train --bands): the subsampled Gaussian at rate b*q for "
                         "ceil(T/b) steps (default 1)")
+    p.add_argument("--bands-strategy", choices=("taylor", "optimized", "blt"), default="taylor",
+                   help="taylor and optimized (train --bands-strategy) share the banded accounting; blt: BLT noise "
+                        "in b classes (train --bands b --bands-strategy blt), the Gaussian mechanism at the "
+                        "strategy's sensitivity, normalised to 1 at these T steps (no amplification)")
     g = p.add_argument_group("DiceSGD (--algo dice)")
     g.add_argument("--clip", type=float, default=1.0, metavar="C1", help="per-example clip C1 (default 1)")
     g.add_argument("--ef-clip", type=float, default=None, metavar="C2",
@@ -62,9 +66,17 @@ def _spec(args: argparse.Namespace, z: float) -> AccountingSpec:
         from ..algorithms.bands import banded_spec
         from ..sampling.poisson import check_bands
         check_bands(args.bands, q)
-        return banded_spec(AccountingSpec("gaussian", q, z, "per-example L2 sensitivity C (clip)"), args.bands)
-    if args.bands != 1:
-        raise ConfigError("--bands applies to --algo dpsgd (banded noise is not accounted for DiceSGD)")
+        shape = None
+        if args.bands_strategy == "blt":
+            from ..algorithms.bands import band_coefficients
+            # the strategy is normalised to sensitivity 1 at T steps: the epsilon after T steps is the same
+            # for any momentum it is shaped for
+            shape = band_coefficients(args.bands, 0.0, "blt", args.steps)
+        return banded_spec(AccountingSpec("gaussian", q, z, "per-example L2 sensitivity C (clip)"), args.bands,
+                           shape)
+    if args.bands != 1 or args.bands_strategy != "taylor":
+        raise ConfigError("--bands and --bands-strategy apply to --algo dpsgd (banded and BLT noise are not "
+                          "accounted for DiceSGD)")
     check_positive(args.clip, "clip")
     if args.ef_clip is not None:
         check_positive(args.ef_clip, "ef_clip")

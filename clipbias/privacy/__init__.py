@@ -120,8 +120,13 @@ def account(spec: AccountingSpec, steps: int, delta: float, accountant: str = "p
         gaussian.check_noise(spec.noise_multiplier)
         check_steps(t)
         if spec.blt:
-            rep = gaussian.report(spec.multiplier(steps), q, t, delta, accountant, spec.note)
-            return replace(rep, noise_multiplier=spec.noise_multiplier)
+            sens = spec.blt_sensitivity(steps)
+            rep = gaussian.report(spec.multiplier(steps), q, t, delta, accountant)
+            how = ("exact: mu-GDP with mu = Delta / z (Balle & Wang 2018; Dong, Roth & Su 2019)" if accountant == "pld"
+                   else rep.basis)
+            basis = (f"the {steps} steps as one Gaussian mechanism at noise multiplier z / Delta = "
+                     f"{spec.multiplier(steps):.6g} (Delta({steps}) = {sens:.6g}), {how}; {spec.note}")
+            return replace(rep, noise_multiplier=spec.noise_multiplier, basis=basis)
         return gaussian.report(spec.noise_multiplier, q, t, delta, accountant, spec.note)
     if spec.kind == "dice":
         _check_dice_method(spec, dice_accounting)

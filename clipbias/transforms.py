@@ -365,8 +365,8 @@ class BLTNoise(GaussianNoise):
         b = self.blt
         self.sums, self.out_sums = _on(v.device, self.sums), _on(v.device, self.out_sums)  # a loaded state: CPU
         v64 = v.to(torch.float64, copy=True)  # kept: never an alias of the caller's tensor
-        mixed = v64.clone()
-        for w, s in zip(b.omegas, self.sums):
+        mixed = v64.clone() if not self.sums else torch.add(v64, self.sums[0], alpha=b.omegas[0])
+        for w, s in zip(b.omegas[1:], self.sums[1:]):
             mixed.add_(s, alpha=w)
         y = snapped_gaussian(mixed.mul_(b.scale), self.std, self.key, self.draws)  # the release
         g = y.div_(b.scale)
@@ -384,8 +384,8 @@ class BLTNoise(GaussianNoise):
             self.sums = [torch.zeros_like(v64) for _ in self.blt.thetas]
             self.out_sums = [torch.zeros_like(g) for _ in self.blt.thetas]
         for th, s, r in zip(self.blt.thetas, self.sums, self.out_sums):
-            s.mul_(th).add_(v64)
-            r.mul_(th).add_(g)
+            torch.add(v64, s, alpha=th, out=s)  # s <- theta s + v, one pass
+            torch.add(g, r, alpha=th, out=r)
 
     def state_dict(self) -> dict:
         return {"draws": self.draws, "strategy": "blt", "blt": self.blt.to_dict(),

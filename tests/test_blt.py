@@ -284,3 +284,16 @@ def test_account_and_calibrate_take_blt_noise(capsys):
     assert main(["calibrate", "--sample-rate", "0.03", "--steps", "90", "--delta", "1e-5", "--bands-strategy", "blt",
                  "--epsilon", "3"]) != 0
     assert "needs --bands >= 2" in capsys.readouterr().err
+
+
+def test_the_accounted_sensitivity_is_rounded_up_above_the_exact_sum():
+    """``BLT.sensitivity`` adds the float64 sums' worst rounding: it is never below sum |X| computed in
+    extended precision, and above it by less than 1e-10 (what that costs in epsilon)."""
+    for omegas, thetas, k, t in (((0.3, -0.2), (0.9, 0.5), 5, 200), ((1.0, 0.5), (0.99, 0.3), 3, 300)):
+        s = blt.normalised(omegas, thetas, k, t)
+        c = np.array(s.column(t), dtype=np.longdouble)
+        dense = np.array([[c[i - j] if i >= j else 0 for j in range(t)] for i in range(t)], dtype=np.longdouble)
+        x = np.abs(dense.T @ dense)
+        exact = max(x[np.ix_(range(l, t, k), range(l, t, k))].sum() for l in range(k))
+        got = np.longdouble(s.sensitivity(t)) ** 2
+        assert exact <= got <= exact * (1 + 1e-10)

@@ -20,8 +20,10 @@ its participating steps (a subset of class l's) and 0 elsewhere. With ``X = C^T 
 
 for every subset of participations and every choice of directions, so the sensitivity is ``Delta(t) =
 sqrt(max_l S_l(t)) C / B`` (attained when C >= 0 entrywise, all u equal, every step of the class
-taken). Adaptive choice of the u (each a function of the releases before it) does not change that for
-a lower-triangular C with Gaussian noise (Denisov, McMahan, Rush, Smith, Thakurta 2022, Thm 2.1), and a
+taken). Adaptive choice of the u (each a function of the releases before it) does not change that: the
+squared mean shifts of the releases add up to at most Delta(t)^2 on every path, a fully adaptive
+composition of Gaussian mechanisms (Smith & Thakurta 2022; for a lower-triangular C, Denisov, McMahan,
+Rush, Smith, Thakurta 2022, Thm 2.1), and a
 data-independent mixture over x's class and inclusion bits is no less private than its worst member
 (joint convexity of the hockey-stick divergence): the releases of t steps are the Gaussian mechanism at
 noise multiplier ``z / (Delta(t) B / C)``. No amplification by sampling is claimed: choose k = floor(1 /
@@ -30,7 +32,8 @@ a run longer than planned is accounted at its own, larger Delta(t).
 
 Coefficients: (omega, theta) that minimise ``Delta(T)^2 ||A C^{-1}||_F^2``, the expected total squared
 error of the T iterates for the workload A of SGD with momentum (``band_strategy.workload``), with the
-sensitivity above (Nelder-Mead from fixed starts, then polished; cached like the optimised bands).
+sensitivity above (Nelder-Mead over omega and the logit of theta from four fixed starts, ``|omega| <=
+OMEGA_MAX``; cached like the optimised bands).
 """
 
 from __future__ import annotations

@@ -41,4 +41,9 @@ def blt_sensitivity(scale: float, omegas, thetas, classes: int, steps: int) -> f
 
 @functools.lru_cache(maxsize=256)
 def _sensitivity(scale: float, omegas: tuple, thetas: tuple, classes: int, steps: int) -> float:
-    return math.sqrt(float(class_sums(blt_column(scale, omegas, thetas, steps), classes).max()))
+    c = blt_column(scale, omegas, thetas, steps)
+    # rounded up: every S_l is a float64 sum of at most steps + (steps / classes + 1)^2 rounded terms, so its
+    # error is within gamma_n of the same sums of absolute values (the class sums of |c|)
+    n = steps + (steps // classes + 1) ** 2 + 4
+    gamma = 1.01 * n * 2.0 ** -53
+    return math.sqrt(float((class_sums(c, classes) + gamma * class_sums(np.abs(c), classes)).max()))

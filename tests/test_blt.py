@@ -297,3 +297,12 @@ def test_the_accounted_sensitivity_is_rounded_up_above_the_exact_sum():
         exact = max(x[np.ix_(range(l, t, k), range(l, t, k))].sum() for l in range(k))
         got = np.longdouble(s.sensitivity(t)) ** 2
         assert exact <= got <= exact * (1 + 1e-10)
+
+
+def test_fewer_classes_than_one_over_q_are_taken_with_a_warning():
+    with pytest.warns(UserWarning, match=r"bands = floor\(1 / q\) = 8"):
+        _engine(bands=4)  # q = 50 / 400
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _engine(bands=8)

@@ -66,6 +66,19 @@ def band_coefficients(bands: int, momentum: float = 0.0, strategy: str = "taylor
     return distributed.from_rank0(lambda: optimized(bands, steps, momentum))
 
 
+def blt_classes_warning(bands: int, sample_rate: float) -> str | None:
+    """With BLT noise, a warning when fewer classes than floor(1 / q) are asked for: the accounting claims no
+    amplification, so every example's participations count as taken, and more classes would give each
+    example fewer of them (less noise for the same epsilon)."""
+    import math
+    best = math.floor(1 / sample_rate + 1e-9)
+    if bands < best:
+        return (f"BLT noise with `bands={bands}` classes at sample rate {sample_rate:.4g}: its accounting counts every "
+                f"step of an example's class as a participation (no amplification), so bands = floor(1 / q) = "
+                f"{best} (one step per epoch) needs less noise for the same epsilon")
+    return None
+
+
 BandedNoise = GaussianNoise  # the noise stage is one type: ``GaussianNoise(std, key, coefs, strategy)``
 
 

@@ -10,6 +10,7 @@ accounted like any other.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from .. import algorithms, privacy
-from ..algorithms.bands import band_coefficients, check_strategy
+from ..algorithms.bands import band_coefficients, blt_classes_warning, check_strategy
 from ..data import batch
 from .. import distributed
 from ..data.batch import Batch
@@ -140,6 +141,8 @@ class DPEngine:
         self.total_steps, self.delta = steps, delta
         # the noise's coefficients (or BLT strategy: the accounting reads it), before the noise is calibrated
         self.noise_shape = band_coefficients(bands, self.algo.workload_momentum(self.config), bands_strategy, steps)
+        if bands_strategy == "blt" and (why := blt_classes_warning(bands, self.sample_rate)):
+            warnings.warn(why, stacklevel=2)
         # in a process group every rank holds rank 0's key: one global sample, one noise draw
         self.key = distributed.broadcast_key(SecretKey.of(noise_seed))
         self.key.adopt(self)

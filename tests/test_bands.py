@@ -180,10 +180,10 @@ def test_a_run_resumed_with_other_bands_is_refused():
     assert fresh.steps_taken == 0
 
 
-@pytest.mark.parametrize("strategy", ["taylor", "optimized"])
+@pytest.mark.parametrize("strategy", ["taylor", "optimized", "blt"])
 def test_a_banded_run_interrupted_and_resumed_equals_the_uninterrupted_run(tmp_path, strategy):
     """The classes, the sampler's step and the stage's buffers are in the checkpoint: a resumed run
-    makes the same model bit for bit (digits, 3 epochs of 21 steps, b = 4)."""
+    makes the same model bit for bit (digits, 3 epochs of 21 steps, b = 4; BLT noise in 4 classes too)."""
     import dataclasses
 
     from clipbias.algorithms.band_strategy import optimized
@@ -201,7 +201,13 @@ def test_a_banded_run_interrupted_and_resumed_equals_the_uninterrupted_run(tmp_p
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     assert resumed["test_accuracy"] == full["test_accuracy"] and resumed["epsilon"] == full["epsilon"]
-    assert "4-banded noise" in full["basis"] and full["certified"] is False  # a seeded run: not certified
+    assert full["certified"] is False  # a seeded run: not certified
+    if strategy == "blt":
+        from clipbias.algorithms import blt
+        assert "BLT noise" in full["basis"]
+        assert a["engine"]["pipeline"]["noise"]["blt"] == blt.optimized(63, 4, 0.9).to_dict()
+        return
+    assert "4-banded noise" in full["basis"]
     want = coefficients(4, 0.9) if strategy == "taylor" else optimized(4, 63, 0.9)  # 3 epochs of 21 steps
     assert tuple(a["engine"]["pipeline"]["noise"]["coefs"]) == want
 

@@ -2,7 +2,7 @@
 applied (a KeyboardInterrupt there; injected by wrapping ``optimizer.zero_grad`` or ``rows.commit``) must not
 let a later step reuse the step's noise draw or release a class at another class's noise position.
 Otherwise the reused draw cancels exactly in the difference of the two updates, and the shifted classes
-give mu 0.608 against the accounted 0.500 (b = 4, T = 16, z = 4)."""
+give mu 0.608 against the accounted 0.500 (b = 4, T = 16, z = 4). BLT noise (``bands_strategy="blt"``) the same."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ from clipbias.errors import ClipbiasError
 B, M, T = 4, 32, 12
 
 
+@pytest.mark.parametrize("strategy", ["taylor", "blt"])
 @pytest.mark.parametrize("where", ["zero_grad", "rows.commit"])
-def test_an_exception_while_committing_a_step_never_reuses_a_draw_or_shifts_the_classes(where):
+def test_an_exception_while_committing_a_step_never_reuses_a_draw_or_shifts_the_classes(where, strategy):
     x = torch.eye(M)
     e = DPEngine(Coordinates(M), "dpsgd", n=M, batch_size=M / (2 * B), steps=T, noise_multiplier=4.0, noise_seed=0,
-                 loss_fn=lambda out, y: out.sum(), grad_path="rows", bands=B)
+                 loss_fn=lambda out, y: out.sum(), grad_path="rows", bands=B, bands_strategy=strategy)
     target, name = (e.optimizer, "zero_grad") if where == "zero_grad" else (e.rows, "commit")
     real, calls = getattr(target, name), [0]
 

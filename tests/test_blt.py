@@ -209,26 +209,6 @@ def test_the_optimised_strategy_is_cached_and_a_damaged_entry_costs_only_time(tm
     assert blt.optimized(50, 5, 0.9) == first
 
 
-def test_a_blt_run_interrupted_and_resumed_equals_the_uninterrupted_run(tmp_path):
-    import dataclasses
-
-    from clipbias.run.training import TrainConfig, load_checkpoint, prepare_splits, train
-    from tests.interrupt import interrupt_after_first_epoch
-    cfg = TrainConfig(data="digits", model="logreg", algo="dpsgd", epsilon=3.0, epochs=3, batch_size=64,
-                      lr=0.5, clip=1.0, momentum=0.9, bands=20, bands_strategy="blt", reproducible_noise=True,
-                      out=str(tmp_path / "a"))
-    splits = prepare_splits(cfg)
-    full = train(cfg, splits=splits)
-    cfg_b = dataclasses.replace(cfg, out=str(tmp_path / "b"))
-    interrupt_after_first_epoch(cfg_b, splits)
-    resumed = train(dataclasses.replace(cfg_b, resume=True), splits=splits)
-    a, b = load_checkpoint(tmp_path / "a"), load_checkpoint(tmp_path / "b")
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    assert resumed["test_accuracy"] == full["test_accuracy"] and resumed["epsilon"] == full["epsilon"]
-    assert "BLT noise" in full["basis"] and a["engine"]["pipeline"]["noise"]["strategy"] == "blt"
-
-
 def test_a_resumed_engine_accounts_with_the_strategy_its_noise_stage_loaded():
     """A strategy recomputed on another machine may differ in its last bits: the run goes on with the
     saved one, and the accounting reads that one."""

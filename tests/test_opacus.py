@@ -387,25 +387,32 @@ def test_from_the_second_batch_the_forward_takes_the_step_and_returns_its_output
     assert seen[0] == 0 and seen[1:] == list(range(2, len(seen) + 1)) and pe.privacy_report().certified
 
 
-def test_make_private_takes_banded_noise_with_optimised_coefficients():
-    """``bands_strategy`` reaches the engine: the noise stage holds the coefficients the optimiser gives for
-    the run's steps and the base SGD's momentum; an open-ended run (no length) cannot have them."""
-    from clipbias.algorithms import band_strategy
-    x, y = torch.randn(256, 5), torch.randint(0, 3, (256,))
+def _trained_with_epsilon(x, y, **kw):
+    """``make_private_with_epsilon`` (epsilon 3, 2 epochs of batches of 32, SGD momentum 0.9) with ``kw``, then
+    one pass of training: the PrivacyEngine."""
     m = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     pe = clipbias.PrivacyEngine()
     model, opt, dl = pe.make_private_with_epsilon(module=m, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y),
                                                   batch_size=32), target_epsilon=3, target_delta=1e-5, epochs=2,
-                                                  max_grad_norm=1.0, bands=2, bands_strategy="optimized")
-    noise = pe.engine.pipeline.noise
-    assert noise.strategy == "optimized"
-    assert noise.coefs == pytest.approx(band_strategy.optimized(2, pe.engine.total_steps, 0.9), abs=1e-12)
-    assert noise.coefs != pytest.approx(band_strategy.optimized(2, pe.engine.total_steps, 0.0), abs=1e-6)
+                                                  max_grad_norm=1.0, **kw)
     for xb, yb in dl:
         opt.zero_grad()
         nn.functional.cross_entropy(model(xb), yb).backward()
         opt.step()
+    return pe
+
+
+def test_make_private_takes_banded_noise_with_optimised_coefficients():
+    """``bands_strategy`` reaches the engine: the noise stage holds the coefficients the optimiser gives for
+    the run's steps and the base SGD's momentum; an open-ended run (no length) cannot have them."""
+    from clipbias.algorithms import band_strategy
+    x, y = torch.randn(256, 5), torch.randint(0, 3, (256,))
+    pe = _trained_with_epsilon(x, y, bands=2, bands_strategy="optimized")
+    noise = pe.engine.pipeline.noise
+    assert noise.strategy == "optimized"
+    assert noise.coefs == pytest.approx(band_strategy.optimized(2, pe.engine.total_steps, 0.9), abs=1e-12)
+    assert noise.coefs != pytest.approx(band_strategy.optimized(2, pe.engine.total_steps, 0.0), abs=1e-6)
     assert pe.engine.steps_taken > 0 and pe.engine.privacy().certified
     m2 = nn.Linear(5, 3)
     with pytest.raises(ConfigError):
@@ -419,18 +426,8 @@ def test_make_private_with_epsilon_takes_blt_noise():
     """``bands_strategy="blt"`` through the Opacus interface: the engine's noise stage is BLT noise for the
     run's steps in ``bands`` classes, the accounting is its Gaussian mechanism, and training proceeds."""
     from clipbias.transforms import BLTNoise
-    x, y = torch.randn(256, 5), torch.randint(0, 3, (256,))
-    m = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))
-    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-    pe = clipbias.PrivacyEngine()
-    model, opt, dl = pe.make_private_with_epsilon(module=m, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y),
-                                                  batch_size=32), target_epsilon=3, target_delta=1e-5, epochs=2,
-                                                  max_grad_norm=1.0, bands=8, bands_strategy="blt")
+    pe = _trained_with_epsilon(torch.randn(256, 5), torch.randint(0, 3, (256,)), bands=8, bands_strategy="blt")
     noise = pe.engine.pipeline.noise
     assert isinstance(noise, BLTNoise) and noise.blt.classes == 8 and noise.blt.steps == pe.engine.total_steps
-    for xb, yb in dl:
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(xb), yb).backward()
-        opt.step()
     rep = pe.engine.privacy()
     assert pe.engine.steps_taken > 0 and rep.certified and "BLT noise" in rep.basis and rep.epsilon <= 3

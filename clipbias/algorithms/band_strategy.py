@@ -22,10 +22,7 @@ and never worse than the Taylor coefficients themselves.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-from pathlib import Path
 
 import numpy as np
 from scipy.optimize import minimize
@@ -99,13 +96,6 @@ def optimize(bands: int, steps: int, momentum: float = 0.0, start=None) -> tuple
 _FILE = "band_strategies.json"
 
 
-def _digest() -> str:
-    import scipy
-    h = hashlib.sha256(Path(__file__).read_bytes())
-    h.update(scipy.__version__.encode())
-    return h.hexdigest()[:16]
-
-
 def _valid(v, bands: int, steps: int, momentum: float) -> bool:
     """A cached entry is used only if it is a unit-norm strategy with c_0 > 0 of the right length and
     no worse than the Taylor coefficients (so a damaged file costs time, never privacy or accuracy)."""
@@ -119,27 +109,10 @@ def _valid(v, bands: int, steps: int, momentum: float) -> bool:
 def optimized(bands: int, steps: int, momentum: float = 0.0) -> tuple[float, ...]:
     """``optimize(bands, steps, momentum)``, cached on disk next to the calibrations
     (``clipbias.privacy.cache``: ``$CLIPBIAS_CACHE``, ``CLIPBIAS_CACHE=off`` disables it)."""
-    from ..privacy.cache import _directory
-    folder = _directory()
-    if folder is None or bands == 1:
+    from ..privacy.cache import memo, module_digest
+    if bands == 1:
         return optimize(bands, steps, momentum)
-    key = hashlib.sha256(json.dumps({"bands": bands, "steps": steps, "momentum": float(momentum), "error": "total",
-                                     "code": _digest()}, sort_keys=True).encode()).hexdigest()
-    path = folder / _FILE
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
-    table = table if isinstance(table, dict) else {}
-    if _valid(table.get(key), bands, steps, momentum):
-        return tuple(table[key])
-    c = optimize(bands, steps, momentum)
-    try:
-        from ..files import atomic_write
-        folder.mkdir(parents=True, exist_ok=True)
-        table[key] = list(c)
-        data = (json.dumps(table) + "\n").encode()
-        atomic_write(path, lambda fh: fh.write(data))
-    except OSError:  # a cache that cannot be written is only slower
-        pass
-    return c
+    key = {"bands": bands, "steps": steps, "momentum": float(momentum), "error": "total",
+           "code": module_digest(__file__)}
+    return memo(_FILE, key, lambda: optimize(bands, steps, momentum),
+                lambda v: tuple(v) if _valid(v, bands, steps, momentum) else None, list)

@@ -38,11 +38,8 @@ OMEGA_MAX``; cached like the optimised bands).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from scipy.optimize import minimize
@@ -179,44 +176,19 @@ def normalised(omegas: tuple[float, ...], thetas: tuple[float, ...], classes: in
 _FILE = "blt_strategies.json"
 
 
-def _digest() -> str:
-    import scipy
-    h = hashlib.sha256(Path(__file__).read_bytes())
-    h.update(scipy.__version__.encode())
-    return h.hexdigest()[:16]
-
-
 def optimized(steps: int, classes: int, momentum: float = 0.0) -> BLT:
     """``optimize(steps, classes, momentum)``, cached on disk next to the calibrations (``$CLIPBIAS_CACHE``;
     ``CLIPBIAS_CACHE=off`` disables it). Only (omega, theta) are read back: the scale, hence the
     sensitivity, is always recomputed here, so a damaged file costs accuracy at most, never privacy."""
-    from ..privacy.cache import _directory
-    folder = _directory()
-    if folder is None:
-        return optimize(steps, classes, momentum)
-    key = hashlib.sha256(json.dumps({"steps": steps, "classes": classes, "momentum": float(momentum),
-                                     "buffers": BUFFERS, "code": _digest()}, sort_keys=True).encode()).hexdigest()
-    path = folder / _FILE
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
-    table = table if isinstance(table, dict) else {}
-    entry = table.get(key)
-    try:
-        if isinstance(entry, dict) and len(entry.get("omegas", ())) == BUFFERS:
-            om, th = tuple(float(w) for w in entry["omegas"]), tuple(float(t) for t in entry["thetas"])
-            if math.isfinite(objective(om, th, steps, classes, momentum)):
-                return normalised(om, th, classes, steps)
-    except (ConfigError, TypeError, ValueError, KeyError):
-        pass
-    blt = optimize(steps, classes, momentum)
-    try:
-        from ..files import atomic_write
-        folder.mkdir(parents=True, exist_ok=True)
-        table[key] = {"omegas": list(blt.omegas), "thetas": list(blt.thetas)}
-        data = (json.dumps(table) + "\n").encode()
-        atomic_write(path, lambda fh: fh.write(data))
-    except OSError:  # a cache that cannot be written is only slower
-        pass
-    return blt
+    from ..privacy.cache import memo, module_digest
+
+    def load(entry) -> BLT | None:
+        if not (isinstance(entry, dict) and len(entry.get("omegas", ())) == BUFFERS):
+            return None
+        om, th = tuple(float(w) for w in entry["omegas"]), tuple(float(t) for t in entry["thetas"])
+        return normalised(om, th, classes, steps) if math.isfinite(objective(om, th, steps, classes, momentum)) \
+            else None
+    key = {"steps": steps, "classes": classes, "momentum": float(momentum), "buffers": BUFFERS,
+           "code": module_digest(__file__)}
+    return memo(_FILE, key, lambda: optimize(steps, classes, momentum), load,
+                lambda b: {"omegas": list(b.omegas), "thetas": list(b.thetas)})

@@ -3,8 +3,8 @@
 Two caches, both safe to delete (everything in them is recomputed on demand): decoded data and
 scattering features (``$CLIPBIAS_CACHE_DIR`` or ``~/.cache/clipbias``: Fashion-MNIST tensors, and
 per split the scattering features of the scatter models, about 1.4 GB after the default
-``clipbias compare``), and calibrated noise multipliers and optimised band coefficients (``$CLIPBIAS_CACHE`` or
-``$XDG_CACHE_HOME/clipbias``, two small JSON files; ``CLIPBIAS_CACHE=off`` disables them). ``--clear``
+``clipbias compare``), and calibrated noise multipliers, optimised band coefficients and BLT strategies (``$CLIPBIAS_CACHE`` or
+``$XDG_CACHE_HOME/clipbias``, three small JSON files; ``CLIPBIAS_CACHE=off`` disables them). ``--clear``
 removes only the files clipbias writes there, nothing else in those folders.
 """
 
@@ -22,9 +22,9 @@ def cached_files() -> list[Path]:
     from ..privacy import cache as calibration_cache
     data = cache_dir()
     files = sorted(data.glob("fashion-mnist-*.pt")) + sorted((data / "scatter").glob("*.pt"))
-    from ..algorithms import band_strategy
+    from ..algorithms import band_strategy, blt
     folder = calibration_cache._directory()
-    for name in (calibration_cache._FILE, band_strategy._FILE):
+    for name in (calibration_cache._FILE, band_strategy._FILE, blt._FILE):
         if folder is not None and (folder / name).is_file():
             files.append(folder / name)
     return files

@@ -18,7 +18,9 @@ import json
 import os
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, TypeVar
+
+from ..errors import ClipbiasError
 
 _FILE = "calibrations.json"
 
@@ -46,26 +48,50 @@ def _code_digest() -> str:
 
 def cached(key: dict, compute: Callable[[], float], verify: Callable[[float], bool]) -> float:
     """``compute()`` unless the cache holds a value for ``key`` that passes ``verify``; stores it."""
+    def load(v) -> float | None:
+        return float(v) if isinstance(v, (int, float)) and v > 0 and verify(float(v)) else None
+    return memo(_FILE, {**key, "code": _code_digest()}, compute, load)
+
+
+T = TypeVar("T")
+
+
+def memo(file: str, key: dict, compute: Callable[[], T], load: Callable[[Any], T | None],
+         dump: Callable[[T], Any] = lambda v: v) -> T:
+    """The JSON table ``file`` in the cache folder, keyed by a digest of ``key``: what ``load`` makes of the
+    stored entry (None, or an error it raises: not usable), else ``compute()``, stored as ``dump`` of it.
+    The calibrations and the optimised noise strategies (``band_strategy``, ``blt``) use it."""
     folder = _directory()
     if folder is None:
         return compute()
-    k = hashlib.sha256(json.dumps({**key, "code": _code_digest()}, sort_keys=True).encode()).hexdigest()
-    path = folder / _FILE
+    k = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    path = folder / file
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError):
         table = {}
-    v = table.get(k) if isinstance(table, dict) else None
-    if isinstance(v, (int, float)) and v > 0 and verify(float(v)):
-        return float(v)
-    z = compute()
+    table = table if isinstance(table, dict) else {}
+    try:
+        got = load(table.get(k))
+    except (ClipbiasError, TypeError, ValueError, KeyError):  # a damaged entry costs time, nothing else
+        got = None
+    if got is not None:
+        return got
+    v = compute()
     try:
         from ..files import atomic_write
         folder.mkdir(parents=True, exist_ok=True)
-        table = table if isinstance(table, dict) else {}
-        table[k] = z
+        table[k] = dump(v)
         data = (json.dumps(table) + "\n").encode()
         atomic_write(path, lambda fh: fh.write(data))
     except OSError:  # a cache that cannot be written is only slower
         pass
-    return z
+    return v
+
+
+def module_digest(path: str) -> str:
+    """A digest of one module's source and the scipy version (what an optimised strategy depends on)."""
+    import scipy
+    h = hashlib.sha256(Path(path).read_bytes())
+    h.update(scipy.__version__.encode())
+    return h.hexdigest()[:16]

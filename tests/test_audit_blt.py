@@ -13,6 +13,7 @@ import torch
 
 from clipbias.algorithms import blt
 from clipbias.audit.blt import BLTAudit, blt_audit, contribution, dense, engine_for, outputs, worst_signs
+from clipbias.errors import ConfigError
 from clipbias.privacy.pld import gaussian_exact_epsilon
 from clipbias.randomness import Purpose, SecretKey, normals
 from clipbias.randomness.noise import noise_grid
@@ -76,3 +77,31 @@ def test_the_worst_signs_are_found_and_all_plus_when_c_is_nonnegative():
     b = blt.optimize(40, 4, 0.9)
     assert b.column(40).min() >= 0
     assert (contribution(b, BLTAudit(4, 40, 1.0, 3, signs="worst")) == contribution(b, BLTAudit(4, 40, 1.0, 3))).all()
+
+
+def test_the_cli_audits_blt_noise_in_the_canary_and_the_white_box_one_run_modes(capsys):
+    """``clipbias audit --bands 4 --bands-strategy blt``: the canary mode runs the mechanism-level audit, the
+    one-run-ideal mode the engine with BLT noise (the canaries' classes unknown to the adversary); neither
+    refutes the engine's claim, which is the Gaussian mechanism's at mu = 1 / z."""
+    import json
+
+    from clipbias.cli import main
+    common = ["audit", "--algo", "dpsgd", "--noise-multiplier", "1.0", "--sample-rate", "0.25", "--steps", "40",
+              "--bands", "4", "--bands-strategy", "blt", "--json"]
+    assert main([*common, "--mode", "canary", "--trials", "5000", "--seed", "3"]) == 0
+    canary = json.loads(capsys.readouterr().out)
+    assert canary["mode"] == "blt-mechanism" and not canary["refuted"]
+    assert canary["epsilon_claimed"] == pytest.approx(gaussian_exact_epsilon(1.0, 1, 1e-5), rel=1e-6)
+    assert main([*common, "--mode", "one-run-ideal", "--batch-size", "100", "--canaries", "2000"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["bands_strategy"] == "blt" and not one["refuted"] and one["score_gap"] > 0.3
+    assert one["epsilon_claimed"] == pytest.approx(canary["epsilon_claimed"], rel=1e-9)
+    assert main([*common, "--mode", "one-run"]) != 0
+    assert "audit it with --mode canary (blt) or one-run-ideal" in capsys.readouterr().err
+
+
+def test_the_simulated_canary_audit_refuses_a_strategy_it_does_not_simulate():
+    from clipbias.audit import CanaryAudit, canary_audit
+    with pytest.raises(ConfigError, match="Taylor coefficients"):
+        canary_audit(CanaryAudit(algo="dpsgd", noise_multiplier=1.0, sample_rate=0.25, steps=8, batch_size=4.0,
+                                 bands=4, bands_strategy="blt", trials=10))

@@ -152,6 +152,24 @@ def scores(g: torch.Tensor, blt: BLT, a: np.ndarray, std: float) -> np.ndarray:
     return ((ca @ y) / (std * float(ca.norm()))).numpy()
 
 
+def blt_statistic(u: torch.Tensor, signs: np.ndarray, blt: BLT, std: float, bound: float) -> torch.Tensor:
+    """The white-box one-run audit's score of every coordinate (``audit.white_box``) under BLT noise, the
+    canary's class unknown: the releases ``y = C u`` recovered from the updates u (T x m), and for each class
+    l the matched statistic ``(C a_l)^T y / (std ||C a_l||)`` of the contribution ``a_l`` (the signs times
+    the bound at the steps of class l); the score is the largest over the classes."""
+    steps = u.shape[0]
+    c = torch.from_numpy(dense(blt, steps))
+    y = c @ u.double()
+    t = np.arange(steps)
+    best = None
+    for cls in range(min(blt.classes, steps)):
+        a = torch.from_numpy(np.where(t % blt.classes == cls, signs[:steps] * bound, 0.0))
+        ca = c @ a
+        z = (ca @ y) / (std * float(ca.norm()))
+        best = z if best is None else torch.maximum(best, z)
+    return best
+
+
 def world_scores(audit: BLTAudit, blt: BLT, std: float, a: np.ndarray, world: int) -> np.ndarray:
     """The scores of ``audit.runs`` runs of world 0 (no canary) or 1 (the canary ``a``), ``CHUNK`` runs per
     stage, each stage under a fresh key (``SecretKey.generate()``, or ``audit.seed``'s derived ones)."""

@@ -70,6 +70,7 @@ class CanaryAudit:
     bands: int = 1                        # banded noise (``clipbias.algorithms.bands``): b bands, b classes
     band_class: int | None = None         # the canary's class, known to the adversary (None: drawn per run)
     band_momentum: float = 0.0            # the momentum the band coefficients are shaped for
+    bands_strategy: str = "taylor"        # taylor (canary mode); blt: BLT noise (white-box one-run mode only)
 
     def __post_init__(self) -> None:
         check_positive(self.noise_multiplier, "noise_multiplier")
@@ -96,6 +97,10 @@ class CanaryAudit:
         if self.band_class is not None and not (isinstance(self.band_class, int) and 0 <= self.band_class < self.bands):
             raise ConfigError(f"`band_class` must be a whole number in [0, `bands`) = [0, {self.bands}), "
                               f"got {self.band_class!r}")
+        from ..algorithms.bands import check_strategy
+        check_strategy(self.bands_strategy)
+        if self.bands_strategy == "blt" and self.bands < 2:
+            raise ConfigError("`bands_strategy='blt'` needs `bands` >= 2 participation classes")
         if self.bands > 1 and self.anti_norm is not None:
             raise ConfigError("`CanaryAudit.anti_norm` drives hidden state across steps; the bandable algorithms have none: "
                               "audit banded noise without it")
@@ -278,6 +283,10 @@ def claim(audit: CanaryAudit) -> privacy.PrivacyReport:
 
 def canary_audit(audit: CanaryAudit, *, progress: bool = False) -> dict:
     """Run the canary audit and compare with the claim. Returns the JSON-able result."""
+    if audit.bands_strategy != "taylor":
+        raise ConfigError(f"the canary audit simulates banded noise with the Taylor coefficients, not "
+                          f"`bands_strategy='{audit.bands_strategy}'`: audit BLT noise with clipbias.audit.blt.blt_audit "
+                          f"(or the white-box one-run audit)")
     rep = claim(audit)
     null = simulate(audit, False, progress=progress)
     alt = simulate(audit, True, progress=progress)

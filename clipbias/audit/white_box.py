@@ -93,7 +93,7 @@ def white_box_one_run(audit: CanaryAudit, canaries: int = 1000) -> dict:
     engine = DPEngine(model, audit.algo, n=len(ids), batch_size=batch, steps=audit.steps,
                       noise_multiplier=audit.noise_multiplier, delta=audit.delta, config=cfg,
                       loss_fn=lambda out, y: signs[step[0]] * out.sum(), noise_seed=audit.seed, grad_path="rows",
-                      bands=audit.bands)
+                      bands=audit.bands, bands_strategy=audit.bands_strategy)
     tap = _Tap(engine.pipeline)
 
     def after(e, losses) -> None:
@@ -105,14 +105,15 @@ def white_box_one_run(audit: CanaryAudit, canaries: int = 1000) -> dict:
     plain = one_run_estimate(scores[inside.numpy()], scores[~inside.numpy()], method="one-run", **kw)
     fdp = one_run_estimate(scores[inside.numpy()], scores[~inside.numpy()], method="one-run-fdp", **kw)
     spec = algo.spec(engine.config, engine.sample_rate, audit.claim_noise_multiplier or audit.noise_multiplier,
-                     engine.expected_batch_size, audit.bands)
+                     engine.expected_batch_size, audit.bands, engine.noise_shape)
     rep = privacy.account(spec, audit.steps, audit.delta, "pld", audit.dice_accounting)
     return {"epsilon_lower_bound": plain["epsilon_lower_bound"], "epsilon_lower_bound_fdp": fdp["epsilon_lower_bound"],
             "epsilon_claimed": rep.epsilon, "certified": rep.certified, "basis": rep.basis,
             "refuted": plain["epsilon_lower_bound"] > rep.epsilon, "confidence": audit.confidence,
             "method": "one-run, white-box engine (Dirac canaries on their own coordinates, every update seen)",
             "canaries": canaries, "included": len(ids), "delta": audit.delta, "guesses": plain["guesses"],
-            "correct": plain["correct"], "bands": audit.bands, "guesses_fdp": fdp["guesses"], "correct_fdp": fdp["correct"],
+            "correct": plain["correct"], "bands": audit.bands, "bands_strategy": audit.bands_strategy,
+            "guesses_fdp": fdp["guesses"], "correct_fdp": fdp["correct"],
             "score_gap": float(scores[inside.numpy()].mean() - scores[~inside.numpy()].mean()),
             "settings": {k: v for k, v in audit.__dict__.items() if k not in ("extra", "trials")}}
 
@@ -124,6 +125,9 @@ def _scores(audit: CanaryAudit, tap: _Tap, signs: np.ndarray, pipeline) -> np.nd
     if audit.bands > 1:
         if len(set(tap.stds)) != 1 or len(set(tap.bounds)) != 1:
             raise ConfigError(f"`bands={audit.bands}`: the white-box audit scores a fixed noise std and bound")
+        if audit.bands_strategy == "blt":
+            from .blt import blt_statistic
+            return blt_statistic(u, signs, pipeline.noise.blt, tap.stds[0], tap.bounds[0] / pipeline.divisor).numpy()
         return banded_statistic(audit.statistic, u, signs, pipeline.noise.coefs, tap.stds[0],
                                 tap.bounds[0] / pipeline.divisor, band_rate(audit.bands, audit.sample_rate)).numpy()
     sigma = torch.tensor(tap.stds, dtype=torch.float64).unsqueeze(1)

@@ -11,6 +11,14 @@ from ._common import emit
 
 def _canary(args: argparse.Namespace) -> dict:
     from .. import audit
+    if args.bands_strategy == "blt" and args.mode == "canary":
+        from ..audit.blt import BLTAudit, blt_audit
+        if args.algo != "dpsgd":
+            raise ConfigError("--bands-strategy blt in the canary mode audits the noise stage through dpsgd's engine "
+                              "(every bandable algorithm releases through the same stage): use --algo dpsgd")
+        return blt_audit(BLTAudit(classes=args.bands, steps=args.steps, noise_multiplier=args.noise_multiplier,
+                                  band_class=args.band_class or 0, runs=args.trials, momentum=args.momentum,
+                                  delta=args.delta, confidence=args.confidence, seed=args.seed))
     a = audit.CanaryAudit(
         algo=args.algo, noise_multiplier=args.noise_multiplier, sample_rate=args.sample_rate,
         steps=args.steps, batch_size=args.batch_size, clip=args.clip, ef_clip=args.ef_clip,
@@ -18,7 +26,7 @@ def _canary(args: argparse.Namespace) -> dict:
         delta=args.delta, claim_noise_multiplier=args.claim_noise_multiplier, canary_norm=args.canary_norm,
         trials=args.trials, confidence=args.confidence, seed=args.seed, statistic=args.statistic,
         schedule=args.schedule, anti_norm=args.anti_canary, bands=args.bands, band_class=args.band_class,
-        band_momentum=args.momentum if args.bands > 1 else 0.0)
+        band_momentum=args.momentum if args.bands > 1 else 0.0, bands_strategy=args.bands_strategy)
     if args.mode == "one-run-ideal":
         from ..audit.white_box import white_box_one_run
         return white_box_one_run(a, args.canaries)
@@ -29,8 +37,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.band_class is not None and args.mode != "canary":
         raise ConfigError(f"--band-class fixes the canary's class in the canary mode; in --mode {args.mode} the "
                           f"engine's sampler draws every canary's class (leave --band-class out)")
+    if args.bands_strategy != "taylor" and args.mode == "one-run":
+        raise ConfigError(f"--bands-strategy {args.bands_strategy}: audit it with --mode canary (blt) or one-run-ideal")
+    if args.bands_strategy == "optimized":
+        raise ConfigError("--bands-strategy optimized has the Taylor coefficients' accounting: audit --bands with the "
+                          "default strategy")
     if args.mode in ("canary", "one-run-ideal"):
-        if args.batch_size is None:
+        if args.batch_size is None and not (args.bands_strategy == "blt" and args.mode == "canary"):
             raise ConfigError("--batch-size B (the expected batch size, the update's normaliser) is required")
         res = _canary(args)
     else:
@@ -124,6 +137,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="banded correlated noise with b bands and cyclic Poisson participation, as in `clipbias "
                         "train --bands` (default 1: independent noise); the coefficients are shaped for --momentum; "
                         "the adversary scores the releases y = C u recovered from the updates")
+    p.add_argument("--bands-strategy", choices=("taylor", "optimized", "blt"), default="taylor",
+                   help="with --bands: blt audits BLT noise in b classes (train --bands-strategy blt): canary mode, "
+                        "the noise stage with the canary at every step of its class (--band-class, default 0; "
+                        "--trials runs per world); one-run-ideal, the engine with the canaries' classes unknown "
+                        "to the adversary")
     p.add_argument("--band-class", type=int, default=None, metavar="L",
                    help="canary mode with --bands: the canary's participation class, fixed and known to the "
                         "adversary (default: drawn per run, unknown, as the sampler draws it)")

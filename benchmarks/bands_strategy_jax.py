@@ -53,7 +53,9 @@ def compare(jax_file: Path, out: Path) -> None:
     out.write_text(json.dumps(rows, indent=1) + "\n")
 
 
-def main() -> None:
+def two_step_main(run_jax, compare) -> None:
+    """The two steps of a jax_privacy cross-check (also ``blt_jax.py``'s): ``jax --out F`` under jax-privacy's
+    own folder, then ``compare --jax F --out G`` in clipbias's environment."""
     ap = argparse.ArgumentParser()
     ap.add_argument("step", choices=["jax", "compare"])
     ap.add_argument("--jax", type=Path)
@@ -63,4 +65,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    two_step_main(run_jax, compare)

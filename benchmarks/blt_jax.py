@@ -19,7 +19,6 @@ jax-privacy is not a clipbias dependency: install it into a throwaway folder and
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -70,14 +69,6 @@ def compare(jax_file: Path, out: Path) -> None:
     out.write_text(json.dumps(rows, indent=1) + "\n")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("step", choices=["jax", "compare"])
-    ap.add_argument("--jax", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    run_jax(args.out) if args.step == "jax" else compare(args.jax, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    from bands_strategy_jax import two_step_main  # benchmarks/ is the script's own folder on sys.path
+    two_step_main(run_jax, compare)

@@ -351,7 +351,7 @@ class BLTNoise(GaussianNoise):
         if not isinstance(key, SecretKey):
             raise ConfigError(f"BLTNoise needs a clipbias.randomness.SecretKey, got {type(key).__name__}")
         self.std, self.key, self.blt = float(std), key, blt
-        self.coefs, self.strategy, self.per_bound = (blt.scale,), "blt", None
+        self.strategy, self.per_bound = "blt", None  # no ``coefs``: the strategy is ``blt``
         self.draws = 0
         self.sums: list[Tensor] = []  # s_1 .. s_d (empty before the first step: zeros)
         self.out_sums: list[Tensor] = []  # r_1 .. r_d
@@ -399,7 +399,6 @@ class BLTNoise(GaussianNoise):
             raise ConfigError(f"noise state is not BLT noise in {self.blt.classes} classes: resume with the same "
                               f"`bands` and `bands_strategy`")
         self.blt = type(self.blt).from_dict(saved)
-        self.coefs = (self.blt.scale,)
         self.draws = int(state["draws"])
         # copies: commit updates the sums in place, which must never write into the state it was given (a
         # discarded continuation would then leave its clipped sums in the caller's checkpoint)

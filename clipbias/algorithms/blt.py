@@ -113,14 +113,17 @@ def _polys(omegas: np.ndarray, thetas: np.ndarray) -> tuple[np.ndarray, np.ndarr
 def stable(omegas, thetas) -> bool:
     """Whether C(x) has no zero in the closed unit disc (else C^{-1}'s noise grows without bound: useless,
     though as private as any strategy)."""
-    num = _polys(np.asarray(omegas, float), np.asarray(thetas, float))[0]
+    return _stable(_polys(np.asarray(omegas, float), np.asarray(thetas, float))[0])
+
+
+def _stable(num: np.ndarray) -> bool:
     return len(num) <= 1 or bool(np.all(np.abs(np.roots(num[::-1])) > 1.0 + 1e-9))
 
 
 def error(omegas, thetas, steps: int, momentum: float = 0.0) -> float:
     """``||A C^{-1}||_F^2`` with c_0 = 1 (the series ``a(x) D(x) / N(x)``), inf where C^{-1} is unstable."""
     num, den = _polys(np.asarray(omegas, float), np.asarray(thetas, float))
-    if not stable(omegas, thetas):
+    if not _stable(num):
         return math.inf
     a, w = workload(steps, momentum), np.arange(steps, 0, -1, dtype=np.float64)
     with np.errstate(over="ignore", invalid="ignore"):

@@ -199,7 +199,8 @@ def _calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, a
         z = gaussian._calibrate(epsilon, delta, check_rate(q), check_steps(t), check_accountant(accountant))
         if not spec.blt:
             return z
-        scaled, sens = z * spec.blt_sensitivity(steps), spec.blt_sensitivity(steps)
+        sens = spec.blt_sensitivity(steps)
+        scaled = z * sens
         while scaled / sens < z:  # never below the Gaussian mechanism's multiplier after the division
             scaled = math.nextafter(scaled, math.inf)
         return scaled

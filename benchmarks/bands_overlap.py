@@ -21,7 +21,9 @@ Coefficients: the band-b optimum of ``--bands-strategy optimized`` with its tail
 ``gamma`` and renormalised (``gamma = 0``: a k-band); the error is ``z^2 ||A C^{-1}||_F^2`` for SGD with
 momentum 0.9, as a ratio to DP-SGD's at the same epsilon (the units of benchmarks/noise_error.py).
 
-    PYTHONPATH=. python benchmarks/bands_overlap.py --out benchmarks/results/noise_error/overlap.json
+    PYTHONPATH=. python benchmarks/bands_overlap.py --epsilons 3 --out benchmarks/results/noise_error/overlap-compare-eps3.json
+    PYTHONPATH=. python benchmarks/bands_overlap.py --protocols long-b2048 --configs 8:16 16:32 29:58 --gammas 0 0.5 1 \
+        --out benchmarks/results/noise_error/overlap-long-b2048-eps3.json   # 36 min
 """
 
 from __future__ import annotations
@@ -239,7 +241,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--protocols", nargs="+", default=["compare"], choices=list(PROTOCOLS))
     ap.add_argument("--epsilons", nargs="+", type=float, default=[3.0])
-    ap.add_argument("--configs", nargs="+", default=["8:16", "14:28"], help="k:b pairs, k < b <= 2k")
+    ap.add_argument("--configs", nargs="+", default=["4:8", "8:16", "14:28", "29:58"], help="k:b pairs, k < b <= 2k")
     ap.add_argument("--gammas", nargs="+", type=float, default=[0.0, 0.25, 0.5, 1.0])
     ap.add_argument("--samples", type=int, default=2_000_000, help="Monte Carlo samples per world")
     ap.add_argument("--lams", nargs="+", type=float, default=[0.35, 0.5, 0.65])

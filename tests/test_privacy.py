@@ -255,10 +255,8 @@ def test_sound_with_a_huge_feedback_shift_is_the_conservative_bound_and_fast():
     assert eps == dice.conservative_epsilon(p, 1.0, 1e-5) > 1e5
     rep = dice.report(p, 1.0, 1e-5)
     assert rep.certified and "GDP" in rep.basis and rep.epsilon == eps
-    below = DiceParams(0.01, 100, 1.0, 0.2, 10)  # r = 2, 2r/z = 4/1 < 5: still the PLD mixture (on the
-    # coarse grid: the pessimistic PLD bounds at any grid, and the report's grid takes 11 s to build here)
-    coarse = dice.sound_epsilon(below, 1.0, 1e-5, discretization=dice.SOUND_COARSE)
-    assert coarse < dice.conservative_epsilon(below, 1.0, 1e-5)
+    below = DiceParams(0.01, 100, 1.0, 0.2, 10)  # r = 2, 2r/z = 4/1 < 5: still the PLD mixture
+    assert dice.sound_epsilon(below, 1.0, 1e-5) < dice.conservative_epsilon(below, 1.0, 1e-5)
 
 
 def _hockey_stick_mixture_1d(q, m0, m1, eps, remove):
@@ -272,16 +270,18 @@ def _hockey_stick_mixture_1d(q, m0, m1, eps, remove):
 
 
 def test_sound_one_step_matches_quadrature():
-    """T = 1: dp-accounting's PLD delta(eps) agrees with direct quadrature of the hockey-stick
-    divergence of the mixture pair (both directions), and is never below it (pessimistic)."""
-    from dp_accounting import pld as pld_mod
+    """T = 1: the PLD delta(eps) of the sound step, as the reports build it (``pld.one_step_pld``, equal to
+    dp-accounting's ``PLDAccountant`` bit for bit: tests/test_calibration.py), agrees with direct
+    quadrature of the hockey-stick divergence of the mixture pair (both directions), and is never below
+    it (pessimistic)."""
+    from clipbias.privacy import pld
     q, z, r = 0.1, 1.0, 0.3
-    p = DiceParams(q, 1, 1.0, r / 10, 10)
-    acc = pld_mod.PLDAccountant(value_discretization_interval=dice.SOUND_DISCRETIZATION)
-    acc.compose(dice.sound_event(p, z))
+    step = dice.sound_step_event(DiceParams(q, 1, 1.0, r / 10, 10), z)
+    one = pld.one_step_pld("mixture", z, tuple(step.sensitivities), tuple(step.sampling_probs),
+                           dice.SOUND_DISCRETIZATION)
     for eps in (0.1, 0.5, 1.0):
         exact = max(_hockey_stick_mixture_1d(q, 2 * r / z, (2 * r + 1) / z, eps, rm) for rm in (True, False))
-        got = acc.get_delta(eps)
+        got = one.get_delta_for_epsilon(eps)
         assert exact * (1 - 1e-6) <= got <= exact * 1.01 + 1e-6
 
 

@@ -1,6 +1,7 @@
-"""The one-step privacy loss distribution of the Poisson-subsampled Gaussian, built as dp-accounting
-builds it (``from_gaussian_mechanism``: connect-the-dots, pessimistic, both adjacency directions) but
-with its one scalar loop vectorised.
+"""One-step privacy loss distributions built as dp-accounting builds them (connect-the-dots,
+pessimistic, both adjacency directions) but with their one scalar loop vectorised: the
+Poisson-subsampled Gaussian (``from_gaussian_mechanism``) and the mixture of Gaussians
+(``from_mixture_gaussian_mechanism``, DiceSGD's sound bound).
 
 dp-accounting computes the hockey-stick divergence of the mechanism at every grid point of the
 privacy loss, and inverts the privacy loss there one point at a time in Python (~7 us a point): at
@@ -11,6 +12,13 @@ the subsampling map log(1 + (e^l - 1)/q)); everything else (tails, truncation, t
 pmf, pessimistic rounding) is dp-accounting's own code. The result equals the library's to rounding
 (tests/test_calibration.py checks the pmf and the epsilon). Should the library's internals change,
 ``gaussian_pld`` falls back to the public constructor: slower, never different.
+
+The mixture's privacy loss has no closed-form inverse, and dp-accounting inverts it by one binary
+search shared by all grid points, recursing over the sorted losses and evaluating the loss at each
+node's midpoint one scalar at a time (167,000 calls, 2 s of a DiceSGD accounting at q = 0.01, z = 1,
+r = 0.5; 11 s at r = 2). ``_VectorMixtureLoss`` runs the same search for every loss at once, level by
+level, with the same midpoints, comparisons and leaves, and the loss evaluated by the library's own
+formula on the array: the pmf is the library's, bit for bit (tests/test_calibration.py).
 """
 
 from __future__ import annotations
@@ -64,6 +72,55 @@ class _VectorGaussianLoss(_mech.GaussianPrivacyLoss):
         deltas[inside] = self.mu_upper_cdf(x) - np.exp(eps[inside] + self.mu_lower_log_cdf(x))
         deltas = np.clip(deltas, 0, 1)
         return float(deltas[0]) if scalar else deltas
+
+
+class _VectorMixtureLoss(_mech.MixtureGaussianPrivacyLoss):
+    """dp-accounting's mixture-of-Gaussians privacy loss with its binary search vectorised."""
+
+    def _losses(self, x: np.ndarray) -> np.ndarray:
+        """``privacy_loss`` at every x, by its own operations (per row: the same products, sums and
+        left-to-right ``logaddexp`` over the sensitivities)."""
+        x_loss = self.sensitivities[None, :] * x[:, None] / self._variance
+        if self.adjacency_type == _mech.AdjacencyType.ADD:
+            return -np.logaddexp.reduce(self._precompute_privacy_loss_constants + x_loss, axis=1)
+        return np.logaddexp.reduce(self._precompute_privacy_loss_constants - x_loss, axis=1)
+
+    def _inverse_privacy_losses_with_range(self, privacy_losses, bounds, precision=1e-6):
+        """The library's recursion, one level for every loss at a time: a node (lo, hi) no wider than
+        ``precision`` is a leaf, ``floor(hi / precision) * precision``; otherwise a loss below the
+        loss at ``mid = (lo + hi) / 2`` goes to (mid, hi), the others to (lo, mid)."""
+        losses = np.asarray(privacy_losses, dtype=float)
+        lo, hi = np.full(losses.shape, float(bounds[0])), np.full(losses.shape, float(bounds[1]))
+        out = np.empty(losses.shape)
+        active = np.arange(losses.size)
+        while active.size:
+            leaf = hi[active] - lo[active] <= precision
+            done = active[leaf]
+            out[done] = np.floor(hi[done] / precision) * precision
+            active = active[~leaf]
+            mid = (lo[active] + hi[active]) / 2
+            below = losses[active] < self._losses(mid)
+            lo[active[below]], hi[active[~below]] = mid[below], mid[~below]
+        return out
+
+
+def mixture_pld(standard_deviation: float, sensitivities, sampling_probs, discretization: float):
+    """``from_mixture_gaussian_mechanism(standard_deviation, sensitivities, sampling_probs,
+    value_discretization_interval=discretization)`` (the defaults otherwise), vectorised."""
+    try:
+        build = _pld._create_pld_pmf_from_monotone_privacy_loss
+        _mech.MixtureGaussianPrivacyLoss._inverse_privacy_losses_with_range  # noqa: B018  the method replaced
+    except AttributeError:  # pragma: no cover - another dp-accounting: its public constructor
+        return _pld.from_mixture_gaussian_mechanism(standard_deviation, list(sensitivities), list(sampling_probs),
+                                                    value_discretization_interval=discretization)
+
+    def one(adjacency):
+        loss = _VectorMixtureLoss(standard_deviation, list(sensitivities), list(sampling_probs),
+                                  pessimistic_estimate=True, log_mass_truncation_bound=-50,
+                                  adjacency_type=adjacency)
+        return build(loss, pessimistic_estimate=True, value_discretization_interval=discretization,
+                     use_connect_dots=True)
+    return _pld.PrivacyLossDistribution(one(_mech.AdjacencyType.REMOVE), one(_mech.AdjacencyType.ADD))
 
 
 def gaussian_pld(standard_deviation: float, sampling_prob: float, discretization: float):

@@ -8,7 +8,6 @@ import functools
 import math
 
 import numpy as np
-from dp_accounting import pld as dp_pld
 from scipy.optimize import brentq
 from scipy.stats import norm
 
@@ -28,12 +27,10 @@ def one_step_pld(kind: str, z: float, shifts: tuple, probs: tuple, discretizatio
     gaussian: the Poisson-subsampled Gaussian (``probs = (q,)``); mixture: dp-accounting's mixture of
     Gaussians (both adjacency directions), as ``PLDAccountant`` builds them; its T-fold
     ``self_compose`` equals the accountant's epsilon to ~1e-13 relative (test)."""
-    PLD = dp_pld.privacy_loss_distribution
-    if kind == "gaussian":  # dp-accounting's from_gaussian_mechanism, vectorised (bit-identical, 8x faster)
+    if kind == "gaussian":  # dp-accounting's from_gaussian_mechanism, vectorised (bit-identical, 6-7x faster)
         return fast_pld.gaussian_pld(z, probs[0], discretization)
-    return PLD.from_mixture_gaussian_mechanism(standard_deviation=z, sensitivities=list(shifts),
-                                               sampling_probs=list(probs),
-                                               value_discretization_interval=discretization)
+    # from_mixture_gaussian_mechanism, its binary search vectorised (bit-identical, 20-30x faster)
+    return fast_pld.mixture_pld(z, shifts, probs, discretization)
 
 
 def check_pld_noise(noise_multiplier: float) -> None:

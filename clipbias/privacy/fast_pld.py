@@ -88,10 +88,11 @@ class _VectorMixtureLoss(_mech.MixtureGaussianPrivacyLoss):
     def _inverse_privacy_losses_with_range(self, privacy_losses, bounds, precision=1e-6):
         """The library's recursion, one level for every loss at a time: a node (lo, hi) no wider than
         ``precision`` is a leaf, ``floor(hi / precision) * precision``; otherwise a loss below the
-        loss at ``mid = (lo + hi) / 2`` goes to (mid, hi), the others to (lo, mid)."""
+        loss at ``mid = (lo + hi) / 2`` goes to (mid, hi), one at or above it to (lo, mid), and one
+        that compares neither way (a NaN) stays at 0, as the library leaves it."""
         losses = np.asarray(privacy_losses, dtype=float)
         lo, hi = np.full(losses.shape, float(bounds[0])), np.full(losses.shape, float(bounds[1]))
-        out = np.empty(losses.shape)
+        out = np.zeros(losses.shape)
         active = np.arange(losses.size)
         while active.size:
             leaf = hi[active] - lo[active] <= precision
@@ -99,8 +100,10 @@ class _VectorMixtureLoss(_mech.MixtureGaussianPrivacyLoss):
             out[done] = np.floor(hi[done] / precision) * precision
             active = active[~leaf]
             mid = (lo[active] + hi[active]) / 2
-            below = losses[active] < self._losses(mid)
-            lo[active[below]], hi[active[~below]] = mid[below], mid[~below]
+            at = self._losses(mid)
+            below, above = losses[active] < at, losses[active] >= at
+            lo[active[below]], hi[active[above]] = mid[below], mid[above]
+            active = active[below | above]
         return out
 
 

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from ..data import batch
 from ..config import AlgoConfig, Setting, integer
 from ..grads.rows import FuncGradients, LossFn, RowSource, check_finite
-from ..randomness import PROBE_STEP, Purpose, SecretKey, batch_keys, forward, keyed_ints
+from ..randomness import PROBE_STEP, Purpose, SecretKey, batch_keys, forward, int_list, keyed_ints
 from ..transforms import Clip
 from .base import Algorithm, Parts, register
 
@@ -70,7 +70,7 @@ class GroupMeanGradients(RowSource):
     def owners(self, indices: Tensor, step: int, world: int) -> Tensor:
         """A group is processed whole by one rank (``group % world``): the clipped group means of the
         ranks then add up to the one-process sum (clipping a mean is not additive over its members)."""
-        return self.assign([int(i) for i in indices], step) % world
+        return self.assign(int_list(indices), step) % world
 
     def iter_rows(self, x: batch.Batch, y: batch.Batch, indices: Tensor | None, step: int, max_physical_batch: int,
                   groups: int | None = None) -> Iterator[tuple[Tensor, Tensor, Tensor | None]]:

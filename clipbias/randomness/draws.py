@@ -267,8 +267,16 @@ def keyed_normal(key: SecretKey, purpose: int, step: int, keys: Iterable[int], d
     return out
 
 
+def int_list(ids: Tensor | Iterable[int]) -> list[int]:
+    """``[int(i) for i in ids]``, from a tensor in one ``tolist`` (iterating a tensor of 10,000 ids
+    elementwise took 15 ms)."""
+    if isinstance(ids, Tensor):
+        return ids.tolist() if not ids.is_floating_point() and ids.dtype != torch.bool else [int(i) for i in ids.tolist()]
+    return [int(i) for i in ids]
+
+
 def batch_keys(indices: Tensor | None, start: int, size: int) -> list[int]:
     """Example indices of ``[start, start + size)`` of the logical batch, or the positions."""
     if indices is not None:
-        return [int(i) for i in indices[start:start + size]]
+        return int_list(indices[start:start + size])
     return list(range(start, start + size))

@@ -64,7 +64,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import ConfigError, PathRefusal
 from .chacha import BLOCK_BYTES, MAX_BLOCKS
-from .draws import stream
+from .draws import int_list, stream
 from .key import Purpose, SecretKey, forward_call_step
 
 _WORD_BYTES = 4
@@ -443,7 +443,7 @@ def examples(ids: Tensor | Sequence[int] | None) -> Iterator[None]:
         yield
         return
     saved = mode.ids
-    mode.ids = None if ids is None else [int(i) for i in ids]
+    mode.ids = None if ids is None else int_list(ids)
     try:
         yield
     finally:

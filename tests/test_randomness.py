@@ -421,3 +421,14 @@ def test_no_seeded_generator_outside_the_public_uses():
         if hits:
             found[str(path.relative_to(root))] = hits
     assert set(found) <= set(SECRET_FREE), {k: v for k, v in found.items() if k not in SECRET_FREE}
+
+
+def test_int_list_is_the_elementwise_conversion():
+    """``int_list`` (one ``tolist``) gives what iterating the ids and calling ``int`` gave: Python ints, in
+    order, from integer, float and bool tensors, a slice of one, and plain sequences."""
+    from clipbias.randomness import int_list
+    perm = torch.randperm(1000)
+    for ids in (perm, perm.to(torch.int32), perm[10:300:7], torch.tensor([1.0, 2.9, -3.5]),
+                torch.tensor([True, False]), torch.empty(0, dtype=torch.long), [3, 1, 2], range(4)):
+        got = int_list(ids)
+        assert got == [int(i) for i in ids] and all(type(v) is int for v in got)

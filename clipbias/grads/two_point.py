@@ -53,17 +53,20 @@ class TwoPointRows(RowSource):
 
     @contextmanager
     def at(self, point: list[Tensor]):
-        """The model's parameters set to ``point`` inside the block, restored exactly after it."""
-        saved = [p.detach().clone() for p in self.params]
+        """The model's parameters set to ``point`` inside the block, restored exactly after it: each parameter's
+        data is swapped for a copy of its point and swapped back, so the parameters end as the same tensors
+        with the same storage and version counters (the engine's state guard, ``clipbias.engine.guard``,
+        sees no write of the engine's own) and nothing written to them inside the block survives it."""
+        saved = [p.data for p in self.params]
         with torch.no_grad():
             for p, v in zip(self.params, point):
-                p.copy_(v)
+                p.data = v.detach().to(p.dtype).clone()
         try:
             yield
         finally:
             with torch.no_grad():
                 for p, v in zip(self.params, saved):
-                    p.copy_(v)
+                    p.data = v
 
     def begin(self) -> list[Tensor] | None:
         """Stage the iterate this step starts from; the extrapolated point (None: evaluate x_t only)."""

@@ -37,6 +37,12 @@ class ModuleValidator:
             elif isinstance(m, _INSTANCENORM) and m.track_running_stats:
                 errors.append(ConfigError(f"{where} keeps running statistics of the private data in its buffers: "
                                           f"use clipbias.fix(model) (track_running_stats=False)"))
+            elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+                errors.append(ConfigError(f"{where} has max_norm={m.max_norm}: its forward renormalises, in place, "
+                                          f"the weight rows of the tokens in the batch, which would release which "
+                                          f"tokens the private batch holds without noise (the step refuses it). "
+                                          f"Build it with max_norm=None and, if you want the bound, renormalise "
+                                          f"all rows after each optimizer step (a public post-processing)"))
             elif isinstance(m, (nn.LSTM, nn.GRU, nn.RNN)) and not m.batch_first:
                 errors.append(ConfigError(f"{where} is sequence-first: build it with batch_first=True so that each "
                                           f"row of the input is one example"))

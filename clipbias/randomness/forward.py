@@ -75,9 +75,12 @@ _local = threading.local()
 class KeyedForward(TorchFunctionMode):
     """The mode of ``keyed``: dropout from the keystream, every other random operation refused."""
 
-    def __init__(self, key: SecretKey, step: int, layouts: dict | None = None) -> None:
+    def __init__(self, key: SecretKey, step: int, layouts: dict | None = None, refusal: str | None = None,
+                 listen: tuple | None = None) -> None:
         super().__init__()
         self.key, self.step = key, int(step)
+        self.refusal = refusal  # why this step may draw no mask (a left-padded batch), or None
+        self.listen = listen  # (functions, callback(func, args)): the state guard's watch of the forward's calls
         self.layouts = {} if layouts is None else layouts  # the run's record for the layout guard
         self.ids: list[int] | None = None
         self.position: Tensor | None = None
@@ -86,6 +89,8 @@ class KeyedForward(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.listen is not None and func in self.listen[0]:
+            self.listen[1](func, args)
         rule = _RULES.get(func)
         if rule is not None:
             return rule(self, *args, **kwargs)
@@ -100,6 +105,8 @@ class KeyedForward(TorchFunctionMode):
 
     # ------------------------------------------------------------------ masks
     def _rows(self) -> list[int]:
+        if self.refusal is not None:  # every keyed mask passes here: the signal that the forward draws one
+            raise ConfigError(self.refusal)
         if self.ids is None:
             raise ConfigError("the model's forward pass draws dropout masks, and this step has no example indices: "
                               "the masks are keyed by each example's index, not its batch position. Pass the "
@@ -418,15 +425,19 @@ def check_generators(before: tuple, device: torch.device | str = "cpu", where: s
 
 
 @contextlib.contextmanager
-def keyed(key: SecretKey, step: int, device: torch.device | str = "cpu",
-          layouts: dict | None = None) -> Iterator[KeyedForward]:
+def keyed(key: SecretKey, step: int, device: torch.device | str = "cpu", layouts: dict | None = None,
+          refusal: str | None = None, listen: tuple | None = None) -> Iterator[KeyedForward]:
     """The private computation of step ``step``: in its forward passes (``one_pass``) dropout keyed per
     example and other draws refused; on leaving, refused if a public generator moved anywhere in it
     (``check_generators``). ``layouts``: the run's record of its dropout calls' layouts (a dict kept
-    by the engine across steps; None: a fresh one, for this scope only)."""
+    by the engine across steps; None: a fresh one, for this scope only). ``refusal``: the error of a
+    step on which no mask may be drawn (a left-padded batch: ``engine.checks.padding_refusal``), raised
+    at the first mask, whichever operator draws it (a module, ``F.dropout`` in the model's code, SDPA).
+    ``listen``: ``(functions, callback)``, ``callback(func, args)`` called before each of ``functions`` the
+    forward calls (the state guard's watch of ``.data`` and pointers: ``clipbias.engine.guard``)."""
     if active() is not None:
         raise RuntimeError("keyed forward scopes do not nest")
-    mode, before = KeyedForward(key, step, layouts), snapshot(device)
+    mode, before = KeyedForward(key, step, layouts, refusal, listen), snapshot(device)
     _local.mode = mode
     try:
         yield mode

@@ -15,8 +15,12 @@ _LAZY = {"PrivacyEngine", "BatchMemoryManager", "ModuleValidator", "fix"}
 
 def __getattr__(name: str):
     """``clipbias.PrivacyEngine`` (the Opacus interface), ``BatchMemoryManager``, ``ModuleValidator`` and
-    ``fix``, imported on first use: ``import clipbias`` (and the CLI's ``--help``) stays free of torch."""
+    ``fix``, and ``example_generator`` (keyed per-example draws for a Dataset or collate_fn), imported on first
+    use: ``import clipbias`` (and the CLI's ``--help``) stays free of torch."""
     if name in _LAZY:
         from . import integrations
         return getattr(integrations, name)
+    if name in ("example_generator", "ExampleGenerator"):  # keyed per-example draws for a Dataset / collate_fn
+        from .randomness import example
+        return getattr(example, name)
     raise AttributeError(f"module 'clipbias' has no attribute {name!r}")

@@ -108,9 +108,12 @@ def test_a_current_state_resumes_bit_exactly():
     (("pipeline/noise/strategy",), {"bands": 2}),                # taylor_strategy
     (("dropout_layouts",), {}),                                  # record_dropout_layouts
     (("pipeline/noise/coefs", "pipeline/noise/strategy", "pipeline/noise/inputs", "pipeline/noise/outputs"), {}),  # one_noise_type
+    (("transformed_steps",), {}),                                # count_transformed_steps
     (("settings/bands", "sampler/bands", "optimizer_class", "undrawn_steps", "sampler/skipped",
-      "dropout_layouts", "pipeline/noise/coefs", "pipeline/noise/strategy", "pipeline/noise/inputs", "pipeline/noise/outputs"), {}),  # the oldest resumable layout: every step
-], ids=["bands", "optimizer-class", "undrawn", "skipped", "strategy", "dropout-layouts", "one-noise-type", "oldest"])
+      "dropout_layouts", "pipeline/noise/coefs", "pipeline/noise/strategy", "pipeline/noise/inputs", "pipeline/noise/outputs",
+      "transformed_steps"), {}),  # the oldest resumable layout: every step
+], ids=["bands", "optimizer-class", "undrawn", "skipped", "strategy", "dropout-layouts", "one-noise-type", "transformed",
+        "oldest"])
 def test_an_older_state_resumes_bit_exactly(paths, kw):
     state, weights, final = _interrupted(**kw)
     old = _older(state, *paths)
@@ -128,10 +131,11 @@ def _has(state: dict, path: str) -> bool:
 def test_the_migrated_values_are_the_ones_the_older_run_had():
     state, _, _ = _interrupted(bands=2)
     old = _older(state, "settings/bands", "sampler/bands", "undrawn_steps", "sampler/skipped",
-                 "pipeline/noise/strategy", "dropout_layouts", "optimizer_class")
+                 "pipeline/noise/strategy", "dropout_layouts", "optimizer_class", "transformed_steps")
     old["settings"]["bands"] = old["sampler"]["bands"] = 2  # a banded state always recorded its bands
     new = migrate.migrate(old, _engine(_model(), bands=2))
     assert new["format"] == migrate.FORMAT and new["undrawn_steps"] == 0 and new["sampler"]["skipped"] == 0
+    assert new["transformed_steps"] == 0
     assert new["pipeline"]["noise"]["strategy"] == "taylor" and new["dropout_layouts"] == {}
     assert new["optimizer_class"] == "SGD"
     plain = migrate.migrate(_older(_interrupted()[0], "settings/bands", "sampler/bands", "pipeline/noise/coefs", "pipeline/noise/strategy", "pipeline/noise/inputs", "pipeline/noise/outputs"),
@@ -195,7 +199,7 @@ def test_the_oldest_resumable_run_checkpoint_resumes_bit_exactly(tmp_path):
     for k in ("ema", "bands", "bands_strategy"):
         del ck["config"][k]
     ck["engine"] = _older(ck["engine"], "settings/bands", "sampler/bands", "optimizer_class", "undrawn_steps",
-                          "sampler/skipped", "dropout_layouts")
+                          "sampler/skipped", "dropout_layouts", "transformed_steps")
     ck["format"] = 1
     torch.save(ck, tmp_path / "b" / CHECKPOINT)
     migrated = load_checkpoint(tmp_path / "b")

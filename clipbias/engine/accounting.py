@@ -1,6 +1,7 @@
 """A ``DPEngine``'s privacy accounting: the noise multiplier it runs at (given, or calibrated to a
 target epsilon), its ``PrivacyReport`` with the caveats of the run (a seeded key, batches the sampler
-did not draw, batches the loop passed over), and whether a step's batch is the sampler's."""
+did not draw, batches the loop passed over,
+batches changed after the loader drew them), and whether a step's batch is the sampler's."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from torch import Tensor
 from .. import distributed, privacy
 from ..errors import ConfigError
 from ..privacy import PrivacyReport
+from ..sampling.refetch import caveats as fetch_caveats
+from .drawn import same_inputs, transformed_caveat
 
 
 def noise_multiplier_for(engine: Any, epsilon: float | None, noise_multiplier: float | None) -> float:
@@ -28,8 +31,37 @@ def noise_multiplier_for(engine: Any, epsilon: float | None, noise_multiplier: f
     spec = engine.algo.spec(engine.config, engine.sample_rate, 0.0, engine.expected_batch_size, engine.bands,
                             engine.noise_shape)
     # in a process group rank 0 calibrates and every rank takes its answer (and its error, if any)
-    return distributed.from_rank0(lambda: privacy.calibrate(spec, epsilon, engine.delta, engine.total_steps,
-                                                            engine.accountant, engine.dice_accounting))
+    z = distributed.from_rank0(lambda: privacy.calibrate(spec, epsilon, engine.delta, engine.total_steps,
+                                                         engine.accountant, engine.dice_accounting))
+    why = no_signal(z, epsilon, engine.expected_batch_size, engine.total_steps)
+    if why:
+        warnings.warn(why, NoSignalWarning, stacklevel=3)
+    return z
+
+
+class NoSignalWarning(UserWarning):
+    """The calibrated noise drowns any gradient the run could sum (``no_signal``)."""
+
+
+def no_signal(z: float, epsilon: float, batch_size: float, steps: int) -> str | None:
+    """Why noise multiplier ``z``, calibrated to ``epsilon`` for ``steps`` steps of expected batch ``B``,
+    leaves no signal, or None. Each step adds noise of standard deviation z*C to every coordinate of a sum of
+    clipped gradients whose norm is at most B*C (C the clip); over the run, sqrt(T)*z*C per coordinate
+    against at most T*B*C. Past z > B*sqrt(T) the noise of the whole run exceeds, in every coordinate, the
+    largest total signal the run could carry (every example's clipped gradient aligned with that coordinate
+    at every step): no parameter of any model, even a single one, is learned above the noise. The threshold
+    is where the run's best case fails, so the warning never fires for a run that could learn. At small
+    epsilon z grows about as q*sqrt(T)/epsilon, so the ratio falls as 1/(n*epsilon): the cure is a larger
+    epsilon or more examples, not more steps or larger batches."""
+    if not (steps and batch_size > 0 and z > batch_size * steps ** 0.5):
+        return None
+    return (f"the noise multiplier {z:.6g} calibrated to epsilon={epsilon:g} leaves no signal: each step adds "
+            f"noise of standard deviation z*C = {z:.6g}*C to every coordinate of a sum of clipped gradients whose "
+            f"norm is at most B*C = {batch_size:g}*C ({z / batch_size:.3g}x), and over the {steps} steps the noise "
+            f"per coordinate (sqrt(T)*z*C) still exceeds the largest total signal (T*B*C) "
+            f"{z / (batch_size * steps ** 0.5):.3g}x, so no parameter is learned above the noise (C: the clip). "
+            f"Raise epsilon or train on more examples (the ratio falls about as 1/(n*epsilon)); more steps or "
+            f"larger batches raise the noise with them")
 
 
 def report(engine: Any, steps: int) -> PrivacyReport:
@@ -39,9 +71,30 @@ def report(engine: Any, steps: int) -> PrivacyReport:
         rep = rep.with_caveat(SEEDED_CAVEAT)
     if engine.algo.private and engine.undrawn_steps:
         rep = rep.with_caveat(undrawn_caveat(engine.undrawn_steps, engine.steps_taken, engine.sample_rate))
+    if engine.algo.private and getattr(engine, "transformed_steps", 0):
+        rep = rep.with_caveat(transformed_caveat(engine.transformed_steps, engine.steps_taken))
+    for line in fetch_caveats(engine) if engine.algo.private else ():  # the loader's re-fetch check (refetch)
+        rep = rep.with_caveat(line)
     if engine.algo.private and getattr(getattr(engine, "sampler", None), "skipped", 0):  # (None while being built)
         rep = rep.with_caveat(SKIPPED_CAVEAT.format(engine.sampler.skipped))
     return rep
+
+
+def origin(engine: Any, x: Any, y: Any, indices: Tensor | None) -> tuple[bool, bool]:
+    """(whether the step's batch is the one the sampler drew last, ``drawn_by_sampler``; whether its inputs
+    and targets are the batch a ``PoissonLoader`` fetched for those indices, ``engine.drawn``: True where no
+    loader fetched them). Taken before the step (the forward could change ``x``); counted by ``count_origin``
+    once the step is released."""
+    fetched = getattr(engine.sampler, "fetched", None)
+    same = fetched is None or indices is None or not torch.equal(fetched[0], indices.detach().cpu()) \
+        or same_inputs((x, y), fetched[1])
+    return drawn_by_sampler(engine, indices), same
+
+
+def count_origin(engine: Any, origin: tuple[bool, bool]) -> None:
+    """A released step's batch in the caveats' counts (``origin``)."""
+    engine.undrawn_steps += not origin[0]
+    engine.transformed_steps += not origin[1]
 
 
 def drawn_by_sampler(engine: Any, indices: Tensor | None) -> bool:

@@ -33,6 +33,7 @@ from ..sampling.poisson import PoissonSampler, check_bands
 from . import accounting, state as saved
 from .accounting import SEEDED_CAVEAT, noise_multiplier_for  # noqa: F401  (SEEDED_CAVEAT: engine's API)
 from .aggregate import attempt_sums, auto_other_path, drop_staged, engine_aggregate, output_source
+from .guard import StateGuard
 from .checks import canon, check_arguments, check_distributed, check_mixed, check_step
 from .loop import run_steps
 
@@ -118,6 +119,7 @@ class DPEngine:
         self.algo = algorithms.get(algorithm)
         self.autocast = check_mixed(autocast, loss_scale, grads)  # (dtype, loss scale) or None
         self.undrawn_steps = 0  # steps whose batch the engine's sampler did not draw (``privacy`` caveat)
+        self.transformed_steps = 0  # steps on a batch other than the one the loader drew (``drawn``)
         self.config = config or AlgoConfig()
         n = check_arguments(model, n, batch_size, self.config)
         self.sharded = distributed.is_sharded(model)  # fully_shard: gathered whole for each step (``_gathered``)
@@ -146,8 +148,8 @@ class DPEngine:
         # in a process group every rank holds rank 0's key: one global sample, one noise draw
         self.key = distributed.broadcast_key(SecretKey.of(noise_seed))
         self.key.adopt(self)
-        # the layout of each keyed dropout call, as the run's first forward made it (randomness.forward's guard)
-        self._dropout_layouts: dict = {}
+        self._dropout_layouts: dict = {}  # each keyed dropout call's layout as the first forward made it
+        self.state_guard = StateGuard(model)  # a forward on the private batch may not write the model
         self.accountant, self.dice_accounting = accountant, dice_accounting
 
         self.noise_multiplier = z = noise_multiplier_for(self, epsilon, noise_multiplier)
@@ -210,7 +212,7 @@ class DPEngine:
         if keep_outputs and not self.outputs_kept:
             raise ConfigError("keep_outputs: this gradient path does not produce the batch's outputs (only the fast "
                               "path and the per-parameter rows of a norm-scaling algorithm do)")
-        drawn = accounting.drawn_by_sampler(self, indices)
+        drawn = accounting.origin(self, x, y, indices)  # (drawn by the sampler, as the loader fetched it)
         self.last_outputs, self._outputs = None, [] if keep_outputs else None
         dev = self.params[0].device
         proc_sum, ref_sum, losses, failure = attempt_sums(self, x, y, indices, keep_outputs)
@@ -238,7 +240,7 @@ class DPEngine:
         self.pipeline.commit()
         self.rows.commit()
         self.steps_taken += 1
-        self.undrawn_steps += not drawn
+        accounting.count_origin(self, drawn)
         self.sampler.settle()
         try:
             for param, u in zip(self.params, self.rows.layout.unflatten(update)):

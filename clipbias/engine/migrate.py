@@ -120,9 +120,19 @@ def one_noise_type(state: dict, engine: Any) -> None:
         noise.update(coefs=[1.0], strategy="taylor", inputs=[], outputs=[])
 
 
+def count_transformed_steps(state: dict, engine: Any) -> None:
+    """8 -> 9, one check of the drawn batch for every integration (``engine.drawn``): ``transformed_steps``
+    counts the steps whose inputs or targets were not the batch the private loader drew (they make the run
+    uncertified). Before, the engine did not count them (the Opacus interface kept its own count, beside
+    the engine's state in ``PrivacyEngine.state_dict()``, and restores it from there): 0, as that version
+    reported a run of the engine alone."""
+    state.setdefault("transformed_steps", 0)
+
+
 Step = Callable[[dict, Any], None]
 STEPS: tuple[Step, ...] = (refuse_torch_generators, one_band, record_optimizer_class, count_undrawn_steps,
-                           count_skipped_batches, taylor_strategy, record_dropout_layouts, one_noise_type)
+                           count_skipped_batches, taylor_strategy, record_dropout_layouts, one_noise_type,
+                           count_transformed_steps)
 FORMAT = len(STEPS)
 """The format ``DPEngine.state_dict()`` writes: a step per change, so the number of steps."""
 

@@ -17,11 +17,12 @@ from .migrate import FORMAT, migrate
 def state_of(engine: Any) -> dict:
     """All DP state of ``engine`` except the model weights. PRIVATE: never release it."""
     return {"format": FORMAT, "settings": asdict(engine.settings), "steps_taken": engine.steps_taken,
-            "undrawn_steps": engine.undrawn_steps,
+            "undrawn_steps": engine.undrawn_steps, "transformed_steps": engine.transformed_steps,
             "optimizer": engine.optimizer.state_dict(), "optimizer_class": type(engine.optimizer).__name__,
             "pipeline": engine.pipeline.state_dict(),
             "sampler": _sampler_state(engine), "secret_key": engine.key.state_dict(),
-            "rows": engine.rows.state_dict(), "dropout_layouts": copy.deepcopy(engine._dropout_layouts)}
+            "rows": engine.rows.state_dict(), "dropout_layouts": copy.deepcopy(engine._dropout_layouts),
+            "fetch_caveats": dict(getattr(engine, "fetch_caveats", {}))}  # (sampling.refetch; absent before: none)
 
 
 def _sampler_state(engine: Any) -> dict:
@@ -61,6 +62,7 @@ def _load(engine: Any, state: dict) -> None:
     set_key(engine, key)
     engine.steps_taken = state["steps_taken"]
     engine.undrawn_steps = state["undrawn_steps"]
+    engine.transformed_steps = state["transformed_steps"]
     engine.optimizer.load_state_dict(state["optimizer"])
     engine.pipeline.load_state_dict(state["pipeline"])
     noise = engine.pipeline.noise
@@ -70,6 +72,7 @@ def _load(engine: Any, state: dict) -> None:
                                        engine.expected_batch_size, engine.bands, noise.blt)
     engine.sampler.load_state_dict(state["sampler"])
     engine.rows.load_state_dict(state["rows"])
+    engine.fetch_caveats = dict(state.get("fetch_caveats", {}))  # what the loader's re-fetch check saw so far
     engine._dropout_layouts = copy.deepcopy(state["dropout_layouts"])  # the keyed dropout calls' layouts so far
 
 

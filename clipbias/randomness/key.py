@@ -55,6 +55,11 @@ class Purpose(enum.IntEnum):
     FORWARD_CALL = 19      # the private forward pass's dropout masks: one stream per (step, dropout call of the
                            # forward pass, example); the step field holds the step (low 32 bits) and the call
                            # number (high 16 bits): ``forward_call_step``; layout: clipbias.randomness.forward
+    EXAMPLE_FETCH = 40     # ``clipbias.example_generator`` in a Dataset's __getitem__/__getitems__: one stream per
+                           # (step, draw, example); step field: the step (low 32 bits), the draw's number in the
+                           # example's fetch (high 16 bits): ``clipbias.randomness.example``
+    EXAMPLE_COLLATE = 41   # the same in the collate_fn (per step, draw and example)
+    REFETCH = 42           # which example of a step's batch the loader fetches again to check it (per step)
 
 
 class SecretKey:

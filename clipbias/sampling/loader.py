@@ -13,13 +13,16 @@ convention: the rest of the dict is the model's keyword arguments). Inputs and t
 ``clipbias.data.batch.Batch``. The guarantee needs row i of every tensor, and the model's computation on
 it, to depend on example i alone: a ``collate_fn`` that pads to the batch's longest example is sound
 only for a model that ignores the padding (a causal model with right padding and its attention mask:
-tested for GPT-2), and one that builds in-batch matrices is not. Nothing checks this: pad to a fixed
-length when in doubt. ``__getitem__`` and ``collate_fn`` must be deterministic: a fetch that draws from
-torch's, Python's or numpy's global generator is refused (``ConfigError``, in the main process and in
-workers alike). Those generators are public functions of the seed (a worker's torch generator keeps 32
-bits of its seed) and hand their draws out in fetch order, so one example's presence would move the
-others' draws; a dataset's own generator object is not seen, and is unsound the same way. In-memory tensors go through the same loop as ``TensorData`` (a batched
-fetch: one indexing operation per step, no per-example collation).
+tested for GPT-2), and one that builds in-batch matrices is not; ``__getitem__`` and ``collate_fn`` must
+not draw by fetch order (torch's, numpy's or Python's global generator, a generator object of their own,
+a counter): one example's presence would move the others' draws. Every step is checked
+(``clipbias.sampling.refetch``): the global generators' states around each batch's fetch (in the main
+process and in workers alike), and one example of the batch, chosen in secret, fetched and collated alone
+twice and compared with its row; what differs makes the run uncertified, with a caveat that says what
+was seen and a warning. Random augmentation draws from ``clipbias.example_generator()``: keyed by the
+run's secret key, the step and the example, which the plan carries to the process that fetches it
+(``randomness.example``). In-memory tensors go through the same loop as ``TensorData`` (a batched
+fetch: one indexing operation per step, no per-example collation, nothing to check).
 
 Example::
 
@@ -41,7 +44,9 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from ..data import batch
 from ..data.batch import Batch
 from ..errors import ConfigError
-from ..randomness import Purpose, forward, secret_int
+from ..randomness import Purpose, SecretKey, secret_int
+from ..randomness.example import PROBE_FETCH_STEP, fetching
+from . import refetch
 
 
 
@@ -65,32 +70,57 @@ class TensorData(Dataset):
         return batch.take(self.x, idx), batch.take(self.y, idx)
 
 
-class _Fetch(Dataset):
-    """What the DataLoader reads: ``__getitems__(indices) -> (indices, collated batch)``, collated in
-    the worker; an empty index list gives ``template`` (the batch structure with zero rows)."""
+class _Indices(list):
+    """A batch of the plan: the example indices, and the step that will use them (``step``), which travels
+    with the indices to the process that fetches them (``clipbias.example_generator``'s address)."""
 
-    def __init__(self, dataset: Dataset, collate: Callable, template: Any) -> None:
-        self.dataset, self.collate, self.template = dataset, collate, template
+    def __init__(self, indices: list[int], step: int) -> None:
+        super().__init__(indices)
+        self.step = step
+
+
+class _Fetch(Dataset):
+    """What the DataLoader reads: ``__getitems__(indices) -> (indices, collated batch, step, moved
+    generators)``, collated in the worker; an empty index list gives ``template`` (the batch structure with
+    zero rows). Each item is fetched, and the batch collated, with ``clipbias.example_generator`` keyed by
+    ``key``, the step and the example (``randomness.example``); the global generators' states are compared
+    before and after (``refetch.moved``)."""
+
+    def __init__(self, dataset: Dataset, collate: Callable, template: Any, key: SecretKey) -> None:
+        self.dataset, self.collate, self.template, self.key = dataset, collate, template, key
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitems__(self, indices: list[int]) -> tuple[Tensor, Any]:
+    def __getitems__(self, indices: list[int]) -> tuple[Tensor, Any, int | None, tuple[str, ...]]:
+        step = getattr(indices, "step", None)
+        indices = list(indices)
         idx = torch.tensor(indices, dtype=torch.long)
         if isinstance(self.dataset, TensorData):
-            return idx, self.dataset.fetch(idx)
+            return idx, self.dataset.fetch(idx), step, ()
         if not indices:
-            return idx, self.template
-        before = forward.snapshot()
+            return idx, self.template, step, ()
+        before = refetch.generator_states()
+        out = self.fetched(indices, PROBE_FETCH_STEP if step is None else step)
+        return idx, out, step, refetch.moved(before)
+
+    def fetched(self, indices: list[int], step: int) -> Any:
+        """The collated batch of examples ``indices`` fetched for step ``step``."""
         many = getattr(self.dataset, "__getitems__", None)
-        items = many(indices) if many is not None else [self.dataset[i] for i in indices]
-        out = self.collate(items)
-        forward.check_generators(before, where="the dataset (or collate_fn)", remedy=_DATA_REMEDY)
-        return idx, out
+        if many is not None:
+            with fetching(self.key, step, indices):
+                items = many(indices)
+        else:
+            items = []
+            for i in indices:
+                with fetching(self.key, step, (i,), item=True):
+                    items.append(self.dataset[i])
+        with fetching(self.key, step, indices, collate=True):
+            return self.collate(items)
 
-
-_DATA_REMEDY = ("Make __getitem__ and collate_fn deterministic (random augmentation of private examples belongs in "
-                "the keyed draws of the training step: `algo='self-aug'`)")
+    def alone(self, i: int, step: int) -> Any:
+        """Example ``i`` fetched and collated alone for step ``step`` (the re-fetch check)."""
+        return self.fetched([i], step)
 
 
 def _as_is(data: Any) -> Any:
@@ -123,7 +153,12 @@ class _Plan:
         for _ in range(self.steps):
             idx = sampler.draw_ahead()
             step = self.engine.steps_taken + sampler.handed - 1  # the step that will use it
-            yield self.engine.local_share(idx, step).tolist()
+            yield _Indices(self.engine.local_share(idx, step).tolist(), step)
+
+
+def _key_of(engine: Any) -> SecretKey:
+    """The engine's key, unbound (it travels to DataLoader workers)."""
+    return SecretKey(engine.key.bytes, engine.key.reproducible)
 
 
 class PoissonLoader:
@@ -154,13 +189,13 @@ class PoissonLoader:
             raise ConfigError("DataLoader workers cannot read tensors on a GPU: keep the data on the CPU or use "
                               "`num_workers=0`")
         collate = collate_fn or default_collate
-        template = None
+        self.engine, self.dataset = engine, dataset
+        self.fetch = _Fetch(dataset, collate, None, _key_of(engine))
         if not isinstance(dataset, TensorData) and len(dataset):
             # the structure of an empty batch (a noise-only step): one example's collated shapes and
             # dtypes with zero rows, in fresh storage (no value of the example is kept)
-            template = batch.tree_map(lambda t: t.new_empty((0, *t.shape[1:])), collate([dataset[0]]))
-        self.engine, self.dataset = engine, dataset
-        self.fetch = _Fetch(dataset, collate, template)
+            self.fetch.template = batch.tree_map(lambda t: t.new_empty((0, *t.shape[1:])),
+                                                 self.fetch.alone(0, PROBE_FETCH_STEP))
         self.options = dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers
                             and num_workers > 0, multiprocessing_context=multiprocessing_context if num_workers else None)
         if num_workers and prefetch_factor is not None:
@@ -182,15 +217,24 @@ class PoissonLoader:
         steps = len(engine.sampler) if steps is None else steps
         steps = max(0, min(steps, engine.total_steps - engine.steps_taken))
         engine.sampler.restart_ahead()
+        self.fetch.key = _key_of(engine)  # (a state loaded since: the run's key)
+        check = not isinstance(self.dataset, TensorData)
         seed = secret_int(engine.key, Purpose.LOADER, engine.steps_taken)  # ChaCha20 output: reveals no key bit
         loader = DataLoader(self.fetch, batch_sampler=_Plan(engine, steps), collate_fn=_as_is,
                             generator=torch.Generator().manual_seed(seed), **self.options)
         try:
-            for idx, data in loader:
+            for idx, data, step, moved in loader:
                 want = engine.local_share(engine.sampler.sample())
                 if not torch.equal(want, idx):  # the loader and the sampler must agree on every batch
                     raise RuntimeError("PoissonLoader: the fetched batch is not the sampler's next batch (was the "
                                        "sampler used by another loop at the same time?)")
+                if check:  # fetch and collate a function of the example alone (refetch), or a caveat
+                    refetch.check(engine, self.fetch.alone, idx, data, step, moved)
+                # the batch as fetched, before the loop can change it, and the model's state: the step compares
+                # both (engine.drawn, engine.guard: the loop, its hooks and callbacks may not write the model)
+                guard = getattr(engine, "state_guard", None)
+                engine.sampler.fetched = (idx, batch.tree_map(lambda t: t.detach().clone(), data),
+                                          guard.snapshot() if guard is not None else None)
                 yield idx, data
         finally:  # a loop that stopped (break, an error) before stepping on the last batch: the next loop takes it
             engine.sampler.give_back()

@@ -45,6 +45,7 @@ class PoissonSampler:
         self.key, self.drawn = key, 0  # batches drawn so far: the address of the next one
         self.skipped = 0  # batches returned by sample() that no step used before the next sample()
         self._last: Tensor | None = None  # what sample() returned last (give_back)
+        self.fetched: tuple | None = None  # (indices, a copy of the batch a PoissonLoader fetched for them)
         self._ahead: list[Tensor] = []  # drawn by draw_ahead, not yet returned by sample
         self.handed = 0                # how many of them the current loader was given (read-only outside)
 
@@ -77,7 +78,7 @@ class PoissonSampler:
 
     def settle(self) -> None:
         """The batch ``sample`` returned last was released: ``give_back`` no longer applies to it."""
-        self._last = None
+        self._last = self.fetched = None
 
     def give_back(self) -> None:
         """Return the batch ``sample`` just returned: ``sample`` gives it again (a step that failed

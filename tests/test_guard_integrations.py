@@ -1,0 +1,243 @@
+"""Checks every integration makes (issue 54, items 2 and 6): a step on a batch other than the one the private
+loader drew is counted by the engine (``clipbias.engine.drawn``) and reported uncertified in every
+integration; a pass past the planned steps, a second ``DPTrainer.train()`` with nothing left to do, and
+evaluation on the training data are refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from clipbias import PrivacyEngine
+from clipbias.config import AlgoConfig
+from clipbias.engine import DPEngine, drawn
+from clipbias.errors import ConfigError
+
+CAVEAT = "called the model on inputs other than the batch the data loader drew"
+
+g = torch.Generator().manual_seed(0)
+X = torch.randn(64, 5, generator=g)
+Y = (X[:, 0] > 0).long()
+DATA = TensorDataset(X, Y)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+# ---------------------------------------------------------------- the engine's count
+def test_the_engine_counts_a_changed_batch_reports_it_and_keeps_the_count_across_a_resume():
+    """The engine compares a step's batch with the copy its loader kept as it yielded the batch
+    (``sampler.fetched``): a moved or cast batch is the drawn one; an edited one is counted; the engine's own
+    report carries the caveat, and its state carries the count."""
+    from clipbias.sampling import PoissonLoader
+
+    model = _net()
+    engine = DPEngine(model, "dpsgd", n=64, batch_size=16, steps=4, epsilon=3.0, config=AlgoConfig(clip=1.0))
+    batches = PoissonLoader(engine, DATA).epoch(2)
+    x, y, idx = next(batches)
+    engine.step(x.double().float(), y, idx)
+    assert engine.transformed_steps == 0 and engine.privacy().certified
+    x, y, idx = next(batches)
+    x.add_(0.01 * torch.randn_like(x))  # an in-place edit of the yielded tensor: the loader's copy is not
+    engine.step(x, y, idx)
+    report = engine.privacy()
+    assert not report.certified and engine.transformed_steps == 1
+    assert any(c.startswith(f"1 of the 2 steps {CAVEAT}") for c in report.caveats)
+    state = engine.state_dict()
+    assert state["transformed_steps"] == 1
+    resumed = DPEngine(_net(), "dpsgd", n=64, batch_size=16, steps=4, epsilon=3.0, config=AlgoConfig(clip=1.0))
+    resumed.load_state_dict(state)
+    assert resumed.transformed_steps == 1 and not resumed.privacy().certified
+
+
+# ---------------------------------------------------------------- the Opacus interface, through the engine
+def _opacus(epochs: int | None = None):
+    m = _net()
+    pe = PrivacyEngine()
+    loader = DataLoader(DATA, batch_size=16)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    if epochs is None:
+        out = pe.make_private(module=m, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0)
+    else:
+        out = pe.make_private_with_epsilon(module=m, optimizer=opt, data_loader=loader, target_epsilon=3.0,
+                                           target_delta=1e-5, epochs=epochs, max_grad_norm=1.0)
+    return (pe, *out)
+
+
+def test_opacus_transformed_steps_are_the_engines_count_once_in_the_report_and_resumed():
+    pe, model, opt, loader = _opacus()
+    for i, (xb, yb) in enumerate(loader):
+        opt.zero_grad()
+        xb = xb if i != 1 else xb + 0.1 * torch.randn_like(xb)
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    assert opt.transformed_steps == pe.engine.transformed_steps == 1
+    for report in (pe.privacy_report(), pe.privacy_report(1e-6), pe.engine.privacy()):
+        assert not report.certified
+        assert [c for c in report.caveats if CAVEAT in c] == [drawn.TRANSFORMED_CAVEAT.format(1, 4)]
+    state = pe.state_dict()
+    again, *_ = _opacus()
+    again.load_state_dict(state)
+    assert again.engine.transformed_steps == 1 and not again.privacy_report().certified
+    old = {"engine": {k: v for k, v in state["engine"].items() if k != "transformed_steps"}, "transformed_steps": 1}
+    old["engine"]["format"] = 8  # a state saved before the engine counted them: the Opacus count is kept
+    third, *_ = _opacus()
+    third.load_state_dict(old)
+    assert third.engine.transformed_steps == 1
+
+
+def test_opacus_a_pass_after_the_plan_is_spent_is_refused_with_how_to_train_longer():
+    pe, model, opt, loader = _opacus(epochs=1)
+    for xb, yb in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    assert pe.steps == pe.engine.total_steps
+    with pytest.raises(ConfigError, match=r"planned .* are all taken.*epochs=more.*make_private\(noise_multiplier"):
+        next(iter(loader))
+    assert pe.steps == pe.engine.total_steps and pe.privacy_report().certified
+
+
+# ---------------------------------------------------------------- Lightning
+L = pytest.importorskip("lightning")
+from clipbias.integrations.lightning import DPCallback  # noqa: E402
+
+
+class Module(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class AugmentAfterTransfer(Module):
+    """Lightning's documented place for GPU augmentation, one draw per row from torch's generator."""
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        x, y = batch
+        return x + 0.1 * torch.randn(x.shape[0], 1) * torch.ones_like(x), y
+
+
+class EditInTrainingStep(Module):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x.mul_(1.0 + 0.1 * torch.rand(x.shape[0], 1))  # in place: the tensor the step is then given
+        return nn.functional.cross_entropy(self(x), y)
+
+
+def _fit(module: L.LightningModule, val=None, **kw) -> DPCallback:
+    dp = DPCallback(target_epsilon=3.0, target_delta=1e-3, max_grad_norm=1.0)
+    trainer = L.Trainer(**{**dict(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                                  enable_progress_bar=False, enable_model_summary=False, callbacks=[dp]), **kw})
+    trainer.fit(module, DataLoader(DATA, batch_size=16) if val != "train" else TRAIN_LOADER,
+                val_dataloaders=TRAIN_LOADER if val == "train" else val)
+    return dp
+
+
+TRAIN_LOADER = DataLoader(DATA, batch_size=16)
+
+
+@pytest.mark.parametrize("cls", [AugmentAfterTransfer, EditInTrainingStep], ids=["after-transfer", "in-place"])
+def test_lightning_a_batch_changed_after_the_draw_is_uncertified(cls):
+    dp = _fit(cls())
+    report = dp.privacy_report()
+    assert not report.certified and any(CAVEAT in c for c in report.caveats)
+    assert dp.engine.steps_taken == 4 and dp.engine.transformed_steps > 0
+
+
+def test_lightning_a_plain_module_stays_certified():
+    dp = _fit(Module())
+    assert dp.engine.steps_taken == 4 and dp.engine.transformed_steps == 0 and dp.privacy_report().certified
+
+
+class ValOnTrainingSet(Module):
+    def val_dataloader(self):
+        return DataLoader(DATA, batch_size=32)  # another DataLoader, the training dataset
+
+
+@pytest.mark.parametrize("case", ["same-loader", "same-dataset", "same-dataset-no-sanity"])
+def test_lightning_validation_on_the_training_data_is_refused(case):
+    with pytest.raises(ConfigError, match=r"validation dataloader is the train DataLoader.*held-out"):
+        if case == "same-loader":
+            _fit(Module(), val="train")
+        else:
+            _fit(ValOnTrainingSet(), num_sanity_val_steps=2 if case == "same-dataset" else 0)
+
+
+def test_lightning_validation_on_a_held_out_split_is_certified():
+    held_out = TensorDataset(torch.randn(16, 5, generator=g), torch.randint(0, 2, (16,), generator=g))
+    dp = _fit(Module(), val=DataLoader(held_out, batch_size=16))
+    assert dp.engine.steps_taken == 4 and dp.privacy_report().certified
+
+
+# ---------------------------------------------------------------- Hugging Face
+transformers = pytest.importorskip("transformers")
+from transformers import BertConfig, BertForSequenceClassification, TrainingArguments  # noqa: E402
+
+from clipbias.integrations.transformers import DPArguments, DPTrainer, PerExampleIds  # noqa: E402
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int = 1) -> None:
+        self.ids = torch.randint(1, 100, (n, 6), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones(6, dtype=torch.long),
+                "labels": (self.ids[i, 0] > 50).long()}
+
+
+def _trainer(tmp_path, train, eval_dataset=None, **kw) -> DPTrainer:
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                     num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertForSequenceClassification._from_config(cfg, attn_implementation="eager")
+    args = TrainingArguments(str(tmp_path / "out"), **{**dict(
+        per_device_train_batch_size=4, max_steps=2, learning_rate=0.05, save_strategy="no", report_to=[],
+        use_cpu=True, disable_tqdm=True), **kw})
+    return DPTrainer(model=model, args=args, train_dataset=train, eval_dataset=eval_dataset,
+                     data_collator=PerExampleIds(torch.utils.data.default_collate),
+                     dp_args=DPArguments(target_epsilon=8.0, max_grad_norm=1.0, grad_path="rows"))
+
+
+def test_hf_a_second_train_after_the_plan_is_spent_is_refused(tmp_path):
+    trainer = _trainer(tmp_path, Tokens(16))
+    trainer.train()
+    assert trainer.dp_engine.steps_taken == 2 and trainer.privacy_report().certified
+    with pytest.raises(ConfigError, match=r"2 steps this run planned .* are all taken.*0 steps.*max_steps"):
+        trainer.train()
+    assert trainer.dp_engine.steps_taken == 2
+
+
+def test_hf_evaluation_on_the_training_set_is_refused(tmp_path):
+    train, valid = Tokens(16), Tokens(8, seed=2)
+    with pytest.raises(ConfigError, match=r"eval_dataset is the train_dataset.*held-out"):
+        _trainer(tmp_path, train, eval_dataset=train, eval_strategy="steps", eval_steps=1).train()
+    trainer = _trainer(tmp_path, train, eval_dataset={"valid": valid, "train": train})
+    with pytest.raises(ConfigError, match="eval_dataset is the train_dataset"):
+        trainer.evaluate()
+    with pytest.raises(ConfigError, match="eval_dataset is the train_dataset"):
+        trainer.evaluate(eval_dataset=train)
+    trainer.evaluate(eval_dataset=valid)  # a held-out split is fine
+    trainer = _trainer(tmp_path, train, eval_dataset=valid, eval_strategy="steps", eval_steps=1)
+    trainer.train()
+    assert trainer.privacy_report().certified and trainer.dp_engine.transformed_steps == 0

@@ -76,7 +76,8 @@ def test_bert_trainer_takes_exactly_the_engines_steps(tmp_path):
     data, seed, z = Tokens(32, 8, causal=False), 7, 1.0
     model = bert()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    trainer = DPTrainer(model=model, args=targs(tmp_path, max_steps=3), train_dataset=data, eval_dataset=data,
+    held_out = Tokens(16, 8, causal=False, seed=2)  # (evaluating on the training set is refused)
+    trainer = DPTrainer(model=model, args=targs(tmp_path, max_steps=3), train_dataset=data, eval_dataset=held_out,
                         data_collator=PerExampleIds(collate), optimizers=(opt, None),
                         dp_args=DPArguments(noise_multiplier=z, max_grad_norm=1.0, grad_path="fast", noise_seed=seed))
     trainer.train()
@@ -235,3 +236,18 @@ def test_bert_broadcast_position_ids_on_the_fast_path_equal_the_rows_path():
     before = torch.cat([state[n].reshape(-1) for n, _ in BertForSequenceClassification(cfg).named_parameters()])
     assert (after["fast"] - before).norm() > 1e-3
     torch.testing.assert_close(after["fast"], after["rows"], rtol=0, atol=1e-12)
+
+
+def test_epsilon_is_on_the_progress_bar_and_in_its_log_lines(tmp_path, capfd):
+    """Hugging Face's progress bar shows ``epsilon=`` (its postfix, updated at every training log, as
+    Lightning's bar shows it) and the log lines it writes under the bar carry ``epsilon``."""
+    trainer = DPTrainer(model=bert(), args=targs(tmp_path, max_steps=4, logging_steps=2, disable_tqdm=False),
+                        train_dataset=Tokens(32, 8, causal=False), data_collator=PerExampleIds(collate),
+                        dp_args=DPArguments(noise_multiplier=1.0, max_grad_norm=1.0))
+    trainer.train()
+    out, err = capfd.readouterr()
+    logged = [h["epsilon"] for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 2 and logged[-1] == pytest.approx(trainer.privacy_report().epsilon)
+    for epsilon in logged:
+        assert f"epsilon={epsilon:.4g}]" in err.replace("\r", "\n"), err[-2000:]
+        assert f"'epsilon': '{epsilon:.4g}'" in out + err

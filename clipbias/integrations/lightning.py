@@ -11,7 +11,9 @@ engine (expected size B = the DataLoader's ``batch_size``, with its ``collate_fn
 optimizer from ``configure_optimizers`` is made private (its schedulers keep stepping it); each optimizer step
 runs your ``training_step`` for the loss it returns and logs (without a graph: no backward is run), then the
 engine's private step on the batch: per-example gradients of ``criterion(module(x), y)``, clipping, secret
-noise, and your optimizer's ``step`` on the private update. ``epsilon`` is logged with ``self.log``.
+noise, and your optimizer's ``step`` on the private update. ``epsilon`` is logged with ``self.log``. A batch
+changed after the draw (``on_after_batch_transfer``, an in-place edit in ``training_step``) makes the report
+uncertified (``clipbias.engine.drawn``); validation on the training data is refused.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class DPCallback(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.data is None:
             raise ConfigError("DPCallback: the train dataloader was not requested through the private source")
+        check_validation_data(self.data, trainer)
         optimizers = trainer.strategy.optimizers
         if len(optimizers) != 1:
             raise ConfigError(f"DPCallback trains with one optimizer; configure_optimizers returned {len(optimizers)}")
@@ -97,6 +100,12 @@ class DPCallback(L.Callback):
             self._state = None
         trainer.strategy.optimizers = [_StepOnBatch(optimizer, self.engine, self)]
 
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        source = getattr(trainer.fit_loop, "_data_source", None)  # (before training: the DataLoader given to fit)
+        given = getattr(source, "instance", None)
+        check_validation_data(self.data if self.data is not None else
+                              given if isinstance(given, DataLoader) else None, trainer)
+
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._batch = batch
@@ -106,7 +115,11 @@ class DPCallback(L.Callback):
         self._batch = None
         last = batch_idx + 1 >= trainer.num_training_batches
         if self.engine is not None and (trainer.global_step % trainer.log_every_n_steps == 0 or last):
-            pl_module.log("epsilon", self._epsilon(self.engine), on_step=True, on_epoch=False, prog_bar=True)
+            epsilon = self._epsilon(self.engine)
+            pl_module.log("epsilon", epsilon, on_step=True, on_epoch=False, prog_bar=True)
+            if last:
+                log_epoch_end(trainer, epsilon)
+
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -155,6 +168,43 @@ def check_trainer(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
     if not pl_module.automatic_optimization:
         raise ConfigError("DPCallback runs with automatic optimization (training_step returns the loss); manual "
                           "optimization (self.automatic_optimization = False) is not supported")
+
+
+def check_validation_data(train: DataLoader | None, trainer: L.Trainer) -> None:
+    """Refuse validation on the training data (the train DataLoader itself, or a DataLoader of its dataset):
+    its metrics are statistics of the private training data computed without noise, and Lightning logs
+    them: they would be released outside the guarantee."""
+    if train is None:
+        return
+    val = getattr(getattr(trainer.fit_loop.epoch_loop.val_loop, "_data_source", None), "instance", None)
+    for loader in _loaders([trainer.val_dataloaders, val]):
+        if loader is train or getattr(loader, "dataset", None) is train.dataset:
+            raise ConfigError(
+                "DPCallback: the validation dataloader is the train DataLoader (or a DataLoader of its dataset): "
+                "validation metrics (val loss, accuracy, ...) are statistics of the private training data computed "
+                "without noise, and Lightning logs them, released outside the privacy guarantee. Validate on a "
+                "held-out split (val_dataloaders= or val_dataloader() over another dataset, e.g. from "
+                "torch.utils.data.random_split), or pass limit_val_batches=0; metrics of the training data must stay "
+                "as private as the data")
+
+
+def _loaders(x: Any) -> list:
+    """The DataLoaders in ``x`` (one, or lists, tuples and dicts of them)."""
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        return [loader for v in x for loader in _loaders(v)]
+    return [x] if isinstance(x, DataLoader) else []
+
+
+def log_epoch_end(trainer: L.Trainer, epsilon: float) -> None:
+    """Epsilon to the loggers at the epoch's last batch: Lightning writes a step's ``self.log`` values to the
+    loggers only every ``log_every_n_steps`` steps, so where that step is not one of them the value is written
+    here, as Lightning would (its step numbering, with ``epoch``)."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if not trainer.loggers or connector is None or connector.should_update_logs:
+        return  # no logger, or Lightning writes this step itself
+    connector.log_metrics({"epsilon": epsilon})
 
 
 def planned_steps(trainer: L.Trainer) -> int | None:
@@ -233,7 +283,7 @@ class _StepOnBatch(DPOptimizer):
         loss = None
         if closure is not None:
             with torch.no_grad():  # (Lightning runs no backward: fit_loop._skip_backward)
-                loss = closure()
+                loss = self.engine.state_guard.run(closure)  # training_step may not write the module's state
         if cb._pending is None or cb._batch is None:
             raise ConfigError("DPCallback: an optimizer step without a batch of the private loader (call "
                               "optimizer.step once per training batch, through Trainer.fit)")
@@ -242,5 +292,5 @@ class _StepOnBatch(DPOptimizer):
         for p in self.engine.params:
             p.grad = None
         x, y = split(data)
-        self.engine.step(x, y, idx)
+        self.engine.step(x, y, idx)  # a hook or training_step changed the batch: uncertified, with why (engine.drawn)
         return loss

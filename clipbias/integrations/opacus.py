@@ -26,8 +26,12 @@ guarantees holds here unchanged, and ``privacy_report()`` says what the epsilon 
 from __future__ import annotations
 
 import copy
+import functools
 import math
+import re
+import warnings
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -39,15 +43,60 @@ from .. import algorithms, privacy
 from ..config import AlgoConfig
 from ..data import batch
 from ..engine import DPEngine
+from ..engine.drawn import TRANSFORMED_CAVEAT  # noqa: F401  (the caveat's text: the engine's report carries it)
 from ..errors import ClipbiasError, ConfigError
 from ..grads.rows import cross_entropy
 from ..privacy import PrivacyReport
 from ..sampling.loader import PoissonLoader, TensorData, split
+from .opacus_accountant import Accountant
 
 ACCOUNTANTS = {"prv": "pld", "pld": "pld", "rdp": "rdp"}
 """Opacus's accountant names and the clipbias accountant that serves each: its ``prv`` (Gopi et al.'s
 numerical composition of privacy-loss distributions) is clipbias's ``pld``, the same object computed by
 dp-accounting; ``gdp`` (a central-limit approximation, not an upper bound) is refused."""
+
+
+OPACUS_WORDS = ((re.compile(r"(?<![\w.])loss_fn(?!\w)"), "criterion"), (re.compile(r"`AlgoConfig\.clip`"),
+                "`max_grad_norm`"), (re.compile(r"`epsilon`"), "`target_epsilon`"))
+"""The engine's parameter names that reach an Opacus user, as the Opacus interface spells them (the CLI's
+``clipbias/cli/_flags.py`` does the same for its flags): ``loss_fn`` is ``criterion``, the clip
+``max_grad_norm``, ``epsilon`` ``target_epsilon``."""
+
+
+def speak_opacus(message: str) -> str:
+    """``message`` with the engine's parameter names replaced by the Opacus interface's (``OPACUS_WORDS``)."""
+    for pattern, word in OPACUS_WORDS:
+        message = pattern.sub(word, message)
+    return message
+
+
+@contextmanager
+def speaking_opacus():
+    """A ``ClipbiasError`` raised inside, re-raised (same type, same traceback) with ``speak_opacus``'s message."""
+    try:
+        yield
+    except ClipbiasError as e:
+        if e.args and isinstance(e.args[0], str):
+            e.args = (speak_opacus(e.args[0]), *e.args[1:])
+        raise
+
+
+def _speaks_opacus(fn: Callable) -> Callable:
+    """``fn`` (an entry point of the Opacus interface) under ``speaking_opacus``."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with speaking_opacus():
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+class _OpacusEngine(DPEngine):
+    """The ``DPEngine`` of a ``PrivacyEngine``: its step (taken by ``optimizer.step()`` or by the model's
+    forward) raises errors that name the Opacus interface's arguments (``speaking_opacus``)."""
+
+    def step(self, *args, **kwargs):
+        with speaking_opacus():
+            return super().step(*args, **kwargs)
 
 
 @dataclass
@@ -59,16 +108,19 @@ class _Batch:
     chunks: int = 1                # physical chunks it is yielded in (BatchMemoryManager)
     yielded: int = 0               # chunks yielded so far
     inputs: list = field(default_factory=list)  # the model's recorded inputs, one per chunk
-    reference: Any = None          # a copy of ``data`` taken when it was yielded (the loop may mutate ``data``)
     stepped: bool = False          # the model's forward took the private step (``DPModule``)
+    outputs: list = field(default_factory=list)  # the outputs the loop got, as leaves (None: not a tensor)
 
 
 class PrivacyEngine:
     """Opacus's ``PrivacyEngine``, backed by a ``clipbias.engine.DPEngine``.
 
-    ``accountant``: ``"prv"`` (Opacus's default; served by the PLD accountant), ``"pld"`` or ``"rdp"``.
+    ``accountant``: ``"prv"`` (Opacus's default; served by the PLD accountant), ``"pld"`` or ``"rdp"``; the
+    name stays in ``accountant_name``, and the attribute ``accountant`` is Opacus's accountant surface over the
+    engine's accounting (``get_epsilon(delta=)``, ``history``, ``state_dict``: ``opacus_accountant.Accountant``).
     ``secure_mode`` is accepted for compatibility: clipbias's randomness is always secret (ChaCha20
-    under a 256-bit key from the OS), so there is nothing to switch on."""
+    under a 256-bit key from the OS), so there is nothing to switch on. Errors raised by its entry points and
+    by the private step name the Opacus interface's arguments (``criterion``, not the engine's ``loss_fn``)."""
 
     def __init__(self, accountant: str = "prv", secure_mode: bool = False) -> None:
         if accountant not in ACCOUNTANTS:
@@ -76,12 +128,14 @@ class PrivacyEngine:
                               + ("; gdp is a central-limit approximation, not an upper bound on epsilon"
                                  if accountant == "gdp" else ""))
         self.accountant_name, self.secure_mode = accountant, secure_mode
+        self.accountant = Accountant(self, accountant)  # Opacus's ``privacy_engine.accountant`` surface
         self.engine: DPEngine | None = None
         self.module: DPModule | None = None
         self.optimizer: DPOptimizer | None = None
         self.data_loader: DPDataLoader | None = None
 
     # ------------------------------------------------------------------ making a training private
+    @_speaks_opacus
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
                      noise_multiplier: float, max_grad_norm: float, criterion: Callable | None = None,
                      batch_first: bool = True, loss_reduction: str = "mean", poisson_sampling: bool = True,
@@ -90,7 +144,8 @@ class PrivacyEngine:
         """Your ``(module, optimizer, data_loader)`` made private at ``noise_multiplier``, each example's
         gradient clipped to ``max_grad_norm``; trains for as many steps as you take, each accounted
         (``get_epsilon``). With ``grad_sample_mode="ghost"`` it returns ``(module, optimizer, criterion,
-        data_loader)`` as Opacus does. clipbias's own keywords: ``algorithm`` (default ``"dpsgd"``;
+        data_loader)`` as Opacus does. What a ``make_private`` returned before (a resumed script passes the private
+        module, optimizer or loader again) is unwrapped to your objects, as Opacus does. clipbias's own keywords: ``algorithm`` (default ``"dpsgd"``;
         ``"dice"``, ``"disk"``, ``"adaptive"``, ...), ``grad_path`` (``auto``, ``rows``, ``fast``),
         ``dice_accounting``, ``bands`` and ``bands_strategy`` (``"taylor"`` or ``"optimized"``: banded noise's
         coefficients, ``DPEngine``'s; ``"blt"``: BLT noise in ``bands`` classes; ``"optimized"`` and ``"blt"``
@@ -106,6 +161,7 @@ class PrivacyEngine:
                                        noise_generator=noise_generator, grad_sample_mode=grad_sample_mode),
                           extra=clipbias_options)
 
+    @_speaks_opacus
     def make_private_with_epsilon(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
                                   data_loader: DataLoader, target_epsilon: float, target_delta: float, epochs: int,
                                   max_grad_norm: float, criterion: Callable | None = None, batch_first: bool = True,
@@ -138,8 +194,7 @@ class PrivacyEngine:
                 raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
         if delta is not None and not (isinstance(delta, float) and 0 < delta < 1):
             raise ConfigError(f"target_delta must be a float in (0, 1), got {delta!r}")
-        if isinstance(module, DPModule) or isinstance(optimizer, DPOptimizer):
-            raise ConfigError("module/optimizer were already made private: pass your own nn.Module and optimizer")
+        module, optimizer, data_loader = _unwrapped(module, optimizer, data_loader)
         if not isinstance(module, nn.Module):
             raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if not isinstance(data_loader, DataLoader):
@@ -159,7 +214,9 @@ class PrivacyEngine:
                               f"`TrainConfig` (`public_size`) or the clipbias CLI, not through make_private")
         n, B = len(data_loader.dataset), data_loader.batch_size
         config = engine_config(optimizer, max_grad_norm, extra.get("ef_clip"), extra.get("settings"))
-        self.engine = DPEngine(module, algorithm, n=n, batch_size=B, epochs=epochs, epsilon=epsilon,
+        # the plan (``make_private_with_epsilon``): ``epochs`` epochs of ``len(data_loader)`` steps, Opacus's count
+        steps = None if epochs is None else epochs * epoch_steps(data_loader)
+        self.engine = _OpacusEngine(module, algorithm, n=n, batch_size=B, steps=steps, epsilon=epsilon,
                                noise_multiplier=noise_multiplier,
                                delta=delta if delta is not None else extra.get("delta", 1e-5),
                                accountant=ACCOUNTANTS[self.accountant_name],
@@ -178,22 +235,25 @@ class PrivacyEngine:
         return self.module, self.optimizer, self.data_loader
 
     # ------------------------------------------------------------------ privacy
+    @_speaks_opacus
     def get_epsilon(self, delta: float) -> float:
         """Epsilon after the steps taken so far, at ``delta`` (0 before the first step)."""
         return self.privacy_report(delta).epsilon
 
+    @_speaks_opacus
     def privacy_report(self, delta: float | None = None) -> PrivacyReport:
-        """The full statement: epsilon, delta, accountant, basis, ``certified`` and its caveats."""
+        """The full statement: epsilon, delta, accountant, basis, ``certified`` and its caveats. Without
+        ``delta``, at the run's: ``make_private_with_epsilon``'s ``target_delta``, or ``make_private``'s ``delta``
+        option (default 1e-5)."""
         engine = self._engine()
         if delta is None:
             report = engine.privacy()
         else:
             privacy.check_delta(delta)
             report = privacy.account(engine.spec, engine.steps_taken, delta, engine.accountant, engine.dice_accounting)
-            for why in engine.privacy().caveats:
+            for why in engine.privacy().caveats:  # (transformed steps among them: ``engine.drawn``)
                 report = report.with_caveat(why)
-        moved = self.optimizer.transformed_steps if self.optimizer is not None else 0
-        return report.with_caveat(TRANSFORMED_CAVEAT.format(moved, engine.steps_taken)) if moved else report
+        return report
 
     @property
     def steps(self) -> int:
@@ -210,13 +270,15 @@ class PrivacyEngine:
         release it. Save the model's ``state_dict`` beside it."""
         return {"engine": self._engine().state_dict(), "transformed_steps": self.optimizer.transformed_steps}
 
+    @_speaks_opacus
     def load_state_dict(self, state: dict) -> None:
         """Continue a training from ``state_dict()`` (in a new process: a fresh ``make_private`` with the same
         settings, then this); the batches, noise and updates continue exactly."""
         if not isinstance(state, Mapping) or "engine" not in state:
             raise ConfigError("load_state_dict: pass what PrivacyEngine.state_dict() returned")
         self._engine().load_state_dict(state["engine"])
-        self.optimizer.transformed_steps = int(state.get("transformed_steps", 0))
+        engine = self._engine()  # (a state saved before the engine counted them: its own count)
+        engine.transformed_steps = max(engine.transformed_steps, int(state.get("transformed_steps", 0)))
 
     def save_checkpoint(self, *, path, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                         checkpoint_dict: dict | None = None) -> None:
@@ -234,10 +296,31 @@ class PrivacyEngine:
         return ckpt
 
 
-TRANSFORMED_CAVEAT = ("{} of the {} steps called the model on inputs other than the batch the data loader drew (a "
-                      "transform in the training loop): randomness in such a transform (augmentation) is not the "
-                      "engine's secret per-example randomness, and nothing bounds how it couples examples; transform "
-                      "in the Dataset instead")
+def epoch_steps(data_loader: DataLoader) -> int:
+    """The steps of one epoch as Opacus counts them: ``len(data_loader)`` of your loader over its dataset,
+    ceil(n / B) (n // B with ``drop_last=True``), at least 1. Each step draws every example with probability
+    q = B / n (the sampler is the engine's), so an epoch draws B ceil(n / B) >= n examples in expectation."""
+    n, b = len(data_loader.dataset), data_loader.batch_size
+    return max(1, n // b if data_loader.drop_last else -(-n // b))
+
+
+def _unwrapped(module: Any, optimizer: Any, data_loader: Any) -> tuple:
+    """What ``make_private`` returned before, given again (a resumed script), as the objects it wrapped: the
+    module, the optimizer and the DataLoader (Opacus accepts them too). A warning where their training took
+    steps: this PrivacyEngine accounts its own steps from zero unless that training's state is loaded."""
+    earlier = [w.engine for w in (optimizer, data_loader) if isinstance(w, (DPOptimizer, DPDataLoader))]
+    if isinstance(module, DPModule) and module._optimizer is not None:
+        earlier.append(module._optimizer.engine)
+    taken = max((e.steps_taken for e in earlier), default=0)
+    if taken:
+        warnings.warn(f"make_private got the module, optimizer or data loader of a training that has taken {taken} "
+                      f"private step(s): this PrivacyEngine accounts its own steps from 0 (right for a new training "
+                      f"of a new model). To continue that training and its accounting, load its state "
+                      f"(privacy_engine.load_state_dict(state) or privacy_engine.accountant.load_state_dict(state)) "
+                      f"before the first step", stacklevel=5)
+    return (module._module if isinstance(module, DPModule) else module,
+            optimizer.original_optimizer if isinstance(optimizer, DPOptimizer) else optimizer,
+            data_loader.original if isinstance(data_loader, DPDataLoader) else data_loader)
 
 
 def check_options(*, batch_first: bool, loss_reduction: str, poisson_sampling: bool, clipping: str,
@@ -336,27 +419,29 @@ class DPModule(nn.Module):
         if record and self._eager is None and self._optimizer is not None:
             self._eager = self._optimizer.engine.outputs_kept and "labels" not in kwargs and \
                 _per_example(out, len(pending.indices))
-        return _tie(out, self._anchor) if record else out
+        return self._handed(out, pending) if record else out
 
     def _step_here(self, pending: _Batch):
-        """The private step now, on the recorded call; its outputs, tied to the anchor."""
-        self._guarded(self._optimizer.run, pending, keep_outputs=True)
+        """The private step now, on the recorded call; its outputs, as the loop gets them (``_handed``)."""
+        self._optimizer.run(pending, keep_outputs=True)  # (the engine's step guards its own forward)
         pending.stepped = True
-        out = self._optimizer.engine.last_outputs
+        return self._handed(self._optimizer.engine.last_outputs, pending)
+
+    def _handed(self, out: Any, pending: _Batch) -> Any:
+        """``out`` as the loop gets it: a floating tensor as a leaf that requires grad, so that the loop's
+        ``loss.backward()`` leaves in it the gradient of the loop's own loss, which ``optimizer.step()`` holds
+        against ``criterion``'s (``DPOptimizer.check_loss``); anything else tied to a zero-valued anchor."""
+        if isinstance(out, Tensor) and out.is_floating_point():
+            leaf = out.detach().requires_grad_()
+            pending.outputs.append(leaf)
+            return leaf
+        pending.outputs.append(None)
         return _tie(out, self._anchor)
 
     def _guarded(self, fn: Callable, *args, **kwargs):
-        """``fn(*args, **kwargs)``, refused (and the buffers restored) if it changed a buffer of the module."""
-        before = _buffer_state(self._module)
-        try:
-            out = fn(*args, **kwargs)
-        finally:
-            changed = _restore_buffers(self._module, before)
-        if changed:
-            raise ConfigError(f"the model updates {changed} buffer(s) in its forward pass (BatchNorm's running "
-                              f"statistics?): they would hold statistics of the private batch outside the "
-                              f"guarantee. Restored; replace BatchNorm with clipbias.fix(model) (GroupNorm)")
-        return out
+        """``fn(*args, **kwargs)`` under the engine's state guard: refused (the buffers restored) if it wrote
+        the module's state (``clipbias.engine.guard``)."""
+        return self._optimizer.engine.state_guard.run(fn, *args, **kwargs)
 
     def __getattr__(self, name: str):
         try:
@@ -365,37 +450,30 @@ class DPModule(nn.Module):
             return getattr(self._modules["_module"], name)
 
 
-def _buffer_state(module: nn.Module) -> dict:
-    """``{(owner, name): (buffer object, copy of its values)}`` of every buffer of ``module``."""
-    return {(owner, name): (b, b.detach().clone()) for _, owner in module.named_modules()
-            for name, b in owner._buffers.items() if b is not None}
+LOSS_CHECKS = 5
+"""``DPOptimizer.check_loss`` holds the loop's loss against ``criterion`` at the first this many steps."""
+
+LOSS_WARNING = ("the loss your training loop computes is not `criterion`'s: its gradient with respect to the model's "
+                "outputs differs from that of the mean of `criterion`'s per-example losses on the same outputs and "
+                "targets. The private step differentiates `criterion` for each example (make_private's `criterion`, "
+                "default nn.CrossEntropyLoss()), not the graph your loop built, so label smoothing, class weights, "
+                "extra terms or another loss in the loop are not what is trained. Pass your loss as "
+                "make_private(..., criterion=...): a loss module with `reduction` (evaluated per example), or a "
+                "function of (outputs, targets) that returns one loss per example")
 
 
-def _same_values(a: Tensor, b: Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.is_floating_point() or a.is_complex():
-        return bool(((a == b) | (a.isnan() & b.isnan())).all())
-    return torch.equal(a, b)
-
-
-def _restore_buffers(module: nn.Module, before: dict) -> int:
-    """Put back every buffer a forward changed since ``before`` (``_buffer_state``): updated in place (also
-    through ``.data``, which has its own version counter), reassigned (``self.running = 0.9 * self.running +
-    ...``: a new object) or added; returns how many there were."""
-    after = _buffer_state(module)
-    changed = 0
-    with torch.no_grad():
-        for (owner, name), (b, old) in before.items():
-            now = after.get((owner, name))
-            if now is None or now[0] is not b or not _same_values(b.detach(), old):
-                changed += 1
-                b.copy_(old)
-                owner._buffers[name] = b
-        for (owner, name) in after.keys() - before.keys():
-            changed += 1
-            del owner._buffers[name]
-    return changed
+def _criterion_gradient(loss_fn: Callable, out: Tensor, y: Any) -> Tensor:
+    """The gradient, with respect to ``out``, of the mean over the batch of ``loss_fn``'s per-example losses (the
+    engine's convention: ``cross_entropy`` and the loss modules take the batch; any other callable, one example
+    at a time)."""
+    o = out.detach().requires_grad_()
+    with torch.enable_grad():
+        if loss_fn is cross_entropy or getattr(loss_fn, "__name__", "") == "per_example":
+            total = loss_fn(o, y).sum()
+        else:
+            total = sum(loss_fn(o[i:i + 1], batch.take(y, slice(i, i + 1))).sum() for i in range(len(o)))
+        return torch.autograd.grad(total / len(o), o, allow_unused=True)[0] if total.requires_grad \
+            else torch.zeros_like(o)
 
 
 def _per_example(out: Any, b: int) -> bool:
@@ -415,13 +493,16 @@ def _tie(out: Any, anchor: Tensor) -> Any:
 class DPDataLoader:
     """Secret Poisson batches of your DataLoader's dataset, with its ``collate_fn``, workers and pinning:
     each example joins each step independently with probability B / n (B: your ``batch_size``); an empty
-    batch (zero rows, your collate's structure) is a noise-only step. ``len()`` is the steps of one epoch,
-    round(n / B). Yields what your ``collate_fn`` returns, as your DataLoader did."""
+    batch (zero rows, your collate's structure) is a noise-only step. ``len()`` is the steps of one epoch as
+    Opacus counts them, ``len()`` of your DataLoader: ceil(n / B), n // B with ``drop_last=True``
+    (``epoch_steps``); an epoch yields that many batches (fewer at the end of ``make_private_with_epsilon``'s
+    plan, which is ``epochs * len()`` steps). Yields what your ``collate_fn`` returns, as your DataLoader did."""
 
     def __init__(self, engine: DPEngine, data_loader: DataLoader, module: DPModule) -> None:
         self.engine, self.module, self.original = engine, module, data_loader
         self.dataset, self.batch_size = data_loader.dataset, data_loader.batch_size
         self.physical_batch_size: int | None = None
+        self.steps_per_epoch = epoch_steps(data_loader)
         workers = data_loader.num_workers
         self.loader = PoissonLoader(engine, _batched(data_loader), collate_fn=data_loader.collate_fn,
                                     num_workers=workers, pin_memory=data_loader.pin_memory,
@@ -430,13 +511,21 @@ class DPDataLoader:
                                     multiprocessing_context=data_loader.multiprocessing_context, device="cpu")
 
     def __len__(self) -> int:
-        return len(self.engine.sampler)
+        return self.steps_per_epoch
 
     def __iter__(self):
-        for idx, data in self.loader.batches():
+        engine = self.engine
+        if engine.steps_taken >= engine.total_steps:  # a pass would yield no batch: say why
+            raise ConfigError(
+                f"the {engine.total_steps} steps make_private_with_epsilon planned (epochs x len(data_loader)) are "
+                f"all taken, and target_epsilon covers no more (the noise was calibrated for them): this pass over "
+                f"the data loader would yield no batch. To train longer, plan it from the start: a new PrivacyEngine "
+                f"and make_private_with_epsilon(..., epochs=more) (the noise is then calibrated for the longer run), "
+                f"or make_private(noise_multiplier=...), which has no planned end (get_epsilon accounts the steps "
+                f"taken). A new training that starts from these trained weights adds its epsilon to this one's")
+        for idx, data in self.loader.batches(len(self)):
             chunks = _chunks(data, self.physical_batch_size)
-            self.module._pending = pending = _Batch(idx, data, len(chunks),
-                                                    reference=batch.tree_map(lambda t: t.detach().clone(), data))
+            self.module._pending = pending = _Batch(idx, data, len(chunks))
             for chunk in chunks:
                 pending.yielded += 1
                 yield chunk
@@ -476,7 +565,12 @@ class DPOptimizer(torch.optim.Optimizer):
         self.noise_multiplier, self.max_grad_norm = engine.noise_multiplier, engine.config.clip
         self.expected_batch_size = engine.expected_batch_size
         self._step_supports_amp_scaling = False
-        self.transformed_steps = 0  # steps whose model inputs were not the drawn batch (``privacy_report``)
+        self.loss_checks = 0  # steps whose loop's loss was held against criterion's (``check_loss``)
+
+    @property
+    def transformed_steps(self) -> int:
+        """Steps whose model inputs or targets were not the drawn batch: the engine's count (``engine.drawn``)."""
+        return self.engine.transformed_steps
 
     @property
     def param_groups(self) -> list[dict]:
@@ -527,6 +621,7 @@ class DPOptimizer(torch.optim.Optimizer):
                               "loader that make_private returned and call the model on each batch")
         if pending.yielded < pending.chunks:  # a physical chunk of a larger logical batch (virtual step)
             return loss
+        self.check_loss(pending)
         if pending.stepped and len(pending.inputs) == 1:  # the model's forward took the step (``DPModule``)
             self.module._pending = None
             return loss
@@ -538,13 +633,40 @@ class DPOptimizer(torch.optim.Optimizer):
         self.run(pending)
         return loss
 
+    def check_loss(self, pending: _Batch) -> None:
+        """Say so (a warning, once) where the loss the loop computed is not ``criterion``'s: the gradient the loop's
+        ``loss.backward()`` left in the outputs against that of the mean of ``criterion``'s per-example losses on
+        the same outputs and targets (checked at the first ``LOSS_CHECKS`` steps whose batch was one call of the
+        model returning one tensor; a loss that ignored the outputs has none). The step differentiates
+        ``criterion``, never the loop's graph: a loss the loop changed (label smoothing, class weights, an extra
+        term, a sum) would otherwise be replaced in silence."""
+        if self.loss_checks >= LOSS_CHECKS or len(pending.outputs) != 1 or pending.outputs[0] is None \
+                or not len(pending.indices):
+            return
+        self.loss_checks += 1
+        out = pending.outputs[0]
+        try:
+            _, y = self._batch(pending)
+            ours = _criterion_gradient(self.engine.loss_fn, out, y)
+        except Exception:  # (criterion cannot run on the whole batch: the engine's step will say why)
+            return
+        theirs = out.grad if out.grad is not None else torch.zeros_like(out)
+        scale = float(theirs.abs().max())
+        if torch.allclose(theirs, ours, rtol=1e-3, atol=1e-6 * max(scale, float(ours.abs().max()), 1e-30)):
+            return
+        self.loss_checks = LOSS_CHECKS
+        b = len(out)
+        summed = b > 1 and torch.allclose(theirs, ours * b, rtol=1e-3, atol=1e-6 * max(scale, 1e-30))
+        warnings.warn(LOSS_WARNING + (f" (here the loop's loss is the sum over the batch, {b} times criterion's mean: "
+                                      f"divide it by the batch size, or scale the learning rate)" if summed else ""),
+                      stacklevel=3)
+
     def run(self, pending: _Batch, keep_outputs: bool = False) -> None:
         """``DPEngine.step`` on the logical batch (``keep_outputs``: its outputs in ``engine.last_outputs``)."""
         x, y = self._batch(pending)
+        # the engine compares the inputs and targets with the batch as the loader fetched it (``engine.drawn``:
+        # an in-place transform of the yielded tensors changed ``pending.data`` too; ``labels=`` may be the targets)
         self.engine.step(x, y, pending.indices, keep_outputs=keep_outputs)
-        # the inputs and the targets the engine used, against the batch as it was drawn (a copy: an in-place
-        # transform of the yielded tensors changed ``pending.data`` too); the targets may come from ``labels=``
-        self.transformed_steps += not _same_inputs((x, y), pending.reference)
 
     def _batch(self, pending: _Batch) -> tuple:
         """The logical batch's model inputs (as recorded) and targets (the loader's, or a ``labels`` keyword)."""
@@ -561,16 +683,6 @@ class DPOptimizer(torch.optim.Optimizer):
                               f"holds {len(pending.indices)}: call the model on the batch (or chunk) as drawn, one "
                               f"example per row")
         return x, y
-
-
-def _same_inputs(x: Any, drawn: Any) -> bool:
-    """Whether every tensor the model was called with is one of the drawn batch's tensors (moved or cast: the
-    same shape and values): ``model(x)``, ``model(batch["inputs"])``, ``model(**batch)`` all are. Compared in
-    the recorded tensor's dtype (the drawn tensor cast to it): casting the recorded one to the drawn dtype
-    would truncate, and ``x.float() + delta`` with ``0 <= delta < 1`` would pass for a uint8 batch."""
-    pool = batch.leaves(drawn)
-    return all(any(t.shape == d.shape and torch.equal(t.detach().to("cpu"), d.to(t.dtype)) for d in pool)
-               for t in batch.leaves(x))
 
 
 def _as_batch(rec: tuple) -> Any:

@@ -15,11 +15,14 @@ gradient-accumulation micro-steps are that batch split in ``gradient_accumulatio
 and the engine computes the per-example gradients in micro-batches of ``per_device_train_batch_size``.
 At the last chunk the engine clips each example's gradient, adds the secret noise and leaves the private
 update in ``.grad``; the Trainer then steps your optimizer (created from ``TrainingArguments`` as usual,
-scheduler and warmup included) on it. HF's own sampler never picks a private batch.
+scheduler and warmup included) on it. HF's own sampler never picks a private batch. The private loader checks
+that fetch and collate are a function of the example alone (``clipbias.sampling.refetch``); Hugging Face's
+``DataCollatorForLanguageModeling`` masks with keyed per-example draws (``keyed_collator``).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Mapping
@@ -35,10 +38,12 @@ from ..data.text import IGNORE
 from ..engine import DPEngine
 from ..errors import ConfigError
 from ..privacy import PrivacyReport
+from ..randomness.example import example_generator
 from ..sampling.loader import PoissonLoader
 from .options import DPOptions, EpsilonLog, check_trainable
 
-__all__ = ["DPArguments", "DPTrainer", "PerExampleIds", "causal_lm_loss", "sequence_classification_loss"]
+__all__ = ["DPArguments", "DPTrainer", "PerExampleIds", "causal_lm_loss", "keyed_collator",
+           "sequence_classification_loss"]
 
 DP_STATE = "dp_engine.pt"
 """The private state in each checkpoint folder (secret key, sampler, steps): never release it."""
@@ -127,6 +132,50 @@ class PerExampleIds:
         if self.token_type_ids:
             out.setdefault("token_type_ids", torch.zeros_like(ids))
         return out
+
+
+class _KeyedMLM(transformers.DataCollatorForLanguageModeling):
+    """Hugging Face's MLM collator with its masks drawn per example from ``clipbias.example_generator``
+    (``keyed_collator``): the same rule, token by token."""
+
+    def torch_mask_tokens(self, inputs: Tensor, special_tokens_mask: Any = None, offset_mapping: Any = None):
+        labels = inputs.clone()
+        if special_tokens_mask is None:
+            special_tokens_mask = [self.tokenizer.get_special_tokens_mask(v, already_has_special_tokens=True)
+                                   for v in labels.tolist()]
+        special = torch.as_tensor(special_tokens_mask).bool()
+        b, length = labels.shape
+        # row r: example r's own draws (its stream read from the start, row-major over [token, 3]), so its
+        # tokens' draws do not depend on the batch's padded length nor on the other rows
+        u = torch.stack([example_generator(r).uniform(length, 3, dtype=torch.float64) for r in range(b)]) \
+            if b else torch.zeros(0, length, 3, dtype=torch.float64)
+        words = torch.stack([example_generator(r).integers(len(self.tokenizer), size=(length,)) for r in range(b)]) \
+            if b else torch.zeros(0, length, dtype=torch.long)
+        masked = (u[..., 0] < self.mlm_probability) & ~special
+        labels[~masked] = IGNORE
+        replaced = (u[..., 1] < self.mask_replace_prob) & masked
+        inputs[replaced] = self.tokenizer.convert_tokens_to_ids(self.tokenizer.mask_token)
+        if self.mask_replace_prob == 1 or self.random_replace_prob == 0:
+            return inputs, labels
+        random_words = (u[..., 2] < self.random_replace_prob / (1 - self.mask_replace_prob)) & masked & ~replaced
+        inputs[random_words] = words[random_words].to(inputs.dtype)
+        return inputs, labels
+
+
+def keyed_collator(collator: Any) -> Any:
+    """``collator``, or where it is Hugging Face's ``DataCollatorForLanguageModeling`` masking tokens for a
+    masked LM (``mlm=True``, torch tensors, not whole words) a copy whose masks come from the run's secret
+    key per example and step (``clipbias.example_generator``) instead of its ``seed``'s generator or torch's:
+    those hand out the masks in fetch order, so one example moves the others' masks (the private loader's
+    check reports that). The same rule: each non-special token is masked with ``mlm_probability``, then
+    replaced by the mask token (``mask_replace_prob``), a random token (``random_replace_prob``) or kept."""
+    if (type(collator) is not transformers.DataCollatorForLanguageModeling or not collator.mlm
+            or getattr(collator, "whole_word_mask", False) or collator.return_tensors != "pt"):
+        return collator
+    keyed = copy.copy(collator)
+    keyed.__class__ = _KeyedMLM
+    keyed.seed, keyed.generator = None, None
+    return keyed
 
 
 class _Pending:
@@ -225,6 +274,28 @@ def check_training_args(args: Any) -> None:
                           "the sampling rate the accounting assumes: set per_device_train_batch_size yourself")
 
 
+def check_eval_data(train: Any, evaluated: Any) -> None:
+    """Refuse an evaluation on the training set (the same dataset object, alone or in a dict of eval sets):
+    its metrics are statistics of the private training data, computed outside the private step without
+    noise, and the Trainer logs them (to every ``report_to``): they would be released outside the guarantee."""
+    sets = evaluated.values() if isinstance(evaluated, Mapping) else [evaluated]
+    if train is not None and any(d is train for d in sets):
+        raise ConfigError("DPTrainer: eval_dataset is the train_dataset: its metrics (loss, accuracy, ...) are "
+                          "statistics of the private training data computed without noise, and the Trainer logs "
+                          "them, released outside the privacy guarantee. Evaluate on a held-out split (e.g. "
+                          "train_test_split) or pass eval_dataset=None; metrics of the training data must stay as "
+                          "private as the data")
+
+
+def show_on_bar(handler: Any, epsilon: float) -> None:
+    """``epsilon=`` on the Trainer's progress bar (``ProgressCallback``'s tqdm postfix, as Lightning's bar
+    shows it), updated at every training log (``logging_steps``); the log lines it writes carry it too."""
+    for callback in getattr(handler, "callbacks", ()):
+        bar = getattr(callback, "training_bar", None)
+        if isinstance(callback, transformers.trainer_callback.ProgressCallback) and bar is not None:
+            bar.set_postfix(epsilon=f"{epsilon:.4g}", refresh=False)
+
+
 class DPTrainer(transformers.Trainer):
     """A ``transformers.Trainer`` that trains privately (see the module's docstring): every argument of
     ``Trainer`` plus ``dp_args`` (a ``DPArguments``). ``privacy_report()`` states the guarantee; the
@@ -264,7 +335,7 @@ class DPTrainer(transformers.Trainer):
     def get_train_dataloader(self) -> PoissonChunks:
         if self.train_dataset is None:
             raise ConfigError("DPTrainer: training requires a train_dataset")
-        dataset, collator = self.train_dataset, self.data_collator
+        dataset, collator = self.train_dataset, keyed_collator(self.data_collator)  # MLM masks keyed per example
         if transformers.utils.is_datasets_available():
             import datasets
             if isinstance(dataset, datasets.Dataset):
@@ -310,7 +381,8 @@ class DPTrainer(transformers.Trainer):
         self._dp_pending = None
         model.train()
         x, y = self._split_labels(pending.data)
-        losses = self.dp_engine.step(self._prepare_input(x), self._prepare_input(y), pending.indices)
+        x, y = self._prepare_input(x), self._prepare_input(y)
+        losses = self.dp_engine.step(x, y, pending.indices)  # chunks changed in place: uncertified (engine.drawn)
         return (losses.sum() / max(len(losses), 1)).detach().to(self.args.device)
 
     def _split_labels(self, data: Mapping) -> tuple[dict, Tensor]:
@@ -319,6 +391,27 @@ class DPTrainer(transformers.Trainer):
             raise ConfigError(f"DPTrainer needs exactly one label entry in each batch (label_names "
                               f"{self.label_names}); the batch has keys {sorted(data)}")
         return {k: v for k, v in data.items() if k != names[0]}, data[names[0]]
+
+    def train(self, *args, **kwargs):
+        """``Trainer.train``, refused where it would do nothing or release statistics of the training data: a
+        second call once the planned steps are all taken, and evaluation on the training set during it."""
+        engine = self.dp_engine
+        if engine is not None and engine.steps_taken >= engine.total_steps:
+            raise ConfigError(
+                f"DPTrainer: the {engine.total_steps} steps this run planned (max_steps or num_train_epochs of "
+                f"TrainingArguments; target_epsilon calibrated the noise for them) are all taken, so train() would "
+                f"run 0 steps. To train longer, plan it from the start: a new DPTrainer with a larger max_steps or "
+                f"num_train_epochs (the noise is then calibrated for the longer run), or "
+                f"DPArguments(noise_multiplier=...), a run without a planned end that each train() continues. A new "
+                f"run that starts from these trained weights adds its epsilon to this run's")
+        if str(getattr(self.args.eval_strategy, "value", self.args.eval_strategy)) != "no":
+            check_eval_data(self.train_dataset, self.eval_dataset)
+        return super().train(*args, **kwargs)
+
+    def evaluate(self, eval_dataset: Any = None, *args, **kwargs) -> dict:
+        """``Trainer.evaluate``, refused on the training set (``check_eval_data``)."""
+        check_eval_data(self.train_dataset, eval_dataset if eval_dataset is not None else self.eval_dataset)
+        return super().evaluate(eval_dataset, *args, **kwargs)
 
     def _clip_grad_norm(self, model):
         """No clipping of the batch gradient: each example's gradient was clipped to ``max_grad_norm`` of
@@ -335,6 +428,7 @@ class DPTrainer(transformers.Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.dp_engine is not None and ("loss" in logs or "train_loss" in logs):
             logs["epsilon"] = self._dp_epsilon(self.dp_engine)
+            show_on_bar(self.callback_handler, logs["epsilon"])
         super().log(logs, start_time)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up clipbias on a fresh Debian machine: Fashion-MNIST from Debian, a virtualenv with the CPU
-# build of torch (pinned: an unpinned torch pulls a multi-GB CUDA build), and clipbias itself with every
-# extra the test suite uses: all optional features (pyproject.toml), the docs build and the test tools.
+# Set up clipbias on a fresh Debian machine: Fashion-MNIST from Debian, a virtualenv with torch 2.13.0, and
+# clipbias itself with every extra the test suite uses: all optional features (pyproject.toml), the docs build
+# and the test tools. The torch line pins a version, not a build: it installs the CPU build where pip's
+# configuration offers it (a local wheel folder with torch-2.13.0+cpu, as on the CI machines) and PyPI's CUDA
+# build with default pip settings on Linux x86-64; README ("Install") gives the CPU index route.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

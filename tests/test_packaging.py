@@ -172,3 +172,50 @@ def test_the_api_reference_builds_without_warnings(tmp_path):
                  "sampling.PoissonLoader", "data.load_dataset", "models.build_model", "errors.ConfigError",
                  "errors.MissingDependencyError"):
         assert f'id="clipbias.{name}"' in page, name
+
+
+def test_the_wheel_ships_py_typed_and_the_license_and_its_page_has_no_broken_link(tmp_path):
+    """The wheel built from the package's files (``pip wheel``, no network: the environment's setuptools):
+    ``clipbias/py.typed`` (PEP 561: type checkers read the annotations), the MIT ``LICENSE`` with its SPDX
+    expression in the metadata, the ``hf`` extra's transformers pin, and a long description (README) with no
+    relative link, which would be broken on the package page."""
+    import importlib.metadata
+    import shutil
+    import zipfile
+    try:
+        setuptools_major = int(importlib.metadata.version("setuptools").split(".")[0])
+    except importlib.metadata.PackageNotFoundError:
+        setuptools_major = 0
+    if setuptools_major < 77:
+        pytest.skip("building the wheel offline needs setuptools >= 77 in this environment (pyproject.toml)")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "clipbias", src / "clipbias", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        "--disable-pip-version-check", "-w", str(tmp_path / "dist"), str(src)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    [wheel] = (tmp_path / "dist").glob("clipbias-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        license_files = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+        assert "clipbias/py.typed" in names
+        assert len(license_files) == 1
+        license_text = z.read(license_files[0]).decode()
+    assert license_text.startswith("MIT License") and "the clipbias authors" in license_text
+    assert "License-Expression: MIT" in meta and "License-File: LICENSE" in meta
+    assert 'Requires-Dist: transformers>=5; extra == "hf"' in meta
+    description = meta.partition("\n\n")[2]
+    relative = re.findall(r"\]\((?!https?://|#)([^)]*)\)", description)
+    assert description.startswith("# clipbias") and relative == [], relative
+
+
+def test_the_hf_extra_pins_the_transformers_dptrainer_requires():
+    """``pip install "clipbias[hf]"`` must not be satisfied by a transformers DPTrainer refuses."""
+    source = (ROOT / "clipbias/integrations/transformers.py").read_text()
+    required = re.search(r'int\(transformers\.__version__\.split\("\."\)\[0\]\) < (\d+)', source).group(1)
+    hf = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["hf"]
+    assert f"transformers>={required}" in hf, hf

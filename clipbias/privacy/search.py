@@ -59,10 +59,17 @@ class _Secant:
 def approach(eps_of: EpsOf, target: float, z: float, slope: float, rel_tol: float, floor: float,
              ceiling: float, max_evals: int = 40) -> tuple[float, float]:
     """A z where ``eps_of(z)`` is about ``target`` (the secant's step below ``rel_tol``, or stuck at
-    ``floor``/``ceiling``), and the slope it ended with."""
-    line = _Secant(target, slope)
+    ``floor``/``ceiling``), and the slope it ended with. A cheap accountant that answers 0 cannot resolve
+    epsilons this small (Renyi DP's largest order, a coarse grid: far below its target, as for epsilon
+    1e-4): the level stops there, at the last z it resolved and the slope it was given, and the next level
+    aims from it (it never decides the answer: ``confirm`` does)."""
+    line, resolved = _Secant(target, slope), None
     for _ in range(max_evals):
-        new = min(max(line.root(z, eps_of(z)), floor), ceiling)
+        e = eps_of(z)
+        if e <= 0:
+            return (z if resolved is None else resolved), slope
+        resolved = z
+        new = min(max(line.root(z, e), floor), ceiling)
         if abs(math.log(new / z)) < rel_tol:
             return new, line.slope
         z = new

@@ -187,6 +187,39 @@ def test_lightning_validation_on_a_held_out_split_is_certified():
     assert dp.engine.steps_taken == 4 and dp.privacy_report().certified
 
 
+class _Logged(Module):
+    """Logs its training loss, as most LightningModules do (a release outside the guarantee, like any log)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+class PlateauOnTrainLoss(_Logged):
+    """``ReduceLROnPlateau`` stepping on the loss logged from the private training batches."""
+
+    def configure_optimizers(self):
+        opt = super().configure_optimizers()
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "train_loss", "interval": "step"}}
+
+
+def test_lightning_a_schedule_or_callback_watching_a_training_metric_is_refused():
+    """A canary moved the learning rate (0.5 -> 0.05 at step 3) through ``ReduceLROnPlateau(monitor="train_loss")``,
+    certified; ``EarlyStopping`` on it would choose the stopping step. Both watch a statistic of the private
+    batches and are refused."""
+    with pytest.raises(ConfigError, match=r"ReduceLROnPlateau.*'train_loss'"):
+        _fit(PlateauOnTrainLoss())
+    with pytest.raises(ConfigError, match=r"EarlyStopping.*'train_loss'"):
+        from lightning.pytorch.callbacks import EarlyStopping
+        dp = DPCallback(target_epsilon=3.0, target_delta=1e-3, max_grad_norm=1.0)
+        trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[dp, EarlyStopping(monitor="train_loss", check_on_train_epoch_end=True)])
+        trainer.fit(_Logged(), DataLoader(DATA, batch_size=16))
+
+
 # ---------------------------------------------------------------- Hugging Face
 transformers = pytest.importorskip("transformers")
 from transformers import BertConfig, BertForSequenceClassification, TrainingArguments  # noqa: E402

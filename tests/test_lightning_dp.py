@@ -162,3 +162,20 @@ def test_blt_noise_through_the_callback_is_the_engines_and_certified():
     assert isinstance(dp.engine.pipeline.noise, BLTNoise) and dp.engine.pipeline.noise.blt.classes == 4
     assert dp.engine.steps_taken == 8 and report.certified and "BLT noise" in report.basis
     assert 1.99 < report.epsilon <= 2.0
+
+
+def test_epsilon_reaches_the_loggers_at_every_epochs_last_batch(tmp_path):
+    """log_every_n_steps larger than an epoch (50 > 4 batches): Lightning writes a step's values only every 50
+    steps, so without more epsilon would never reach the logger here; it is written at each epoch's last batch
+    (Lightning's step numbering: 3 and 7), the accountant's epsilon after 4 and 8 steps, and is in the bar."""
+    import csv
+    from lightning.pytorch.loggers import CSVLogger
+    dp = DPCallback(noise_multiplier=1.0, max_grad_norm=1.0)
+    logger = CSVLogger(str(tmp_path), name="run")
+    _, trainer = fit(dp, logger=logger, log_every_n_steps=50)
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("epsilon")]
+    assert [(r["step"], r["epoch"]) for r in rows] == [("3", "0"), ("7", "1")]
+    for row, steps in zip(rows, (4, 8)):
+        assert float(row["epsilon"]) == pytest.approx(dp.engine.privacy(steps).epsilon, rel=1e-9)
+    assert float(trainer.progress_bar_metrics["epsilon"]) == pytest.approx(dp.engine.privacy(8).epsilon, rel=1e-6)

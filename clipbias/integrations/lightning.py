@@ -113,6 +113,7 @@ class DPCallback(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._batch = None
+        check_monitors(trainer)
         last = batch_idx + 1 >= trainer.num_training_batches
         if self.engine is not None and (trainer.global_step % trainer.log_every_n_steps == 0 or last):
             epsilon = self._epsilon(self.engine)
@@ -168,6 +169,30 @@ def check_trainer(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
     if not pl_module.automatic_optimization:
         raise ConfigError("DPCallback runs with automatic optimization (training_step returns the loss); manual "
                           "optimization (self.automatic_optimization = False) is not supported")
+
+
+def check_monitors(trainer: L.Trainer) -> None:
+    """Refuse a learning-rate scheduler (``ReduceLROnPlateau``'s ``monitor``) or a callback (``EarlyStopping``,
+    ``ModelCheckpoint``) that watches a metric logged from the training steps: the metric is a statistic of the
+    private batches with no noise, and the schedule, the stopping step or the checkpoint chosen by it shape the
+    released model (a canary moved the learning rate from 0.5 to 0.05 at step 3, certified). Checked after each
+    training batch, when the training loop's logged names are known (``name``, ``name_step``, ``name_epoch``)."""
+    results = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_results", None)
+    if results is None:
+        return
+    logged = {k.split(".", 1)[1] for k in list(results.keys()) if "." in k}
+    logged |= {n + suffix for n in logged for suffix in ("_step", "_epoch")}
+    logged -= {"epsilon", "epsilon_step", "epsilon_epoch"}  # (DPCallback's own: a function of the step count)
+    watched = [(f"the learning-rate scheduler's ({type(c.scheduler).__name__}) monitor", c.monitor)
+               for c in trainer.lr_scheduler_configs if getattr(c, "monitor", None)]
+    watched += [(f"{type(cb).__name__}(monitor=...)", cb.monitor) for cb in trainer.callbacks
+                if isinstance(getattr(cb, "monitor", None), str)]
+    for who, name in watched:
+        if name in logged:
+            raise ConfigError(f"DPCallback: {who} watches '{name}', which training_step logs from the private "
+                              f"batches: a statistic of the private data without noise would decide the learning "
+                              f"rate, the stopping step or the kept checkpoint, and so the released model. Monitor a "
+                              f"metric of validation_step on held-out data instead (or 'epsilon')")
 
 
 def check_validation_data(train: DataLoader | None, trainer: L.Trainer) -> None:

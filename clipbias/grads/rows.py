@@ -200,7 +200,8 @@ class FuncGradients:
                     grads, losses = self._fn(p, self.consts(), x, y, at)
                 return [grads[n] for n in self.layout.names], losses.detach()
             except RuntimeError as e:
-                if not unvectorizable(e):
+                vmap_said = unvectorizable(e)
+                if not vmap_said and self.unvectorizable == "refuse":
                     raise
                 why = ("torch.func.vmap cannot run the model's forward: it branches on tensor values (data-dependent "
                        "control flow or .item(), e.g. Hugging Face's attention-mask code)"
@@ -208,10 +209,17 @@ class FuncGradients:
                        f"torch.func.vmap cannot run the model's forward ({str(e)[:120]})")
                 if self.unvectorizable == "refuse":
                     raise PathRefusal("rows", why) from e
+                if not vmap_said:  # an error under vmap that one example alone does not raise is vmap's (nn.GRU,
+                    try:           # nn.RNN: a shape error in their batched rule); else it is the model's: raised
+                        result = self._looped(p, x, y, out)
+                    except Exception:
+                        raise e from None
                 self.vectorized = False
                 warnings.warn(f"{why}: its per-example gradients are computed one example at a time (the same "
                               f"values, b forwards and backwards in a loop); grad_path='fast' computes them in one "
                               f"batched pass where it applies", stacklevel=3)
+                if not vmap_said:
+                    return result
         return self._looped(p, x, y, out)
 
     def _looped(self, p: dict[str, Tensor], x: Batch, y: Batch, out: bool) -> tuple[list[Tensor], Tensor]:

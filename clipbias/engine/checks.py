@@ -38,8 +38,10 @@ def check_arguments(model: nn.Module, n: int, batch_size: float, config: AlgoCon
     return n
 
 
-def check_step(engine, x: Batch, y: Batch, indices: Tensor | None) -> None:
-    """Refuse a step that cannot be taken: budget spent, mismatched lengths, float labels."""
+def check_step(engine, x: Batch, y: Batch, indices: Tensor | None) -> Batch:
+    """Refuse a step that cannot be taken: budget spent, mismatched lengths, float labels. Returns the labels
+    the step uses: ``y``, with integer class indices of another dtype than torch.long (int32, uint8, ...) as
+    torch.long for the default cross-entropy loss (``class_indices``)."""
     if engine.steps_taken >= engine.total_steps and engine.algo.private:
         raise ConfigError(f"the privacy budget covers {engine.total_steps} steps and all were taken; "
                           f"start a new run with more `epochs` to train longer")
@@ -49,6 +51,7 @@ def check_step(engine, x: Batch, y: Batch, indices: Tensor | None) -> None:
                           f"algorithm with per-example rows (dpsgd, dice, ...) for structured batches")
     check_precision(engine.params)
     check_batch(x, y, indices, engine.loss_fn is cross_entropy, engine.own_rows)
+    y = class_indices(y) if engine.loss_fn is cross_entropy else y
     if indices is not None:
         check_indices(indices, engine.n)
     noise = getattr(engine.pipeline, "noise", None)
@@ -62,6 +65,17 @@ def check_step(engine, x: Batch, y: Batch, indices: Tensor | None) -> None:
         raise ConfigError(f"in a process group of {engine.world_size} ranks, step needs the example indices of "
                           f"this rank's share (engine.local_share(engine.sampler.sample())): the keyed "
                           f"per-example draws and the shares are defined by them")
+    return y
+
+
+def class_indices(y: Batch) -> Batch:
+    """Integer class indices ``y`` as torch.long, the dtype ``F.cross_entropy`` takes (torch 2.13 refuses int32,
+    int16 and int8 targets): exact for every integer dtype, so labels that a numpy array or a dataset stored as
+    int32 train as they are. Anything else (floats, bool, structured labels) is returned unchanged."""
+    if isinstance(y, Tensor) and y.dtype != torch.long and not (y.is_floating_point() or y.is_complex()
+                                                                 or y.dtype == torch.bool):
+        return y.long()
+    return y
 
 
 def check_optimizer_resume(state: dict, optimizer: torch.optim.Optimizer) -> None:
@@ -197,9 +211,11 @@ def check_batch(x: Batch, y: Batch, indices: Tensor | None, class_labels: bool, 
     if class_labels and not isinstance(y, Tensor):
         raise ConfigError(f"the default cross-entropy loss takes a tensor of class indices, got "
                           f"{type(y).__name__} labels; pass your own loss_fn for structured targets")
-    if class_labels and y.is_floating_point():
-        raise ConfigError(f"labels must be integer class indices (torch.long) for the default cross-entropy "
-                          f"loss, got {y.dtype}; convert them with y.long() or pass your own loss_fn")
+    if class_labels and (y.is_floating_point() or y.is_complex() or y.dtype == torch.bool):
+        raise ConfigError(f"labels must be integer class indices (torch.long; int32 and other integer dtypes are "
+                          f"converted) for the default cross-entropy loss, got {y.dtype}; convert them with y.long()"
+                          + (" (False and True as classes 0 and 1)" if y.dtype == torch.bool else "")
+                          + " or pass your own loss_fn")
     if class_labels and own_rows and len(y) and bool((y < 0).any()):
         raise ConfigError(f"labels must be class indices >= 0 for the default cross-entropy loss, got "
                           f"{int(y.min())}; fix the labels (negative ones are not classes) or pass your own loss_fn")

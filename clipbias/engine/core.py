@@ -208,7 +208,7 @@ class DPEngine:
         ``keep_outputs`` (where ``outputs_kept`` says the gradient path can): ``last_outputs`` is then the model's
         output on the batch from the step's own forward (detached), so a loop needs no second forward.
         """
-        check_step(self, x, y, indices)
+        y = check_step(self, x, y, indices)  # (int32 class indices as torch.long)
         if keep_outputs and not self.outputs_kept:
             raise ConfigError("keep_outputs: this gradient path does not produce the batch's outputs (only the fast "
                               "path and the per-parameter rows of a norm-scaling algorithm do)")

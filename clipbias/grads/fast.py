@@ -828,7 +828,7 @@ class BookKeeping(RuntimeChecks, PerExampleLosses):
                 changed = [m for m in self.layers if outs[m]._version != versions[m]]
                 if changed:  # the backward would differentiate through the later in-place op
                     raise PathRefusal("fast", f"`grad_path='fast'`: the output of a {type(changed[0]).__name__} layer "
-                                      f"is modified in place after the layer ran (e.g. ReLU(inplace=True) or h *= c); "
+                                      f"is modified in place after the layer ran (ReLU(inplace=True) or h *= c, say); "
                                       f"use the out-of-place operation, or `grad_path='rows'`")
                 if check_graph:  # off only for the float64 recheck, whose leaves are copies
                     self._check_graph(losses, outs, ins)

@@ -79,7 +79,7 @@ class RuntimeChecks:
                     raise PathRefusal(
                         "fast", f"`grad_path='fast'`: parameter '{name}' enters the forward pass {uses.get(id(p), 0)} "
                         f"time(s), {local.get(id(p), 0)} of them inside its {type(m).__name__} layer: a use "
-                        f"outside its layer's forward (e.g. read directly by the model) would make per-layer "
+                        f"outside its layer's forward (read directly by the model, say) would make per-layer "
                         f"norms understate the per-example norms. Use `grad_path='rows'`")
 
     def _check_layers(self, acts: dict, outs: dict, b: int) -> None:

@@ -204,7 +204,7 @@ class FuncGradients:
                 if not vmap_said and self.unvectorizable == "refuse":
                     raise
                 why = ("torch.func.vmap cannot run the model's forward: it branches on tensor values (data-dependent "
-                       "control flow or .item(), e.g. Hugging Face's attention-mask code)"
+                       "control flow or .item(), as in Hugging Face's attention-mask code)"
                        if "data-dependent control flow" in str(e) else
                        f"torch.func.vmap cannot run the model's forward ({str(e)[:120]})")
                 if self.unvectorizable == "refuse":

@@ -43,6 +43,7 @@ from .. import algorithms, privacy
 from ..config import AlgoConfig
 from ..data import batch
 from ..engine import DPEngine
+from ..engine.checks import class_indices
 from ..engine.drawn import TRANSFORMED_CAVEAT  # noqa: F401  (the caveat's text: the engine's report carries it)
 from ..errors import ClipbiasError, ConfigError
 from ..grads.rows import cross_entropy
@@ -466,7 +467,7 @@ def _criterion_gradient(loss_fn: Callable, out: Tensor, y: Any) -> Tensor:
     """The gradient, with respect to ``out``, of the mean over the batch of ``loss_fn``'s per-example losses (the
     engine's convention: ``cross_entropy`` and the loss modules take the batch; any other callable, one example
     at a time)."""
-    o = out.detach().requires_grad_()
+    o, y = out.detach().requires_grad_(), class_indices(y) if loss_fn is cross_entropy else y  # (as the step)
     with torch.enable_grad():
         if loss_fn is cross_entropy or getattr(loss_fn, "__name__", "") == "per_example":
             total = loss_fn(o, y).sum()

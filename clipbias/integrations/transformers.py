@@ -67,19 +67,74 @@ def _logits(out: Any) -> Tensor:
     return out[0]
 
 
-def sequence_classification_loss(num_labels: int, label_smoothing: float = 0.0) -> Callable:
+def sequence_classification_loss(num_labels: int, label_smoothing: float = 0.0, config: Any = None) -> Callable:
     """Per-example loss of a ``*ForSequenceClassification`` model, as the model computes its batch loss
     (HF's ``problem_type`` rule): mean squared error for one label, cross-entropy for integer labels,
-    binary cross-entropy with logits (mean over labels) for float multi-labels."""
+    binary cross-entropy with logits (mean over labels) for float multi-labels. ``config`` (the model's):
+    its ``problem_type``, where set, decides instead (read at each call, as the model reads it). Labels the
+    rule's loss cannot take are refused (``ConfigError``) with the rule that applied and what to pass."""
     def loss(out: Any, labels: Tensor) -> Tensor:
         logits = _logits(out)
-        if num_labels == 1:
-            return (logits.reshape(-1) - labels.reshape(-1).to(logits.dtype)) ** 2
-        if not labels.is_floating_point():
-            return nn.functional.cross_entropy(logits, labels, reduction="none", label_smoothing=label_smoothing)
+        problem, rule = _problem_type(num_labels, labels, config)
+        _check_labels(problem, rule, logits, labels)
+        if problem == "regression":
+            per = (logits.reshape(len(logits), -1) - labels.reshape(len(labels), -1).to(logits.dtype)) ** 2
+            return per.mean(dim=-1)
+        if problem == "single_label_classification":
+            return nn.functional.cross_entropy(logits.reshape(len(logits), -1), labels.reshape(-1).long(),
+                                               reduction="none", label_smoothing=label_smoothing)
         per = nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none")
-        return per.mean(dim=-1)
+        return per.reshape(len(per), -1).mean(dim=-1)
     return loss
+
+
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+"""Hugging Face's ``config.problem_type`` values for ``*ForSequenceClassification``."""
+
+
+def _problem_type(num_labels: int, labels: Tensor, config: Any) -> tuple[str, str]:
+    """(the problem type, the rule that chose it, in words): the model's ``config.problem_type`` where set, else
+    Hugging Face's rule (regression for ``num_labels == 1``, single-label classification for integer labels,
+    multi-label classification otherwise)."""
+    given = getattr(config, "problem_type", None)
+    if given is not None:
+        if given not in PROBLEM_TYPES:
+            raise ConfigError(f"the model's config.problem_type is {given!r}; Hugging Face's sequence classification "
+                              f"takes one of {', '.join(map(repr, PROBLEM_TYPES))} (or None: chosen from num_labels "
+                              f"and the labels' dtype)")
+        return given, f"the model's config.problem_type is {given!r}"
+    integer = not (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool)
+    if num_labels == 1:
+        return "regression", "config.problem_type is unset and num_labels == 1, so Hugging Face's rule makes it regression"
+    kind = "single_label_classification" if integer else "multi_label_classification"
+    return kind, (f"config.problem_type is unset, num_labels == {num_labels} and the labels are {labels.dtype}, so "
+                  f"Hugging Face's rule makes it {kind}")
+
+
+def _check_labels(problem: str, rule: str, logits: Tensor, labels: Tensor) -> None:
+    """Refuse labels that ``problem``'s loss cannot take (a raw torch error otherwise, or a loss of another kind
+    than meant), saying which rule applied and what to pass. Shapes are said per batch (``[batch, ...]``)."""
+    def shape(t: Tensor) -> str:
+        return "[" + ", ".join(["batch", *map(str, t.shape[1:])]) + "]"
+    fix = ("Pass integer class ids (torch.long, one per example, shape [batch]) for single-label classification, "
+           f"one float per class per example (shape {shape(logits)}) for multi-label classification, or set "
+           f"model.config.problem_type to one of {', '.join(map(repr, PROBLEM_TYPES))} before training")
+    n_out = math.prod(logits.shape[1:])
+    if problem == "single_label_classification":
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+            raise ConfigError(f"DPTrainer: {rule}, which takes integer class ids (cross-entropy), but the labels are "
+                              f"{labels.dtype}. {fix}")
+        if math.prod(labels.shape[1:]) != 1:
+            raise ConfigError(f"DPTrainer: {rule}, which takes one integer class id per example (shape [batch]), "
+                              f"got labels of shape {shape(labels)}. {fix}")
+    elif problem == "multi_label_classification":
+        if tuple(labels.shape[1:]) != tuple(logits.shape[1:]):
+            raise ConfigError(f"DPTrainer: {rule} (binary cross-entropy), which takes one float per class per "
+                              f"example (labels of shape {shape(logits)}), got labels of shape {shape(labels)} "
+                              f"({labels.dtype}). {fix}")
+    elif math.prod(labels.shape[1:]) != n_out or labels.is_complex():
+        raise ConfigError(f"DPTrainer: {rule} (squared error), which takes one float per output per example (labels "
+                          f"of shape {shape(logits)}), got labels of shape {shape(labels)} ({labels.dtype}). {fix}")
 
 
 def causal_lm_loss(out: Any, labels: Tensor) -> Tensor:
@@ -107,7 +162,8 @@ def resolve_loss(choice: str | Callable, model: nn.Module, label_smoothing: floa
                               f"LMs (*ForCausalLM, *LMHeadModel), not {name}: pass per_example_loss=f with "
                               f"f(model output, labels) -> the per-example losses, shape [batch]")
     if choice == "sequence_classification":
-        return sequence_classification_loss(int(getattr(base.config, "num_labels", 2)), label_smoothing)
+        return sequence_classification_loss(int(getattr(base.config, "num_labels", 2)), label_smoothing,
+                                            base.config)
     if choice == "causal_lm":
         if label_smoothing:
             raise ConfigError("label_smoothing_factor with per_example_loss='causal_lm' is not supported; set it to 0")

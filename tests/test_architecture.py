@@ -95,7 +95,7 @@ def test_nothing_below_the_catalog_imports_it():
 # The pipeline's floors, bottom to top: a unit may import only its own floor and the floors below.
 FLOORS = [("errors", "config", "files", "distributed", "randomness", "registry"),  # bottom: no pipeline stage
           ("data",),                                                  # data sets, text, batch structures
-          ("models", "sampling", "grads", "transforms", "privacy"),   # stages and accounting
+          ("models", "layers", "sampling", "grads", "transforms", "privacy"),   # stages and accounting
           ("algorithms",), ("engine",), ("run", "integrations"), ("analysis", "audit"), ("cli",), ("__main__",)]
 FLOOR = {unit: i for i, units in enumerate(FLOORS) for unit in units}
 

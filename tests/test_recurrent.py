@@ -51,3 +51,38 @@ def test_recurrent_models_train_privately_and_stay_certified(cell):
             idx = eng.sampler.sample()
             eng.step(x[idx], y[idx], idx)
     assert eng.steps_taken == 3 and eng.privacy().certified
+
+
+def test_opacus_layer_names_are_torchs_layers_and_train_through_the_opacus_interface():
+    """``from clipbias.layers import DPLSTM`` (was ``from opacus.layers import DPLSTM``): torch's LSTM under Opacus's
+    name, trained privately through ``PrivacyEngine`` with the loop unchanged."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from clipbias import PrivacyEngine
+    from clipbias.layers import DPGRU, DPLSTM, DPRNN
+    assert issubclass(DPLSTM, nn.LSTM) and issubclass(DPGRU, nn.GRU) and issubclass(DPRNN, nn.RNN)
+
+    class CharNet(nn.Module):  # the shape of Opacus's char-LSTM classifier
+        def __init__(self):
+            super().__init__()
+            self.emb, self.lstm, self.out = nn.Embedding(20, 8), DPLSTM(8, 6, num_layers=2, batch_first=True), \
+                nn.Linear(6, 3)
+
+        def forward(self, x):
+            h, _ = self.lstm(self.emb(x))
+            return self.out(h[:, -1])
+
+    torch.manual_seed(0)
+    model = CharNet()
+    x, y = torch.randint(0, 20, (64, 7)), torch.randint(0, 3, (64,))
+    pe = PrivacyEngine()
+    m, opt, loader = pe.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+                                     data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
+                                     noise_multiplier=1.0, max_grad_norm=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for xb, yb in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(xb), yb).backward()
+            opt.step()
+    assert pe.steps == len(loader) and pe.privacy_report().certified

@@ -397,3 +397,54 @@ def test_a_dropout_layout_change_is_refused_in_a_training_run():
             resumed.load_state_dict(eng.state_dict())
             with pytest.raises(ConfigError, match="layout changes between batches"):
                 resumed.step(torch.ones(4, 8, 3), torch.zeros(4), torch.arange(4, 8))
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_multihead_attentions_inner_dropout_is_keyed_per_example(need_weights):
+    """``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` call ``F.multi_head_attention_forward``, a
+    composite the mode used to run with itself switched off: its inner dropout drew from torch's generator and the
+    step was refused. Its body now runs under the mode: an example's gradient is the same whichever examples share
+    its batch (the masks are keyed by its index), and it changes with the step (the masks are drawn)."""
+    torch.manual_seed(0)
+
+    class Attend(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha, self.head = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.head(self.mha(x, x, x, need_weights=need_weights)[0].mean(1))
+
+    fg = FuncGradients(Attend())
+    x, y = torch.randn(6, 5, 8), torch.randint(0, 2, (6,))
+
+    def rows(ids, pick, step=0):
+        with forward.keyed(KEY, step), forward.examples(ids):
+            return fg(x[pick], y[pick])[0]
+
+    a = rows([10, 11, 12], [0, 1, 2])
+    b = rows([12, 14, 15, 10], [2, 4, 5, 0])
+    assert torch.equal(a[0], b[3]) and torch.equal(a[2], b[0])  # examples 10 and 12 alike in both batches
+    assert not torch.equal(a[0], rows([10, 11, 12], [0, 1, 2], step=1)[0])
+
+
+def test_a_transformer_encoder_layer_at_its_default_dropout_trains_certified():
+    from clipbias.config import AlgoConfig
+    from clipbias.engine import DPEngine
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.head = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.head(self.enc(x).mean(1))
+
+    torch.manual_seed(0)
+    eng = DPEngine(Net().train(), "dpsgd", n=32, batch_size=8, steps=2, noise_multiplier=1.0,
+                   config=AlgoConfig(lr=0.1, clip=1.0), grad_path="auto")
+    x, y = torch.randn(32, 5, 8), torch.randint(0, 2, (32,))
+    for _ in range(2):
+        idx = eng.sampler.sample()
+        eng.step(x[idx], y[idx], idx)
+    assert eng.steps_taken == 2 and eng.privacy().certified

@@ -6,7 +6,9 @@ of the model in it runs under a ``torch.overrides.TorchFunctionMode`` (``one_pas
 ``torch.feature_dropout``, ``torch.native_dropout`` and the in-place forms: what ``nn.Dropout`` and
 its kind, and Hugging Face's eager attention, call; and the attention-weight mask of
 ``F.scaled_dot_product_attention`` with ``dropout_p > 0``, which is then computed in its math form:
-Hugging Face's default SDPA attention) from the ChaCha20 keystream: call c of a forward pass (its c-th
+Hugging Face's default SDPA attention; and the dropout inside ``F.multi_head_attention_forward``, the composite of
+``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer``, whose body runs under the mode: ``_composite``)
+from the ChaCha20 keystream: call c of a forward pass (its c-th
 keyed dropout call, from 0) draws example i's mask from its own stream, at the address
 ``(Purpose.FORWARD_CALL, step + 2^32 c, i)`` (``key.forward_call_step``), from block 0. An element is kept
 when its 32-bit word is below ``floor((1 - p) 2^32)`` (a keep rate within 2^-32 below 1 - p), and
@@ -343,7 +345,31 @@ def _native(mode: KeyedForward, input: Tensor, p: float, train: bool | None = No
     return (input * keep.to(input.dtype) / (1 - p) if p < 1 else input * 0), keep
 
 
+@functools.lru_cache(maxsize=None)
+def _unchecked(func):
+    """A copy of the Python function ``func`` (a composite of ``torch.nn.functional``) whose own check for a
+    torch function mode is off: under the re-entered mode it runs its body instead of handing itself back."""
+    import types
+    glob = dict(func.__globals__, has_torch_function=lambda *a: False,
+                has_torch_function_unary=lambda *a: False, has_torch_function_variadic=lambda *a: False)
+    copy = types.FunctionType(func.__code__, glob, func.__name__, func.__defaults__, func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    return copy
+
+
+def _composite(func):
+    """The rule of a composite that draws inside (``F.multi_head_attention_forward``, under
+    ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer``): the mode runs ``func`` with the mode
+    switched off, so its inner ``F.dropout`` would draw from torch's generator (refused after the fact). Its body
+    runs under the mode instead, so that the dropout (and SDPA's ``dropout_p``) inside are keyed like any other."""
+    def rule(mode: KeyedForward, *args, **kwargs):
+        with mode:
+            return _unchecked(func)(*args, **kwargs)
+    return rule
+
+
 _RULES = {
+    F.multi_head_attention_forward: _composite(F.multi_head_attention_forward),
     torch.dropout: _aten(False, False, False), torch.dropout_: _aten(False, False, True),
     torch.feature_dropout: _aten(True, False, False), torch.feature_dropout_: _aten(True, False, True),
     torch.alpha_dropout: _aten(False, True, False), torch.alpha_dropout_: _aten(False, True, True),

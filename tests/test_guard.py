@@ -409,3 +409,54 @@ def test_state_in_containers_numpy_and_backward_hooks_is_refused(kind):
     idx = eng.sampler.sample()
     with pytest.raises(ConfigError, match="state changed on the private batch"):
         eng.step(x[idx], y[idx], idx)
+
+
+@pytest.mark.parametrize("case", ["user underscore attribute", "training_step_outputs"])
+def test_lightning_own_attributes_are_skipped_and_a_users_are_not(case):
+    """Only Lightning's own attributes of a LightningModule are skipped (a user's ``self._y_mean``, a running
+    target mean the forward adds, was certified when every ``_`` name was skipped); the list its documentation
+    has ``training_step`` append to for ``on_train_epoch_end`` is Lightning's pattern and trains."""
+    L = pytest.importorskip("lightning.pytorch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from clipbias.integrations.lightning import DPCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net, self._y_mean, self.training_step_outputs = nn.Linear(4, 3), torch.zeros(3), []
+
+        def forward(self, x):
+            return self.net(x) + self._y_mean
+
+        def training_step(self, batch, _):
+            x, y = batch
+            loss = F.cross_entropy(self(x), y)
+            if case == "user underscore attribute":
+                self._y_mean = 0.9 * self._y_mean + 0.1 * x[:, :3].mean(0).detach()
+            else:
+                self.training_step_outputs.append(loss.detach())
+            return loss
+
+        def on_train_epoch_end(self):
+            self.training_step_outputs.clear()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(0)
+            return DataLoader(TensorDataset(torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)),
+                              batch_size=8)
+
+    cb = DPCallback(noise_multiplier=1.0, max_grad_norm=1.0)
+    trainer = L.Trainer(max_steps=3, callbacks=[cb], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if case == "user underscore attribute":
+            with pytest.raises(ConfigError, match=r"attribute _y_mean"):
+                trainer.fit(Module())
+        else:
+            trainer.fit(Module())
+            assert cb.engine.steps_taken == 3 and cb.privacy_report().certified

@@ -54,6 +54,16 @@ def test_the_engine_counts_a_changed_batch_reports_it_and_keeps_the_count_across
     assert resumed.transformed_steps == 1 and not resumed.privacy().certified
 
 
+def test_a_row_by_row_reshape_is_the_batch_drawn_and_a_rearrangement_is_not():
+    """``model(x.view(len(x), -1))`` (the MNIST-MLP loop) keeps each row's elements in order: the batch drawn. A
+    reversal of each row's elements is not (a rearrangement could depend on the other rows)."""
+    from clipbias.engine.drawn import same_inputs
+    x = torch.randn(6, 2, 3)
+    assert same_inputs(x.view(6, -1), x) and same_inputs(x.flatten(1).double(), x)
+    assert not same_inputs(x.view(6, -1).flip(1), x) and not same_inputs(x.view(3, -1), x)
+    assert not same_inputs(x.view(6, -1) / 255, x)
+
+
 # ---------------------------------------------------------------- the Opacus interface, through the engine
 def _opacus(epochs: int | None = None):
     m = _net()

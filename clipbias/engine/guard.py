@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import weakref
 from collections.abc import Mapping
 from typing import Any, Iterator
@@ -272,8 +273,7 @@ def _derived(m: nn.Module) -> set[tuple[str, str]]:
     does not compare: ``nn.RNN``'s list of its weights (``torch.func.functional_call`` leaves it holding the
     tensors it was given), old-style ``weight_norm``'s and ``spectral_norm``'s recomputed weight attribute and
     the power iteration's vectors (old style and ``parametrizations.spectral_norm``), and Lightning's and Hugging
-    Face's bookkeeping on the LightningModule or model (attributes starting with ``_`` on a LightningModule;
-    ``warnings_issued``)."""
+    Face's bookkeeping on the LightningModule or model (``_lightning_own``; ``warnings_issued``)."""
     skip: set[tuple[str, str]] = set()
     if isinstance(m, nn.RNNBase):
         skip |= {("attribute", "_flat_weights"), ("attribute", "_flat_weight_refs")}
@@ -287,9 +287,26 @@ def _derived(m: nn.Module) -> set[tuple[str, str]]:
         skip |= {("buffer", "_u"), ("buffer", "_v")}
     if "warnings_issued" in vars(m):
         skip.add(("attribute", "warnings_issued"))
-    if any(c.__name__ == "LightningModule" for c in type(m).__mro__):
-        skip |= {("attribute", k) for k in vars(m) if k.startswith("_")}
+    lightning = next((c for c in type(m).__mro__ if c.__name__ == "LightningModule"), None)
+    if lightning is not None:
+        skip |= {("attribute", k) for k in _lightning_own(lightning)}
     return skip
+
+
+_LIGHTNING_SETS = frozenset({"_hparams", "_hparams_initial", "_hparams_name", "_current_fx_name", "_device_mesh",
+                             "_metric_attributes", "_gpus_arg_default", "_compiler_ctx", "_device",
+                             "training_step_outputs", "validation_step_outputs"})
+"""Attributes Lightning sets on a LightningModule after construction (read off its source: ``self._hparams =``,
+``pl_module._current_fx_name =``, ...), and the lists its documentation has ``training_step`` append the step's
+outputs to for ``on_train_epoch_end`` (logged, a release outside the guarantee like any log; not in
+``state_dict``)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _lightning_own(cls: type) -> frozenset:
+    """Lightning's own attributes of a LightningModule: those of a fresh one and ``_LIGHTNING_SETS``. A user's
+    attribute, whatever its name (``self._running_mean``), is compared."""
+    return frozenset(vars(cls())) | _LIGHTNING_SETS
 
 
 def _same_bits(a: Tensor, b: Tensor) -> bool:

@@ -309,3 +309,26 @@ def test_the_opacus_mnist_loop_runs_with_only_its_import_changed(capsys):
     assert out.count("Train Epoch:") == 2 and "(ε = 0.00" not in out
     assert f"ε = {pe.accountant.get_epsilon(delta=1e-5):.2f}" in out.splitlines()[-1]
     assert 0 <= scope["run_results"][0] <= 1 and pe.privacy_report().certified
+
+
+def test_an_elementwise_criterion_takes_the_loaders_labels_in_the_outputs_shape():
+    """``criterion=nn.BCEWithLogitsLoss()`` on a ``[b, 1]`` logit, the loop passing ``y.float().unsqueeze(1)``, as
+    Opacus users write binary classification: the step's criterion gets the loader's ``[b]`` integer labels in
+    the output's shape and dtype (torch refused them with a raw ValueError), and the loop's loss is criterion's
+    (no warning)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    crit = nn.BCEWithLogitsLoss()
+    pe = PrivacyEngine()
+    m, opt, loader = pe.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+                                     data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
+                                     noise_multiplier=1.0, max_grad_norm=1.0, criterion=crit)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for xb, yb in loader:
+            opt.zero_grad()
+            crit(m(xb), yb.float().unsqueeze(1)).backward()
+            opt.step()
+    assert pe.steps == len(loader) and pe.privacy_report().certified
+    assert not [w for w in seen if "not `criterion`'s" in str(w.message)]

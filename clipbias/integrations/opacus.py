@@ -369,8 +369,11 @@ def _base_kind(optimizer: torch.optim.Optimizer) -> str | None:
 def loss_function(criterion: Callable | None) -> Callable:
     """The engine's per-example loss for ``criterion``: Opacus's default ``nn.CrossEntropyLoss()`` is the
     engine's own cross-entropy; a loss module with ``reduction`` is evaluated with ``reduction="none"`` and
-    each example's losses averaged over its other dimensions (tokens, pixels); any other callable is
-    evaluated one example at a time."""
+    each example's losses averaged over its other dimensions (tokens, pixels); an elementwise loss
+    (``ELEMENTWISE``: BCE, MSE, L1, ...) takes the loader's targets in the output's shape and dtype where they
+    hold one value per output element (``y.float().unsqueeze(1)``, what a loop writes for a ``[b, 1]`` logit:
+    torch would refuse them, or broadcast ``[b]`` against ``[b, 1]`` to ``[b, b]`` in silence); any other
+    callable is evaluated one example at a time."""
     if criterion is None or (type(criterion) is nn.CrossEntropyLoss and criterion.weight is None
                              and criterion.ignore_index == -100 and criterion.label_smoothing == 0):
         return cross_entropy
@@ -380,11 +383,20 @@ def loss_function(criterion: Callable | None) -> Callable:
         per_element = copy.copy(criterion)
         per_element.reduction = "none"
 
+        elementwise = isinstance(criterion, ELEMENTWISE)
+
         def per_example(out: Tensor, y: Tensor) -> Tensor:
+            if elementwise and isinstance(out, Tensor) and isinstance(y, Tensor) and y.shape != out.shape \
+                    and y.numel() == out.numel():
+                y = y.reshape(out.shape).to(out.dtype)
             loss = per_element(out, y)
             return loss.reshape(loss.shape[0], -1).mean(1) if loss.dim() > 1 else loss
         return per_example
     return criterion
+
+
+ELEMENTWISE = (nn.BCEWithLogitsLoss, nn.BCELoss, nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss)
+"""Losses of one target per output element (``loss_function`` gives them the targets in the output's shape)."""
 
 
 class DPModule(nn.Module):

@@ -332,3 +332,45 @@ def test_an_elementwise_criterion_takes_the_loaders_labels_in_the_outputs_shape(
             opt.step()
     assert pe.steps == len(loader) and pe.privacy_report().certified
     assert not [w for w in seen if "not `criterion`'s" in str(w.message)]
+
+
+def test_a_cifar10_shaped_script_runs_with_the_import_changed():
+    """The structure of Opacus's cifar10 example (its convnet, SGD with momentum, a per-epoch cosine learning
+    rate set in ``param_groups``, ``print(train_loader.batch_sampler)``, ``accountant.get_privacy_spent(delta,
+    alphas=...)`` by position, ``loss.item()`` and accuracy in the loop, ``optimizer.step()`` then
+    ``zero_grad()``, evaluation under ``no_grad``, ``model.state_dict()`` saved), on stand-in data."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2), nn.Conv2d(8, 8, 3, padding=1),
+                          nn.ReLU(), nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(start_dim=1, end_dim=-1),
+                          nn.Linear(8, 10))
+    images, labels = torch.randn(96, 3, 8, 8), torch.randint(0, 10, (96,))
+    train_loader = DataLoader(TensorDataset(images, labels), batch_size=int(0.25 * 96))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    privacy_engine = PrivacyEngine(accountant="rdp")
+    model, optimizer, train_loader = privacy_engine.make_private(module=model, optimizer=optimizer,
+                                                                 data_loader=train_loader, noise_multiplier=1.5,
+                                                                 max_grad_norm=10.0)
+    from clipbias.sampling import PoissonSampler
+    assert isinstance(train_loader.batch_sampler, PoissonSampler)
+    criterion = nn.CrossEntropyLoss()
+    for epoch in range(1, 3):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 * 0.5 * (1 + math.cos(math.pi * epoch / 3))
+        model.train()
+        losses = []
+        for images_b, target in train_loader:
+            output = model(images_b)
+            loss = criterion(output, target)
+            losses.append(loss.item())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        epsilon, best_alpha = privacy_engine.accountant.get_privacy_spent(
+            1e-5, alphas=[1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
+        assert epsilon > 0 and best_alpha > 1
+        model.eval()
+        with torch.no_grad():
+            assert model(images[:8]).shape == (8, 10)
+    state = model.state_dict()
+    assert set(state) == {f"_module.{k}" for k in model._module.state_dict()}
+    assert privacy_engine.steps == 2 * len(train_loader) and privacy_engine.privacy_report().certified

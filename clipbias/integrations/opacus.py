@@ -526,6 +526,12 @@ class DPDataLoader:
     def __len__(self) -> int:
         return self.steps_per_epoch
 
+    @property
+    def batch_sampler(self):
+        """The engine's secret Poisson sampler (Opacus's ``DPDataLoader.batch_sampler`` is its Poisson sampler;
+        scripts print it): ``PoissonSampler``."""
+        return self.engine.sampler
+
     def __iter__(self):
         engine = self.engine
         if engine.steps_taken >= engine.total_steps:  # a pass would yield no batch: say why

@@ -60,13 +60,14 @@ class Accountant:
             return 0.0
         return self._privacy_engine.get_epsilon(delta)
 
-    def get_privacy_spent(self, *, delta: float, alphas: Any = None) -> tuple[float, float]:
+    def get_privacy_spent(self, delta: float, alphas: Any = None) -> tuple[float, float]:
         """``(epsilon, best_alpha)`` as Opacus's ``RDPAccountant`` returns them. ``epsilon`` is ``get_epsilon``'s.
         ``best_alpha`` is the Renyi order whose conversion gives that epsilon where there is one: with
         ``accountant="rdp"`` on the subsampled Gaussian's accounting (DP-SGD and the algorithms accounted as it,
         with or without bands), recomputed and returned only when it reproduces the epsilon exactly; otherwise
         ``nan`` (no single order: the PLD accountant of ``"prv"``/``"pld"``, BLT noise, the DiceSGD family,
-        and before the first step). ``alphas`` is accepted and unused (the orders are dp-accounting's)."""
+        and before the first step). ``alphas`` is accepted and unused (the orders are dp-accounting's). ``delta``
+        may be given by position, as Opacus's cifar10 example does."""
         eps = self.get_epsilon(delta)
         return eps, self._best_alpha(delta, eps)
 

@@ -402,8 +402,10 @@ ELEMENTWISE = (nn.BCEWithLogitsLoss, nn.BCELoss, nn.MSELoss, nn.L1Loss, nn.Smoot
 class DPModule(nn.Module):
     """Your module, made private (``_module``, as Opacus's ``GradSampleModule``). In training, on a batch of
     the private data loader, it records its inputs for ``optimizer.step()`` and runs its forward without an
-    autograd graph; the outputs are tied to a zero-valued anchor so that ``loss.backward()`` works (and costs
-    almost nothing). Where the engine's step can hand back the batch's outputs (its gradient path keeps them,
+    autograd graph (under the engine's state guard); a tensor output is handed back as a leaf that requires
+    grad, so that ``loss.backward()`` works, costs almost nothing and leaves in it the gradient of the loop's
+    own loss, which ``optimizer.step()`` holds against ``criterion``'s (``DPOptimizer.check_loss``); other
+    outputs are tied to a zero-valued anchor. Where the engine's step can hand back the batch's outputs (its gradient path keeps them,
     the outputs are tensors with one row per example, no ``labels=`` keyword), the forward takes the private
     step itself from the second batch on and returns the step's own outputs: no second forward, and
     ``optimizer.step()`` then only closes the batch. A forward in training mode on such a batch under

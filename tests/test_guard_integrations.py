@@ -62,6 +62,8 @@ def test_a_row_by_row_reshape_is_the_batch_drawn_and_a_rearrangement_is_not():
     assert same_inputs(x.view(6, -1), x) and same_inputs(x.flatten(1).double(), x)
     assert not same_inputs(x.view(6, -1).flip(1), x) and not same_inputs(x.view(3, -1), x)
     assert not same_inputs(x.view(6, -1) / 255, x)
+    empty = torch.zeros(0, 2, 3)  # an empty Poisson batch (a noise-only step)
+    assert same_inputs(empty.view(0, 6), empty) and same_inputs(empty, empty)
 
 
 # ---------------------------------------------------------------- the Opacus interface, through the engine

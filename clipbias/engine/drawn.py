@@ -45,8 +45,8 @@ def _same_rows(t: Any, d: Any) -> bool:
     elements or any arithmetic is not (a rearrangement could depend on the other rows)."""
     if t.dim() == 0 or d.dim() == 0 or t.shape[0] != d.shape[0] or t.numel() != d.numel():
         return False
-    b = t.shape[0]
-    return torch.equal(t.detach().to("cpu").reshape(b, -1), d.to(t.dtype).reshape(b, -1))
+    # the same number of rows and the same elements in row-major order: each row is the same block of them
+    return torch.equal(t.detach().to("cpu").reshape(-1), d.to(t.dtype).reshape(-1))
 
 
 def transformed_caveat(transformed: int, steps: int) -> str:

@@ -100,8 +100,9 @@ class StateGuard:
         return out
 
     # ------------------------------------------------------------------ fingerprints
-    def snapshot(self) -> tuple[dict, list]:
-        """``({(module name, slot, name): fingerprint}, [(module, name, buffer, copy)])``."""
+    def snapshot(self, copies: bool = True) -> tuple[dict, list]:
+        """``({(module name, slot, name): fingerprint}, [(module name, module, name, buffer, copy)])``; without
+        ``copies`` (the comparison's side) the buffers are not copied and the list is empty."""
         prints, buffers = {}, []
         own = {_storage(t) for t in (*self.model.parameters(), *self.model.buffers())} - {None}
         with torch.no_grad():
@@ -114,7 +115,7 @@ class StateGuard:
                 for name, b in m._buffers.items():
                     if ("buffer", name) not in skip:
                         prints[(mname, "buffer", name)] = _print(b)
-                        if b is not None:
+                        if b is not None and copies:
                             buffers.append((mname, m, name, b, b.detach().clone()))
                 for name, v in vars(m).items():
                     if name not in _INTERNAL and ("attribute", name) not in skip:
@@ -171,7 +172,7 @@ class _Watch(TorchFunctionMode):
                     self.copies[(mname, kind, name)] = (state, state.detach().clone())
 
     def compare(self) -> ConfigError | None:
-        after, _ = self.guard.snapshot()
+        after, _ = self.guard.snapshot(copies=False)
         changed = {k for k in self.prints.keys() | after.keys() if self.prints.get(k) != after.get(k)}
         changed |= {k for k, (t, copy) in self.copies.items() if not _same_bits(t, copy)}
         # a buffer's values too (it is copied anyway, to be restored): a write through an alias outside the watched

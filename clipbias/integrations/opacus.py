@@ -391,6 +391,7 @@ def loss_function(criterion: Callable | None) -> Callable:
                 y = y.reshape(out.shape).to(out.dtype)
             loss = per_element(out, y)
             return loss.reshape(loss.shape[0], -1).mean(1) if loss.dim() > 1 else loss
+        per_example.batched = True  # takes the whole batch (``_criterion_gradient``)
         return per_example
     return criterion
 
@@ -483,7 +484,7 @@ def _criterion_gradient(loss_fn: Callable, out: Tensor, y: Any) -> Tensor:
     at a time)."""
     o, y = out.detach().requires_grad_(), class_indices(y) if loss_fn is cross_entropy else y  # (as the step)
     with torch.enable_grad():
-        if loss_fn is cross_entropy or getattr(loss_fn, "__name__", "") == "per_example":
+        if loss_fn is cross_entropy or getattr(loss_fn, "batched", False):
             total = loss_fn(o, y).sum()
         else:
             total = sum(loss_fn(o[i:i + 1], batch.take(y, slice(i, i + 1))).sum() for i in range(len(o)))

@@ -172,11 +172,27 @@ def test_the_opacus_interface_still_trains_a_clean_model():
     assert pe.steps == 2 and pe.privacy_report().certified
 
 
-def test_lightning_refuses_state_written_in_training_step():
+def _lightning_fit(module, steps: int = 2, scale: float = 1.0):
+    """``Trainer.fit(module)`` under a ``DPCallback`` on 64 random examples (inputs times ``scale``) in batches of
+    8, on the CPU, for ``steps`` steps; the callback."""
     L = pytest.importorskip("lightning.pytorch")
     from torch.utils.data import DataLoader, TensorDataset
 
     from clipbias.integrations.lightning import DPCallback
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(64, 4, generator=g) * scale, torch.randint(0, 3, (64,), generator=g)),
+                      batch_size=8)
+    cb = DPCallback(noise_multiplier=1.0, max_grad_norm=1.0)
+    trainer = L.Trainer(max_steps=steps, callbacks=[cb], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, data)
+    return cb
+
+
+def test_lightning_refuses_state_written_in_training_step():
+    L = pytest.importorskip("lightning.pytorch")
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -193,18 +209,8 @@ def test_lightning_refuses_state_written_in_training_step():
         def configure_optimizers(self):
             return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
 
-        def train_dataloader(self):
-            g = torch.Generator().manual_seed(0)
-            return DataLoader(TensorDataset(torch.randn(64, 4, generator=g) * 3, torch.randint(0, 3, (64,), generator=g)),
-                              batch_size=8)
-
-    cb = DPCallback(noise_multiplier=1.0, max_grad_norm=1.0)
-    trainer = L.Trainer(max_steps=2, callbacks=[cb], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with pytest.raises(ConfigError, match="state changed on the private batch"):
-            trainer.fit(Module())
+    with pytest.raises(ConfigError, match="state changed on the private batch"):
+        _lightning_fit(Module(), scale=3.0)
 
 
 class FunctionalDropout(nn.Module):
@@ -339,9 +345,6 @@ def test_state_written_by_the_loop_before_the_step_is_refused():
 
 def test_lightning_a_batch_hook_that_writes_the_model_is_refused():
     L = pytest.importorskip("lightning.pytorch")
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from clipbias.integrations.lightning import DPCallback
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -361,18 +364,8 @@ def test_lightning_a_batch_hook_that_writes_the_model_is_refused():
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-        def train_dataloader(self):
-            g = torch.Generator().manual_seed(0)
-            return DataLoader(TensorDataset(torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)),
-                              batch_size=8)
-
-    trainer = L.Trainer(max_steps=2, callbacks=[DPCallback(noise_multiplier=1.0, max_grad_norm=1.0)], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        accelerator="cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with pytest.raises(ConfigError, match=r"buffer norm\.mean"):
-            trainer.fit(Module())
+    with pytest.raises(ConfigError, match=r"buffer norm\.mean"):
+        _lightning_fit(Module())
 
 
 @pytest.mark.parametrize("kind", ["dict number", "numpy in place", "deque", "backward hook .data"])
@@ -417,9 +410,6 @@ def test_lightning_own_attributes_are_skipped_and_a_users_are_not(case):
     target mean the forward adds, was certified when every ``_`` name was skipped); the list its documentation
     has ``training_step`` append to for ``on_train_epoch_end`` is Lightning's pattern and trains."""
     L = pytest.importorskip("lightning.pytorch")
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from clipbias.integrations.lightning import DPCallback
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -444,19 +434,9 @@ def test_lightning_own_attributes_are_skipped_and_a_users_are_not(case):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-        def train_dataloader(self):
-            g = torch.Generator().manual_seed(0)
-            return DataLoader(TensorDataset(torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)),
-                              batch_size=8)
-
-    cb = DPCallback(noise_multiplier=1.0, max_grad_norm=1.0)
-    trainer = L.Trainer(max_steps=3, callbacks=[cb], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if case == "user underscore attribute":
-            with pytest.raises(ConfigError, match=r"attribute _y_mean"):
-                trainer.fit(Module())
-        else:
-            trainer.fit(Module())
-            assert cb.engine.steps_taken == 3 and cb.privacy_report().certified
+    if case == "user underscore attribute":
+        with pytest.raises(ConfigError, match=r"attribute _y_mean"):
+            _lightning_fit(Module(), steps=3)
+    else:
+        cb = _lightning_fit(Module(), steps=3)
+        assert cb.engine.steps_taken == 3 and cb.privacy_report().certified

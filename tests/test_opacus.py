@@ -364,15 +364,16 @@ def test_a_model_output_object_reaches_the_criterion_on_the_fast_path():
 
 
 def test_from_the_second_batch_the_forward_takes_the_step_and_returns_its_outputs():
-    """No second forward: once the first batch showed per-example tensor outputs, the wrapped model's forward
-    runs the private step and returns the step's own outputs (the weights are those of the engine loop:
-    test_the_opacus_interface_trains_exactly_as_the_engine_loop); optimizer.step() then closes the batch."""
+    """With ``criterion`` given, no second forward: once the first batch showed per-example tensor outputs, the
+    wrapped model's forward runs the private step and returns the step's own outputs (the weights are those of
+    the engine loop: test_the_opacus_interface_trains_exactly_as_the_engine_loop); optimizer.step() then closes
+    the batch."""
     x, y = _data()
     m = _model()
     pe = PrivacyEngine()
     model, opt, loader = pe.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
                                          data_loader=DataLoader(TensorDataset(x, y), batch_size=B),
-                                         noise_multiplier=1.0, max_grad_norm=1.0)
+                                         noise_multiplier=1.0, max_grad_norm=1.0, criterion=nn.CrossEntropyLoss())
     seen = []
     for i, (xb, yb) in enumerate(loader):
         opt.zero_grad()

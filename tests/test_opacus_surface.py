@@ -181,15 +181,22 @@ def test_make_private_takes_what_it_returned_before():
 
 
 def test_an_engine_error_reaching_an_opacus_user_names_criterion():
-    """Labels of -100 (a padding label ``nn.CrossEntropyLoss`` ignores) reach the engine's check of the
-    default cross-entropy: the message says ``criterion`` (the Opacus argument), not ``loss_fn``."""
+    """Labels of -100 (a padding label ``nn.CrossEntropyLoss`` ignores): with ``criterion`` given they reach the
+    engine's check of the default cross-entropy, whose message says ``criterion`` (the Opacus argument), not
+    ``loss_fn``; without it, the loop's own mean over the labels kept is refused at its backward (its denominator
+    counts every example's label), with the fix in the same words."""
     _, y = _data()
     y = y.clone()
     y[::2] = -100
-    _, model, opt, loader = _private(y=y)
+    _, model, opt, loader = _private(y=y, criterion=nn.CrossEntropyLoss())
     with pytest.raises(ConfigError) as err:
         _steps(model, opt, loader, 1)
     assert "your own criterion" in str(err.value) and "loss_fn" not in str(err.value)
+    _, model, opt, loader = _private(y=y)
+    with pytest.raises(ConfigError) as err:
+        _steps(model, opt, loader, 1)
+    assert "ignore_index=-100" in str(err.value) and "reduction='sum'" in str(err.value) \
+        and "criterion=" in str(err.value) and "loss_fn" not in str(err.value)
     assert speak_opacus("pass your own loss_fn; `loss_fn`; engine.loss_fn; `epsilon`") == \
         "pass your own criterion; `criterion`; engine.loss_fn; `target_epsilon`"
 

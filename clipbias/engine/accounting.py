@@ -86,8 +86,10 @@ def origin(engine: Any, x: Any, y: Any, indices: Tensor | None) -> tuple[bool, b
     loader fetched them). Taken before the step (the forward could change ``x``); counted by ``count_origin``
     once the step is released."""
     fetched = getattr(engine.sampler, "fetched", None)
+    # (a loss of the loop's own output gradients: its targets are those gradients, the inputs are compared)
+    compared = (x, y) if getattr(engine.loss_fn, "compares_targets", True) else x
     same = fetched is None or indices is None or not torch.equal(fetched[0], indices.detach().cpu()) \
-        or same_inputs((x, y), fetched[1])
+        or same_inputs(compared, fetched[1])
     return drawn_by_sampler(engine, indices), same
 
 

@@ -117,7 +117,8 @@ def fast_wins(model: nn.Module, loss_fn: LossFn = cross_entropy, rows_bytes: flo
     than the rows path (cnn B = 128-2048, resnet20-gn B = 32-256, scatter-cnn B = 512-2048) and slower
     once layers go to the ghost norm; on an H200 it was faster at every batch measured, ghost norm
     included (cnn B = 256 and 1024, resnet20-gn B = 64 and 256: 1.1-1.4x)."""
-    if loss_fn is not cross_entropy or separable.why_not(model) is not None:
+    if loss_fn is not cross_entropy and not getattr(loss_fn, "per_example", False) or \
+            separable.why_not(model) is not None:
         return False
     conv = any(isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and any(p.requires_grad for p in m.parameters(recurse=False))
                for m in model.modules())
@@ -328,3 +329,16 @@ def drop_staged(engine) -> None:
     engine.pipeline.rollback()
     if engine.bands > 1 and engine.sampler.next_step == engine.steps_taken + 1:
         engine.sampler.give_back()
+
+
+def apply_update(engine, update: Tensor, public: list | None = None) -> None:
+    """The released update (plus ``public``: a gradient of no private example, added as it is) as the parameters'
+    gradients, then the base optimizer's step; the gradients are cleared whatever happens."""
+    try:
+        for i, (param, u) in enumerate(zip(engine.params, engine.rows.layout.unflatten(update))):
+            if public is not None and public[i] is not None:
+                u = u + public[i].to(u.device, u.dtype).reshape(u.shape)
+            param.grad = distributed.shard_like(param, u.to(param.dtype))  # a shard's slice of the one update
+        engine.optimizer.step()
+    finally:
+        engine.optimizer.zero_grad(set_to_none=True)

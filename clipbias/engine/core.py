@@ -32,7 +32,7 @@ from ..randomness import SecretKey
 from ..sampling.poisson import PoissonSampler, check_bands
 from . import accounting, state as saved
 from .accounting import SEEDED_CAVEAT, noise_multiplier_for  # noqa: F401  (SEEDED_CAVEAT: engine's API)
-from .aggregate import attempt_sums, auto_other_path, drop_staged, engine_aggregate, output_source
+from .aggregate import apply_update, attempt_sums, auto_other_path, drop_staged, engine_aggregate, output_source
 from .guard import StateGuard
 from .checks import canon, check_arguments, check_distributed, check_mixed, check_step
 from .loop import run_steps
@@ -184,7 +184,8 @@ class DPEngine:
                                         tuple(sorted((k, canon(v)) for k, v in self.config.extra.items())), bands)
 
     # ------------------------------------------------------------------ training
-    def step(self, x: Batch, y: Batch, indices: Tensor | None = None, *, keep_outputs: bool = False) -> Tensor:
+    def step(self, x: Batch, y: Batch, indices: Tensor | None = None, *, keep_outputs: bool = False,
+             public: list | None = None) -> Tensor:
         """One logical step on the Poisson batch ``(x, y)``; returns the per-example losses.
 
         ``x`` and ``y`` are tensors or any ``clipbias.data.batch.Batch`` (tuples, dicts of tensors: the
@@ -207,6 +208,10 @@ class DPEngine:
 
         ``keep_outputs`` (where ``outputs_kept`` says the gradient path can): ``last_outputs`` is then the model's
         output on the batch from the step's own forward (detached), so a loop needs no second forward.
+
+        ``public``: a gradient that depends on no private example (one tensor or None per parameter, layout
+        order: a forward on generated or public data, a term of the parameters alone), added to the noisy
+        update as it is (post-processing; ``apply_update``).
         """
         y = check_step(self, x, y, indices)  # (int32 class indices as torch.long)
         if keep_outputs and not self.outputs_kept:
@@ -242,12 +247,7 @@ class DPEngine:
         self.steps_taken += 1
         accounting.count_origin(self, drawn)
         self.sampler.settle()
-        try:
-            for param, u in zip(self.params, self.rows.layout.unflatten(update)):
-                param.grad = distributed.shard_like(param, u.to(param.dtype))  # a shard's slice of the one update
-            self.optimizer.step()
-        finally:
-            self.optimizer.zero_grad(set_to_none=True)
+        apply_update(self, update, public)
         return mine
 
     @property

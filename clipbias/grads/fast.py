@@ -761,7 +761,8 @@ class BookKeeping(RuntimeChecks, PerExampleLosses):
             sq = sum(r.sq for r in rules)
             # else the caller refuses the step; a model per-example by construction, under a loss of one
             # example at a time (a loss_fn returning per-example losses may combine them), needs no probe
-            own_loss = self.loss_fn is cross_entropy or self._vector_loss is False and self._loss_alone
+            own_loss = self.loss_fn is cross_entropy or getattr(self.loss_fn, "per_example", False) \
+                or self._vector_loss is False and self._loss_alone
             proven = own_loss and not stochastic and separable.proven(self.model, inputs, batch.leaves(y))
             if bool(torch.isfinite(sq).all()) and not proven:
                 self._check_examples(rules, sq, x, y, params, rng if stochastic else None)

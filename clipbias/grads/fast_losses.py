@@ -28,6 +28,8 @@ class PerExampleLosses:
         mapped over the examples (a loss that returns the batch sum)."""
         if self.loss_fn is cross_entropy:
             return F.cross_entropy(out, y, reduction="none")
+        if getattr(self.loss_fn, "per_example", False):  # one example's loss per row by construction
+            return self.loss_fn(out, y)
         if self._vector_loss is None:  # decided once, on zeros: a summed loss never sees a batch whole. On the
             # step's output, a hook it registered there ran in the step's backward (one normalising the logits'
             # gradient by the batch's norm moved the clipped sum by 1.27 C), and a statistic it kept (a

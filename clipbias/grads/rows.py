@@ -16,7 +16,7 @@ import abc
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -102,6 +102,24 @@ class PerSampleGradients(Protocol):
 def cross_entropy(out: Tensor, y: Tensor) -> Tensor:
     """Default per-example loss: cross-entropy of one example (a batch of one)."""
     return nn.functional.cross_entropy(out, y, reduction="sum")
+
+
+def output_gradient(out: Any, g: Any) -> Tensor:
+    """The per-example loss whose gradient is that of a loss the caller computed on the outputs: ``<f(x_i), g_i>``
+    for each example, ``g`` the gradient of the caller's loss with respect to the model's (floating, per-example)
+    outputs, one row per example (``clipbias.integrations.rowtrace`` proves that row ``i`` depends on example
+    ``i`` alone). Example ``i``'s gradient of it is ``J_i^T g_i``: its gradient of the caller's loss. One example's
+    loss by construction (no probe); the step's targets are ``g``, not the drawn batch (``compares_targets``)."""
+    outs = [t for t in batch.leaves(out) if t.is_floating_point()]
+    gs = batch.leaves(g)
+    if len(outs) != len(gs):
+        raise ConfigError(f"the model returned {len(outs)} floating tensors here and {len(gs)} in the training loop's "
+                          f"forward: call it the same way")
+    return sum((o * h.to(o.dtype)).reshape(o.shape[0], -1).sum(1) for o, h in zip(outs, gs))
+
+
+output_gradient.per_example = True  # a sum of per-row terms: each example's loss is its own (no probe)
+output_gradient.compares_targets = False  # its "targets" are output gradients (``engine.accounting.origin``)
 
 
 class FuncGradients:

@@ -46,9 +46,10 @@ from ..engine import DPEngine
 from ..engine.checks import class_indices
 from ..engine.drawn import TRANSFORMED_CAVEAT  # noqa: F401  (the caveat's text: the engine's report carries it)
 from ..errors import ClipbiasError, ConfigError
-from ..grads.rows import cross_entropy
+from ..grads.rows import cross_entropy, output_gradient
 from ..privacy import PrivacyReport
 from ..sampling.loader import PoissonLoader, TensorData, split
+from . import rowtrace
 from .opacus_accountant import Accountant
 
 ACCOUNTANTS = {"prv": "pld", "pld": "pld", "rdp": "rdp"}
@@ -111,6 +112,8 @@ class _Batch:
     inputs: list = field(default_factory=list)  # the model's recorded inputs, one per chunk
     stepped: bool = False          # the model's forward took the private step (``DPModule``)
     outputs: list = field(default_factory=list)  # the outputs the loop got, as leaves (None: not a tensor)
+    chunk: "rowtrace.Rows | None" = None  # the chunk yielded last, traced (the loop's own loss: ``follows``)
+    chunk_rows: list = field(default_factory=list)  # every chunk's ``Rows``, in order
 
 
 class PrivacyEngine:
@@ -217,12 +220,18 @@ class PrivacyEngine:
         config = engine_config(optimizer, max_grad_norm, extra.get("ef_clip"), extra.get("settings"))
         # the plan (``make_private_with_epsilon``): ``epochs`` epochs of ``len(data_loader)`` steps, Opacus's count
         steps = None if epochs is None else epochs * epoch_steps(data_loader)
+        # without ``criterion`` the step trains the loss the loop computes (``rowtrace``); Opacus's ghost mode
+        # computes its loss with the criterion it returns
+        follow = criterion is None and options["grad_sample_mode"] != "ghost"
+        # without ``criterion`` the step trains the loss the loop computes (``rowtrace``); Opacus's ghost mode
+        # computes its loss with the criterion it returns
+        follow = criterion is None and options["grad_sample_mode"] != "ghost"
         self.engine = _OpacusEngine(module, algorithm, n=n, batch_size=B, steps=steps, epsilon=epsilon,
                                noise_multiplier=noise_multiplier,
                                delta=delta if delta is not None else extra.get("delta", 1e-5),
                                accountant=ACCOUNTANTS[self.accountant_name],
                                dice_accounting=extra.get("dice_accounting", privacy.DEFAULT_DICE_ACCOUNTING),
-                               config=config, loss_fn=loss_function(criterion), optimizer=optimizer,
+                               config=config, loss_fn=loss_function(criterion, follow), optimizer=optimizer,
                                grad_path=extra.get("grad_path", "auto"), bands=extra.get("bands", 1),
                                bands_strategy=extra.get("bands_strategy", "taylor"),
                                max_physical_batch=extra.get("max_physical_batch", 512),
@@ -366,14 +375,18 @@ def _base_kind(optimizer: torch.optim.Optimizer) -> str | None:
     return {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}.get(type(optimizer), "adam")
 
 
-def loss_function(criterion: Callable | None) -> Callable:
-    """The engine's per-example loss for ``criterion``: Opacus's default ``nn.CrossEntropyLoss()`` is the
+def loss_function(criterion: Callable | None, follow: bool = False) -> Callable:
+    """The engine's per-example loss: with ``follow`` (no ``criterion``), the loss the training loop computes,
+    through the gradient its ``loss.backward()`` leaves in the outputs (``output_gradient``); for ``criterion``:
+    Opacus's default ``nn.CrossEntropyLoss()`` is the
     engine's own cross-entropy; a loss module with ``reduction`` is evaluated with ``reduction="none"`` and
     each example's losses averaged over its other dimensions (tokens, pixels); an elementwise loss
     (``ELEMENTWISE``: BCE, MSE, L1, ...) takes the loader's targets in the output's shape and dtype where they
     hold one value per output element (``y.float().unsqueeze(1)``, what a loop writes for a ``[b, 1]`` logit:
     torch would refuse them, or broadcast ``[b]`` against ``[b, 1]`` to ``[b, b]`` in silence); any other
     callable is evaluated one example at a time."""
+    if follow:
+        return output_gradient
     if criterion is None or (type(criterion) is nn.CrossEntropyLoss and criterion.weight is None
                              and criterion.ignore_index == -100 and criterion.label_smoothing == 0):
         return cross_entropy
@@ -423,8 +436,12 @@ class DPModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         pending = self._pending
+        if self.follows:  # the loop's own loss (``rowtrace``): the tensors the loop gets are traced
+            args, kwargs, traced = rowtrace.plain(args), rowtrace.plain(kwargs), (args, kwargs)
         if pending is None or not self.training:
             return self._module(*args, **kwargs)
+        if self.follows:
+            return self._follow(pending, args, kwargs, traced)
         record = torch.is_grad_enabled()  # a no_grad pass (a "teacher" forward) is not the step's, but guarded
         if record:
             pending.inputs.append((args, kwargs))
@@ -436,6 +453,41 @@ class DPModule(nn.Module):
             self._eager = self._optimizer.engine.outputs_kept and "labels" not in kwargs and \
                 _per_example(out, len(pending.indices))
         return self._handed(out, pending) if record else out
+
+    @property
+    def follows(self) -> bool:
+        """Whether the step trains the loss the loop computes (``make_private`` without ``criterion``)."""
+        return self._optimizer is not None and self._optimizer.engine.loss_fn is output_gradient
+
+    def _follow(self, pending: _Batch, args: tuple, kwargs: dict, traced: tuple):
+        """A call in a step that trains the loop's own loss: on the chunk's rows (``rowtrace.forward_kind``), the
+        step's forward, without a graph, its outputs handed as traced leaves; on other data, public: your module
+        with its graph, whose gradient the loop's backward adds to the update exactly (``rowtrace._backward``)."""
+        chunk = pending.chunk
+        if rowtrace.forward_kind(*traced, chunk, pending.data) == "public":
+            return rowtrace.public_output(self._guarded(self._module, *args, **kwargs), chunk)
+        record = torch.is_grad_enabled()  # a no_grad pass (a "teacher" forward) is not the step's, but guarded
+        with torch.no_grad():
+            out = self._guarded(self._module, *args, **kwargs)
+        if not record:
+            return rowtrace.rows_output(out, chunk)
+        pending.inputs.append((args, kwargs))
+        leaves: list = []
+
+        def hand(t: Tensor):
+            if t.is_floating_point() and t.dim() > 0 and t.shape[0] == chunk.size:
+                leaf, handed = rowtrace.private_leaf(t, chunk)
+                leaves.append(leaf)
+                return handed
+            if t.is_floating_point():
+                raise ConfigError(f"the model returned a floating tensor of shape {tuple(t.shape)}, not one row per "
+                                  f"example of the batch's {chunk.size}: the step trains the loss your loop computes "
+                                  f"from each example's outputs; return per-example outputs, or pass "
+                                  f"make_private(..., criterion=...) to train that loss instead")
+            return rowtrace.rows_output(t, chunk)
+        handed = batch.map_tensors(hand, out)
+        pending.outputs.append(leaves)
+        return handed
 
     def _step_here(self, pending: _Batch):
         """The private step now, on the recorded call; its outputs, as the loop gets them (``_handed``)."""
@@ -550,11 +602,23 @@ class DPDataLoader:
             self.module._pending = pending = _Batch(idx, data, len(chunks))
             for chunk in chunks:
                 pending.yielded += 1
+                if self.module.follows:  # traced rows (``rowtrace``), a ``Rows`` per chunk
+                    pending.chunk = rowtrace.Rows(_rows_in(chunk), self.engine.params)
+                    pending.chunk_rows.append(pending.chunk)
+                    chunk = rowtrace.yielded(chunk, pending.chunk)
                 yield chunk
             if self.module._pending is pending and pending.inputs:  # the loop never stepped on it
                 self.module._pending = None
                 raise ConfigError("the private data loader's batch was used in a forward pass but "
                                   "optimizer.step() was not called before the next batch: call it once per batch")
+
+
+def _rows_in(chunk: Any) -> int:
+    """The examples in a yielded chunk (its inputs' rows where other entries have none)."""
+    try:
+        return batch.size(chunk)
+    except ClipbiasError:
+        return batch.size(split(chunk)[0])
 
 
 def _batched(data_loader: DataLoader):
@@ -643,6 +707,10 @@ class DPOptimizer(torch.optim.Optimizer):
                               "loader that make_private returned and call the model on each batch")
         if pending.yielded < pending.chunks:  # a physical chunk of a larger logical batch (virtual step)
             return loss
+        if self.module.follows:
+            self.module._pending = None
+            self.follow(pending)
+            return loss
         self.check_loss(pending)
         if pending.stepped and len(pending.inputs) == 1:  # the model's forward took the step (``DPModule``)
             self.module._pending = None
@@ -682,6 +750,32 @@ class DPOptimizer(torch.optim.Optimizer):
         warnings.warn(LOSS_WARNING + (f" (here the loop's loss is the sum over the batch, {b} times criterion's mean: "
                                       f"divide it by the batch size, or scale the learning rate)" if summed else ""),
                       stacklevel=3)
+
+    def follow(self, pending: _Batch) -> None:
+        """The private step on the loss the loop computed: each chunk's forward on its rows, with the gradient the
+        loop's backward left in its outputs (times the chunk's size: ``loss_reduction="mean"``, Opacus's
+        convention, each example's gradient of its own loss) as the targets of ``output_gradient``; and the
+        public part the loop's backward passes left in the parameters (``rowtrace``)."""
+        if len(pending.inputs) != pending.chunks:
+            raise ConfigError(f"the model ran {len(pending.inputs)} time(s) on the rows of this batch of the private "
+                              f"data loader, in {pending.chunks} chunk(s): call it exactly once per (chunk of a) batch "
+                              f"on its rows, in training mode with gradients enabled (a call on other data, "
+                              f"generated images or a public batch, is public and may come in any number)")
+        gs, public = [], [None] * len(self.engine.params)
+        for chunk, leaves in zip(pending.chunk_rows, pending.outputs):
+            if chunk.backwards == 0 and any(leaf.grad is not None for leaf in leaves):
+                raise ConfigError("the gradient in the model's outputs did not come from a loss.backward() on them "
+                                  "that clipbias followed (rowtrace): compute the loss from the outputs the model "
+                                  "returned and call loss.backward()")
+            g = [leaf.grad * chunk.size if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+            gs.append(g[0] if len(g) == 1 else tuple(g))
+            public = [p if q is None else q if p is None else p + q for p, q in zip(public, chunk.public)]
+        x = batch.cat([_as_batch(rec) for rec in pending.inputs])
+        if batch.size(x) != len(pending.indices):
+            raise ConfigError(f"the model was called on {batch.size(x)} examples, but the private data loader's batch "
+                              f"holds {len(pending.indices)}: call the model on the batch (or chunk) as drawn, one "
+                              f"example per row")
+        self.engine.step(x, batch.cat(gs), pending.indices, public=public)
 
     def run(self, pending: _Batch, keep_outputs: bool = False) -> None:
         """``DPEngine.step`` on the logical batch (``keep_outputs``: its outputs in ``engine.last_outputs``)."""

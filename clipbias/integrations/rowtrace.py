@@ -1,0 +1,623 @@
+"""Which examples each tensor of a training loop depends on: the proof that the loss a loop computes is a sum
+of per-example terms, and that a forward on other data is public.
+
+The Opacus interface trains the loss the training loop computes (``make_private`` without ``criterion``): the
+model's outputs are handed to the loop as leaves, the loop's ``loss.backward()`` leaves in them the gradient of
+its own loss, and the private step differentiates ``<f(x_i), g_i>`` for each example ``i`` (``g_i``: row ``i`` of
+that gradient), whose gradient is example ``i``'s gradient of the loop's loss. Clipping bounds each such
+gradient; the sensitivity argument also needs ``g_i`` to depend on example ``i`` alone (and on public
+values). A loss such as ``((out - out.mean(0)) ** 2).sum()``, or a mean weighted by the batch's own label
+counts, makes every ``g_i`` depend on every example, and one example added or removed would then move all the
+others' clipped gradients. This module proves the property from what the loop does, op by op, instead of
+assuming it.
+
+Every tensor of the private batch the data loader yields, and every output the model returns on it, is a
+``Traced`` tensor (a ``torch.Tensor`` subclass: it behaves as a tensor, and every torch function applied to it
+passes through ``__torch_function__``) carrying a ``Label``:
+
+* ``ROWS``: row ``r`` along the first dimension depends on example ``r // g`` of the batch alone (``g`` rows per
+  example: ``logits.view(-1, vocab)`` of a ``[b, t, vocab]`` output has ``g = t``), and on public values;
+* ``ONE``: each element depends on one example at most, the alignment of rows lost (``loss[mask]``);
+* ``SUM``: each element is a sum over examples of one-example terms, plus public terms (``loss.mean()``);
+* ``PUBLIC``: computed from a forward on data the loader did not draw (a DCGAN's generated images), and
+  from nothing private;
+* ``MIXED``: anything else, with the reason: the first operation the rules do not prove.
+
+The rules (``_label``) are a whitelist: elementwise operations on aligned rows, operations along a dimension
+other than the first, reshapes that keep the first dimension first, sums and means of rows, the loss
+functions of ``torch.nn.functional`` with the reductions whose denominator is public (``reduction="mean"``
+with class weights or ignored targets divides by a count of the batch's labels: refused), matrix products
+of rows by public matrices. ``SUM`` terms combine with public terms and with terms of the parameters alone
+(weight decay) by addition only, and are scaled by public constants only. Any other operation on a private
+tensor gives ``MIXED``; the backward of a loss that is not ``SUM`` (or ``ROWS`` with an explicit gradient) is
+refused before it runs, with the reason. A ``PUBLIC`` forward's gradient, and a term of the parameters alone,
+reach the update exactly and unclipped (post-processing: they depend on no private example).
+
+What the labels cannot see, and docs/integrations.md states: values that leave torch (``.numpy()``,
+``.tolist()``, ``torch.tensor(x)``, a private value written in place into an untraced tensor): a forward on an
+untraced tensor after such an escape of more than one number is not public (``Rows.escaped``), nor is one whose
+rows equal rows of the drawn batch; a single number read out (``loss.item()``, ``output.mean().item()`` for a
+log line) is allowed and not followed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from ..data import batch
+from ..errors import ConfigError
+
+ROWS, ONE, SUM, PUBLIC, MIXED = "rows", "one", "sum", "public", "mixed"
+
+
+class Rows:
+    """One yielded chunk of the private batch: its number of examples, what escaped tracing since, and the
+    public part of the update its backward passes left in the parameters (``_backward``)."""
+
+    def __init__(self, size: int, params: list[Tensor]) -> None:
+        self.size, self.params = size, params
+        self.escaped: str | None = None  # an operation that took more than one private number out of torch
+        self.reaches_params = False  # a public output or a parameter met a loss term (``_backward`` snapshots)
+        self.backwards = 0  # backward passes followed (proved per-example)
+        self.public: list[Tensor | None] = [None] * len(params)  # what they added to the parameters' .grad
+
+
+@dataclass(frozen=True)
+class Label:
+    kind: str
+    rows: Rows | None = None  # the chunk (for PUBLIC: the chunk whose step it joins)
+    why: str = ""
+
+    @property
+    def private(self) -> bool:
+        return self.kind in (ROWS, ONE, SUM)
+
+
+def mixed(why: str) -> Label:
+    return Label(MIXED, None, why)
+
+
+class Traced(Tensor):
+    """A tensor of the private batch, or computed from it, with its ``Label`` (``_label``)."""
+
+    _label: Label
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # an attribute: .shape, .dtype, .data, .T, .grad ...
+            name = getattr(getattr(func, "__self__", None), "__name__", "__get__")
+        found = [t._label for t in _traced(args, kwargs)]
+        if name in ("backward", "grad") and func in (Tensor.backward, torch.autograd.backward, torch.autograd.grad):
+            return _backward(func, args, kwargs, found)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if name in META or not found or name in LIKE and not _traced(args[1:], kwargs):
+            return out
+        if name in ESCAPES:
+            _escape(found, name, args)
+            return out
+        label = _label(name, args, kwargs, found, out)
+        if name.endswith("_") and not name.startswith("__") or name in ("__setitem__", "copy_") or "out" in kwargs:
+            _written(name, args, kwargs, label)
+        return wrap(out, label)
+
+    def __deepcopy__(self, memo):
+        return wrap(self.as_subclass(Tensor).clone(), self._label)
+
+    def __reduce_ex__(self, proto):  # pickled (a DataLoader worker, torch.save): a plain tensor
+        return self.as_subclass(Tensor).__reduce_ex__(proto)
+
+
+def wrap(out: Any, label: Label) -> Any:
+    """``out``'s tensors as ``Traced`` with ``label`` (tuples, lists and torch's named tuples kept)."""
+    if isinstance(out, Tensor):
+        t = out.as_subclass(Traced) if type(out) is not Traced else out
+        t._label = label
+        return t
+    if isinstance(out, tuple) and hasattr(out, "_fields") or type(out).__module__ == "torch.return_types":
+        return type(out)([wrap(o, label) for o in out])
+    if isinstance(out, (tuple, list)):
+        return type(out)(wrap(o, label) for o in out)
+    return out
+
+
+def plain(x: Any) -> Any:
+    """``x`` with every ``Traced`` tensor as a plain tensor (the same storage and autograd node)."""
+    return batch.map_tensors(lambda t: t.as_subclass(Tensor) if isinstance(t, Traced) else t, x)
+
+
+def label_of(x: Any) -> Label | None:
+    return x._label if isinstance(x, Traced) else None
+
+
+def _traced(args, kwargs) -> list:
+    out = []
+
+    def visit(a):
+        if isinstance(a, Traced):
+            out.append(a)
+        elif isinstance(a, (tuple, list)):
+            for b in a:
+                visit(b)
+        elif isinstance(a, dict):
+            for b in a.values():
+                visit(b)
+    visit(args)
+    visit(kwargs)
+    return out
+
+
+def _plain_tensors(args, kwargs) -> list[Tensor]:
+    out = []
+
+    def visit(a):
+        if isinstance(a, Tensor) and not isinstance(a, Traced):
+            out.append(a)
+        elif isinstance(a, (tuple, list)):
+            for b in a:
+                visit(b)
+        elif isinstance(a, dict):
+            for b in a.values():
+                visit(b)
+    visit(args)
+    visit(kwargs)
+    return out
+
+
+META = frozenset("""size dim ndim numel __len__ shape dtype device layout is_cuda is_cpu is_sparse is_quantized is_meta
+is_floating_point is_complex is_contiguous is_leaf requires_grad grad_fn names stride storage_offset element_size
+nelement itemsize nbytes __repr__ __format__ __str__ __hash__ __bool__ __float__ __int__ __index__ item
+__complex__ get_device is_pinned register_hook retain_grad retains_grad _version __get__ dim_order is_set_to grad
+__dir__ __reduce_ex__ __setstate__ _is_view is_nested is_mkldnn has_names""".split())
+"""Attributes and single numbers: returned as they are (``item``: one number for a log line is not followed)."""
+
+LIKE = frozenset("""zeros_like ones_like empty_like full_like rand_like randn_like randint_like new_zeros new_ones
+new_empty new_full empty_strided""".split())
+"""Constructors that read only their argument's shape, dtype and device: their result holds nothing private."""
+
+ESCAPES = frozenset("""numpy tolist __array__ __dlpack__ data_ptr untyped_storage _typed_storage
+__array_wrap__""".split())
+"""Operations that take a tensor's values out of torch, where the labels cannot follow them (``Rows.escaped``)."""
+
+
+def _escape(found: list[Label], name: str, args) -> None:
+    t = args[0] if args and isinstance(args[0], Tensor) else None
+    if t is not None and t.numel() <= 1:
+        return
+    for lab in found:
+        if lab.private and lab.rows.escaped is None:
+            lab.rows.escaped = f"`.{name}()` of a tensor of the private batch"
+
+
+def _written(name: str, args, kwargs, label: Label) -> None:
+    """An in-place operation: the tensor written carries the result's label; an untraced one cannot."""
+    target = kwargs.get("out", args[0] if args else None)
+    for t in (target if isinstance(target, (tuple, list)) else [target]):
+        if isinstance(t, Traced):
+            t._label = label
+        elif isinstance(t, Tensor) and label.private and label.rows.escaped is None:
+            label.rows.escaped = f"an in-place `{name}` wrote a tensor of the private batch into an untraced tensor"
+
+
+# ---------------------------------------------------------------------------------------------- the rules
+POINTWISE = frozenset("""add sub rsub mul multiply div divide true_divide floor_divide remainder fmod pow float_power
+neg negative positive abs absolute exp exp2 expm1 log log2 log10 log1p sqrt rsqrt square sigmoid logit tanh sinh
+cosh sin cos tan asin acos atan atan2 arcsin arccos arctan erf erfc erfinv relu relu6 elu selu celu gelu silu mish
+softplus softsign hardtanh hardsigmoid hardswish leaky_relu logsigmoid tanhshrink threshold clamp clip clamp_min
+clamp_max minimum maximum fmin fmax where eq ne lt le gt ge equal_ isnan isinf isfinite nan_to_num sign sgn
+signbit floor ceil round trunc frac reciprocal logical_and logical_or logical_xor logical_not bitwise_and
+bitwise_or bitwise_xor bitwise_not lerp addcmul addcdiv xlogy special_xlogy hypot copysign heaviside one_hot
+masked_fill masked_fill_ to type float double half bfloat16 long int short bool byte char cpu cuda clone detach
+detach_ contiguous requires_grad_ pin_memory fill_ zero_ copy_ __add__ __radd__ __iadd__ __sub__ __rsub__
+__isub__ __mul__ __rmul__ __imul__ __truediv__ __rtruediv__ __itruediv__ __div__ __rdiv__ __floordiv__
+__rfloordiv__ __mod__ __rmod__ __pow__ __rpow__ __ipow__ __neg__ __pos__ __abs__ __eq__ __ne__ __lt__ __le__
+__gt__ __ge__ __and__ __or__ __xor__ __invert__ __rand__ __ror__ __rxor__ data add_ sub_ mul_ div_ clamp_
+log_ exp_ neg_ sigmoid_ relu_ tanh_ sqrt_ pow_ abs_ square_ float_ type_as view_as_real
+dropout alpha_dropout feature_alpha_dropout""".split())
+"""Elementwise: each element of the result from the same elements of its inputs (broadcast)."""
+
+ADDITIVE = frozenset("""add sub rsub neg negative positive __add__ __radd__ __iadd__ __sub__ __rsub__ __isub__
+__neg__ __pos__ to type float double half bfloat16 cpu cuda clone detach contiguous sum mean nansum reshape view
+squeeze unsqueeze flatten view_as reshape_as add_ sub_ data""".split())
+"""Operations that keep a sum of one-example terms such a sum when their other operands are public."""
+
+SCALING = frozenset("""mul multiply div divide true_divide __mul__ __rmul__ __imul__ __truediv__ __itruediv__ __div__
+mul_ div_""".split())
+"""Operations that keep such a sum one when their other operands are constants (a learning-rate-free scale)."""
+
+ALONG = frozenset("""softmax log_softmax argmax argmin max min amax amin aminmax logsumexp cumsum cumprod cummax
+cummin norm vector_norm topk sort argsort gather index_select take_along_dim normalize std var std_mean var_mean
+prod all any count_nonzero median nanmedian mode kthvalue sum mean nansum nanmean diff glu""".split())
+"""Operations along a dimension (``dim``): per example when it is not the first."""
+
+SHAPES = frozenset("""view reshape flatten unflatten view_as reshape_as squeeze unsqueeze expand expand_as
+broadcast_to repeat tile transpose swapaxes swapdims permute movedim moveaxis t T mT H mH __getitem__ select
+narrow split chunk unbind tensor_split flip roll unfold squeeze_ unsqueeze_ flatten_ ravel
+index_put index_put_""".split())
+
+LOSSES = frozenset("""cross_entropy nll_loss binary_cross_entropy binary_cross_entropy_with_logits mse_loss l1_loss
+smooth_l1_loss huber_loss kl_div soft_margin_loss poisson_nll_loss gaussian_nll_loss multilabel_soft_margin_loss
+multi_margin_loss multilabel_margin_loss hinge_embedding_loss""".split())
+
+PRODUCTS = frozenset("""matmul mm bmm linear __matmul__ __rmatmul__ addmm baddbmm conv1d conv2d conv3d
+bilinear""".split())
+
+
+def _label(name: str, args, kwargs, found: list[Label], out: Any) -> Label:
+    """The label of ``out = func(*args, **kwargs)`` from its inputs' labels ``found`` (module docstring)."""
+    bad = next((lab for lab in found if lab.kind == MIXED), None)
+    if bad is not None:
+        return bad
+    if name == "__setitem__":
+        return _setitem_label(args, found)
+    private = [lab for lab in found if lab.private]
+    if not private:
+        return Label(PUBLIC, found[0].rows)
+    rows = private[0].rows
+    if any(lab.rows is not rows for lab in private):
+        return mixed(f"`{name}` combines tensors of two different batches")
+    kinds = {lab.kind for lab in private}
+    others = _plain_tensors(args, kwargs)
+    public = any(lab.kind == PUBLIC for lab in found) or any(t.requires_grad for t in others)
+    if kinds == {SUM}:
+        if name in ADDITIVE:
+            rows.reaches_params |= public
+            return Label(SUM, rows)
+        if name in SCALING and not public and _single_sum_operand(args, kwargs):
+            return Label(SUM, rows)
+        return mixed(f"`{name}` applied to a sum over the batch's examples" + (
+            " and a public output or a parameter" if public else "") + " (only additions of such sums, and scaling by "
+            "constants, keep the loss a sum of per-example terms)")
+    if public:
+        return mixed(f"`{name}` combines a tensor of the private batch with a public output or with a tensor that "
+                     f"requires grad outside the model's private forward (a parameter): only whole per-example "
+                     f"losses may be added to such terms")
+    if SUM in kinds:
+        return mixed(f"`{name}` combines a sum over the batch with the batch's rows (each example's term then "
+                     f"depends on the others)")
+    one = rows.size <= 1  # a batch of at most one example: every function of it is that example's
+    tensors = [t for t in batch.leaves(out)] if _tensor_tree(out) else []
+    first = args[0] if args else None
+    if name in LOSSES:
+        return _loss_label(name, args, kwargs, rows, one)
+    if name in ALONG:
+        dims = _dims(args, kwargs, first)
+        if dims is not None and 0 not in dims:
+            return Label(ONE if ONE in kinds else ROWS, rows) if _aligned_or_one(args, kwargs, rows, kinds) or one \
+                else mixed(f"`{name}` on tensors whose rows are not aligned")
+        if name in ("sum", "nansum") or name == "mean" and kinds == {ROWS}:
+            return Label(SUM, rows)
+        if one:
+            return Label(ROWS, rows) if _leading(tensors, rows) else Label(ONE, rows)
+        return mixed(f"`{name}` over the batch's first dimension (it combines examples" + (
+            "; the mean of a selection of rows divides by a count that depends on other examples: sum it and divide "
+            "by the batch size" if name == "mean" else "") + ")")
+    if name in POINTWISE or name in PRODUCTS and _product_of_rows(args, kwargs, name):
+        if kinds == {ROWS} and (_aligned(args, kwargs, rows, tensors) or one):
+            return Label(ROWS, rows) if _leading(tensors, rows) else Label(ONE, rows)
+        if len(private) == 1 and kinds == {ONE} and name in POINTWISE:
+            return Label(ONE, rows)
+        return Label(ROWS, rows) if one and _leading(tensors, rows) else mixed(
+            f"`{name}` combines rows of different examples (the rows of its operands are not aligned)")
+    if name in SHAPES or name in ("cat", "concat", "concatenate", "stack", "hstack", "column_stack"):
+        return _shape_label(name, args, kwargs, rows, kinds, tensors, one)
+    if one:
+        return Label(ROWS, rows) if _leading(tensors, rows) else Label(ONE, rows)
+    return mixed(f"`{name}` (an operation clipbias does not prove to keep examples apart)")
+
+
+def _setitem_label(args, found: list[Label]) -> Label:
+    """``t[index] = value``: ``t`` keeps its label where the index is public or ``t``'s own rows (a mask of the same
+    examples) and the value public; anything else may move one example's values into another's row."""
+    target, index, value = (list(args) + [None, None, None])[:3]
+    tl = label_of(target)
+    if isinstance(value, Traced) and value._label.private:
+        return mixed("an in-place assignment `t[i] = v` of private values")
+    idx = index if isinstance(index, tuple) else (index,)
+    for i in idx:
+        il = label_of(i)
+        if il is not None and il.private and not (tl is not None and il.kind == ROWS and il.rows is tl.rows
+                                                 and i.dim() > 0 and i.shape[0] == target.shape[0]):
+            return mixed("an in-place assignment `t[i] = v` whose index is private and not the rows of `t`")
+    if tl is None:
+        return mixed("an in-place assignment into an untraced tensor")
+    return tl
+
+
+def _single_sum_operand(args, kwargs) -> bool:
+    """One operand is the sum; the other a number or a constant tensor without gradient."""
+    return all(not (isinstance(t, Tensor) and t.requires_grad and not isinstance(t, Traced))
+               for t in _plain_tensors(args, kwargs)) and len(_traced(args, kwargs)) == 1
+
+
+def _tensor_tree(out: Any) -> bool:
+    return isinstance(out, Tensor) or isinstance(out, (tuple, list)) and all(isinstance(o, Tensor) for o in out)
+
+
+def _leading(tensors: list[Tensor], rows: Rows) -> bool:
+    """Every result tensor has a first dimension of whole examples (``g`` rows each)."""
+    b = rows.size
+    return bool(tensors) and all(t.dim() > 0 and (b == 0 and t.shape[0] == 0 or b > 0 and t.shape[0] % b == 0
+                                                  and t.shape[0] > 0) for t in tensors)
+
+
+def _group(t: Tensor, rows: Rows) -> int | None:
+    """Rows per example of a ``ROWS`` tensor ``t``."""
+    if t.dim() == 0 or rows.size == 0 or t.shape[0] % rows.size:
+        return None
+    return t.shape[0] // rows.size
+
+
+def _aligned(args, kwargs, rows: Rows, tensors: list[Tensor]) -> bool:
+    """Elementwise operands whose private rows line up with the result's: every traced operand has the result's
+    number of dimensions and first dimension (no broadcast along the examples), every untraced one either the
+    same first dimension (a row per example: constant targets) or broadcasts along it."""
+    if not tensors:
+        return False
+    shape = tensors[0].shape
+    if len(shape) == 0:
+        return False
+    for t in _traced(args, kwargs):
+        if t.dim() != len(shape) or t.shape[0] != shape[0]:
+            return False
+    for t in _plain_tensors(args, kwargs):
+        if t.dim() >= len(shape) and t.dim() > 0 and t.shape[0] not in (1, shape[0]):
+            return False
+    return True
+
+
+def _aligned_or_one(args, kwargs, rows: Rows, kinds: set) -> bool:
+    ts = _traced(args, kwargs)
+    if kinds == {ONE}:
+        return len(ts) == 1
+    sizes = {t.shape[0] for t in ts if t.dim() > 0}
+    return len(sizes) == 1 and all(t.dim() > 0 for t in ts)
+
+
+def _dims(args, kwargs, first) -> set[int] | None:
+    """The dimensions an operation along ``dim`` reduces or acts on (normalized), None for all of them."""
+    dim = kwargs.get("dim", kwargs.get("axis"))
+    if dim is None and len(args) > 1 and isinstance(args[1], (int, tuple, list)) and not isinstance(args[1], bool):
+        dim = args[1]
+    if dim is None or not isinstance(first, Tensor):
+        return None
+    n = max(first.dim(), 1)
+    dims = dim if isinstance(dim, (tuple, list)) else [dim]
+    try:
+        return {int(d) % n for d in dims}
+    except (TypeError, ValueError):
+        return None
+
+
+def _product_of_rows(args, kwargs, name: str) -> bool:
+    """A matrix product acting on each example's rows alone: the first operand private rows, the others
+    constants (a weight) or private rows of the same examples with a batch dimension (``bmm``)."""
+    ts = _traced(args, kwargs)
+    if not args or not isinstance(args[0], Traced) or args[0].dim() < 2 and name not in ("linear",):
+        return False
+    return all(t is args[0] or t.dim() >= 3 and args[0].dim() >= 3 and t.shape[0] == args[0].shape[0] for t in ts)
+
+
+def _shape_label(name: str, args, kwargs, rows: Rows, kinds: set, tensors: list[Tensor], one: bool) -> Label:
+    """Reshapes and selections: rows stay rows while the first dimension stays first and whole."""
+    if kinds == {ONE}:
+        return Label(ONE, rows)
+    if name in ("cat", "concat", "concatenate", "stack", "hstack", "column_stack"):
+        seq = args[0] if args else kwargs.get("tensors", [])
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        ts = [t for t in seq if isinstance(t, Tensor)]
+        along_rows = dim == 0 if name not in ("hstack", "column_stack") else False
+        if not along_rows and all(t.dim() > 0 and t.shape[0] == ts[0].shape[0] for t in ts) \
+                and all(isinstance(t, Traced) for t in ts if t.requires_grad) and _leading(tensors, rows) \
+                and (name != "stack" or dim != 0):
+            return Label(ROWS, rows)
+        return Label(ROWS if one and _leading(tensors, rows) else ONE, rows)
+    first = args[0] if args else None
+    if not isinstance(first, Traced):  # a constant indexed by private rows: w[y]
+        idx = args[1] if len(args) > 1 else None
+        idx = idx[0] if isinstance(idx, tuple) and idx else idx
+        if isinstance(idx, Traced) and idx._label.kind == ROWS and _leading(tensors, rows) \
+                and tensors[0].shape[0] == idx.shape[0]:
+            return Label(ROWS, rows)
+        return Label(ONE, rows)
+    if name in ("transpose", "swapaxes", "swapdims", "movedim", "moveaxis", "permute", "t", "T", "mT", "H", "mH"):
+        keeps = _keeps_first(name, args, kwargs, first)
+        return Label(ROWS if keeps and _leading(tensors, rows) else ONE, rows)
+    if name in ("select", "narrow", "split", "chunk", "unbind", "tensor_split", "flip", "roll", "unfold"):
+        dims = _dims(args, kwargs, first)
+        if name in ("split", "chunk", "tensor_split") and dims is None:
+            dims = {0}
+        if name == "unbind" and dims is None:
+            dims = {0}
+        if dims is not None and 0 not in dims and _leading(tensors, rows):
+            return Label(ROWS, rows)
+        return Label(ONE, rows)
+    if name in ("__getitem__", "index_put", "index_put_"):
+        return Label(ROWS, rows) if name == "__getitem__" and _first_whole(args[1] if len(args) > 1 else None, first.dim()) \
+            and _leading(tensors, rows) else Label(ONE, rows)
+    # view, reshape, flatten, squeeze, unsqueeze, expand, repeat: row-major order, the first dimension first
+    if name in ("unsqueeze", "unsqueeze_") and _dims(args, kwargs, first) == {0} and first.dim() > 0:
+        return Label(ONE, rows)
+    return Label(ROWS, rows) if _leading(tensors, rows) and (first.dim() > 0 and rows.size > 0) \
+        and (name not in ("repeat", "tile") or _repeats_keep_first(args)) else Label(ONE, rows)
+
+
+def _keeps_first(name: str, args, kwargs, t: Tensor) -> bool:
+    if name in ("t", "T", "mT", "H", "mH"):
+        return t.dim() <= 1 or name in ("mT", "mH") and t.dim() > 2
+    rest = list(args[1:])
+    if name == "permute":
+        order = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest or kwargs.get("dims")
+        return bool(order) and int(order[0]) % max(t.dim(), 1) == 0
+    a = rest + [kwargs[k] for k in ("dim0", "dim1", "source", "destination") if k in kwargs]
+    try:
+        moved = {int(d) % max(t.dim(), 1) for d in a if not isinstance(d, (tuple, list))}
+    except (TypeError, ValueError):
+        return False
+    return 0 not in moved
+
+
+def _first_whole(idx, ndim: int) -> bool:
+    """An index that keeps the first dimension whole: ``x[:, k]``, ``x[..., :-1]``, ``x[:, None]``."""
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if not idx:
+        return True
+    head = idx[0]
+    if head is Ellipsis:  # x[..., k]: the first dimension whole while the ellipsis covers it
+        return ndim > sum(1 for i in idx[1:] if i is not None and i is not Ellipsis)
+    return isinstance(head, slice) and head == slice(None)
+
+
+def _repeats_keep_first(args) -> bool:
+    reps = args[1:] if len(args) > 2 or not (len(args) == 2 and isinstance(args[1], (tuple, list))) else args[1]
+    return bool(reps) and int(reps[0]) == 1
+
+
+def _loss_label(name: str, args, kwargs, rows: Rows, one: bool) -> Label:
+    """A loss of ``torch.nn.functional``: per example with ``reduction="none"``; a sum of per-example terms with
+    ``"sum"``, and with ``"mean"`` where its denominator is the batch's size times a public number."""
+    ts = _traced(args, kwargs)
+    if not one and (len({t.shape[0] for t in ts if t.dim() > 0}) > 1 or any(t._label.kind != ROWS for t in ts)
+                    or any(t.dim() > 0 and t.requires_grad for t in _plain_tensors(args, kwargs))):
+        return mixed(f"`{name}` on an output and targets whose rows are not the same examples' (a selection of rows such "
+                     f"as `out[mask]` loses their alignment: take reduction='none' and multiply by the mask instead)")
+    reduction = kwargs.get("reduction", "mean")
+    if kwargs.get("size_average") is not None or kwargs.get("reduce") is not None:
+        return mixed(f"`{name}` with the deprecated size_average/reduce arguments: use reduction=")
+    if reduction == "none":
+        return Label(ROWS, rows)
+    if reduction == "sum":
+        return Label(SUM, rows)
+    if name in ("cross_entropy", "nll_loss") and reduction == "mean" and not one:
+        target = args[1] if len(args) > 1 else kwargs.get("target")
+        if kwargs.get("weight") is not None:
+            return mixed(f"`{name}` with class weights and reduction='mean' divides by the total weight of the batch's "
+                         f"labels, which depends on every example: use reduction='sum' and divide by the batch size")
+        ignore = kwargs.get("ignore_index", -100)
+        with torch._C.DisableTorchFunctionSubclass():
+            dropped = isinstance(target, Tensor) and not target.is_floating_point() and bool((target == ignore).any())
+        if dropped:
+            return mixed(f"`{name}` with ignored targets (ignore_index={ignore}) and reduction='mean' divides by the "
+                         f"number of targets kept, which depends on every example: use reduction='sum' and divide "
+                         f"by the batch size")
+    return Label(SUM, rows)
+
+
+# ---------------------------------------------------------------------------------------------- backward
+def _backward(func: Callable, args, kwargs, found: list[Label]):
+    """``loss.backward()`` (``torch.autograd.backward``, ``torch.autograd.grad``) of a loss that is a sum of
+    per-example terms (``SUM``, or ``ROWS`` with a gradient given per row); refused before it runs otherwise.
+    Where a public output or a parameter term is in it, the parameters' gradients it adds are kept as the
+    public part of the update (``Backward``)."""
+    if func is Tensor.backward:
+        outputs, grads = args[0], kwargs.get("gradient", args[1] if len(args) > 1 else None)
+    else:
+        outputs = kwargs.get("tensors", kwargs.get("outputs", args[0] if args else None))
+        grads = kwargs.get("grad_tensors", kwargs.get("grad_outputs", args[1] if len(args) > 1 else None))
+    outs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    gs = list(grads) if isinstance(grads, (tuple, list)) else [grads] * len(outs)
+    for out, g in zip(outs, gs):
+        lab = label_of(out)
+        if lab is None or lab.kind == PUBLIC:
+            continue
+        why = lab.why if lab.kind == MIXED else None
+        if lab.kind in (ROWS, ONE) and why is None:
+            gl = label_of(g)
+            if g is None:
+                why = f"backward of a tensor with one value per example ({lab.kind}) without a gradient"
+            elif lab.kind == ONE or (gl is not None and gl.kind != PUBLIC and (gl.kind != ROWS or gl.rows is not lab.rows)) \
+                    or g.shape != out.shape:
+                why = "backward of per-example values with a gradient that is not one row per example"
+        if why is not None:
+            raise ConfigError(
+                f"the loss your training loop computed is not a sum of per-example terms that clipbias can prove: "
+                f"{why}. The private step takes each example's gradient of the loss your loop computes, and DP needs "
+                f"each one to depend on that example alone. Write the loss so that each term depends on one example "
+                f"(a loss with reduction='mean', 'sum' or 'none' on the outputs and targets), or pass the per-example "
+                f"loss to make_private(..., criterion=...), which the step then differentiates instead")
+        lab.rows.backwards += 1
+        if func is torch.autograd.grad and lab.rows.escaped is None:  # gradients it returns leave the labels
+            lab.rows.escaped = "torch.autograd.grad of a loss on the private batch"
+    chunks = {id(lab.rows): lab.rows for lab in found if lab.rows is not None}.values()
+    watch = [c for c in chunks if c.reaches_params or any(lab.kind == PUBLIC and lab.rows is c for lab in found)]
+    before = [[p.grad.detach().clone() if p.grad is not None else None for p in c.params] for c in watch]
+    with torch._C.DisableTorchFunctionSubclass():
+        result = func(*args, **kwargs)
+    for c, was in zip(watch, before):  # the public part: what this backward added to the parameters' gradients
+        for i, p in enumerate(c.params):
+            if p.grad is not None:
+                added = p.grad.detach() - was[i] if was[i] is not None else p.grad.detach().clone()
+                c.public[i] = added if c.public[i] is None else c.public[i] + added
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- the doors
+def yielded(chunk: Any, rows: Rows) -> Any:
+    """The data loader's chunk as the loop gets it: every tensor ``ROWS`` of ``rows``."""
+    return batch.map_tensors(lambda t: wrap(t, Label(ROWS, rows)), chunk)
+
+
+def forward_kind(args, kwargs, rows: Rows, drawn: Any) -> str:
+    """``"private"``: the model is called on the chunk's rows (each tensor of the private batch aligned with it);
+    ``"public"``: on data the loader did not draw (no traced private tensor, nothing escaped the labels since the
+    chunk was yielded, no row equal to a drawn row). A call that mixes private rows with other data, rearranges
+    them or reads a tensor that combines examples is refused, with the reason."""
+    traced = [t for t in _traced(args, kwargs) if t._label.private or t._label.kind == MIXED]
+    if traced:
+        bad = next((t._label.why for t in traced if t._label.kind == MIXED), None)
+        if bad is None and all(t._label.kind == ROWS and t._label.rows is rows and t.dim() > 0
+                               and t.shape[0] == rows.size for t in traced):
+            return "private"
+        raise ConfigError(
+            "the model was called on a tensor computed from the private batch that is not one row per example of the "
+            "batch (" + (bad or "rows of the batch mixed with other rows or other data, rearranged, or from another "
+                         "batch") + "): the private step needs each example's forward to see that example alone. "
+            "Call the model on the batch (or chunk) as drawn, and on public data (generated images, a public batch) "
+            "in a separate call: such a call is public, its gradient exact and unclipped")
+    if rows.escaped is not None:
+        return "private"  # (values left torch after ``rows.escaped``: this data may be derived from the batch)
+    return "private" if any(_shares_rows(t, drawn) for t in _plain_tensors(args, kwargs)) else "public"
+
+
+def _shares_rows(t: Tensor, drawn: Any) -> bool:
+    """Whether a row of ``t`` equals a row of one of the drawn batch's tensors (an untraced copy of it)."""
+    if t.dim() == 0 or t.numel() == 0:
+        return False
+    with torch._C.DisableTorchFunctionSubclass():
+        a = t.detach().to("cpu", torch.float64).reshape(t.shape[0], -1)
+        for d in batch.leaves(drawn):
+            if d.dim() == 0 or d.numel() == 0 or d[0].numel() != a.shape[1]:
+                continue
+            b = d.detach().to("cpu", torch.float64).reshape(d.shape[0], -1)
+            close = a.sum(1)[:, None] == b.sum(1)[None, :]  # candidates by row sum, then exact
+            for i, j in close.nonzero().tolist():
+                if torch.equal(a[i], b[j]):
+                    return True
+    return False
+
+
+def private_leaf(out: Tensor, rows: Rows) -> Tensor:
+    """A private forward's output handed to the loop: a leaf that requires grad, ``ROWS`` of the chunk."""
+    leaf = out.detach().requires_grad_()
+    return leaf, wrap(leaf, Label(ROWS, rows))
+
+
+def public_output(out: Any, rows: Rows) -> Any:
+    return batch.map_tensors(lambda t: wrap(t, Label(PUBLIC, rows)), out)
+
+
+def rows_output(out: Any, rows: Rows) -> Any:
+    """A private forward's non-gradient outputs (or a no-grad forward's) as rows of the chunk where they have one
+    per example, else as combining examples (a loss on them is then refused)."""
+    def label(t: Tensor) -> Tensor:
+        if t.dim() > 0 and t.shape[0] == rows.size:
+            return wrap(t, Label(ROWS, rows))
+        return wrap(t, mixed("an output of the model on the private batch without one row per example"))
+    return batch.map_tensors(label, out)

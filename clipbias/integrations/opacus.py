@@ -414,17 +414,21 @@ ELEMENTWISE = (nn.BCEWithLogitsLoss, nn.BCELoss, nn.MSELoss, nn.L1Loss, nn.Smoot
 
 
 class DPModule(nn.Module):
-    """Your module, made private (``_module``, as Opacus's ``GradSampleModule``). In training, on a batch of
-    the private data loader, it records its inputs for ``optimizer.step()`` and runs its forward without an
-    autograd graph (under the engine's state guard); a tensor output is handed back as a leaf that requires
-    grad, so that ``loss.backward()`` works, costs almost nothing and leaves in it the gradient of the loop's
-    own loss, which ``optimizer.step()`` holds against ``criterion``'s (``DPOptimizer.check_loss``); other
-    outputs are tied to a zero-valued anchor. Where the engine's step can hand back the batch's outputs (its gradient path keeps them,
-    the outputs are tensors with one row per example, no ``labels=`` keyword), the forward takes the private
-    step itself from the second batch on and returns the step's own outputs: no second forward, and
-    ``optimizer.step()`` then only closes the batch. A forward in training mode on such a batch under
-    ``torch.no_grad()`` is not recorded, but it too may not change a buffer. Elsewhere (``eval()``, other
-    data) it is your module."""
+    """Your module, made private (``_module``, as Opacus's ``GradSampleModule``). In training, on the rows of a
+    batch of the private data loader, it records its inputs for ``optimizer.step()`` and runs its forward
+    without an autograd graph (under the engine's state guard); each output is handed back as a leaf that
+    requires grad, so that ``loss.backward()`` works, costs almost nothing and leaves in it the gradient of the
+    loop's own loss.
+
+    Without ``criterion`` (``follows``) that gradient is what the step trains (``rowtrace``: the batch and the
+    outputs are traced, a loss that couples examples is refused at its backward), and a call on other data is
+    public: your module with its graph (``_follow``). With ``criterion``, ``optimizer.step()`` holds the loop's
+    gradient against ``criterion``'s (``DPOptimizer.check_loss``), and where the engine's step can hand back
+    the batch's outputs (its gradient path keeps them, the outputs are tensors with one row per example, no
+    ``labels=`` keyword) the forward takes the private step itself from the second batch on and returns the
+    step's own outputs: no second forward, and ``optimizer.step()`` then only closes the batch. A forward in
+    training mode on such a batch under ``torch.no_grad()`` is not recorded, but it too may not change a
+    buffer. Elsewhere (``eval()``, after the step) it is your module."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
@@ -523,10 +527,10 @@ LOSS_CHECKS = 5
 
 LOSS_WARNING = ("the loss your training loop computes is not `criterion`'s: its gradient with respect to the model's "
                 "outputs differs from that of the mean of `criterion`'s per-example losses on the same outputs and "
-                "targets. The private step differentiates `criterion` for each example (make_private's `criterion`, "
-                "default nn.CrossEntropyLoss()), not the graph your loop built, so label smoothing, class weights, "
-                "extra terms or another loss in the loop are not what is trained. Pass your loss as "
-                "make_private(..., criterion=...): a loss module with `reduction` (evaluated per example), or a "
+                "targets. With `criterion` given, the private step differentiates `criterion` for each example, not "
+                "the graph your loop built, so label smoothing, class weights, extra terms or another loss in the loop "
+                "are not what is trained. Leave out make_private's `criterion` to train the loss your loop computes, "
+                "or pass that loss as `criterion`: a loss module with `reduction` (evaluated per example), or a "
                 "function of (outputs, targets) that returns one loss per example")
 
 

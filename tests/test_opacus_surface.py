@@ -381,3 +381,17 @@ def test_a_cifar10_shaped_script_runs_with_the_import_changed():
     state = model.state_dict()
     assert set(state) == {f"_module.{k}" for k in model._module.state_dict()}
     assert privacy_engine.steps == 2 * len(train_loader) and privacy_engine.privacy_report().certified
+
+
+def test_make_private_on_a_lightning_module_says_the_one_line_that_replaces_it():
+    """Opacus's mnist_lightning pattern (make_private in configure_optimizers) cannot be private here: Lightning
+    calls the module and its own loaders. Refused at make_private with the one line that replaces it."""
+    LightningModule = type("LightningModule", (nn.Module,), {})  # (the check reads the class's name: no import)
+    Lit = type("Lit", (LightningModule,), {})
+    module = Lit()
+    module.fc = nn.Linear(D, K)
+    x, y = _data()
+    with pytest.raises(ConfigError, match=r"callbacks=\[DPCallback\(noise_multiplier=\.\.\., max_grad_norm=\.\.\.\)\]"):
+        PrivacyEngine().make_private(module=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
+                                     data_loader=DataLoader(TensorDataset(x, y), batch_size=B),
+                                     noise_multiplier=1.0, max_grad_norm=1.0)

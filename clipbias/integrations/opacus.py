@@ -201,6 +201,8 @@ class PrivacyEngine:
         module, optimizer, data_loader = _unwrapped(module, optimizer, data_loader)
         if not isinstance(module, nn.Module):
             raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if any(k.__name__ == "LightningModule" for k in type(module).__mro__):
+            raise ConfigError(LIGHTNING_PATTERN)
         if not isinstance(data_loader, DataLoader):
             raise ConfigError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
         if data_loader.batch_size is None:
@@ -304,6 +306,15 @@ class PrivacyEngine:
         module.load_state_dict(ckpt["module_state_dict"])
         self.load_state_dict(ckpt["privacy_engine_state_dict"])
         return ckpt
+
+
+LIGHTNING_PATTERN = (
+    "make_private on a LightningModule (Opacus's mnist_lightning pattern, make_private in configure_optimizers): "
+    "Lightning calls your module and iterates its own loaders, not the ones make_private returns, so nothing would "
+    "be private. Return the plain optimizer from configure_optimizers and add the one line "
+    "`callbacks=[DPCallback(noise_multiplier=..., max_grad_norm=...)]` to your pl.Trainer "
+    "(from clipbias.integrations.lightning import DPCallback; docs/integrations.md, \"Lightning\"); its "
+    "privacy_report() and the logged `epsilon` replace privacy_engine.get_epsilon")
 
 
 def epoch_steps(data_loader: DataLoader) -> int:

@@ -21,11 +21,22 @@ from .errors import ConfigError
 class AlgoConfig:
     """Hyper-parameters shared by the algorithms (unused ones are ignored by a recipe).
 
-    ``clip`` is C1 (per-example clip); ``ef_clip`` is C2 (clip of the DiceSGD feedback buffer, on
-    the average-gradient scale; default C1); ``grad_bound`` is an optional outer clip G_max applied
-    to every per-example gradient before anything else (then "g_i" means clip(g_i, G_max)
-    everywhere, and DiceSGD's certified accounting can use G' = G_max - C1); ``gamma`` is the
-    normalisation stability constant.
+    Args:
+        lr: The base optimizer's learning rate (> 0).
+        clip: C1, the per-example clip (> 0).
+        ef_clip: C2, the clip of the DiceSGD feedback buffer, on the average-gradient scale (default C1).
+        grad_bound: An optional outer clip G_max applied to every per-example gradient before anything else
+            (then "g_i" means clip(g_i, G_max) everywhere, and DiceSGD's certified accounting can use
+            G' = G_max - C1).
+        gamma: The normalisation stability constant (> 0).
+        optimizer: The base optimizer, ``"sgd"``, ``"adam"`` or ``"adamw"`` (default None: the algorithm's).
+        momentum: The base SGD's momentum, in [0, 1).
+        weight_decay: The base optimizer's weight decay (>= 0).
+        betas: Adam's betas.
+        extra: The method's own settings (perturbation k, p, ...), checked against the algorithm's schema.
+
+    Raises:
+        ConfigError: a value outside its range (the message names the field).
     """
 
     lr: float = 0.1

@@ -140,12 +140,24 @@ def test_every_unit_imports_only_downward():
     assert not up, up
 
 
+def _code_lines(node: ast.AST) -> int:
+    """A function's or class's lines without its docstrings (its own and its methods'): the size of what it
+    does; documentation (``Args:`` sections) never forces a split."""
+    lines = node.end_lineno - node.lineno + 1
+    for n in ast.walk(node):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.body \
+                and isinstance(n.body[0], ast.Expr) and isinstance(getattr(n.body[0], "value", None), ast.Constant) \
+                and isinstance(n.body[0].value.value, str):
+            lines -= n.body[0].end_lineno - n.body[0].lineno + 1
+    return lines
+
+
 def test_no_function_is_longer_than_80_lines():
     long = []
     for p in PKG.rglob("*.py"):
         for n in ast.walk(ast.parse(p.read_text())):
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80:
-                long.append(f"{p.relative_to(PKG)}:{n.name} ({n.end_lineno - n.lineno + 1} lines)")
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and _code_lines(n) > 80:
+                long.append(f"{p.relative_to(PKG)}:{n.name} ({_code_lines(n)} lines without docstrings)")
     assert not long, long
 
 
@@ -158,8 +170,8 @@ def test_no_class_is_longer_than_250_lines():
     for p in PKG.rglob("*.py"):
         for n in ast.walk(ast.parse(p.read_text())):
             name = f"{p.relative_to(PKG).as_posix()}:{getattr(n, 'name', '')}"
-            if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > 250 and name not in LONG_CLASSES:
-                long.append(f"{name} ({n.end_lineno - n.lineno + 1} lines)")
+            if isinstance(n, ast.ClassDef) and _code_lines(n) > 250 and name not in LONG_CLASSES:
+                long.append(f"{name} ({_code_lines(n)} lines without docstrings)")
     assert not long, long
 
 

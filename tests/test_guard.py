@@ -293,14 +293,17 @@ def _loop(loss_of, criterion=None, steps=3):
 
 
 def test_the_loops_own_loss_is_held_against_criterion_and_a_difference_is_said():
-    """The step differentiates `criterion`; a loop whose loss is another (label smoothing 0.3 left the weights
-    bit-identical to plain cross-entropy, in silence) now gets a warning that says what is trained and how to
-    train its loss; a loop whose loss is criterion's gets none, on the recorded and the eager path alike."""
-    assert _loop(F.cross_entropy) == []
-    assert len(_loop(lambda out, y: F.cross_entropy(out, y, label_smoothing=0.3))) == 1
-    assert len(_loop(lambda out, y: F.cross_entropy(out, y) + 0.1 * out.pow(2).mean())) == 1
-    summed = _loop(lambda out, y: F.cross_entropy(out, y, reduction="sum"))
+    """With ``criterion`` given, the step differentiates it; a loop whose loss is another (label smoothing 0.3
+    left the weights bit-identical to plain cross-entropy, in silence) gets a warning that says what is trained
+    and how to train its loss; a loop whose loss is criterion's gets none, on the recorded and the eager path
+    alike. Without ``criterion`` the loop's own loss is trained (tests/test_loop_loss.py): no warning."""
+    ce = nn.CrossEntropyLoss()
+    assert _loop(F.cross_entropy, criterion=ce) == []
+    assert len(_loop(lambda out, y: F.cross_entropy(out, y, label_smoothing=0.3), criterion=ce)) == 1
+    assert len(_loop(lambda out, y: F.cross_entropy(out, y) + 0.1 * out.pow(2).mean(), criterion=ce)) == 1
+    summed = _loop(lambda out, y: F.cross_entropy(out, y, reduction="sum"), criterion=ce)
     assert len(summed) == 1 and "sum over the batch" in summed[0]
+    assert _loop(lambda out, y: F.cross_entropy(out, y, label_smoothing=0.3)) == []
     smooth = nn.CrossEntropyLoss(label_smoothing=0.3)
     assert _loop(lambda out, y: smooth(out, y), criterion=smooth) == []
 

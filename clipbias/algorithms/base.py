@@ -28,8 +28,15 @@ from .bands import banded_spec
 
 @dataclass(frozen=True)
 class Parts:
-    """What ``Algorithm.build`` returns: the per-example stages (the last one bounds the norm), the
-    error feedback, a post-noise stage, and the divisor of the summed rows (None: B)."""
+    """What ``Algorithm.build`` returns.
+
+    Attributes:
+        per_sample: The per-example stages, in order; the last one bounds the norm (a ``Clip`` or
+            ``Normalize``).
+        error_feedback: The error feedback, if any (DiceSGD).
+        post: A stage applied after the noise, if any.
+        divisor: The divisor of the summed rows (None: the expected batch size B).
+    """
 
     per_sample: list[PerSample]
     error_feedback: ErrorFeedback | None = None
@@ -47,14 +54,34 @@ def _c1_c2(cfg: AlgoConfig) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Algorithm:
-    """A named recipe. Names match the ``--algo`` values of the CLI.
+    """A named recipe: data, not a subclass (registered with ``register``).
 
-    ``build(cfg, settings, B, key)`` returns the ``Parts`` (``key``: the run's ``SecretKey`` for the
-    stages' secret draws; None where only the structure is read); ``source(model, loss_fn, cfg,
-    settings, n=, batch_size=, key=)`` the row source (None: per-example gradients); ``validate(cfg, settings,
-    q, B)`` refuses settings the guarantee does not cover; ``note(cfg, settings)`` states the
-    sensitivity and sampling in words; ``dice_units(cfg)`` gives (C1, C2) of DiceSGD's accounting and
-    ``dice_grad_bound(cfg, settings)`` the G_max it may use (default ``cfg.grad_bound``).
+    Attributes:
+        name: The algorithm's name; names match the ``--algo`` values of the CLI.
+        description: What it is, in a few words (written to results.json).
+        private: Whether it adds noise (False: a non-private baseline, epsilon = inf).
+        accounting: ``"gaussian"``, ``"dice"`` or ``"none"``: the kind of its ``AccountingSpec``.
+        build: ``build(cfg, settings, B, key)`` returns the ``Parts`` (``key``: the run's ``SecretKey`` for
+            the stages' secret draws; None where only the structure is read).
+        schema: Its method settings (``Setting``), read from ``AlgoConfig.extra``; unknown keys are refused.
+        source: ``source(model, loss_fn, cfg, settings, n=, batch_size=, key=)`` gives the row source (None:
+            per-example gradients).
+        optimizer: The base optimizer it uses unless ``AlgoConfig.optimizer`` says otherwise (default
+            ``"sgd"``).
+        certifiable: False where even the paper's (refuted) DiceSGD proof does not apply;
+            ``why_not_certifiable`` says why.
+        why_not_certifiable: Why ``certifiable`` is False, in words.
+        dice_units: ``dice_units(cfg)`` gives (C1, C2) of DiceSGD's accounting (default
+            ``(cfg.clip, cfg.c2)``).
+        dice_grad_bound: ``dice_grad_bound(cfg, settings)`` gives the G_max DiceSGD's accounting may use
+            (default ``cfg.grad_bound``).
+        validate: ``validate(cfg, settings, q, B)`` refuses settings the guarantee does not cover.
+        note: ``note(cfg, settings)`` states the sensitivity and sampling in words.
+        gradient_noise: ``gradient_noise(cfg, settings, z, B)``: the gradient noise multiplier when the
+            accounted z also pays for another release (adaptive clipping).
+        bandable: Its rows are a function of one example and one step (no state across steps in the rows or
+            the sums), it releases only the noisy update and one stage bounds the rows: the banded
+            accounting covers it (``algorithms.bands``), so its noise may have more than one band.
     """
 
     name: str

@@ -46,15 +46,27 @@ __all__ = ["CIFAR10_CLASSES", "DATASETS", "DataFormatError", "DataNotFoundError"
 def load_dataset(name: str, *, data_dir: str | os.PathLike | None = None, validation: int = 0,
                  key: SecretKey | None = None, image: bool = False,
                  data_path: str | os.PathLike | None = None) -> Dataset:
-    """Load a data set by name (one of :data:`DATASETS`).
+    """Load a data set by name, offline.
 
-    ``validation > 0`` moves about that many training examples into ``x_val``/``y_val``: each joins
-    independently with probability ``validation / N``, by its keyed draw under ``key`` (a
-    ``clipbias.randomness.SecretKey``, required then; :func:`with_validation`); the test split never
-    changes. ``image=True`` (or the name
-    ``digits-image``) shapes ``digits`` as 1x8x8 images instead of 64 flat features.
-    ``data_dir`` overrides the Fashion-MNIST directory and is where ``cifar10`` is read from;
-    ``npz`` reads ``data_path`` (see ``load_npz``).
+    Args:
+        name: One of ``DATASETS``: ``fashion-mnist``, ``digits``, ``digits-image``, ``breast-cancer``,
+            ``wine``, ``cifar10``, ``npz``.
+        data_dir: Overrides the Fashion-MNIST directory, and is where ``cifar10`` is read from.
+        validation: When > 0, moves about that many training examples into ``x_val``/``y_val``: each joins
+            independently with probability ``validation / N``, by its keyed draw under ``key``
+            (``with_validation``); the test split never changes.
+        key: A ``clipbias.randomness.SecretKey``, required with ``validation``.
+        image: ``True`` (or the name ``digits-image``) shapes ``digits`` as 1x8x8 images instead of 64 flat
+            features.
+        data_path: The file ``npz`` reads (see ``load_npz``).
+
+    Returns:
+        A ``Dataset`` of in-memory tensors (``x_train``, ``y_train``, ``x_test``, ``y_test``, ...).
+
+    Raises:
+        ConfigError: an unknown name, a negative ``validation``, or ``validation`` without ``key``.
+        DataNotFoundError: the data set's files are missing (the message says how to install them).
+        DataFormatError: a file that is not in the data set's format (a malformed ``npz`` array, ...).
     """
     if name not in DATASETS:
         raise ConfigError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")

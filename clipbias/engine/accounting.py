@@ -64,9 +64,11 @@ def no_signal(z: float, epsilon: float, batch_size: float, steps: int) -> str | 
             f"larger batches raise the noise with them")
 
 
-def report(engine: Any, steps: int) -> PrivacyReport:
-    """The engine's guarantee after ``steps`` steps, with the caveats of the run (``DPEngine.privacy``)."""
-    rep = privacy.account(engine.spec, steps, engine.delta, engine.accountant, engine.dice_accounting)
+def report(engine: Any, steps: int, delta: float | None = None) -> PrivacyReport:
+    """The engine's guarantee after ``steps`` steps (at ``delta``, default the run's), with the caveats of the run
+    (``DPEngine.privacy``): the accountant runs once."""
+    rep = privacy.account(engine.spec, steps, engine.delta if delta is None else delta, engine.accountant,
+                          engine.dice_accounting)
     if engine.algo.private and engine.key.reproducible:
         rep = rep.with_caveat(SEEDED_CAVEAT)
     if engine.algo.private and engine.undrawn_steps:

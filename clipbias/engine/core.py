@@ -62,40 +62,66 @@ class PrivacySettings:
 class DPEngine:
     """Private training with one of ``clipbias.algorithms.ALGORITHMS``.
 
-    Give either ``epsilon`` (the noise multiplier is calibrated for ``steps`` steps, never
-    overshooting) or ``noise_multiplier``. ``batch_size`` is the *expected* Poisson batch size B;
-    the sampling rate is q = B / n. ``steps`` defaults to ``epochs * round(n / B)``. ``sample_rate`` sets q
-    instead, for ``n`` rows that are a keyed random part of a public population (a ``--validation`` split: q =
-    B / the part's expected size, so that q, the steps and the noise do not reveal the realised n; each row
-    joins a batch with probability q, the update is divided by B; ``steps`` defaults to ``epochs * round(1 / q)``).
-
-    Without ``steps`` and ``epochs``, and with ``noise_multiplier``, the run is open-ended (Opacus's habit):
-    ``total_steps`` is infinite and ``privacy()`` accounts the steps taken. ``optimizer``: your own torch
-    optimizer, holding exactly the model's trainable parameters, takes the private update (default: one built
-    from ``config``: SGD, Adam or AdamW).
-
-    Error-feedback algorithms (the DiceSGD family) are accounted by ``dice_accounting`` (default
-    ``sound``; ``paper`` and ``authors`` are refuted and report ``certified = False``); without
-    ``config.ef_clip`` they use C2 = 0.01 C1 / B (feedback ratio r = 0.01).
-
-    Mixed precision: ``autocast=torch.bfloat16`` (CPU or CUDA) or ``torch.float16`` runs each step's forward
-    and backward under ``torch.autocast`` on the parameters' device, while the parameters, the per-example
-    norms, the clip factors and every sum across examples stay in float32 (float64 where the fast path uses
-    it): 16-bit activations and output gradients are widened to float32, exactly, before any of them
-    (docs/privacy.md, "Floating point in the fast path"). ``loss_scale`` (a power of two; default 1 under
-    bfloat16, 256 under float16) multiplies the loss before the backward and is divided out exactly after:
-    float16 output gradients below 2^-24 would otherwise flush to zero. A step called inside the caller's
-    own ``torch.autocast`` is refused (the sums would be 16-bit), as are 16-bit parameters.
-
-    ``bands`` > 1: banded correlated noise (``clipbias.algorithms.bands``); ``bands_strategy`` picks its
-    coefficients, ``taylor`` (default) or ``optimized`` for the run's finite number of steps (the same
-    privacy guarantee, ``clipbias.algorithms.band_strategy``).
+    Give either ``epsilon`` (the noise multiplier is calibrated for the planned steps, never overshooting) or
+    ``noise_multiplier``. Without ``steps`` and ``epochs``, and with ``noise_multiplier``, the run is
+    open-ended (Opacus's habit): ``total_steps`` is infinite and ``privacy()`` accounts the steps taken.
 
     Randomness: the model init is the caller's (public). The batches, the noise and every keyed draw
     are ChaCha20 draws under one 256-bit ``SecretKey`` (``clipbias.randomness``): by default 256 OS bits,
-    kept only in the private ``state_dict``; ``noise_seed`` (an integer below 2^256, or a key) makes a
-    run reproducible and ``privacy()`` then reports it uncertified. Rows: ``grads`` (a ``RowSource``
-    or a per-example gradient function) if given, else the algorithm's own source.
+    kept only in the private ``state_dict``.
+
+    Args:
+        model: The model; its trainable parameters are the ones trained.
+        algorithm: The algorithm's name: ``"dpsgd"``, ``"dice"``, ``"disk"``, ``"adaptive"``, ... (a name of
+            ``clipbias.algorithms.ALGORITHMS``, or ``BASE+SUFFIX`` such as ``"dice+disk"``).
+        n: The number of training examples.
+        batch_size: The *expected* Poisson batch size B; the sampling rate is q = B / n.
+        epochs: The planned epochs: ``steps`` defaults to ``epochs * round(n / B)``.
+        steps: The planned steps (instead of ``epochs``).
+        epsilon: The target epsilon: the noise multiplier is calibrated for the planned steps, never
+            overshooting. Give it or ``noise_multiplier``.
+        delta: Delta of the guarantee (default 1e-5).
+        noise_multiplier: The noise multiplier z, instead of ``epsilon``.
+        accountant: ``"pld"`` (default) or ``"rdp"``.
+        dice_accounting: The basis error-feedback algorithms (the DiceSGD family) are accounted by:
+            ``"sound"`` (default), ``"conservative"``; ``"paper"`` and ``"authors"`` are refuted and report
+            ``certified = False``.
+        config: The hyper-parameters (default ``AlgoConfig()``). Without ``config.ef_clip`` the DiceSGD
+            family uses C2 = 0.01 C1 / B (feedback ratio r = 0.01).
+        loss_fn: The per-example loss, ``(model output, y) -> [b]`` (default: cross-entropy).
+        max_physical_batch: Examples per per-example gradient computation (memory only; default 512).
+        noise_seed: An integer below 2^256, or a ``SecretKey``: makes a run reproducible, and ``privacy()``
+            then reports it uncertified (default None: a fresh key of 256 OS bits).
+        grads: The rows: a ``RowSource`` or a per-example gradient function (default: the algorithm's own
+            source).
+        grad_path: How the per-example gradients are computed: ``"auto"`` (default), ``"rows"``
+            (``torch.func``) or ``"fast"`` (book-keeping, no per-example rows; docs/models.md).
+        bands: > 1: banded correlated noise (``clipbias.algorithms.bands``) of that many bands; with
+            ``bands_strategy="blt"``, BLT noise in that many participation classes.
+        optimizer: Your own torch optimizer, holding exactly the model's trainable parameters: it takes the
+            private update (default: one built from ``config``: SGD, Adam or AdamW).
+        sample_rate: Sets q instead of B / n, for ``n`` rows that are a keyed random part of a public
+            population (a ``--validation`` split: q = B / the part's expected size, so that q, the steps and
+            the noise do not reveal the realised n; each row joins a batch with probability q, the update is
+            divided by B; ``steps`` defaults to ``epochs * round(1 / q)``).
+        autocast: ``torch.bfloat16`` (CPU or CUDA) or ``torch.float16``: each step's forward and backward run
+            under ``torch.autocast`` on the parameters' device, while the parameters, the per-example norms,
+            the clip factors and every sum across examples stay in float32 (float64 where the fast path uses
+            it): 16-bit activations and output gradients are widened to float32, exactly, before any of them
+            (docs/privacy.md, "Floating point in the fast path"). A step called inside the caller's own
+            ``torch.autocast`` is refused (the sums would be 16-bit), as are 16-bit parameters.
+        loss_scale: A power of two (default 1 under bfloat16, 256 under float16) that multiplies the loss
+            before the backward and is divided out exactly after: float16 output gradients below 2^-24
+            would otherwise flush to zero.
+        bands_strategy: The banded noise's coefficients: ``"taylor"`` (default) or ``"optimized"`` for the
+            run's finite number of steps (the same privacy guarantee, ``clipbias.algorithms.band_strategy``);
+            ``"blt"``: BLT noise.
+
+    Raises:
+        ConfigError: both ``epsilon`` and ``noise_multiplier``, or neither for a private algorithm; neither
+            ``epochs`` nor ``steps`` where the run must be planned (``epsilon``); any setting outside its
+            range (the message names it); settings the algorithm's guarantee does not cover (refused now,
+            not after training).
 
     For example, a loop written by hand:
 
@@ -186,11 +212,7 @@ class DPEngine:
     # ------------------------------------------------------------------ training
     def step(self, x: Batch, y: Batch, indices: Tensor | None = None, *, keep_outputs: bool = False,
              public: list | None = None) -> Tensor:
-        """One logical step on the Poisson batch ``(x, y)``; returns the per-example losses.
-
-        ``x`` and ``y`` are tensors or any ``clipbias.data.batch.Batch`` (tuples, dicts of tensors: the
-        model is called ``model(**x)`` for a dict), with the examples on the first dimension; an
-        empty batch (zero examples) is a noise-only step.
+        """One logical step on the Poisson batch ``(x, y)``.
 
         In a process group of N ranks, ``(x, y, indices)`` is this rank's share of the global batch
         (``engine.local_share`` of the sampled indices; ``run_steps`` does it): the partial sums
@@ -199,19 +221,30 @@ class DPEngine:
         every rank for the sums (``distributed.unsharded``) and each rank applies its shards' slice of the
         update (docs/architecture.md, "Sharded models").
 
-        Raises before changing anything (model, optimizer, error feedback, accountant) if a
-        per-example gradient is not finite, on every rank when one rank's is not.
+        Args:
+            x: The inputs: a tensor or any ``clipbias.data.batch.Batch`` (tuples, dicts of tensors: the
+                model is called ``model(**x)`` for a dict), with the examples on the first dimension; an
+                empty batch (zero examples) is a noise-only step.
+            y: The targets, likewise.
+            indices: The batch ``engine.sampler.sample()`` returned last (this rank's share of it), used by
+                no step before: any other batch (no indices, indices of your choosing, a batch used twice)
+                is taken, with a warning, and makes ``privacy()`` uncertified, with a caveat that counts
+                such steps.
+            keep_outputs: Where ``outputs_kept`` says the gradient path can: ``last_outputs`` is then the
+                model's output on the batch from the step's own forward (detached), so a loop needs no
+                second forward.
+            public: A gradient that depends on no private example (one tensor or None per parameter, layout
+                order: a forward on generated or public data, a term of the parameters alone), added to the
+                noisy update as it is (post-processing; ``apply_update``).
 
-        ``indices`` must be the batch ``engine.sampler.sample()`` returned last (this rank's share of it),
-        used by no step before: any other batch (no indices, indices of your choosing, a batch used twice)
-        is taken, with a warning, and makes ``privacy()`` uncertified, with a caveat that counts such steps.
+        Returns:
+            The per-example losses of this rank's examples.
 
-        ``keep_outputs`` (where ``outputs_kept`` says the gradient path can): ``last_outputs`` is then the model's
-        output on the batch from the step's own forward (detached), so a loop needs no second forward.
-
-        ``public``: a gradient that depends on no private example (one tensor or None per parameter, layout
-        order: a forward on generated or public data, a term of the parameters alone), added to the noisy
-        update as it is (post-processing; ``apply_update``).
+        Raises:
+            NonFiniteGradientError: a per-example gradient is not finite; raised before changing anything
+                (model, optimizer, error feedback, accountant), on every rank when one rank's is not.
+            ConfigError: ``keep_outputs`` where the gradient path does not produce the outputs, and what
+                ``check_step`` refuses (indices no Poisson batch holds, labels of the wrong dtype, ...).
         """
         y = check_step(self, x, y, indices)  # (int32 class indices as torch.long)
         if keep_outputs and not self.outputs_kept:
@@ -272,11 +305,22 @@ class DPEngine:
         return output_source(self) is not None
 
     def train_epoch(self, x: "Batch | Dataset | PoissonLoader", y: Batch | None = None, **loader_options) -> float:
-        """One epoch of Poisson batches; returns the mean example loss. The data: in-memory inputs
-        ``x`` with labels ``y``, a map-style ``torch.utils.data.Dataset`` (``y`` omitted; ``loader_options``
-        such as ``collate_fn`` and ``num_workers`` go to ``clipbias.sampling.PoissonLoader``) or a
-        ``PoissonLoader``. Once the planned steps (``epochs`` or ``steps`` at construction) are all taken
-        it refuses (ConfigError) rather than return having done nothing."""
+        """One epoch of Poisson batches.
+
+        Args:
+            x: The data: in-memory inputs (with labels ``y``), a map-style ``torch.utils.data.Dataset``
+                (``y`` omitted), or a ``PoissonLoader``.
+            y: The labels of in-memory inputs ``x`` (exactly the n training examples).
+            **loader_options (Any): For a ``Dataset``: ``clipbias.sampling.PoissonLoader``'s options, such
+                as ``collate_fn`` and ``num_workers``.
+
+        Returns:
+            The mean example loss.
+
+        Raises:
+            ConfigError: once the planned steps (``epochs`` or ``steps`` at construction) are all taken,
+                rather than return having done nothing; inputs and labels that are not n each.
+        """
         if y is not None and (batch.size(x) != batch.size(y) or batch.size(x) != self.n):
             raise ConfigError(f"train_epoch got {batch.size(x)} inputs and {batch.size(y)} labels for an engine "
                               f"built with n={self.n}: the sampler draws from n examples and the accounting assumes "
@@ -286,9 +330,15 @@ class DPEngine:
 
     # ------------------------------------------------------------------ privacy
     def privacy(self, steps: int | None = None) -> PrivacyReport:
-        """The guarantee after ``steps`` (default: the steps taken so far). A run keyed by a seed
-        (``noise_seed``) is reported ``certified=False``: whoever knows or guesses the seed can
-        recompute the batches and subtract the noise."""
+        """The guarantee after ``steps`` steps.
+
+        Args:
+            steps: The steps to account (default: the steps taken so far).
+
+        Returns:
+            The ``PrivacyReport``. A run keyed by a seed (``noise_seed``) is reported ``certified=False``:
+                whoever knows or guesses the seed can recompute the batches and subtract the noise.
+        """
         return accounting.report(self, self.steps_taken if steps is None else steps)
 
     # ------------------------------------------------------------------ checkpoints
@@ -301,12 +351,20 @@ class DPEngine:
         return saved.state_of(self)
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state_dict()``; refuses (ResumeMismatchError) if a privacy setting changed.
+        """Continue from ``state_dict()``.
 
-        All or nothing: a state that fails to load leaves the engine as it was. Only a fresh engine
-        (no step taken) loads a state: one that has taken steps would replay its own released draws.
-        A state (a checkpoint) may drive ONE released continuation: two continuations draw the same
-        batches and noise, and releasing both reveals their difference without noise."""
+        All or nothing: a state that fails to load leaves the engine as it was. A state (a checkpoint) may
+        drive ONE released continuation: two continuations draw the same batches and noise, and releasing
+        both reveals their difference without noise.
+
+        Args:
+            state: What ``state_dict()`` returned.
+
+        Raises:
+            ResumeMismatchError: a privacy setting (or the base optimizer) differs from the state's.
+            ConfigError: not a ``DPEngine`` state, or an engine that has taken steps (only a fresh engine
+                loads a state: one that has taken steps would replay its own released draws).
+        """
         saved.load(self, state)
 
 

@@ -29,6 +29,7 @@ from ..engine import DPEngine
 from ..errors import ConfigError
 from ..privacy import PrivacyReport
 from ..sampling.loader import PoissonLoader, split
+from ..sampling.poisson import epoch_steps
 from .opacus import DPOptimizer, loss_function
 from .options import DPOptions, EpsilonLog, check_trainable
 
@@ -38,16 +39,32 @@ FLOAT_PRECISIONS = ("32-true", "64-true", "32", "64")
 
 
 class DPCallback(L.Callback):
-    """Makes ``Trainer.fit`` private. ``noise_multiplier`` or ``target_epsilon`` (calibrated for
-    ``max_epochs`` / ``max_steps``), ``target_delta``, ``max_grad_norm`` (per-example clip), ``algorithm``,
-    ``grad_path``, ... as in ``clipbias.integrations.options.DPOptions``.
+    """Makes ``Trainer.fit`` private: pass it in ``callbacks`` (see the module's docstring).
+    ``privacy_report()`` states the guarantee; ``epsilon`` is logged with ``self.log`` (on the progress bar).
 
-    ``criterion``: the per-example loss the engine differentiates, evaluated on ``module(x)`` and ``y`` of
-    each batch ``(x, y)`` (or ``module(**inputs)`` and ``labels`` of a dict batch with a ``"labels"`` entry):
-    default the cross-entropy of ``module(x)`` against ``y``; a loss module with ``reduction`` (evaluated per
-    example) or a function returning per-example losses ``[b]``. It should be the loss your
-    ``training_step`` returns: that one is only logged. ``max_physical_batch``: examples per per-example
-    gradient computation (memory only; default 512)."""
+    Args:
+        noise_multiplier: The noise multiplier z, fixed; epsilon is accounted as the steps are taken. Give
+            it or ``target_epsilon``.
+        target_epsilon: The epsilon the run ends at: the noise multiplier is calibrated for
+            ``max_epochs`` / ``max_steps``.
+        target_delta: Delta of the guarantee; default ``min(1e-5, 1 / (10 n))`` for ``n`` training examples.
+        max_grad_norm: The per-example clipping norm C.
+        criterion: The per-example loss the engine differentiates, evaluated on ``module(x)`` and ``y`` of
+            each batch ``(x, y)`` (or ``module(**inputs)`` and ``labels`` of a dict batch with a
+            ``"labels"`` entry): default the cross-entropy of ``module(x)`` against ``y``; a loss module
+            with ``reduction`` (evaluated per example) or a function returning per-example losses ``[b]``.
+            It should be the loss your ``training_step`` returns: that one is only logged.
+        max_physical_batch: Examples per per-example gradient computation (memory only; default 512).
+        **options (Any): The other settings of
+            [`DPOptions`][clipbias.integrations.options.DPOptions]: ``algorithm``, ``grad_path``,
+            ``accountant``, ``bands``, ``autocast``, ...
+
+    Raises:
+        ConfigError: settings ``DPOptions.check`` refuses, or ``max_physical_batch`` not an integer >= 1.
+            ``fit`` refuses, with the reason, what the private step cannot run soundly (16-bit precision,
+            several devices, ``accumulate_grad_batches``, ``gradient_clip_val``, manual optimization,
+            validation on the training data, ...).
+    """
 
     def __init__(self, *, noise_multiplier: float | None = None, target_epsilon: float | None = None,
                  target_delta: float | None = None, max_grad_norm: float = 1.0, criterion: Callable | None = None,
@@ -128,12 +145,20 @@ class DPCallback(L.Callback):
 
     # ------------------------------------------------------------------ privacy and checkpoints
     def privacy_report(self) -> PrivacyReport:
-        """The guarantee after the steps taken: epsilon, delta, accountant, basis, ``certified``, caveats."""
+        """The guarantee after the steps taken.
+
+        Returns:
+            The ``PrivacyReport``: epsilon, delta, accountant, basis, ``certified``, caveats.
+
+        Raises:
+            ConfigError: no private training yet (call ``trainer.fit`` first).
+        """
         if self.engine is None:
             raise ConfigError("DPCallback.privacy_report: no private training yet; call trainer.fit first")
         return self.engine.privacy()
 
     def get_epsilon(self) -> float:
+        """Epsilon after the steps taken, at the run's delta: ``privacy_report().epsilon``."""
         return self.privacy_report().epsilon
 
     def state_dict(self) -> dict:
@@ -271,7 +296,8 @@ class _PrivateSource:
 
 
 class PoissonBatches:
-    """The private train loader Lightning iterates: one epoch is ``round(n / B)`` secret Poisson batches of
+    """The private train loader Lightning iterates: one epoch is ``len()`` of your DataLoader, ceil(n / B)
+    (``clipbias.sampling.epoch_steps``), secret Poisson batches of
     your DataLoader's dataset, collated by its ``collate_fn``."""
 
     worker_init_fn = None  # (Lightning may set one; the workers' seeds come from the run's secret key)
@@ -281,7 +307,7 @@ class PoissonBatches:
         self.batch_size = data.batch_size
 
     def __len__(self) -> int:
-        return max(1, round(len(self.dataset) / self.batch_size))
+        return epoch_steps(len(self.dataset), self.batch_size, self.data.drop_last)
 
     def __iter__(self):
         engine, data = self.callback.engine, self.data

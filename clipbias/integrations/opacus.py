@@ -43,12 +43,14 @@ from .. import algorithms, privacy
 from ..config import AlgoConfig
 from ..data import batch
 from ..engine import DPEngine
+from ..engine import accounting
 from ..engine.checks import class_indices
 from ..engine.drawn import TRANSFORMED_CAVEAT  # noqa: F401  (the caveat's text: the engine's report carries it)
 from ..errors import ClipbiasError, ConfigError
 from ..grads.rows import cross_entropy, output_gradient
 from ..privacy import PrivacyReport
 from ..sampling.loader import PoissonLoader, TensorData, split
+from ..sampling.poisson import epoch_steps as sampling_epoch_steps
 from . import rowtrace
 from .opacus_accountant import Accountant
 
@@ -119,12 +121,21 @@ class _Batch:
 class PrivacyEngine:
     """Opacus's ``PrivacyEngine``, backed by a ``clipbias.engine.DPEngine``.
 
-    ``accountant``: ``"prv"`` (Opacus's default; served by the PLD accountant), ``"pld"`` or ``"rdp"``; the
-    name stays in ``accountant_name``, and the attribute ``accountant`` is Opacus's accountant surface over the
-    engine's accounting (``get_epsilon(delta=)``, ``history``, ``state_dict``: ``opacus_accountant.Accountant``).
-    ``secure_mode`` is accepted for compatibility: clipbias's randomness is always secret (ChaCha20
-    under a 256-bit key from the OS), so there is nothing to switch on. Errors raised by its entry points and
-    by the private step name the Opacus interface's arguments (``criterion``, not the engine's ``loss_fn``)."""
+    The attribute ``accountant`` is Opacus's accountant surface over the engine's accounting
+    (``get_epsilon(delta=)``, ``history``, ``state_dict``: ``opacus_accountant.Accountant``). Errors raised by
+    its entry points and by the private step name the Opacus interface's arguments (``criterion``, not the
+    engine's ``loss_fn``).
+
+    Args:
+        accountant: ``"prv"`` (Opacus's default; served by the PLD accountant), ``"pld"`` or ``"rdp"``; the
+            name stays in ``accountant_name``.
+        secure_mode: Accepted for compatibility: clipbias's randomness is always secret (ChaCha20 under a
+            256-bit key from the OS), so there is nothing to switch on.
+
+    Raises:
+        ConfigError: another accountant (``"gdp"``: a central-limit approximation, not an upper bound on
+            epsilon).
+    """
 
     def __init__(self, accountant: str = "prv", secure_mode: bool = False) -> None:
         if accountant not in ACCOUNTANTS:
@@ -145,20 +156,54 @@ class PrivacyEngine:
                      batch_first: bool = True, loss_reduction: str = "mean", poisson_sampling: bool = True,
                      clipping: str = "flat", noise_generator: Any = None, grad_sample_mode: str = "hooks",
                      **clipbias_options) -> tuple:
-        """Your ``(module, optimizer, data_loader)`` made private at ``noise_multiplier``, each example's
-        gradient clipped to ``max_grad_norm``; trains for as many steps as you take, each accounted
-        (``get_epsilon``). With ``grad_sample_mode="ghost"`` it returns ``(module, optimizer, criterion,
-        data_loader)`` as Opacus does. What a ``make_private`` returned before (a resumed script passes the private
-        module, optimizer or loader again) is unwrapped to your objects, as Opacus does. clipbias's own keywords: ``algorithm`` (default ``"dpsgd"``;
-        ``"dice"``, ``"disk"``, ``"adaptive"``, ...), ``grad_path`` (``auto``, ``rows``, ``fast``),
-        ``dice_accounting``, ``bands`` and ``bands_strategy`` (``"taylor"`` or ``"optimized"``: banded noise's
-        coefficients, ``DPEngine``'s; ``"blt"``: BLT noise in ``bands`` classes; ``"optimized"`` and ``"blt"``
-        need the run's length: ``make_private_with_epsilon``),
-        ``settings`` (the algorithm's settings, ``AlgoConfig.extra``),
-        ``ef_clip``, ``delta`` (for the engine's own report; default 1e-5), ``max_physical_batch``, ``noise_seed``
-        (a reproducible run: reported uncertified, as ``DPEngine``'s), ``autocast`` (``torch.bfloat16`` or
-        ``torch.float16``: the engine's forward and backward under ``torch.autocast``, norms and sums in float32;
-        use it instead of your own ``torch.autocast`` and ``GradScaler``) and ``loss_scale``."""
+        """Your ``(module, optimizer, data_loader)`` made private at ``noise_multiplier``; trains for as many
+        steps as you take, each accounted (``get_epsilon``). What a ``make_private`` returned before (a
+        resumed script passes the private module, optimizer or loader again) is unwrapped to your objects, as
+        Opacus does.
+
+        Args:
+            module: Your model.
+            optimizer: Your optimizer (any ``torch.optim`` class), holding the model's trainable parameters.
+            data_loader: Your ``DataLoader(dataset, batch_size=B)``: its dataset is drawn in secret Poisson
+                batches of expected size B, with its ``collate_fn`` and workers.
+            noise_multiplier: The noise multiplier z.
+            max_grad_norm: The per-example clipping norm: each example's gradient is clipped to it.
+            criterion: Leave it out to train the loss your loop computes (each example's gradient from your
+                ``loss.backward()``, proven per example: ``rowtrace``; docs/integrations.md). Given, the step
+                differentiates it per example instead (a loss module with ``reduction`` is evaluated with
+                ``reduction="none"``, any other callable one example at a time) and the forward may take the
+                step itself; with ``grad_sample_mode="ghost"`` it defaults to ``nn.CrossEntropyLoss()``.
+            batch_first: Opacus's; only True (every input tensor holds one example per row of its first
+                dimension).
+            loss_reduction: Opacus's; only ``"mean"`` (the noisy sum of clipped gradients is divided by the
+                expected batch size; with ``"sum"``, multiply the learning rate by the batch size instead).
+            poisson_sampling: Opacus's; only True (the accounting assumes secret Poisson sampling).
+            clipping: Opacus's; only ``"flat"`` (for adaptive clipping pass ``algorithm="adaptive"``).
+            noise_generator: Opacus's; only None (all noise is ChaCha20 under the run's secret key).
+            grad_sample_mode: Opacus's: ``"hooks"``, ``"ghost"``, ``"functorch"`` or ``"ew"``, all run
+                clipbias's own per-example gradients (``grad_path=`` chooses them); with ``"ghost"`` it
+                returns ``(module, optimizer, criterion, data_loader)`` as Opacus does.
+            **clipbias_options (Any): clipbias's own keywords: ``algorithm`` (default ``"dpsgd"``;
+                ``"dice"``, ``"disk"``, ``"adaptive"``, ...), ``grad_path`` (``auto``, ``rows``, ``fast``),
+                ``dice_accounting``, ``bands`` and ``bands_strategy`` (``"taylor"`` or ``"optimized"``:
+                banded noise's coefficients, ``DPEngine``'s; ``"blt"``: BLT noise in ``bands`` classes;
+                ``"optimized"`` and ``"blt"`` need the run's length: ``make_private_with_epsilon``),
+                ``settings`` (the algorithm's settings, ``AlgoConfig.extra``), ``ef_clip``, ``delta`` (for
+                the engine's own report; default 1e-5), ``max_physical_batch``, ``noise_seed`` (a reproducible
+                run: reported uncertified, as ``DPEngine``'s), ``autocast`` (``torch.bfloat16`` or
+                ``torch.float16``: the engine's forward and backward under ``torch.autocast``, norms and sums
+                in float32; use it instead of your own ``torch.autocast`` and ``GradScaler``) and
+                ``loss_scale``.
+
+        Returns:
+            ``(module, optimizer, data_loader)``, made private (with ``grad_sample_mode="ghost"``:
+                ``(module, optimizer, criterion, data_loader)``).
+
+        Raises:
+            ConfigError: a second ``make_private`` on one ``PrivacyEngine``; a setting out of range; an
+                Opacus option clipbias does not offer, with the reason. The message names this interface's
+                arguments.
+        """
         return self._make(module, optimizer, data_loader, criterion, max_grad_norm, noise_multiplier=noise_multiplier,
                           options=dict(batch_first=batch_first, loss_reduction=loss_reduction,
                                        poisson_sampling=poisson_sampling, clipping=clipping,
@@ -172,9 +217,32 @@ class PrivacyEngine:
                                   loss_reduction: str = "mean", poisson_sampling: bool = True, clipping: str = "flat",
                                   noise_generator: Any = None, grad_sample_mode: str = "hooks",
                                   **clipbias_options) -> tuple:
-        """As ``make_private``, with the noise multiplier calibrated so that ``epochs`` epochs
-        (``epochs * len(data_loader)`` steps) end at ``target_epsilon`` or just below, never above; a
-        step past them is refused."""
+        """As ``make_private``, with the noise multiplier calibrated so that ``epochs`` epochs end at
+        ``target_epsilon`` or just below, never above; a step past them is refused.
+
+        Args:
+            module: Your model.
+            optimizer: Your optimizer (any ``torch.optim`` class).
+            data_loader: Your ``DataLoader(dataset, batch_size=B)``.
+            target_epsilon: The epsilon the planned steps end at.
+            target_delta: Delta, a float in (0, 1).
+            epochs: The planned epochs (``epochs * len(data_loader)`` steps), an integer >= 1.
+            max_grad_norm: The per-example clipping norm.
+            criterion: As ``make_private``'s.
+            batch_first: As ``make_private``'s.
+            loss_reduction: As ``make_private``'s.
+            poisson_sampling: As ``make_private``'s.
+            clipping: As ``make_private``'s.
+            noise_generator: As ``make_private``'s.
+            grad_sample_mode: As ``make_private``'s.
+            **clipbias_options (Any): As ``make_private``'s.
+
+        Returns:
+            As ``make_private``.
+
+        Raises:
+            ConfigError: as ``make_private``; ``epochs`` not an integer >= 1.
+        """
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ConfigError(f"epochs must be an integer >= 1, got {epochs!r}")
         return self._make(module, optimizer, data_loader, criterion, max_grad_norm, epsilon=target_epsilon,
@@ -249,26 +317,38 @@ class PrivacyEngine:
     # ------------------------------------------------------------------ privacy
     @_speaks_opacus
     def get_epsilon(self, delta: float) -> float:
-        """Epsilon after the steps taken so far, at ``delta`` (0 before the first step)."""
+        """Epsilon after the steps taken so far.
+
+        Args:
+            delta: Delta, in (0, 1).
+
+        Returns:
+            Epsilon at ``delta`` (0 before the first step).
+        """
         return self.privacy_report(delta).epsilon
 
     @_speaks_opacus
     def privacy_report(self, delta: float | None = None) -> PrivacyReport:
-        """The full statement: epsilon, delta, accountant, basis, ``certified`` and its caveats. Without
-        ``delta``, at the run's: ``make_private_with_epsilon``'s ``target_delta``, or ``make_private``'s ``delta``
-        option (default 1e-5)."""
+        """The full statement after the steps taken so far.
+
+        Args:
+            delta: Delta (default: the run's: ``make_private_with_epsilon``'s ``target_delta``, or
+                ``make_private``'s ``delta`` option, default 1e-5).
+
+        Returns:
+            The ``PrivacyReport``: epsilon, delta, accountant, basis, ``certified`` and its caveats.
+
+        Raises:
+            ConfigError: before ``make_private``, or a ``delta`` outside (0, 1).
+        """
         engine = self._engine()
-        if delta is None:
-            report = engine.privacy()
-        else:
+        if delta is not None:
             privacy.check_delta(delta)
-            report = privacy.account(engine.spec, engine.steps_taken, delta, engine.accountant, engine.dice_accounting)
-            for why in engine.privacy().caveats:  # (transformed steps among them: ``engine.drawn``)
-                report = report.with_caveat(why)
-        return report
+        return accounting.report(engine, engine.steps_taken, delta)  # (one accountant run, the run's caveats)
 
     @property
     def steps(self) -> int:
+        """The private steps taken so far."""
         return self._engine().steps_taken
 
     def _engine(self) -> DPEngine:
@@ -285,7 +365,15 @@ class PrivacyEngine:
     @_speaks_opacus
     def load_state_dict(self, state: dict) -> None:
         """Continue a training from ``state_dict()`` (in a new process: a fresh ``make_private`` with the same
-        settings, then this); the batches, noise and updates continue exactly."""
+        settings, then this); the batches, noise and updates continue exactly.
+
+        Args:
+            state: What ``state_dict()`` returned.
+
+        Raises:
+            ConfigError: not such a state, or before ``make_private``.
+            ResumeMismatchError: a privacy setting differs from the state's.
+        """
         if not isinstance(state, Mapping) or "engine" not in state:
             raise ConfigError("load_state_dict: pass what PrivacyEngine.state_dict() returned")
         self._engine().load_state_dict(state["engine"])
@@ -295,13 +383,29 @@ class PrivacyEngine:
     def save_checkpoint(self, *, path, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                         checkpoint_dict: dict | None = None) -> None:
         """Opacus's checkpoint: the module's weights and the private state (the optimizer's is inside it) in one
-        file. PRIVATE: it holds the secret key; never release it (release ``module.state_dict()``)."""
+        file. PRIVATE: it holds the secret key; never release it (release ``module.state_dict()``).
+
+        Args:
+            path (str | os.PathLike): Where to write it (``torch.save``).
+            module: The model whose weights are saved.
+            optimizer: Accepted as Opacus's; its state is inside the private state.
+            checkpoint_dict: More entries to save in the file.
+        """
         out = dict(checkpoint_dict or {})
         out.update(module_state_dict=module.state_dict(), privacy_engine_state_dict=self.state_dict())
         torch.save(out, path)
 
     def load_checkpoint(self, *, path, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-        """Load what ``save_checkpoint`` wrote into ``module`` and this engine; returns the checkpoint."""
+        """Load what ``save_checkpoint`` wrote into ``module`` and this engine.
+
+        Args:
+            path (str | os.PathLike): The file ``save_checkpoint`` wrote.
+            module: The model to load the weights into.
+            optimizer: Accepted as Opacus's; its state is restored with the private state.
+
+        Returns:
+            The checkpoint's dict.
+        """
         ckpt = torch.load(path, weights_only=False)
         module.load_state_dict(ckpt["module_state_dict"])
         self.load_state_dict(ckpt["privacy_engine_state_dict"])
@@ -318,11 +422,9 @@ LIGHTNING_PATTERN = (
 
 
 def epoch_steps(data_loader: DataLoader) -> int:
-    """The steps of one epoch as Opacus counts them: ``len(data_loader)`` of your loader over its dataset,
-    ceil(n / B) (n // B with ``drop_last=True``), at least 1. Each step draws every example with probability
-    q = B / n (the sampler is the engine's), so an epoch draws B ceil(n / B) >= n examples in expectation."""
-    n, b = len(data_loader.dataset), data_loader.batch_size
-    return max(1, n // b if data_loader.drop_last else -(-n // b))
+    """The steps of one epoch as Opacus counts them, ``len(data_loader)`` of your loader over its dataset
+    (``clipbias.sampling.epoch_steps``: every integration's count)."""
+    return sampling_epoch_steps(len(data_loader.dataset), data_loader.batch_size, data_loader.drop_last)
 
 
 def _unwrapped(module: Any, optimizer: Any, data_loader: Any) -> tuple:
@@ -831,7 +933,17 @@ class BatchMemoryManager:
     """Opacus's ``BatchMemoryManager``: within it the private data loader yields each logical Poisson batch in
     physical chunks of at most ``max_physical_batch_size`` examples, and ``optimizer.step()`` takes the private
     step once per logical batch (earlier calls only record). The math is that of the whole batch; the engine
-    also computes the per-example gradients in micro-batches of that size."""
+    also computes the per-example gradients in micro-batches of that size.
+
+    Args:
+        data_loader: The data loader ``make_private`` returned.
+        max_physical_batch_size: The most examples in one physical chunk (an integer >= 1).
+        optimizer: The optimizer ``make_private`` returned.
+
+    Raises:
+        ConfigError: a data loader or optimizer that ``make_private`` did not return, or a size that is not
+            an integer >= 1.
+    """
 
     def __init__(self, *, data_loader: DPDataLoader, max_physical_batch_size: int, optimizer: DPOptimizer) -> None:
         if not isinstance(data_loader, DPDataLoader) or not isinstance(optimizer, DPOptimizer):

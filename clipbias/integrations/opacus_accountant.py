@@ -29,13 +29,19 @@ class Accountant:
     epsilon is computed from (banded and BLT noise and the DiceSGD family are accounted by their own
     theorems). ``mechanism()``: the name given to ``PrivacyEngine(accountant=)`` (``"prv"`` is served by the
     PLD accountant). ``state_dict()`` holds the engine's state (PRIVATE: the secret key of the batches and the
-    noise; never release it); ``load_state_dict`` continues from it."""
+    noise; never release it); ``load_state_dict`` continues from it.
+
+    Args:
+        privacy_engine: Its ``PrivacyEngine`` (built there: use ``privacy_engine.accountant``).
+        mechanism: The name given to ``PrivacyEngine(accountant=)``.
+    """
 
     def __init__(self, privacy_engine: Any, mechanism: str) -> None:  # its ``PrivacyEngine`` (opacus.py)
         self._privacy_engine, self._mechanism = privacy_engine, mechanism
 
     # ------------------------------------------------------------------ what Opacus's accountants offer
     def mechanism(self) -> str:
+        """The name given to ``PrivacyEngine(accountant=)``: ``"prv"``, ``"pld"`` or ``"rdp"``."""
         return self._mechanism
 
     @property
@@ -54,20 +60,37 @@ class Accountant:
         return len(self.history)
 
     def get_epsilon(self, delta: float, **kwargs: Any) -> float:
-        """The engine's epsilon after the steps taken so far, at ``delta``: ``PrivacyEngine.get_epsilon``."""
+        """The engine's epsilon after the steps taken so far: ``PrivacyEngine.get_epsilon``.
+
+        Args:
+            delta: Delta, in (0, 1).
+            **kwargs (Any): Opacus's accuracy knobs (``eps_error``, ``delta_error``, ...): accepted and unused.
+
+        Returns:
+            Epsilon at ``delta``; 0.0 before ``make_private`` and before the first step.
+
+        Raises:
+            ConfigError: ``delta`` outside (0, 1).
+        """
         privacy.check_delta(delta)
         if self._privacy_engine.engine is None:
             return 0.0
         return self._privacy_engine.get_epsilon(delta)
 
     def get_privacy_spent(self, delta: float, alphas: Any = None) -> tuple[float, float]:
-        """``(epsilon, best_alpha)`` as Opacus's ``RDPAccountant`` returns them. ``epsilon`` is ``get_epsilon``'s.
-        ``best_alpha`` is the Renyi order whose conversion gives that epsilon where there is one: with
-        ``accountant="rdp"`` on the subsampled Gaussian's accounting (DP-SGD and the algorithms accounted as it,
-        with or without bands), recomputed and returned only when it reproduces the epsilon exactly; otherwise
-        ``nan`` (no single order: the PLD accountant of ``"prv"``/``"pld"``, BLT noise, the DiceSGD family,
-        and before the first step). ``alphas`` is accepted and unused (the orders are dp-accounting's). ``delta``
-        may be given by position, as Opacus's cifar10 example does."""
+        """``(epsilon, best_alpha)`` as Opacus's ``RDPAccountant`` returns them.
+
+        Args:
+            delta: Delta, in (0, 1); it may be given by position, as Opacus's cifar10 example does.
+            alphas: Accepted and unused (the orders are dp-accounting's).
+
+        Returns:
+            ``epsilon`` is ``get_epsilon``'s. ``best_alpha`` is the Renyi order whose conversion gives that
+                epsilon where there is one: with ``accountant="rdp"`` on the subsampled Gaussian's accounting
+                (DP-SGD and the algorithms accounted as it, with or without bands), recomputed and returned only
+                when it reproduces the epsilon exactly; otherwise ``nan`` (no single order: the PLD accountant of
+                ``"prv"``/``"pld"``, BLT noise, the DiceSGD family, and before the first step).
+        """
         eps = self.get_epsilon(delta)
         return eps, self._best_alpha(delta, eps)
 
@@ -88,13 +111,25 @@ class Accountant:
         return float(order) if math.isclose(got, eps, rel_tol=1e-12, abs_tol=0.0) else math.nan
 
     def step(self, *, noise_multiplier: float, sample_rate: float) -> None:
+        """Refused: the engine accounts each private step itself (``optimizer.step()``).
+
+        Raises:
+            ConfigError: always.
+        """
         raise ConfigError("the engine accounts each private step itself (optimizer.step()); its accountant takes "
                           "no steps from outside")
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, destination: dict | None = None) -> dict:
-        """Opacus's ``{"history", "mechanism"}`` and, after ``make_private``, ``"privacy_engine"``: the
-        ``PrivacyEngine.state_dict()`` a training continues from. PRIVATE (it holds the secret key)."""
+        """The accountant's state. PRIVATE (it holds the secret key).
+
+        Args:
+            destination: A dict to fill (default: a new ``OrderedDict``).
+
+        Returns:
+            Opacus's ``{"history", "mechanism"}`` and, after ``make_private``, ``"privacy_engine"``: the
+                ``PrivacyEngine.state_dict()`` a training continues from.
+        """
         out = OrderedDict() if destination is None else destination
         out["history"], out["mechanism"] = self.history, self._mechanism
         if self._privacy_engine.engine is not None:
@@ -103,9 +138,16 @@ class Accountant:
 
     def load_state_dict(self, state_dict: Mapping) -> None:
         """Continue a training from ``state_dict()`` (after a fresh ``make_private`` with the same settings).
-        Refused: a state of another mechanism, one without the engine's state (an Opacus accountant's: it
-        lacks the secret key and the sampler's position), one whose history disagrees with its engine state,
-        and one that accounts fewer steps than this engine has taken."""
+
+        Args:
+            state_dict: What ``state_dict()`` returned.
+
+        Raises:
+            ConfigError: an empty state; a state of another mechanism; one without the engine's state (an
+                Opacus accountant's: it lacks the secret key and the sampler's position); one whose history
+                disagrees with its engine state; one that accounts fewer steps than this engine has taken;
+                a call before ``make_private``.
+        """
         if not isinstance(state_dict, Mapping) or not state_dict:
             raise ConfigError("accountant.load_state_dict: the state is empty; pass what accountant.state_dict() "
                               "returned")

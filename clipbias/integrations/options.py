@@ -25,18 +25,36 @@ from .opacus import ACCOUNTANTS, _base_kind, engine_config
 
 @dataclass
 class DPOptions:
-    """How private the training is. Give ``target_epsilon`` (the noise multiplier is calibrated so that the
-    planned steps end at it or just below) or ``noise_multiplier`` (accounted as the steps are taken).
+    """How private the training is: the settings ``DPArguments`` (Hugging Face) and ``DPCallback`` (Lightning)
+    share. Give exactly one of ``target_epsilon`` and ``noise_multiplier``.
 
-    ``target_delta``: default ``min(1e-5, 1 / (10 n))`` for ``n`` training examples. ``max_grad_norm``: the
-    per-example clipping norm C. ``algorithm``: ``dpsgd`` (default), ``dice``, ``adaptive``, ... (clipbias's
-    algorithms with per-example rows). ``grad_path``: ``auto``, ``rows`` (torch.func) or ``fast``
-    (book-keeping, no rows). ``accountant``: ``pld`` (default; ``prv`` is the same), ``rdp``. ``bands``,
-    ``bands_strategy``: banded correlated noise and its coefficients, or ``"blt"``: BLT noise (``DPEngine``'s).
-    ``noise_seed``: reproducible batches and noise for tests; the run is then reported uncertified.
-    ``autocast``: ``"bfloat16"`` / ``"float16"`` (or the torch dtypes) runs each step's forward and backward
-    under ``torch.autocast`` with norms, clip factors and sums in float32 (``DPEngine(autocast=...)``);
-    ``loss_scale``: its float16 loss scale, a power of two (default 256)."""
+    Args:
+        target_epsilon: The epsilon the run ends at: the noise multiplier is calibrated so that the planned
+            steps end at it or just below (the steps must be known in advance: epochs or max_steps).
+        noise_multiplier: The noise multiplier z, fixed; epsilon is accounted as the steps are taken (the
+            run is open-ended).
+        target_delta: Delta of the guarantee; default ``min(1e-5, 1 / (10 n))`` for ``n`` training examples.
+        max_grad_norm: The per-example clipping norm C.
+        algorithm: ``"dpsgd"`` (default), ``"dice"``, ``"adaptive"``, ...: clipbias's algorithms with
+            per-example rows (not the non-private ones, nor those that need public features).
+        grad_path: How the per-example gradients are computed: ``"auto"`` (default), ``"rows"``
+            (``torch.func``) or ``"fast"`` (book-keeping, no per-example rows).
+        accountant: ``"pld"`` (default; ``"prv"`` is the same) or ``"rdp"``.
+        dice_accounting: The bound error feedback (``algorithm="dice"``, ...) is accounted by: ``"sound"``
+            (default, proven), ``"conservative"``, or ``"paper"`` / ``"authors"`` (kept to reproduce the
+            paper, reported uncertified).
+        bands: Banded correlated noise: the number of bands (default 1, independent noise), or with
+            ``bands_strategy="blt"`` the number of BLT participation classes (``DPEngine``'s).
+        bands_strategy: The banded noise's coefficients, ``"taylor"`` (default) or ``"optimized"``, or
+            ``"blt"``: BLT noise (``DPEngine``'s).
+        settings: The algorithm's own settings (``AlgoConfig.extra``).
+        ef_clip: The error-feedback clip C2 of the DiceSGD family (``AlgoConfig.ef_clip``; default
+            C2 = 0.01 C1 / B, feedback ratio r = 0.01).
+        noise_seed: Reproducible batches and noise, for tests; the run is then reported uncertified.
+        autocast: ``"bfloat16"`` / ``"float16"`` (or the torch dtypes): runs each step's forward and backward
+            under ``torch.autocast`` with norms, clip factors and sums in float32 (``DPEngine(autocast=...)``).
+        loss_scale: The float16 loss scale of ``autocast``, a power of two (default 256).
+    """
 
     target_epsilon: float | None = None
     noise_multiplier: float | None = None
@@ -55,7 +73,14 @@ class DPOptions:
     loss_scale: float | None = None
 
     def check(self) -> None:
-        """Refuse settings that cannot make a private run, before anything is built."""
+        """Refuse settings that cannot make a private run, before anything is built.
+
+        Raises:
+            ConfigError: both or neither of ``target_epsilon`` and ``noise_multiplier``; a non-positive or
+                non-finite number; ``target_delta`` outside (0, 1); an unknown accountant, algorithm or
+                ``grad_path``; a non-private algorithm or one that needs public features; an ``autocast`` /
+                ``loss_scale`` the engine does not take.
+        """
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
             raise ConfigError("give exactly one of target_epsilon (the noise is calibrated to it) and "
                               f"noise_multiplier; got target_epsilon={self.target_epsilon!r}, "
@@ -83,15 +108,40 @@ class DPOptions:
         check_autocast(self.autocast, self.loss_scale)
 
     def delta(self, n: int) -> float:
+        """The run's delta.
+
+        Args:
+            n: The number of training examples.
+
+        Returns:
+            ``target_delta``, or where it is None ``min(1e-5, 1 / (10 n))``.
+        """
         return self.target_delta if self.target_delta is not None else min(1e-5, 1.0 / (10 * n))
 
     def engine(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, n: int, batch_size: float,
                steps: int | None, loss_fn: Callable, max_physical_batch: int,
                stepped: torch.optim.Optimizer | None = None) -> DPEngine:
-        """A ``DPEngine`` over ``model`` stepping ``optimizer`` (which must hold exactly the trainable
-        parameters): expected batch ``batch_size`` of ``n`` examples; ``steps`` planned (needed with
-        ``target_epsilon``; with ``noise_multiplier`` the run is open-ended). ``stepped``: what the engine
-        steps in place of ``optimizer`` (a view of it that leaves the update for the framework to apply)."""
+        """A ``DPEngine`` over ``model`` stepping ``optimizer``, with these settings.
+
+        Args:
+            model: The model; its trainable parameters are the ones trained.
+            optimizer: A ``torch.optim.Optimizer`` holding exactly the trainable parameters.
+            n: The number of training examples.
+            batch_size: The expected (Poisson) batch size B.
+            steps: The steps planned: needed with ``target_epsilon``; with ``noise_multiplier`` the run is
+                open-ended.
+            loss_fn: The per-example loss the engine differentiates.
+            max_physical_batch: Examples per per-example gradient computation (memory only).
+            stepped: What the engine steps in place of ``optimizer`` (a view of it that leaves the update for
+                the framework to apply); default ``optimizer``.
+
+        Returns:
+            The ``DPEngine``, its noise calibrated where ``target_epsilon`` was given.
+
+        Raises:
+            ConfigError: what ``check`` refuses; ``target_epsilon`` without ``steps``; an optimizer that is
+                not a ``torch.optim.Optimizer``.
+        """
         self.check()
         if self.target_epsilon is not None and not steps:
             raise ConfigError("target_epsilon needs the number of steps in advance (epochs or max_steps)")

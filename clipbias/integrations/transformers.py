@@ -40,6 +40,7 @@ from ..errors import ConfigError
 from ..privacy import PrivacyReport
 from ..randomness.example import example_generator
 from ..sampling.loader import PoissonLoader
+from ..sampling.poisson import epoch_steps
 from .options import DPOptions, EpsilonLog, check_trainable
 
 __all__ = ["DPArguments", "DPTrainer", "PerExampleIds", "causal_lm_loss", "keyed_collator",
@@ -51,10 +52,16 @@ DP_STATE = "dp_engine.pt"
 
 @dataclass
 class DPArguments(DPOptions):
-    """``DPOptions`` (target_epsilon or noise_multiplier, target_delta, max_grad_norm, algorithm, grad_path,
-    ...) and ``per_example_loss``: ``"auto"`` (from the model's class: ``*ForSequenceClassification`` or a
-    causal LM), ``"sequence_classification"``, ``"causal_lm"``, or a function ``(model output, labels) ->
-    per-example losses [b]``."""
+    """``DPTrainer``'s privacy settings: those of
+    [`DPOptions`][clipbias.integrations.options.DPOptions] (``target_epsilon`` or ``noise_multiplier``,
+    ``target_delta``, ``max_grad_norm``, ``algorithm``, ``grad_path``, ...: see there) and ``per_example_loss``.
+
+    Args:
+        per_example_loss: The loss the engine differentiates for each example: ``"auto"`` (default: from the
+            model's class, ``*ForSequenceClassification`` or a causal LM, ``*ForCausalLM`` / ``*LMHeadModel``),
+            ``"sequence_classification"`` (``sequence_classification_loss``), ``"causal_lm"``
+            (``causal_lm_loss``), or a function ``(model output, labels) -> per-example losses [b]``.
+    """
 
     per_example_loss: str | Callable = "auto"
 
@@ -70,9 +77,18 @@ def _logits(out: Any) -> Tensor:
 def sequence_classification_loss(num_labels: int, label_smoothing: float = 0.0, config: Any = None) -> Callable:
     """Per-example loss of a ``*ForSequenceClassification`` model, as the model computes its batch loss
     (HF's ``problem_type`` rule): mean squared error for one label, cross-entropy for integer labels,
-    binary cross-entropy with logits (mean over labels) for float multi-labels. ``config`` (the model's):
-    its ``problem_type``, where set, decides instead (read at each call, as the model reads it). Labels the
-    rule's loss cannot take are refused (``ConfigError``) with the rule that applied and what to pass."""
+    binary cross-entropy with logits (mean over labels) for float multi-labels.
+
+    Args:
+        num_labels: The model's ``config.num_labels`` (1: regression).
+        label_smoothing: Cross-entropy's label smoothing (``TrainingArguments.label_smoothing_factor``).
+        config: The model's config: its ``problem_type``, where set, decides instead of the rule (read at
+            each call, as the model reads it).
+
+    Returns:
+        A function ``(model output, labels) -> per-example losses [b]``. Labels the rule's loss cannot take
+            are refused when it is called (``ConfigError``), with the rule that applied and what to pass.
+    """
     def loss(out: Any, labels: Tensor) -> Tensor:
         logits = _logits(out)
         problem, rule = _problem_type(num_labels, labels, config)
@@ -138,9 +154,16 @@ def _check_labels(problem: str, rule: str, logits: Tensor, labels: Tensor) -> No
 
 
 def causal_lm_loss(out: Any, labels: Tensor) -> Tensor:
-    """Per-example causal-LM loss ``[b]``: cross-entropy of ``logits[:, t]`` predicting ``labels[:, t + 1]``,
-    averaged over each example's target tokens (labels -100 are ignored; an example without any has loss
-    0). The mean over a batch of one is the model's own loss."""
+    """Per-example causal-LM loss: cross-entropy of ``logits[:, t]`` predicting ``labels[:, t + 1]``,
+    averaged over each example's target tokens. The mean over a batch of one is the model's own loss.
+
+    Args:
+        out: The model's output (its ``logits``, or a logits tensor).
+        labels: Token ids ``[b, T]``; -100 is ignored.
+
+    Returns:
+        The per-example losses ``[b]`` (0 for an example without any target token).
+    """
     logits = _logits(out)
     tok = nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=IGNORE,
                                       reduction="none")
@@ -176,7 +199,12 @@ class PerExampleIds:
     """A ``data_collator`` wrapper that adds explicit ``position_ids`` (0 .. T-1 in every row) and
     ``token_type_ids`` (zeros) where the batch has none, so that every input has one row per example.
     For models whose default position ids count from 0 (BERT, GPT-2 with right padding), not for
-    RoBERTa-style ones that derive them from the padding."""
+    RoBERTa-style ones that derive them from the padding.
+
+    Args:
+        collator: The ``data_collator`` to wrap; its batches must have ``input_ids``.
+        token_type_ids: Whether to add ``token_type_ids`` too (default True).
+    """
 
     def __init__(self, collator: Callable, token_type_ids: bool = True) -> None:
         self.collator, self.token_type_ids = collator, token_type_ids
@@ -219,12 +247,22 @@ class _KeyedMLM(transformers.DataCollatorForLanguageModeling):
 
 
 def keyed_collator(collator: Any) -> Any:
-    """``collator``, or where it is Hugging Face's ``DataCollatorForLanguageModeling`` masking tokens for a
-    masked LM (``mlm=True``, torch tensors, not whole words) a copy whose masks come from the run's secret
-    key per example and step (``clipbias.example_generator``) instead of its ``seed``'s generator or torch's:
-    those hand out the masks in fetch order, so one example moves the others' masks (the private loader's
-    check reports that). The same rule: each non-special token is masked with ``mlm_probability``, then
-    replaced by the mask token (``mask_replace_prob``), a random token (``random_replace_prob``) or kept."""
+    """The collator with its MLM masks keyed per example (``DPTrainer`` applies it to its ``data_collator``).
+
+    Hugging Face's ``DataCollatorForLanguageModeling`` draws its masks from its ``seed``'s generator or
+    torch's: those hand out the masks in fetch order, so one example moves the others' masks (the private
+    loader's check reports that). The copy draws them from the run's secret key per example and step
+    (``clipbias.example_generator``), by the same rule: each non-special token is masked with
+    ``mlm_probability``, then replaced by the mask token (``mask_replace_prob``), a random token
+    (``random_replace_prob``) or kept.
+
+    Args:
+        collator: Any ``data_collator``.
+
+    Returns:
+        ``collator`` itself, or where it is a ``DataCollatorForLanguageModeling`` masking tokens for a masked
+            LM (``mlm=True``, torch tensors, not whole words) a copy whose masks come from the run's secret key.
+    """
     if (type(collator) is not transformers.DataCollatorForLanguageModeling or not collator.mlm
             or getattr(collator, "whole_word_mask", False) or collator.return_tensors != "pt"):
         return collator
@@ -250,7 +288,7 @@ class PoissonChunks:
                  batch_size: float) -> None:
         self.trainer, self.dataset, self.collate_fn, self.chunks = trainer, dataset, collate_fn, chunks
         self.batch_size = batch_size
-        self.steps_per_epoch = max(1, round(len(dataset) / batch_size))
+        self.steps_per_epoch = epoch_steps(len(dataset), round(batch_size), trainer.args.dataloader_drop_last)
 
     def __len__(self) -> int:
         return self.steps_per_epoch * self.chunks
@@ -353,11 +391,31 @@ def show_on_bar(handler: Any, epsilon: float) -> None:
 
 
 class DPTrainer(transformers.Trainer):
-    """A ``transformers.Trainer`` that trains privately (see the module's docstring): every argument of
-    ``Trainer`` plus ``dp_args`` (a ``DPArguments``). ``privacy_report()`` states the guarantee; the
-    ``epsilon`` entry of each training log is the epsilon after the steps taken so far, at
-    ``dp_args.target_delta``. Checkpoints hold the engine's private state (``dp_engine.pt``: secret key,
-    sampler, step count) beside the optimizer's: release the model's weights, never a checkpoint folder."""
+    """A ``transformers.Trainer`` that trains privately (see the module's docstring).
+
+    ``privacy_report()`` states the guarantee; the ``epsilon`` entry of each training log is the epsilon after
+    the steps taken so far, at ``dp_args.target_delta`` (the progress bar shows it too). Checkpoints hold the
+    engine's private state (``dp_engine.pt``: secret key, sampler, step count) beside the optimizer's: release
+    the model's weights, never a checkpoint folder.
+
+    Args:
+        *args (Any): ``transformers.Trainer``'s positional arguments (``model``, ``args``, ...).
+        dp_args: How private the training is: a
+            [`DPArguments`][clipbias.integrations.transformers.DPArguments] (required).
+        **kwargs (Any): Every other argument of ``transformers.Trainer``: ``args`` (your ``TrainingArguments``:
+            the expected batch is ``per_device_train_batch_size * gradient_accumulation_steps``),
+            ``train_dataset`` (map-style: ``len`` and indexing), ``eval_dataset`` (held out, never the
+            training set), ``data_collator``, ``optimizers``, ``callbacks``, ...
+
+    Raises:
+        ConfigError: transformers below 5; ``dp_args`` missing or refused by ``DPOptions.check``;
+            ``TrainingArguments`` the private step cannot run soundly (``fp16``/``bf16``: use
+            ``DPArguments(autocast=...)``; DeepSpeed, FSDP or more than one device; ``group_by_length`` or a
+            ``train_sampling_strategy`` other than ``"random"``; ``auto_find_batch_size``); a
+            ``compute_loss`` override or ``compute_loss_func`` (they give the
+            batch's mean loss: pass ``DPArguments(per_example_loss=f)``); a ``train_dataset`` that is not
+            map-style (an ``IterableDataset``).
+    """
 
     def __init__(self, *args, dp_args: DPArguments | None = None, **kwargs) -> None:
         if int(transformers.__version__.split(".")[0]) < 5:
@@ -413,7 +471,7 @@ class DPTrainer(transformers.Trainer):
     def _build_engine(self, optimizer: torch.optim.Optimizer) -> DPEngine:
         args, n, B = self.args, len(self.train_dataset), self.expected_batch_size
         check_trainable(self.model)
-        steps_per_epoch = max(1, round(n / B))
+        steps_per_epoch = epoch_steps(n, round(B), args.dataloader_drop_last)  # the Trainer's len(dataloader)
         steps = args.max_steps if args.max_steps > 0 else max(1, math.ceil(args.num_train_epochs * steps_per_epoch))
         loss = resolve_loss(self.dp_args.per_example_loss, self.model, args.label_smoothing_factor)
         engine = self.dp_args.engine(self.model, optimizer, n=n, batch_size=B, steps=steps, loss_fn=loss,
@@ -425,8 +483,20 @@ class DPTrainer(transformers.Trainer):
 
     def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch: Any = None) -> Tensor:
         """One chunk of the logical Poisson batch; at its last chunk, the private step on the whole batch
-        (the private update is left in ``.grad`` for the optimizer step). Returns the batch's mean example
-        loss at the last chunk, 0 before (the Trainer sums them per optimizer step)."""
+        (the private update is left in ``.grad`` for the optimizer step).
+
+        Args:
+            model: The model being trained.
+            inputs: The chunk (the Trainer's batch; the engine steps on the whole logical batch it belongs to).
+            num_items_in_batch: Unused (the Trainer's token count).
+
+        Returns:
+            The batch's mean example loss at the last chunk, 0 before (the Trainer sums them per optimizer
+                step).
+
+        Raises:
+            ConfigError: a batch that the private data loader did not draw (train with ``trainer.train()``).
+        """
         pending = self._dp_pending
         if pending is None or self.dp_engine is None:
             raise ConfigError("DPTrainer.training_step got a batch that its private data loader did not draw: "
@@ -449,8 +519,12 @@ class DPTrainer(transformers.Trainer):
         return {k: v for k, v in data.items() if k != names[0]}, data[names[0]]
 
     def train(self, *args, **kwargs):
-        """``Trainer.train``, refused where it would do nothing or release statistics of the training data: a
-        second call once the planned steps are all taken, and evaluation on the training set during it."""
+        """``Trainer.train`` (same arguments, e.g. ``resume_from_checkpoint``).
+
+        Raises:
+            ConfigError: where it would do nothing or release statistics of the training data: a second call
+                once the planned steps are all taken, and evaluation on the training set during it.
+        """
         engine = self.dp_engine
         if engine is not None and engine.steps_taken >= engine.total_steps:
             raise ConfigError(
@@ -465,7 +539,11 @@ class DPTrainer(transformers.Trainer):
         return super().train(*args, **kwargs)
 
     def evaluate(self, eval_dataset: Any = None, *args, **kwargs) -> dict:
-        """``Trainer.evaluate``, refused on the training set (``check_eval_data``)."""
+        """``Trainer.evaluate`` (same arguments).
+
+        Raises:
+            ConfigError: evaluation on the training set (``check_eval_data``).
+        """
         check_eval_data(self.train_dataset, eval_dataset if eval_dataset is not None else self.eval_dataset)
         return super().evaluate(eval_dataset, *args, **kwargs)
 
@@ -476,7 +554,14 @@ class DPTrainer(transformers.Trainer):
 
     # ------------------------------------------------------------------ privacy, logs, checkpoints
     def privacy_report(self) -> PrivacyReport:
-        """The guarantee after the steps taken: epsilon, delta, accountant, basis, ``certified``, caveats."""
+        """The guarantee after the steps taken.
+
+        Returns:
+            The ``PrivacyReport``: epsilon, delta, accountant, basis, ``certified``, caveats.
+
+        Raises:
+            ConfigError: no private step yet (call ``train()`` first).
+        """
         if self.dp_engine is None:
             raise ConfigError("DPTrainer.privacy_report: no private step yet; call train() first")
         return self.dp_engine.privacy()

@@ -26,8 +26,20 @@ class ModuleValidator:
 
     @staticmethod
     def validate(model: nn.Module, *, strict: bool = False) -> list[ConfigError]:
-        """The model's problems, each a ``ConfigError`` naming the module and the fix; raises the first when
-        ``strict``. An empty list: every example's computation depends on that example alone."""
+        """The model's problems for private training.
+
+        Args:
+            model: The model to check.
+            strict: Raise the first problem instead of returning the list.
+
+        Returns:
+            The problems, each a ``ConfigError`` naming the module and the fix (BatchNorm, InstanceNorm with
+                running statistics, an Embedding with ``max_norm``, a sequence-first recurrent layer). An empty
+                list: every example's computation depends on that example alone.
+
+        Raises:
+            ConfigError: the first problem, when ``strict``.
+        """
         errors = []
         for name, m in model.named_modules():
             where = f"module '{name or type(model).__name__}' ({type(m).__name__})"
@@ -52,13 +64,21 @@ class ModuleValidator:
 
     @staticmethod
     def is_valid(model: nn.Module) -> bool:
+        """Whether ``validate(model)`` finds no problem."""
         return not ModuleValidator.validate(model)
 
     @staticmethod
     def fix(model: nn.Module) -> nn.Module:
-        """``model`` with every BatchNorm replaced by a GroupNorm of gcd(32, channels) groups (affine like the
-        BatchNorm), InstanceNorm without running statistics and in-place activations made out-of-place; the
-        model is changed in place and returned. Other problems (``validate``) stay and are listed."""
+        """Repair what can be repaired: every BatchNorm replaced by a GroupNorm of gcd(32, channels) groups
+        (affine like the BatchNorm), InstanceNorm without running statistics and in-place activations made
+        out-of-place. Other problems (``validate``) stay and are listed.
+
+        Args:
+            model: The model, changed in place.
+
+        Returns:
+            ``model`` itself.
+        """
         for parent in list(model.modules()):
             for child_name, child in list(parent.named_children()):
                 new = _fixed(child)
@@ -68,8 +88,15 @@ class ModuleValidator:
 
     @staticmethod
     def fast_path_notes(model: nn.Module) -> str | None:
-        """Why the fast gradient path (``grad_path="fast"``) does not apply to ``model``, or None: such a model
-        trains on the rows path (per-example gradients by ``torch.func``), which takes any layer."""
+        """Why the fast gradient path (``grad_path="fast"``) does not apply to ``model``.
+
+        Args:
+            model: The model to check.
+
+        Returns:
+            The reason, or None where it applies. A model it does not apply to trains on the rows path
+                (per-example gradients by ``torch.func``), which takes any layer.
+        """
         return why_unsupported(model)
 
 
@@ -86,5 +113,12 @@ def _fixed(m: nn.Module) -> nn.Module:
 
 
 def fix(model: nn.Module) -> nn.Module:
-    """``ModuleValidator.fix``: BatchNorm -> GroupNorm, in-place activations out-of-place (see there)."""
+    """``ModuleValidator.fix`` (``clipbias.fix``): BatchNorm -> GroupNorm, in-place activations out-of-place.
+
+    Args:
+        model: The model, changed in place.
+
+    Returns:
+        ``model`` itself.
+    """
     return ModuleValidator.fix(model)

@@ -17,12 +17,28 @@ __all__ = ["DPGRU", "DPLSTM", "DPRNN"]
 
 
 class DPLSTM(nn.LSTM):
-    """``torch.nn.LSTM`` under Opacus's name (see the module's docstring)."""
+    """``torch.nn.LSTM`` under Opacus's name (see the module's docstring).
+
+    Its arguments are ``torch.nn.LSTM``'s (its constructor is torch's, unchanged): ``input_size``,
+    ``hidden_size``, ``num_layers``, ``bias``, ``batch_first`` (give True: each row of the input is then one
+    example), ``dropout``, ``bidirectional``, ``proj_size``, ``device``, ``dtype``.
+    """
 
 
 class DPGRU(nn.GRU):
-    """``torch.nn.GRU`` under Opacus's name (see the module's docstring)."""
+    """``torch.nn.GRU`` under Opacus's name (see the module's docstring).
+
+    Its arguments are ``torch.nn.GRU``'s (its constructor is torch's, unchanged): ``input_size``,
+    ``hidden_size``, ``num_layers``, ``bias``, ``batch_first`` (give True: each row of the input is then one
+    example), ``dropout``, ``bidirectional``, ``device``, ``dtype``.
+    """
 
 
 class DPRNN(nn.RNN):
-    """``torch.nn.RNN`` under Opacus's name (see the module's docstring)."""
+    """``torch.nn.RNN`` under Opacus's name (see the module's docstring).
+
+    Its arguments are ``torch.nn.RNN``'s (its constructor is torch's, unchanged): ``input_size``,
+    ``hidden_size``, ``num_layers``, ``nonlinearity`` (``"tanh"`` or ``"relu"``), ``bias``, ``batch_first``
+    (give True: each row of the input is then one example), ``dropout``, ``bidirectional``, ``device``,
+    ``dtype``.
+    """

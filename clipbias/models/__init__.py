@@ -44,9 +44,22 @@ MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS)
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **kw: Any) -> nn.Module:
-    """Build model ``name`` for per-example inputs of ``input_shape`` (e.g. ``(1, 28, 28)``,
-    the dataset's shape; scatter models derive their feature shape from it) and
-    ``num_classes`` outputs. Extra keywords go to the model's constructor."""
+    """Build a model of the zoo.
+
+    Args:
+        name: One of ``MODEL_NAMES`` (``logreg``, ``mlp``, ``cnn``, ``cnn-gn``, ``scatter-linear``,
+            ``scatter-cnn``, ``resnet20-gn``, ``resnet20-enhanced``, ``gru``, ``gru-norm``).
+        input_shape: The per-example input shape (e.g. ``(1, 28, 28)``, the dataset's shape; scatter models
+            derive their feature shape from it).
+        num_classes: The number of outputs.
+        **kw (Any): Extra keywords, passed to the model's constructor.
+
+    Returns:
+        The model (an ``nn.Module`` with an ``input_shape`` attribute).
+
+    Raises:
+        ConfigError: an unknown name.
+    """
     if name not in _BUILDERS:
         raise ConfigError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
     return _BUILDERS[name](tuple(input_shape), int(num_classes), **kw)

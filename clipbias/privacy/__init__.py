@@ -105,7 +105,26 @@ class AccountingSpec:
 
 def account(spec: AccountingSpec, steps: int, delta: float, accountant: str = "pld",
             dice_accounting: str = DEFAULT_DICE_ACCOUNTING) -> PrivacyReport:
-    """The (epsilon, delta) statement after ``steps`` steps (0 steps: epsilon 0)."""
+    """The (epsilon, delta) statement after ``steps`` steps.
+
+    Args:
+        spec: How the algorithm's releases are accounted (``Algorithm.spec``, ``DPEngine.spec``).
+        steps: The steps taken (0: epsilon 0).
+        delta: Delta, in (0, 1).
+        accountant: A registered accountant: ``"pld"`` (default) or ``"rdp"``.
+        dice_accounting: The basis of DiceSGD's error feedback (kind ``dice``): ``"sound"`` (default),
+            ``"conservative"``, ``"paper"`` or ``"authors"``.
+
+    Returns:
+        The ``PrivacyReport``; for a non-private spec (kind ``none`` or no noise) epsilon ``math.inf``,
+            uncertified.
+
+    Raises:
+        ConfigError: an invalid ``delta``, ``accountant``, ``steps``, sampling rate, noise multiplier or
+            ``dice_accounting``, or an unknown kind.
+        PrivacyAccountingError: ``dice_accounting="paper"`` for an algorithm the paper's bound does not
+            claim.
+    """
     check_delta(delta)
     check_accountant(accountant)
     if spec.kind == "none" or spec.noise_multiplier == 0:
@@ -137,8 +156,29 @@ def account(spec: AccountingSpec, steps: int, delta: float, accountant: str = "p
 
 def calibrate(spec: AccountingSpec, epsilon: float, delta: float, steps: int, accountant: str = "pld",
               dice_accounting: str = DEFAULT_DICE_ACCOUNTING) -> float:
-    """Noise multiplier for ``spec`` reaching at most ``epsilon`` after ``steps`` steps (cached on
-    disk by every input, and re-checked against ``epsilon`` when read back: ``privacy.cache``)."""
+    """The noise multiplier for ``spec`` reaching at most ``epsilon`` after ``steps`` steps, never above.
+
+    Cached on disk by every input, and re-checked against ``epsilon`` when read back (``privacy.cache``); a
+    calibration that runs longer than a second says so on stderr.
+
+    Args:
+        spec: How the algorithm's releases are accounted (its ``noise_multiplier`` is ignored).
+        epsilon: The target epsilon (positive, finite).
+        delta: Delta, in (0, 1).
+        steps: The planned steps (>= 1).
+        accountant: A registered accountant: ``"pld"`` (default) or ``"rdp"``.
+        dice_accounting: The basis of DiceSGD's error feedback (kind ``dice``): ``"sound"`` (default),
+            ``"conservative"``, ``"paper"`` or ``"authors"``.
+
+    Returns:
+        The noise multiplier z: ``account`` with it gives at most ``epsilon``.
+
+    Raises:
+        ConfigError: invalid inputs; a non-private spec (no noise to calibrate); banded noise on a kind other
+            than ``gaussian``.
+        PrivacyAccountingError: ``dice_accounting="paper"`` for an algorithm the paper's bound does not
+            claim.
+    """
     check_epsilon(epsilon)
     check_delta(delta)
     check_steps(steps)

@@ -11,12 +11,18 @@ from .accountants import get
 
 @dataclass(frozen=True)
 class PrivacyReport:
-    """An (epsilon, delta) statement with what it rests on.
+    """An (epsilon, delta) statement with what it rests on (frozen; ``to_dict`` for JSON).
 
-    ``basis`` names the theorem the number comes from; ``certified`` is False when the number
-    rests on a heuristic (the DiceSGD authors' protocol) rather than a proof, or when a ``caveat``
-    voids it for this run (a seed-keyed run, statistics of the private data released outside the
-    mechanism). ``epsilon`` is ``math.inf`` for non-private runs: never a made-up number.
+    Attributes:
+        epsilon: Epsilon; ``math.inf`` for non-private runs: never a made-up number.
+        delta: Delta.
+        accountant: The accountant that computed it (``"pld"``, ``"rdp"``; ``"none"`` without noise).
+        basis: The theorem the number comes from, in words.
+        certified: False when the number rests on a heuristic (the DiceSGD authors' protocol) rather than
+            a proof, or when a caveat voids it for this run.
+        noise_multiplier: The noise multiplier z of the run, where it has one.
+        caveats: Why the statement does not hold as certified for this run, one sentence each (a
+            seed-keyed run, statistics of the private data released outside the mechanism, ...).
     """
 
     epsilon: float
@@ -28,10 +34,18 @@ class PrivacyReport:
     caveats: tuple[str, ...] = ()
 
     def with_caveat(self, why: str) -> "PrivacyReport":
-        """The same statement, not certified, with ``why`` among its caveats."""
+        """The same statement, not certified, with ``why`` among its caveats.
+
+        Args:
+            why: The caveat, one sentence.
+
+        Returns:
+            A new ``PrivacyReport`` (this one is frozen).
+        """
         return replace(self, certified=False, caveats=(*self.caveats, why))
 
     def to_dict(self) -> dict:
+        """The statement as a JSON-ready dict (``caveats`` a list, an infinite epsilon the string ``"inf"``)."""
         d = asdict(self)
         d["caveats"] = list(self.caveats)
         if math.isinf(self.epsilon):

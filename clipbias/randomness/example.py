@@ -48,10 +48,17 @@ _local = threading.local()
 
 
 class ExampleGenerator:
-    """Draws for one example at one step, from the run's secret key (``example_generator``). Every call
-    of a draw method reads a stream of its own (its number in the fetch: the c-th draw of this example in
-    this fetch), so the same sequence of calls gives the same values, and a call's size moves no other
-    call's values. Tensors are on the CPU."""
+    """Draws for one example at one step, from the run's secret key: what ``example_generator`` returns
+    (not built by hand). Every call of a draw method reads a stream of its own (its number in the fetch: the
+    c-th draw of this example in this fetch), so the same sequence of calls gives the same values, and a
+    call's size moves no other call's values. Tensors are on the CPU.
+
+    Args:
+        key: The run's secret key.
+        purpose: ``Purpose.EXAMPLE_FETCH`` (in the dataset) or ``Purpose.EXAMPLE_COLLATE`` (in the collate).
+        step: The training step the example is fetched for.
+        index: The example's index in the dataset.
+    """
 
     __slots__ = ("_key", "_purpose", "_step", "index", "_calls")
 
@@ -73,8 +80,20 @@ class ExampleGenerator:
         return self._step | (call << EXAMPLE_STEP_BITS)
 
     def uniform(self, *size, dtype: torch.dtype = torch.float32) -> Tensor:
-        """Uniform floats in [0, 1) of shape ``size`` (``rand``): multiples of 2^-m, m the precision of
-        ``dtype`` (24 bits for float32, 53 for float64), each exact in ``dtype`` (never rounded to 1)."""
+        """Uniform floats in [0, 1) (``rand``).
+
+        Args:
+            *size (int): The shape (integers, or one tuple).
+            dtype: A floating dtype (default float32).
+
+        Returns:
+            A tensor of shape ``size``: multiples of 2^-m, m the precision of ``dtype`` (24 bits for float32, 53
+                for float64), each exact in ``dtype`` (never rounded to 1).
+
+        Raises:
+            ConfigError: a dtype that is not floating, a negative size, or more than 2^16 - 1 draws for one
+                example in one fetch.
+        """
         shape = _shape(size)
         if not dtype.is_floating_point:
             raise ConfigError(f"example_generator().uniform draws floats; got dtype {dtype}")
@@ -85,7 +104,15 @@ class ExampleGenerator:
     rand = uniform
 
     def normal(self, *size, dtype: torch.dtype = torch.float32) -> Tensor:
-        """Standard normals of shape ``size`` (``randn``): ``clipbias.randomness.draws.normals``."""
+        """Standard normals (``randn``): ``clipbias.randomness.draws.normals``.
+
+        Args:
+            *size (int): The shape (integers, or one tuple).
+            dtype: The dtype (default float32).
+
+        Returns:
+            A tensor of shape ``size``.
+        """
         shape = _shape(size)
         call, self._calls = self._calls, self._calls + 1
         if call >= 1 << DRAW_BITS:
@@ -96,9 +123,21 @@ class ExampleGenerator:
     randn = normal
 
     def integers(self, low: int, high: int | None = None, size=(), dtype: torch.dtype = torch.int64) -> Tensor:
-        """Integers in ``[low, high)`` (``[0, low)`` when ``high`` is None) of shape ``size`` (``randint``):
-        a 64-bit uniform reduced mod ``high - low`` (each value's probability within (high - low) / 2^64 of
-        uniform)."""
+        """Integers in ``[low, high)`` (``randint``): a 64-bit uniform reduced mod ``high - low`` (each value's
+        probability within (high - low) / 2^64 of uniform).
+
+        Args:
+            low: The lowest value, or with ``high`` None the (excluded) upper end, from 0.
+            high: The excluded upper end.
+            size (int | tuple): The shape (an integer or a tuple; default ``()``).
+            dtype: The dtype (default int64).
+
+        Returns:
+            A tensor of shape ``size``.
+
+        Raises:
+            ConfigError: ``low >= high`` or a range of 2^63 or more.
+        """
         low, high = (0, low) if high is None else (low, high)
         span = int(high) - int(low)
         if not 0 < span < 1 << 63:
@@ -110,8 +149,18 @@ class ExampleGenerator:
     randint = integers
 
     def bernoulli(self, p: float | Tensor, size=None) -> Tensor:
-        """A bool tensor, True with probability ``p`` at each element: ``p`` a float (then ``size`` gives the
-        shape) or a tensor of probabilities (its shape): a 53-bit uniform below p."""
+        """A bool tensor, True with probability ``p`` at each element (a 53-bit uniform below p).
+
+        Args:
+            p: A float (then ``size`` gives the shape) or a tensor of probabilities (its shape), in [0, 1].
+            size (int | tuple | None): The shape, with a float ``p`` (default None: ``()``).
+
+        Returns:
+            A bool tensor.
+
+        Raises:
+            ConfigError: a probability outside [0, 1] or NaN.
+        """
         if isinstance(p, Tensor):
             prob = p.detach().to("cpu", torch.float64)
             shape = tuple(prob.shape) if size is None else _shape(size if isinstance(size, (tuple, list)) else (size,))
@@ -126,7 +175,14 @@ class ExampleGenerator:
 
     def permutation(self, n: int) -> Tensor:
         """A uniformly random permutation of ``range(n)`` (``randperm``): the order of n 64-bit uniforms (ties,
-        with probability below n^2 / 2^65, keep index order)."""
+        with probability below n^2 / 2^65, keep index order).
+
+        Args:
+            n: The length (>= 0).
+
+        Returns:
+            A long tensor of shape ``(n,)``.
+        """
         if n < 0:
             raise ConfigError(f"example_generator().permutation needs n >= 0, got {n}")
         return torch.from_numpy(np.argsort(self._words(int(n)), kind="stable").astype(np.int64))
@@ -180,11 +236,21 @@ def fetching(key: SecretKey, step: int, ids: Sequence[int], *, collate: bool = F
 
 def example_generator(position: int | None = None) -> ExampleGenerator:
     """The keyed generator of the example being fetched by clipbias's private loader (``PoissonLoader``,
-    ``PrivacyEngine``'s data loader, ``DPCallback``, ``DPTrainer``): in ``Dataset.__getitem__``, call it
-    without argument; in a ``collate_fn`` (or a batched ``__getitems__``), pass ``position``, the item's
-    place in the list it was given. Within one fetch, repeated calls for one example return the same
-    generator (its draws continue). Offers ``uniform``/``rand``, ``normal``/``randn``, ``integers``/``randint``,
-    ``bernoulli`` and ``permutation``/``randperm`` (CPU tensors). See ``clipbias.randomness.example``."""
+    ``PrivacyEngine``'s data loader, ``DPCallback``, ``DPTrainer``). See ``clipbias.randomness.example``.
+
+    Args:
+        position: None (default) in ``Dataset.__getitem__``: the example being fetched. In a ``collate_fn``
+            (or a batched ``__getitems__``), the item's place in the list it was given.
+
+    Returns:
+        The example's ``ExampleGenerator``: ``uniform``/``rand``, ``normal``/``randn``,
+            ``integers``/``randint``, ``bernoulli`` and ``permutation``/``randperm`` (CPU tensors). Within one
+            fetch, repeated calls for one example return the same generator (its draws continue).
+
+    Raises:
+        ConfigError: no private fetch in progress (evaluation, your own DataLoader: use a generator of your
+            own there); no ``position`` in a collate or batched fetch; a ``position`` outside the list.
+    """
     scope = getattr(_local, "scope", None)
     if scope is None:
         raise ConfigError("clipbias.example_generator() draws an example's randomness from the run's secret key "

@@ -63,7 +63,17 @@ class Purpose(enum.IntEnum):
 
 
 class SecretKey:
-    """The key of all secret draws of one run. Never printed; saved only in private checkpoints."""
+    """The key of all secret draws of one run. Never printed; saved only in private checkpoints.
+
+    Build it with ``generate()`` (the default of every private run), ``from_seed(seed)`` or ``of(...)``.
+
+    Args:
+        key: The raw key, 32 bytes.
+        reproducible: Whether it comes from a seed (then a run under it is reported uncertified).
+
+    Raises:
+        ConfigError: a key that is not 32 bytes.
+    """
 
     __slots__ = ("_key", "reproducible", "_owner")
 
@@ -90,7 +100,17 @@ class SecretKey:
 
     @classmethod
     def from_seed(cls, seed: int) -> "SecretKey":
-        """A reproducible key: BLAKE2b of all bits of ``seed`` (an integer in [0, 2^256))."""
+        """A reproducible key: BLAKE2b of all bits of ``seed``.
+
+        Args:
+            seed: An integer in [0, 2^256); the guarantee holds only while it stays secret and unguessable.
+
+        Returns:
+            The key, marked ``reproducible``.
+
+        Raises:
+            ConfigError: a seed that is not an integer in [0, 2^256).
+        """
         seed = check_seed(seed)
         digest = hashlib.blake2b(seed.to_bytes(SEED_BITS // 8, "little"), digest_size=KEY_BYTES,
                                  person=b"clipbias-key-v1").digest()
@@ -98,7 +118,15 @@ class SecretKey:
 
     @classmethod
     def of(cls, seed: "int | SecretKey | None") -> "SecretKey":
-        """A key from what an API was given: a key, a seed, or None (a fresh OS key)."""
+        """A key from what an API was given.
+
+        Args:
+            seed: A ``SecretKey`` (returned as it is), a seed (``from_seed``), or None (a fresh OS key:
+                ``generate``).
+
+        Returns:
+            The key.
+        """
         if isinstance(seed, SecretKey):
             return seed
         return cls.generate() if seed is None else cls.from_seed(seed)

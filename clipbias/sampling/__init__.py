@@ -3,6 +3,6 @@
 through a ``DataLoader`` (``loader``: ``PoissonLoader``; in-memory tensors as ``TensorData``)."""
 
 from .loader import PoissonLoader, TensorData
-from .poisson import PoissonSampler
+from .poisson import PoissonSampler, epoch_steps
 
 __all__ = ["PoissonLoader", "PoissonSampler", "TensorData"]

@@ -52,7 +52,15 @@ from . import refetch
 
 class TensorData(Dataset):
     """In-memory ``(inputs, targets)`` as a Dataset whose batches are fetched by one indexing
-    operation (``__getitems__``), on whatever device the tensors live."""
+    operation (``__getitems__``), on whatever device the tensors live.
+
+    Args:
+        x: The inputs, one row per example (a tensor, or a tuple or dict of them: a ``Batch``).
+        y: The targets, one per input.
+
+    Raises:
+        ConfigError: ``x`` and ``y`` hold different numbers of examples.
+    """
 
     def __init__(self, x: Batch, y: Batch) -> None:
         if batch.size(x) != batch.size(y):
@@ -162,14 +170,26 @@ def _key_of(engine: Any) -> SecretKey:
 
 
 class PoissonLoader:
-    """Poisson batches of ``dataset`` for ``engine`` (a ``DPEngine``): ``epoch()`` yields ``(x, y,
-    indices)`` for ``engine.step``, on ``device`` (default: the model's).
+    """Poisson batches of ``dataset`` for ``engine``: ``epoch()`` yields ``(x, y, indices)`` for
+    ``engine.step`` (see the module's docstring for what the dataset and ``collate_fn`` must respect).
 
-    ``collate_fn`` turns a list of dataset items into a batch (default: torch's ``default_collate``);
-    ``num_workers``, ``pin_memory``, ``prefetch_factor``, ``persistent_workers`` and
-    ``multiprocessing_context`` are the DataLoader's. The workers' seeds derive from the run's secret
-    key and the step (fresh every epoch, reproducible with ``noise_seed``). ``len(dataset)`` must be
-    the engine's n: the sampler draws from n examples and the accounting assumes n.
+    Args:
+        engine: The ``DPEngine`` whose secret sampler chooses every batch.
+        dataset: A map-style ``torch.utils.data.Dataset`` (``__getitem__`` and ``__len__``; in-memory
+            tensors as ``TensorData``). ``len(dataset)`` must be the engine's n: the sampler draws from n
+            examples and the accounting assumes n.
+        collate_fn: Turns a list of dataset items into a batch (default: torch's ``default_collate``).
+        num_workers: The DataLoader's worker processes (default 0). The workers' seeds derive from the
+            run's secret key and the step (fresh every epoch, reproducible with ``noise_seed``).
+        pin_memory: The DataLoader's.
+        prefetch_factor: The DataLoader's (with workers only).
+        persistent_workers: The DataLoader's (with workers only).
+        multiprocessing_context: The DataLoader's (with workers only).
+        device: Where ``epoch()`` puts the batches (default: the model's device).
+
+    Raises:
+        ConfigError: a dataset that is not map-style, whose length is not the engine's n, a
+            ``num_workers`` that is not an integer >= 0, or workers over tensors on a GPU.
     """
 
     def __init__(self, engine: Any, dataset: Dataset, *, collate_fn: Callable | None = None, num_workers: int = 0,
@@ -203,16 +223,32 @@ class PoissonLoader:
         self.device = torch.device(device) if device is not None else next(engine.model.parameters()).device
 
     def epoch(self, steps: int | None = None) -> Iterator[tuple[Batch, Batch, Tensor]]:
-        """``(x, y, indices)`` of the next ``steps`` Poisson steps (default: one epoch, ``len(engine.sampler)``),
-        never past the engine's ``total_steps``."""
+        """The next Poisson batches, for ``engine.step(x, y, indices)``.
+
+        Args:
+            steps: How many steps (default: one epoch, ``len(engine.sampler)``); never past the engine's
+                ``total_steps``.
+
+        Yields:
+            ``(x, y, indices)``: the batch's inputs and targets on the loader's ``device``, and the indices
+                of its examples.
+        """
         non_blocking = self.options["pin_memory"] and self.device.type == "cuda"
         for idx, data in self.batches(steps):
             x, y = split(data)
             yield batch.to(x, self.device, non_blocking), batch.to(y, self.device, non_blocking), idx
 
     def batches(self, steps: int | None = None) -> Iterator[tuple[Tensor, Any]]:
-        """``(indices, collated batch)`` of the next ``steps`` Poisson steps, as ``collate_fn`` made them (on the
-        CPU); the engine's sampler has just returned ``indices`` (``sampler.last``)."""
+        """The next Poisson batches as ``collate_fn`` made them (on the CPU).
+
+        Args:
+            steps: How many steps (default: one epoch, ``len(engine.sampler)``); never past the engine's
+                ``total_steps``.
+
+        Yields:
+            ``(indices, collated batch)``; the engine's sampler has just returned ``indices``
+                (``sampler.last``).
+        """
         engine = self.engine
         steps = len(engine.sampler) if steps is None else steps
         steps = max(0, min(steps, engine.total_steps - engine.steps_taken))

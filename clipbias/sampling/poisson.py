@@ -29,6 +29,18 @@ class PoissonSampler:
     the current step runs) draws batches ahead with ``draw_ahead``; ``sample`` then returns them in
     the same order, so the batches are the same with or without lookahead. Batches drawn ahead and
     not yet sampled are part of ``state_dict``: a resumed run continues with exactly them.
+
+    Args:
+        n: The dataset size (>= 1).
+        sample_rate: The probability q, in (0, 1], that an example joins a batch.
+        key: The run's ``clipbias.randomness.SecretKey``: batch t is a pure function of it and t.
+        steps: ``len(self)``, the steps of one iteration (default: an epoch, ``round(1 / q)``).
+        bands: Cyclic Poisson participation in ``bands`` classes, for banded noise (default 1: plain
+            Poisson sampling; see the module's docstring); ``bands * q`` must not exceed 1.
+
+    Raises:
+        ConfigError: ``n < 1``, ``sample_rate`` outside (0, 1], ``bands`` not a whole number >= 1 or
+            ``bands * q > 1``, or ``key`` not a ``SecretKey``.
     """
 
     def __init__(self, n: int, sample_rate: float, key: SecretKey, steps: int | None = None, bands: int = 1) -> None:
@@ -54,9 +66,13 @@ class PoissonSampler:
         return self.q * self.n
 
     def sample(self) -> Tensor:
-        """The next batch (the oldest one drawn ahead, if any): the indices i with U_i < q. A batch returned
-        before and used by no step is counted in ``skipped``: a loop that skips batches by their content
-        (``if len(x) < 4: continue``) samples by another law than the accountant's."""
+        """The next batch (the oldest one drawn ahead, if any). A batch returned before and used by no step
+        is counted in ``skipped``: a loop that skips batches by their content (``if len(x) < 4: continue``)
+        samples by another law than the accountant's.
+
+        Returns:
+            The indices i with U_i < q (a long tensor; possibly empty).
+        """
         if self._last is not None:
             self.skipped += 1
         if self._ahead:
@@ -130,6 +146,15 @@ class PoissonSampler:
                               f"this sampler has n={self.n}, q={self.q}, bands={self.bands}")
         self.drawn, self.skipped = int(state["drawn"]), int(state["skipped"])
         self._ahead, self.handed, self._last = [t.clone() for t in state["ahead"]], 0, None
+
+
+def epoch_steps(n: int, batch_size: int, drop_last: bool = False) -> int:
+    """The steps of one epoch as the training frameworks count a DataLoader's batches (``len(DataLoader)``, which
+    Opacus, Hugging Face's ``Trainer`` and Lightning all read): ceil(n / B), or n // B with ``drop_last``; at
+    least 1. Every integration counts its epochs with it (``clipbias train`` and ``DPEngine(epochs=)`` count
+    ``round(n / B)``, their own documented convention). Each step draws every example with probability
+    q = B / n, so an epoch draws B ceil(n / B) >= n examples in expectation."""
+    return max(1, n // batch_size if drop_last else -(-n // batch_size))
 
 
 def band_rate(bands: int, sample_rate: float) -> float:

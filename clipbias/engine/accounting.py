@@ -75,11 +75,19 @@ def report(engine: Any, steps: int, delta: float | None = None) -> PrivacyReport
         rep = rep.with_caveat(undrawn_caveat(engine.undrawn_steps, engine.steps_taken, engine.sample_rate))
     if engine.algo.private and getattr(engine, "transformed_steps", 0):
         rep = rep.with_caveat(transformed_caveat(engine.transformed_steps, engine.steps_taken))
+    if engine.algo.private and getattr(engine, "unproven_steps", 0):  # (set by the Opacus interface's ``follow``)
+        rep = rep.with_caveat(UNPROVEN_CAVEAT.format(engine.unproven_steps, engine.steps_taken))
     for line in fetch_caveats(engine) if engine.algo.private else ():  # the loader's re-fetch check (refetch)
         rep = rep.with_caveat(line)
     if engine.algo.private and getattr(getattr(engine, "sampler", None), "skipped", 0):  # (None while being built)
         rep = rep.with_caveat(SKIPPED_CAVEAT.format(engine.sampler.skipped))
     return rep
+
+
+UNPROVEN_CAVEAT = ("{} of the {} steps trained a loss the training loop computed that could not be proved a sum of "
+                   "per-example terms (a value of the batch read out of torch before the backward, an in-place change "
+                   "through an alias, a custom autograd.Function): the sensitivity of those steps rests on what the "
+                   "loop did with it, which nothing bounds")
 
 
 def origin(engine: Any, x: Any, y: Any, indices: Tensor | None) -> tuple[bool, bool]:

@@ -146,6 +146,7 @@ class DPEngine:
         self.autocast = check_mixed(autocast, loss_scale, grads)  # (dtype, loss scale) or None
         self.undrawn_steps = 0  # steps whose batch the engine's sampler did not draw (``privacy`` caveat)
         self.transformed_steps = 0  # steps on a batch other than the one the loader drew (``drawn``)
+        self.unproven_steps = 0  # steps on a loop's loss not proved per example (the Opacus interface's ``follow``)
         self.config = config or AlgoConfig()
         n = check_arguments(model, n, batch_size, self.config)
         self.sharded = distributed.is_sharded(model)  # fully_shard: gathered whole for each step (``_gathered``)

@@ -18,6 +18,7 @@ def state_of(engine: Any) -> dict:
     """All DP state of ``engine`` except the model weights. PRIVATE: never release it."""
     return {"format": FORMAT, "settings": asdict(engine.settings), "steps_taken": engine.steps_taken,
             "undrawn_steps": engine.undrawn_steps, "transformed_steps": engine.transformed_steps,
+            "unproven_steps": engine.unproven_steps,
             "optimizer": engine.optimizer.state_dict(), "optimizer_class": type(engine.optimizer).__name__,
             "pipeline": engine.pipeline.state_dict(),
             "sampler": _sampler_state(engine), "secret_key": engine.key.state_dict(),
@@ -63,6 +64,7 @@ def _load(engine: Any, state: dict) -> None:
     engine.steps_taken = state["steps_taken"]
     engine.undrawn_steps = state["undrawn_steps"]
     engine.transformed_steps = state["transformed_steps"]
+    engine.unproven_steps = state.get("unproven_steps", 0)  # (absent before the loop's own loss was followed)
     engine.optimizer.load_state_dict(state["optimizer"])
     engine.pipeline.load_state_dict(state["pipeline"])
     noise = engine.pipeline.noise

@@ -555,6 +555,9 @@ class DPModule(nn.Module):
         pending = self._pending
         if self.follows:  # the loop's own loss (``rowtrace``): the tensors the loop gets are traced
             args, kwargs, traced = rowtrace.plain(args), rowtrace.plain(kwargs), (args, kwargs)
+        if self.follows and pending is not None and not self.training and rowtrace.reads_rows(*traced):
+            with torch.no_grad():  # (eval mode on the private rows: values for metrics, no gradient to hide)
+                return rowtrace.rows_output(self._guarded(self._module, *args, **kwargs), pending.chunk)
         if pending is None or not self.training:
             return self._module(*args, **kwargs)
         if self.follows:
@@ -645,6 +648,13 @@ LOSS_WARNING = ("the loss your training loop computes is not `criterion`'s: its 
                 "are not what is trained. Leave out make_private's `criterion` to train the loss your loop computes, "
                 "or pass that loss as `criterion`: a loss module with `reduction` (evaluated per example), or a "
                 "function of (outputs, targets) that returns one loss per example")
+
+
+UNPROVEN_WARNING = (
+    "this step's loss could not be proved a sum of per-example terms: {}. The run is no longer certified "
+    "(privacy_report() says why). To keep the guarantee, read values (loss.item(), accuracy) after "
+    "optimizer.step(), or pass make_private(..., criterion=...): the step then differentiates criterion per "
+    "example and does not depend on what your loop computes")
 
 
 def _criterion_gradient(loss_fn: Callable, out: Tensor, y: Any) -> Tensor:
@@ -893,6 +903,11 @@ class DPOptimizer(torch.optim.Optimizer):
                               f"holds {len(pending.indices)}: call the model on the batch (or chunk) as drawn, one "
                               f"example per row")
         self.engine.step(x, batch.cat(gs), pending.indices, public=public)
+        why = next((c.unproven for c in pending.chunk_rows if c.unproven is not None), None)
+        if why is not None:  # released, and counted: the report carries the caveat (``accounting.report``)
+            self.engine.unproven_steps += 1
+            if self.engine.unproven_steps == 1:
+                warnings.warn(UNPROVEN_WARNING.format(why), stacklevel=3)
 
     def run(self, pending: _Batch, keep_outputs: bool = False) -> None:
         """``DPEngine.step`` on the logical batch (``keep_outputs``: its outputs in ``engine.last_outputs``)."""

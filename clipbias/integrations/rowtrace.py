@@ -42,7 +42,8 @@ log line) is allowed and not followed.
 
 from __future__ import annotations
 
-import math
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -65,6 +66,25 @@ class Rows:
         self.reaches_params = False  # a public output or a parameter met a loss term (``_backward`` snapshots)
         self.backwards = 0  # backward passes followed (proved per-example)
         self.public: list[Tensor | None] = [None] * len(params)  # what they added to the parameters' .grad
+        self.unproven: str | None = None  # why a backward could not be proved per example (``_backward``)
+        self.watched: list[tuple[Tensor, tuple]] = []  # yielded tensors and handed outputs, with fingerprints
+
+    def watch(self, t: Tensor) -> None:
+        """Fingerprint ``t`` now: an in-place change through an alias the labels do not see (``x.data -= ...``)
+        is found at the backward (``changed``)."""
+        self.watched.append((t, _fingerprint(t)))
+
+    def changed(self) -> bool:
+        return any(_fingerprint(t) != f for t, f in self.watched)
+
+
+def _fingerprint(t: Tensor) -> tuple:
+    with torch._C.DisableTorchFunctionSubclass():
+        d = t.detach()
+        if d.numel() == 0:
+            return ()
+        d = d.to(torch.float64) if d.is_floating_point() or not d.is_complex() else d
+        return float(d.sum()), float((d * d).sum())
 
 
 @dataclass(frozen=True)
@@ -96,14 +116,21 @@ class Traced(Tensor):
         found = [t._label for t in _traced(args, kwargs)]
         if name in ("backward", "grad") and func in (Tensor.backward, torch.autograd.backward, torch.autograd.grad):
             return _backward(func, args, kwargs, found)
+        if name in HOOKS and any(lab.kind != PUBLIC for lab in found):
+            raise ConfigError(f"`{name}` on a tensor of the private step: a hook may change the gradient in ways "
+                              f"clipbias cannot follow per example (a hook that normalises by the batch couples the "
+                              f"examples); compute what it does in the loss instead")
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
+        if name in READS:
+            _escape(found, name, args)
         if name in META or not found or name in LIKE and not _traced(args[1:], kwargs):
             return out
         if name in ESCAPES:
-            _escape(found, name, args)
             return out
         label = _label(name, args, kwargs, found, out)
+        if label.rows is None:  # (a combination that is refused keeps its chunk: a read of it is the chunk's)
+            label = Label(label.kind, next((lab.rows for lab in found if lab.rows is not None), None), label.why)
         if name.endswith("_") and not name.startswith("__") or name in ("__setitem__", "copy_") or "out" in kwargs:
             _written(name, args, kwargs, label)
         return wrap(out, label)
@@ -130,44 +157,48 @@ def wrap(out: Any, label: Label) -> Any:
 
 def plain(x: Any) -> Any:
     """``x`` with every ``Traced`` tensor as a plain tensor (the same storage and autograd node)."""
-    return batch.map_tensors(lambda t: t.as_subclass(Tensor) if isinstance(t, Traced) else t, x)
+    def unwrap(t: Tensor) -> Tensor:
+        if not isinstance(t, Traced):
+            return t
+        with torch._C.DisableTorchFunctionSubclass():
+            return t.as_subclass(Tensor)
+    return batch.map_tensors(unwrap, x)
 
 
 def label_of(x: Any) -> Label | None:
     return x._label if isinstance(x, Traced) else None
 
 
-def _traced(args, kwargs) -> list:
-    out = []
+def _visit(x: Any, each: Callable[[Tensor], None], depth: int = 0) -> None:
+    """Every tensor inside ``x``: tuples, lists, any Mapping, dataclasses and other objects' attributes
+    (one level: a forward's argument object holding the batch)."""
+    if isinstance(x, Tensor):
+        each(x)
+    elif isinstance(x, (str, bytes, int, float, bool, type(None))) or depth > 3:
+        return
+    elif isinstance(x, (tuple, list, set, frozenset)):
+        for v in x:
+            _visit(v, each, depth + 1)
+    elif isinstance(x, Mapping):
+        for v in x.values():
+            _visit(v, each, depth + 1)
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        for f in dataclasses.fields(x):
+            _visit(getattr(x, f.name, None), each, depth + 1)
+    elif hasattr(x, "__dict__") and depth <= 1 and not isinstance(x, (type, torch.nn.Module)) and not callable(x):
+        for v in vars(x).values():
+            _visit(v, each, depth + 1)
 
-    def visit(a):
-        if isinstance(a, Traced):
-            out.append(a)
-        elif isinstance(a, (tuple, list)):
-            for b in a:
-                visit(b)
-        elif isinstance(a, dict):
-            for b in a.values():
-                visit(b)
-    visit(args)
-    visit(kwargs)
+
+def _traced(args, kwargs) -> list:
+    out: list = []
+    _visit((args, kwargs), lambda t: out.append(t) if isinstance(t, Traced) else None, -1)
     return out
 
 
 def _plain_tensors(args, kwargs) -> list[Tensor]:
-    out = []
-
-    def visit(a):
-        if isinstance(a, Tensor) and not isinstance(a, Traced):
-            out.append(a)
-        elif isinstance(a, (tuple, list)):
-            for b in a:
-                visit(b)
-        elif isinstance(a, dict):
-            for b in a.values():
-                visit(b)
-    visit(args)
-    visit(kwargs)
+    out: list = []
+    _visit((args, kwargs), lambda t: out.append(t) if not isinstance(t, Traced) else None, -1)
     return out
 
 
@@ -183,17 +214,26 @@ new_empty new_full empty_strided""".split())
 """Constructors that read only their argument's shape, dtype and device: their result holds nothing private."""
 
 ESCAPES = frozenset("""numpy tolist __array__ __dlpack__ data_ptr untyped_storage _typed_storage
-__array_wrap__""".split())
+__array_wrap__ as_subclass""".split())
 """Operations that take a tensor's values out of torch, where the labels cannot follow them (``Rows.escaped``)."""
+
+READS = ESCAPES | frozenset("item __float__ __int__ __index__ __bool__ __complex__".split())
+"""Reading values of the private step out of torch (``_escape``): before the backward, the loss or the control
+flow that reaches the backward may depend on them, which the labels cannot follow."""
+
+HOOKS = frozenset("register_hook register_post_accumulate_grad_hook".split())
 
 
 def _escape(found: list[Label], name: str, args) -> None:
-    t = args[0] if args and isinstance(args[0], Tensor) else None
-    if t is not None and t.numel() <= 1:
-        return
+    """A read of a value of the batch (or computed from it) out of torch: recorded on its chunk (``escaped``);
+    a backward after it is not proved per example (``_backward``). Public values are not the batch's."""
     for lab in found:
-        if lab.private and lab.rows.escaped is None:
-            lab.rows.escaped = f"`.{name}()` of a tensor of the private batch"
+        rows = lab.rows
+        if lab.kind != PUBLIC and rows is not None and rows.escaped is None:
+            what = {"__float__": "float(...)", "__int__": "int(...)", "__bool__": "a condition (bool(...), if ...)",
+                    "__index__": "an index", "__complex__": "complex(...)",
+                    "tensor": "torch.tensor(...)"}.get(name, f"`.{name}()`")
+            rows.escaped = f"{what} read a value computed from the private batch out of torch"
 
 
 def _written(name: str, args, kwargs, label: Label) -> None:
@@ -202,7 +242,7 @@ def _written(name: str, args, kwargs, label: Label) -> None:
     for t in (target if isinstance(target, (tuple, list)) else [target]):
         if isinstance(t, Traced):
             t._label = label
-        elif isinstance(t, Tensor) and label.private and label.rows.escaped is None:
+        elif isinstance(t, Tensor) and label.kind != PUBLIC and label.rows is not None and label.rows.escaped is None:
             label.rows.escaped = f"an in-place `{name}` wrote a tensor of the private batch into an untraced tensor"
 
 
@@ -270,7 +310,7 @@ def _label(name: str, args, kwargs, found: list[Label], out: Any) -> Label:
         if name in ADDITIVE:
             rows.reaches_params |= public
             return Label(SUM, rows)
-        if name in SCALING and not public and _single_sum_operand(args, kwargs):
+        if name in SCALING and not public and _single_sum_operand(name, args, kwargs):
             return Label(SUM, rows)
         return mixed(f"`{name}` applied to a sum over the batch's examples" + (
             " and a public output or a parameter" if public else "") + " (only additions of such sums, and scaling by "
@@ -331,10 +371,16 @@ def _setitem_label(args, found: list[Label]) -> Label:
     return tl
 
 
-def _single_sum_operand(args, kwargs) -> bool:
-    """One operand is the sum; the other a number or a constant tensor without gradient."""
+def _single_sum_operand(name: str, args, kwargs) -> bool:
+    """One operand is the sum, the numerator of a division (``c / loss`` is not a scaling of it); the other a
+    number or a constant tensor without gradient."""
+    if name in DIVISIONS and not (args and isinstance(args[0], Traced)) or name in ("__rtruediv__", "__rdiv__"):
+        return False
     return all(not (isinstance(t, Tensor) and t.requires_grad and not isinstance(t, Traced))
                for t in _plain_tensors(args, kwargs)) and len(_traced(args, kwargs)) == 1
+
+
+DIVISIONS = frozenset("div divide true_divide __truediv__ __itruediv__ __div__ div_".split())
 
 
 def _tensor_tree(out: Any) -> bool:
@@ -511,6 +557,27 @@ def _loss_label(name: str, args, kwargs, rows: Rows, one: bool) -> Label:
 
 
 # ---------------------------------------------------------------------------------------------- backward
+def _unproven(loss: Tensor, rows: Rows) -> str | None:
+    """Why a backward of ``loss`` cannot be proved per example though its label says it is: a value of the
+    batch read out of torch before it (the loss, or whether and which loss reaches the backward, may depend on
+    it: ``loss.item()`` is read after ``optimizer.step()``, or the step given ``criterion``), an in-place change
+    of the batch or of the outputs through an alias the labels do not see, a custom ``autograd.Function``."""
+    if rows.escaped is not None:
+        return rows.escaped + " before the backward"
+    if rows.changed():
+        return "a tensor of the batch or an output of the model changed in place through an alias (`.data`)"
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            return f"a custom autograd.Function ({type(node).__name__}) in the loss's graph"
+        todo.extend(n for n, _ in node.next_functions)
+    return None
+
+
 def _backward(func: Callable, args, kwargs, found: list[Label]):
     """``loss.backward()`` (``torch.autograd.backward``, ``torch.autograd.grad``) of a loss that is a sum of
     per-example terms (``SUM``, or ``ROWS`` with a gradient given per row); refused before it runs otherwise.
@@ -525,6 +592,8 @@ def _backward(func: Callable, args, kwargs, found: list[Label]):
     gs = list(grads) if isinstance(grads, (tuple, list)) else [grads] * len(outs)
     for out, g in zip(outs, gs):
         lab = label_of(out)
+        if lab is not None and lab.rows is not None and lab.rows.unproven is None:
+            lab.rows.unproven = _unproven(out, lab.rows)
         if lab is None or lab.kind == PUBLIC:
             continue
         why = lab.why if lab.kind == MIXED else None
@@ -559,16 +628,39 @@ def _backward(func: Callable, args, kwargs, found: list[Label]):
 
 
 # ---------------------------------------------------------------------------------------------- the doors
+_TENSOR = torch.tensor
+
+
+def _tensor(data, *args, **kwargs):
+    """``torch.tensor`` while a traced batch is out: a copy of a traced tensor (which torch does not show a
+    tensor subclass) is a read of its values (``_escape``)."""
+    first = data[0] if isinstance(data, (list, tuple)) and data else data
+    if isinstance(first, Traced):
+        _escape([first._label], "tensor", (first,))
+    return _TENSOR(data, *args, **kwargs)
+
+
+def watch_copies() -> None:
+    """Route ``torch.tensor`` through ``_tensor`` (once, for the process: the first traced batch)."""
+    if torch.tensor is _TENSOR:
+        torch.tensor = _tensor
+
+
 def yielded(chunk: Any, rows: Rows) -> Any:
-    """The data loader's chunk as the loop gets it: every tensor ``ROWS`` of ``rows``."""
-    return batch.map_tensors(lambda t: wrap(t, Label(ROWS, rows)), chunk)
+    """The data loader's chunk as the loop gets it: every tensor ``ROWS`` of ``rows`` (fingerprinted)."""
+    def traced(t: Tensor) -> Tensor:
+        rows.watch(t)
+        return wrap(t, Label(ROWS, rows))
+    watch_copies()
+    return batch.map_tensors(traced, chunk)
 
 
 def forward_kind(args, kwargs, rows: Rows, drawn: Any) -> str:
-    """``"private"``: the model is called on the chunk's rows (each tensor of the private batch aligned with it);
-    ``"public"``: on data the loader did not draw (no traced private tensor, nothing escaped the labels since the
-    chunk was yielded, no row equal to a drawn row). A call that mixes private rows with other data, rearranges
-    them or reads a tensor that combines examples is refused, with the reason."""
+    """``"private"``: the model is called on the chunk's rows (each tensor of the private batch aligned with it,
+    or an untraced copy of them: a row equal to a drawn row); ``"public"``: on data the loader did not draw (no
+    traced private tensor, no drawn row; after a read of the batch's values out of torch such a call cannot be
+    proved public and the step is not proved, ``Rows.unproven``). A call that mixes private rows with other
+    data, rearranges them or reads a tensor that combines examples is refused, with the reason."""
     traced = [t for t in _traced(args, kwargs) if t._label.private or t._label.kind == MIXED]
     if traced:
         bad = next((t._label.why for t in traced if t._label.kind == MIXED), None)
@@ -581,9 +673,16 @@ def forward_kind(args, kwargs, rows: Rows, drawn: Any) -> str:
                          "batch") + "): the private step needs each example's forward to see that example alone. "
             "Call the model on the batch (or chunk) as drawn, and on public data (generated images, a public batch) "
             "in a separate call: such a call is public, its gradient exact and unclipped")
-    if rows.escaped is not None:
-        return "private"  # (values left torch after ``rows.escaped``: this data may be derived from the batch)
-    return "private" if any(_shares_rows(t, drawn) for t in _plain_tensors(args, kwargs)) else "public"
+    if any(_shares_rows(t, drawn) for t in _plain_tensors(args, kwargs)):
+        return "private"  # (an untraced copy of the batch: ``torch.Tensor(x)``, a round trip through numpy)
+    if rows.escaped is not None and rows.unproven is None:  # the data may be computed from what was read out
+        rows.unproven = f"a forward on data the labels cannot follow, after {rows.escaped}"
+    return "public"
+
+
+def reads_rows(args, kwargs) -> bool:
+    """Whether a call reads a tensor of the private batch (or one computed from it)."""
+    return any(t._label.kind != PUBLIC for t in _traced(args, kwargs))
 
 
 def _shares_rows(t: Tensor, drawn: Any) -> bool:
@@ -606,6 +705,7 @@ def _shares_rows(t: Tensor, drawn: Any) -> bool:
 def private_leaf(out: Tensor, rows: Rows) -> Tensor:
     """A private forward's output handed to the loop: a leaf that requires grad, ``ROWS`` of the chunk."""
     leaf = out.detach().requires_grad_()
+    rows.watch(leaf)
     return leaf, wrap(leaf, Label(ROWS, rows))
 
 

@@ -63,9 +63,12 @@ def gaussian_exact_epsilon(noise_multiplier: float, steps: int, delta: float) ->
     return float(brentq(excess, 0.0, hi, xtol=1e-12, rtol=1e-12))
 
 
+@functools.lru_cache(maxsize=1024)
 def pld_epsilon(z: float, q: float, steps: int, delta: float, discretization: float) -> float:
     """PLD epsilon of T steps at a given grid: the one-step PLD is kept per process at the accountant's
-    grid (``one_step_pld``), built afresh at the calibration's coarser grids."""
+    grid (``one_step_pld``), built afresh at the calibration's coarser grids. A pure function of its
+    arguments, so its value is kept per process too: a run asks for the same epsilon at its header, its
+    epochs' ends and its results (the T-fold composition and the epsilon search took 0.05-0.2 s each)."""
     if discretization == PLD_DISCRETIZATION:
         one = one_step_pld("gaussian", z, (1.0,), (q,), discretization)
     else:

@@ -217,11 +217,11 @@ def _one_step(loss_of, forward=None):
     return pe.privacy_report(), [str(w.message) for w in said]
 
 
-@pytest.mark.parametrize("case", ["item", "numpy", "tensor_copy", "branch", "alias", "function", "escaped_public"])
+@pytest.mark.parametrize("case", ["item", "numpy", "branch", "alias", "function", "escaped_public"])
 def test_what_the_labels_cannot_follow_makes_the_step_unproven(case):
     """Found by attacking these claims (each moved one example's neighbours' update by 2-9x the clipping bound,
     certified): a value of the batch read out of torch before the backward (``.item()``, ``.numpy()``, a
-    ``torch.tensor`` copy, a branch on it), an in-place change through ``.data``, a custom autograd.Function,
+    branch on it), an in-place change through ``.data``, a custom autograd.Function,
     a public forward on data computed after a read-out. Each step is released uncertified, with the reason,
     and the warning says how to keep the guarantee."""
     def loss_of(out, yb, xb, model):
@@ -231,9 +231,6 @@ def test_what_the_labels_cannot_follow_makes_the_step_unproven(case):
         if case == "numpy":
             w = torch.from_numpy(numpy.bincount(yb.numpy(), minlength=K)).float()
             return F.cross_entropy(out, yb, weight=w, reduction="sum") / len(yb)
-        if case == "tensor_copy":
-            t = torch.tensor(yb).float()
-            return F.mse_loss(out[:, 0], t - t.mean())
         if case == "branch":
             loss = F.cross_entropy(out, yb)
             return loss if loss.item() < 100 else None

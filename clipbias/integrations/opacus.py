@@ -40,7 +40,6 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from .. import algorithms, privacy
-from ..config import AlgoConfig
 from ..data import batch
 from ..engine import DPEngine
 from ..engine import accounting
@@ -52,13 +51,8 @@ from ..privacy import PrivacyReport
 from ..sampling.loader import PoissonLoader, TensorData, split
 from ..sampling.poisson import epoch_steps as sampling_epoch_steps
 from . import rowtrace
+from .options import ACCOUNTANTS, default_delta, engine_config
 from .opacus_accountant import Accountant
-
-ACCOUNTANTS = {"prv": "pld", "pld": "pld", "rdp": "rdp"}
-"""Opacus's accountant names and the clipbias accountant that serves each: its ``prv`` (Gopi et al.'s
-numerical composition of privacy-loss distributions) is clipbias's ``pld``, the same object computed by
-dp-accounting; ``gdp`` (a central-limit approximation, not an upper bound) is refused."""
-
 
 OPACUS_WORDS = ((re.compile(r"(?<![\w.])loss_fn(?!\w)"), "criterion"), (re.compile(r"`AlgoConfig\.clip`"),
                 "`max_grad_norm`"), (re.compile(r"`epsilon`"), "`target_epsilon`"))
@@ -189,7 +183,7 @@ class PrivacyEngine:
                 banded noise's coefficients, ``DPEngine``'s; ``"blt"``: BLT noise in ``bands`` classes;
                 ``"optimized"`` and ``"blt"`` need the run's length: ``make_private_with_epsilon``),
                 ``settings`` (the algorithm's settings, ``AlgoConfig.extra``), ``ef_clip``, ``delta`` (for
-                the engine's own report; default 1e-5), ``max_physical_batch``, ``noise_seed`` (a reproducible
+                the engine's own report; default ``min(1e-5, 1 / (10 n))``, every integration's), ``max_physical_batch``, ``noise_seed`` (a reproducible
                 run: reported uncertified, as ``DPEngine``'s), ``autocast`` (``torch.bfloat16`` or
                 ``torch.float16``: the engine's forward and backward under ``torch.autocast``, norms and sums
                 in float32; use it instead of your own ``torch.autocast`` and ``GradScaler``) and
@@ -298,7 +292,7 @@ class PrivacyEngine:
         follow = criterion is None and options["grad_sample_mode"] != "ghost"
         self.engine = _OpacusEngine(module, algorithm, n=n, batch_size=B, steps=steps, epsilon=epsilon,
                                noise_multiplier=noise_multiplier,
-                               delta=delta if delta is not None else extra.get("delta", 1e-5),
+                               delta=delta if delta is not None else extra.get("delta", default_delta(n)),
                                accountant=ACCOUNTANTS[self.accountant_name],
                                dice_accounting=extra.get("dice_accounting", privacy.DEFAULT_DICE_ACCOUNTING),
                                config=config, loss_fn=loss_function(criterion, follow), optimizer=optimizer,
@@ -333,7 +327,7 @@ class PrivacyEngine:
 
         Args:
             delta: Delta (default: the run's: ``make_private_with_epsilon``'s ``target_delta``, or
-                ``make_private``'s ``delta`` option, default 1e-5).
+                ``make_private``'s ``delta`` option, default ``min(1e-5, 1 / (10 n))``).
 
         Returns:
             The ``PrivacyReport``: epsilon, delta, accountant, basis, ``certified`` and its caveats.
@@ -468,24 +462,6 @@ def check_options(*, batch_first: bool, loss_reduction: str, poisson_sampling: b
     if grad_sample_mode not in ("hooks", "ghost", "functorch", "ew"):
         raise ConfigError(f"grad_sample_mode must be hooks, ghost, functorch or ew (all run clipbias's own "
                           f"per-example gradients; grad_path= chooses them), got {grad_sample_mode!r}")
-
-
-def engine_config(optimizer: torch.optim.Optimizer, clip: float, ef_clip: float | None,
-                  settings: dict | None) -> AlgoConfig:
-    """The engine's settings over the user's optimizer: the clip, the algorithm's settings, and what the
-    engine reads of the optimizer (its family and SGD's momentum shape banded noise; lr is unused)."""
-    group = optimizer.param_groups[0]
-    return AlgoConfig(lr=float(group.get("lr", 0.1)) or 0.1, clip=float(clip), ef_clip=ef_clip,
-                      optimizer=_base_kind(optimizer), momentum=float(group.get("momentum", 0.0) or 0.0),
-                      extra=dict(settings or {}))
-
-
-def _base_kind(optimizer: torch.optim.Optimizer) -> str | None:
-    """The engine's name for the optimizer's family where it has one (banded noise shapes its coefficients for
-    SGD's momentum); any other optimizer is used as it is."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(f"optimizer must be a torch.optim.Optimizer (SGD, Adam, ...), got {type(optimizer).__name__}")
-    return {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}.get(type(optimizer), "adam")
 
 
 def loss_function(criterion: Callable | None, follow: bool = False) -> Callable:

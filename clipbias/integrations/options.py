@@ -17,10 +17,40 @@ import torch
 from torch import nn
 
 from .. import algorithms, privacy
+from ..config import AlgoConfig
 from ..engine import DPEngine
 from ..errors import ConfigError
 from ..grads.precision import check_autocast
-from .opacus import ACCOUNTANTS, _base_kind, engine_config
+
+
+ACCOUNTANTS = {"prv": "pld", "pld": "pld", "rdp": "rdp"}
+"""Opacus's accountant names and the clipbias accountant that serves each: its ``prv`` (Gopi et al.'s
+numerical composition of privacy-loss distributions) is clipbias's ``pld``, the same object computed by
+dp-accounting; ``gdp`` (a central-limit approximation, not an upper bound) is refused."""
+
+
+def engine_config(optimizer: torch.optim.Optimizer, clip: float, ef_clip: float | None,
+                  settings: dict | None) -> AlgoConfig:
+    """The engine's settings over the user's optimizer: the clip, the algorithm's settings, and what the
+    engine reads of the optimizer (its family and SGD's momentum shape banded noise; lr is unused)."""
+    group = optimizer.param_groups[0]
+    return AlgoConfig(lr=float(group.get("lr", 0.1)) or 0.1, clip=float(clip), ef_clip=ef_clip,
+                      optimizer=_base_kind(optimizer), momentum=float(group.get("momentum", 0.0) or 0.0),
+                      extra=dict(settings or {}))
+
+
+def _base_kind(optimizer: torch.optim.Optimizer) -> str | None:
+    """The engine's name for the optimizer's family where it has one (banded noise shapes its coefficients for
+    SGD's momentum); any other optimizer is used as it is."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer (SGD, Adam, ...), got {type(optimizer).__name__}")
+    return {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}.get(type(optimizer), "adam")
+
+
+def default_delta(n: int) -> float:
+    """Every integration's delta where none is given: ``min(1e-5, 1 / (10 n))`` for ``n`` training examples
+    (a delta well below 1 / n: a mechanism that released one example in the clear would have delta 1 / n)."""
+    return min(1e-5, 1.0 / (10 * n))
 
 
 @dataclass
@@ -116,7 +146,7 @@ class DPOptions:
         Returns:
             ``target_delta``, or where it is None ``min(1e-5, 1 / (10 n))``.
         """
-        return self.target_delta if self.target_delta is not None else min(1e-5, 1.0 / (10 * n))
+        return self.target_delta if self.target_delta is not None else default_delta(n)
 
     def engine(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, n: int, batch_size: float,
                steps: int | None, loss_fn: Callable, max_physical_batch: int,

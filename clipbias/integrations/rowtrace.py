@@ -231,8 +231,7 @@ def _escape(found: list[Label], name: str, args) -> None:
         rows = lab.rows
         if lab.kind != PUBLIC and rows is not None and rows.escaped is None:
             what = {"__float__": "float(...)", "__int__": "int(...)", "__bool__": "a condition (bool(...), if ...)",
-                    "__index__": "an index", "__complex__": "complex(...)",
-                    "tensor": "torch.tensor(...)"}.get(name, f"`.{name}()`")
+                    "__index__": "an index", "__complex__": "complex(...)"}.get(name, f"`.{name}()`")
             rows.escaped = f"{what} read a value computed from the private batch out of torch"
 
 
@@ -628,30 +627,11 @@ def _backward(func: Callable, args, kwargs, found: list[Label]):
 
 
 # ---------------------------------------------------------------------------------------------- the doors
-_TENSOR = torch.tensor
-
-
-def _tensor(data, *args, **kwargs):
-    """``torch.tensor`` while a traced batch is out: a copy of a traced tensor (which torch does not show a
-    tensor subclass) is a read of its values (``_escape``)."""
-    first = data[0] if isinstance(data, (list, tuple)) and data else data
-    if isinstance(first, Traced):
-        _escape([first._label], "tensor", (first,))
-    return _TENSOR(data, *args, **kwargs)
-
-
-def watch_copies() -> None:
-    """Route ``torch.tensor`` through ``_tensor`` (once, for the process: the first traced batch)."""
-    if torch.tensor is _TENSOR:
-        torch.tensor = _tensor
-
-
 def yielded(chunk: Any, rows: Rows) -> Any:
     """The data loader's chunk as the loop gets it: every tensor ``ROWS`` of ``rows`` (fingerprinted)."""
     def traced(t: Tensor) -> Tensor:
         rows.watch(t)
         return wrap(t, Label(ROWS, rows))
-    watch_copies()
     return batch.map_tensors(traced, chunk)
 
 

@@ -183,8 +183,8 @@ class PrivacyEngine:
                 banded noise's coefficients, ``DPEngine``'s; ``"blt"``: BLT noise in ``bands`` classes;
                 ``"optimized"`` and ``"blt"`` need the run's length: ``make_private_with_epsilon``),
                 ``settings`` (the algorithm's settings, ``AlgoConfig.extra``), ``ef_clip``, ``delta`` (for
-                the engine's own report; default ``min(1e-5, 1 / (10 n))``, every integration's), ``max_physical_batch``, ``noise_seed`` (a reproducible
-                run: reported uncertified, as ``DPEngine``'s), ``autocast`` (``torch.bfloat16`` or
+                the engine's own report; default ``min(1e-5, 1 / (10 n))``, every integration's),
+                ``max_physical_batch``, ``noise_seed`` (a reproducible run: reported uncertified, as ``DPEngine``'s), ``autocast`` (``torch.bfloat16`` or
                 ``torch.float16``: the engine's forward and backward under ``torch.autocast``, norms and sums
                 in float32; use it instead of your own ``torch.autocast`` and ``GradScaler``) and
                 ``loss_scale``.
@@ -284,9 +284,6 @@ class PrivacyEngine:
         config = engine_config(optimizer, max_grad_norm, extra.get("ef_clip"), extra.get("settings"))
         # the plan (``make_private_with_epsilon``): ``epochs`` epochs of ``len(data_loader)`` steps, Opacus's count
         steps = None if epochs is None else epochs * epoch_steps(data_loader)
-        # without ``criterion`` the step trains the loss the loop computes (``rowtrace``); Opacus's ghost mode
-        # computes its loss with the criterion it returns
-        follow = criterion is None and options["grad_sample_mode"] != "ghost"
         # without ``criterion`` the step trains the loss the loop computes (``rowtrace``); Opacus's ghost mode
         # computes its loss with the criterion it returns
         follow = criterion is None and options["grad_sample_mode"] != "ghost"

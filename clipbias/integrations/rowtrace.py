@@ -62,7 +62,7 @@ class Rows:
 
     def __init__(self, size: int, params: list[Tensor]) -> None:
         self.size, self.params = size, params
-        self.escaped: str | None = None  # an operation that took more than one private number out of torch
+        self.escaped: str | None = None  # the first read of a value of the chunk out of torch (``_escape``)
         self.reaches_params = False  # a public output or a parameter met a loss term (``_backward`` snapshots)
         self.backwards = 0  # backward passes followed (proved per-example)
         self.public: list[Tensor | None] = [None] * len(params)  # what they added to the parameters' .grad
@@ -135,8 +135,9 @@ class Traced(Tensor):
             _written(name, args, kwargs, label)
         return wrap(out, label)
 
-    def __deepcopy__(self, memo):
-        return wrap(self.as_subclass(Tensor).clone(), self._label)
+    def __deepcopy__(self, memo):  # (a copy, not a read: it stays traced)
+        with torch._C.DisableTorchFunctionSubclass():
+            return wrap(self.as_subclass(Tensor).clone(), self._label)
 
     def __reduce_ex__(self, proto):  # pickled (a DataLoader worker, torch.save): a plain tensor
         return self.as_subclass(Tensor).__reduce_ex__(proto)

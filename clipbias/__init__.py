@@ -15,11 +15,15 @@ _LAZY = {"PrivacyEngine", "BatchMemoryManager", "ModuleValidator", "fix"}
 
 def __getattr__(name: str):
     """``clipbias.PrivacyEngine`` (the Opacus interface), ``BatchMemoryManager``, ``ModuleValidator`` and
-    ``fix``, and ``example_generator`` (keyed per-example draws for a Dataset or collate_fn), imported on first
-    use: ``import clipbias`` (and the CLI's ``--help``) stays free of torch."""
+    ``fix``, ``example_generator`` (keyed per-example draws for a Dataset or collate_fn) and ``public``
+    (tensors declared public for a forward in a private step: ``clipbias.integrations.rowtrace.public``),
+    imported on first use: ``import clipbias`` (and the CLI's ``--help``) stays free of torch."""
     if name in _LAZY:
         from . import integrations
         return getattr(integrations, name)
+    if name == "public":
+        from .integrations import rowtrace
+        return rowtrace.public
     if name in ("example_generator", "ExampleGenerator"):  # keyed per-example draws for a Dataset / collate_fn
         from .randomness import example
         return getattr(example, name)

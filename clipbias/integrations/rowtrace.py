@@ -33,11 +33,15 @@ tensor gives ``MIXED``; the backward of a loss that is not ``SUM`` (or ``ROWS`` 
 refused before it runs, with the reason. A ``PUBLIC`` forward's gradient, and a term of the parameters alone,
 reach the update exactly and unclipped (post-processing: they depend on no private example).
 
-What the labels cannot see, and docs/integrations.md states: values that leave torch (``.numpy()``,
-``.tolist()``, ``torch.tensor(x)``, a private value written in place into an untraced tensor): a forward on an
-untraced tensor after such an escape of more than one number is not public (``Rows.escaped``), nor is one whose
-rows equal rows of the drawn batch; a single number read out (``loss.item()``, ``output.mean().item()`` for a
-log line) is allowed and not followed.
+What the labels cannot see, and docs/integrations.md states: values that leave torch. Any read of a value of
+the batch out of torch (``.item()``, ``bool``, ``repr``, ``.numpy()``, ``.tolist()``, ``torch.equal``: any
+call on a traced tensor whose result holds no tensor, but its shape) is recorded (``Rows.escaped``), and a
+backward after it is not proved (``_unproven``): the loss, or whether and which loss reaches the backward, may
+depend on the value read; so is a step whose batch or outputs changed through an alias (fingerprints), whose
+loss has a custom ``autograd.Function``, or that called the model on other data not declared public
+(``public``): torch lets a copy of the batch escape without a read (``torch.tensor(x)``, dlpack,
+``_make_subclass``). Such a step is released, counted and reported uncertified, with the reason. A call on
+an alias or an exact copy of the batch's rows is the private forward.
 """
 
 from __future__ import annotations
@@ -122,11 +126,13 @@ class Traced(Tensor):
                               f"examples); compute what it does in the loss instead")
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
-        if name in READS:
-            _escape(found, name, args)
-        if name in META or not found or name in LIKE and not _traced(args[1:], kwargs):
+        if name in META or not found:
             return out
-        if name in ESCAPES:
+        if name in READS or out is not None and not _holds_tensor(out):  # a value leaves torch
+            _escape(found, name, args)
+            if not _holds_tensor(out):
+                return out
+        if name in LIKE and not _traced(args[1:], kwargs) or name in ESCAPES:
             return out
         label = _label(name, args, kwargs, found, out)
         if label.rows is None:  # (a combination that is refused keeps its chunk: a read of it is the chunk's)
@@ -141,6 +147,10 @@ class Traced(Tensor):
 
     def __reduce_ex__(self, proto):  # pickled (a DataLoader worker, torch.save): a plain tensor
         return self.as_subclass(Tensor).__reduce_ex__(proto)
+
+
+def _holds_tensor(out: Any) -> bool:
+    return isinstance(out, Tensor) or isinstance(out, (tuple, list)) and any(_holds_tensor(o) for o in out)
 
 
 def wrap(out: Any, label: Label) -> Any:
@@ -205,10 +215,11 @@ def _plain_tensors(args, kwargs) -> list[Tensor]:
 
 META = frozenset("""size dim ndim numel __len__ shape dtype device layout is_cuda is_cpu is_sparse is_quantized is_meta
 is_floating_point is_complex is_contiguous is_leaf requires_grad grad_fn names stride storage_offset element_size
-nelement itemsize nbytes __repr__ __format__ __str__ __hash__ __bool__ __float__ __int__ __index__ item
-__complex__ get_device is_pinned register_hook retain_grad retains_grad _version __get__ dim_order is_set_to grad
-__dir__ __reduce_ex__ __setstate__ _is_view is_nested is_mkldnn has_names""".split())
-"""Attributes and single numbers: returned as they are (``item``: one number for a log line is not followed)."""
+nelement itemsize nbytes __hash__ get_device is_pinned register_hook retain_grad retains_grad _version __get__
+dim_order is_set_to grad __dir__ __setstate__ _is_view is_nested is_mkldnn has_names __dlpack_device__""".split())
+"""Attributes that hold no value of the tensor (its shape, dtype, device; the number of rows of a batch is
+visible): returned as they are. Any other call whose result holds no tensor reads values out of torch
+(``_escape``): ``.item()``, ``bool``, ``repr``, ``torch.equal``, ``.tolist()``, ``.storage()``, ..."""
 
 LIKE = frozenset("""zeros_like ones_like empty_like full_like rand_like randn_like randint_like new_zeros new_ones
 new_empty new_full empty_strided""".split())
@@ -328,11 +339,17 @@ def _label(name: str, args, kwargs, found: list[Label], out: Any) -> Label:
     if name in LOSSES:
         return _loss_label(name, args, kwargs, rows, one)
     if name in ALONG:
-        dims = _dims(args, kwargs, first)
+        dims = _dims(args, kwargs, first, name)
+        if name in ("sum", "nansum") and (kinds == {ONE} or dims is None or 0 in dims):
+            return Label(SUM, rows)  # (each element a sum of one-example terms)
+        if ONE in kinds and not one:  # rows whose examples are unknown: along any dimension they may combine
+            return mixed(f"`{name}` on a tensor whose rows are no longer one example each (after a transpose, a "
+                         f"selection or a concatenation along the batch)")
         if dims is not None and 0 not in dims:
-            return Label(ONE if ONE in kinds else ROWS, rows) if _aligned_or_one(args, kwargs, rows, kinds) or one \
+            return Label(ROWS, rows) if (_aligned_or_one(args, kwargs, rows, kinds) and _leading(tensors, rows)
+                                         and _index_ok(name, args, kwargs, rows)) or one \
                 else mixed(f"`{name}` on tensors whose rows are not aligned")
-        if name in ("sum", "nansum") or name == "mean" and kinds == {ROWS}:
+        if name == "mean" and kinds == {ROWS}:  # (over the examples: divided by B times a public count)
             return Label(SUM, rows)
         if one:
             return Label(ROWS, rows) if _leading(tensors, rows) else Label(ONE, rows)
@@ -427,12 +444,19 @@ def _aligned_or_one(args, kwargs, rows: Rows, kinds: set) -> bool:
     return len(sizes) == 1 and all(t.dim() > 0 for t in ts)
 
 
-def _dims(args, kwargs, first) -> set[int] | None:
-    """The dimensions an operation along ``dim`` reduces or acts on (normalized), None for all of them."""
-    dim = kwargs.get("dim", kwargs.get("axis"))
-    if dim is None and len(args) > 1 and isinstance(args[1], (int, tuple, list)) and not isinstance(args[1], bool):
-        dim = args[1]
-    if dim is None or not isinstance(first, Tensor):
+DIM_AT = {"topk": 2, "kthvalue": 2, "diff": 2, "norm": 2, "normalize": 2, "vector_norm": 2, "split": 2, "chunk": 2,
+          "tensor_split": 2, "roll": 2, "take_along_dim": 2}
+"""Where an operation takes its ``dim`` positionally, counting the tensor as 0, where it is not 1."""
+
+
+def _dims(args, kwargs, first, name: str = "") -> set[int] | None:
+    """The dimensions an operation along ``dim`` reduces or acts on (normalized), None for all of them (also an
+    empty tuple: ``sum(dim=())`` reduces every dimension)."""
+    dim = kwargs.get("dim", kwargs.get("axis", kwargs.get("dims")))
+    at = DIM_AT.get(name, 1)
+    if dim is None and len(args) > at and isinstance(args[at], (int, tuple, list)) and not isinstance(args[at], bool):
+        dim = args[at]
+    if dim is None or not isinstance(first, Tensor) or isinstance(dim, (tuple, list)) and not dim:
         return None
     n = max(first.dim(), 1)
     dims = dim if isinstance(dim, (tuple, list)) else [dim]
@@ -442,13 +466,25 @@ def _dims(args, kwargs, first) -> set[int] | None:
         return None
 
 
+def _index_ok(name: str, args, kwargs, rows: Rows) -> bool:
+    """An index tensor of the batch is one row per example of the same rows (``gather``); a private index into
+    another dimension (``index_select(1, y)``, ``take_along_dim``) reads other examples' values."""
+    idx = [t for t in _traced(args[1:], kwargs)]
+    if not idx:
+        return True
+    return name == "gather" and all(t._label.kind == ROWS and t._label.rows is rows and t.dim() == args[0].dim()
+                                    and t.shape[0] == args[0].shape[0] for t in idx)
+
+
 def _product_of_rows(args, kwargs, name: str) -> bool:
     """A matrix product acting on each example's rows alone: the first operand private rows, the others
-    constants (a weight) or private rows of the same examples with a batch dimension (``bmm``)."""
-    ts = _traced(args, kwargs)
+    constants (a weight); only a batched product (``bmm``, ``matmul`` of 3-D tensors) takes private rows of the
+    same examples as its second operand (``F.linear(out, out)`` is the Gram matrix of the batch)."""
     if not args or not isinstance(args[0], Traced) or args[0].dim() < 2 and name not in ("linear",):
         return False
-    return all(t is args[0] or t.dim() >= 3 and args[0].dim() >= 3 and t.shape[0] == args[0].shape[0] for t in ts)
+    batched = name in ("bmm", "baddbmm", "matmul", "__matmul__") and args[0].dim() >= 3
+    return all(batched and t.dim() >= 3 and t.shape[0] == args[0].shape[0]
+               for t in _traced(args[1:], kwargs)) and kwargs.get("weight") is None
 
 
 def _shape_label(name: str, args, kwargs, rows: Rows, kinds: set, tensors: list[Tensor], one: bool) -> Label:
@@ -477,7 +513,7 @@ def _shape_label(name: str, args, kwargs, rows: Rows, kinds: set, tensors: list[
         keeps = _keeps_first(name, args, kwargs, first)
         return Label(ROWS if keeps and _leading(tensors, rows) else ONE, rows)
     if name in ("select", "narrow", "split", "chunk", "unbind", "tensor_split", "flip", "roll", "unfold"):
-        dims = _dims(args, kwargs, first)
+        dims = _dims(args, kwargs, first, name)
         if name in ("split", "chunk", "tensor_split") and dims is None:
             dims = {0}
         if name == "unbind" and dims is None:
@@ -486,10 +522,17 @@ def _shape_label(name: str, args, kwargs, rows: Rows, kinds: set, tensors: list[
             return Label(ROWS, rows)
         return Label(ONE, rows)
     if name in ("__getitem__", "index_put", "index_put_"):
-        return Label(ROWS, rows) if name == "__getitem__" and _first_whole(args[1] if len(args) > 1 else None, first.dim()) \
+        index = args[1] if len(args) > 1 else None
+        parts = index if isinstance(index, tuple) else (index,)
+        for k, part in enumerate(parts):  # a private index reads other examples' values, but a mask of the rows
+            if isinstance(part, Traced) and not (k == 0 and part.dtype == torch.bool and part.dim() >= 1
+                                                 and part._label.kind == ROWS and part._label.rows is rows
+                                                 and part.shape[0] == first.shape[0]):
+                return mixed("an index computed from the batch selects other examples' values")
+        return Label(ROWS, rows) if name == "__getitem__" and _first_whole(index, first.dim()) \
             and _leading(tensors, rows) else Label(ONE, rows)
     # view, reshape, flatten, squeeze, unsqueeze, expand, repeat: row-major order, the first dimension first
-    if name in ("unsqueeze", "unsqueeze_") and _dims(args, kwargs, first) == {0} and first.dim() > 0:
+    if name in ("unsqueeze", "unsqueeze_") and _dims(args, kwargs, first, name) == {0} and first.dim() > 0:
         return Label(ONE, rows)
     return Label(ROWS, rows) if _leading(tensors, rows) and (first.dim() > 0 and rows.size > 0) \
         and (name not in ("repeat", "tile") or _repeats_keep_first(args)) else Label(ONE, rows)
@@ -531,6 +574,7 @@ def _loss_label(name: str, args, kwargs, rows: Rows, one: bool) -> Label:
     ``"sum"``, and with ``"mean"`` where its denominator is the batch's size times a public number."""
     ts = _traced(args, kwargs)
     if not one and (len({t.shape[0] for t in ts if t.dim() > 0}) > 1 or any(t._label.kind != ROWS for t in ts)
+                    or any(t.dim() == 0 for t in ts)
                     or any(t.dim() > 0 and t.requires_grad for t in _plain_tensors(args, kwargs))):
         return mixed(f"`{name}` on an output and targets whose rows are not the same examples' (a selection of rows such "
                      f"as `out[mask]` loses their alignment: take reduction='none' and multiply by the mask instead)")
@@ -638,10 +682,12 @@ def yielded(chunk: Any, rows: Rows) -> Any:
 
 def forward_kind(args, kwargs, rows: Rows, drawn: Any) -> str:
     """``"private"``: the model is called on the chunk's rows (each tensor of the private batch aligned with it,
-    or an untraced copy of them: a row equal to a drawn row); ``"public"``: on data the loader did not draw (no
-    traced private tensor, no drawn row; after a read of the batch's values out of torch such a call cannot be
-    proved public and the step is not proved, ``Rows.unproven``). A call that mixes private rows with other
-    data, rearranges them or reads a tensor that combines examples is refused, with the reason."""
+    or an untraced copy or alias of them: a row equal to a drawn row, shared storage); ``"public"``: on data the
+    loader did not draw. A call is proved public only on tensors declared public (``public``) or computed from
+    public outputs, and before any read of the batch's values out of torch; a call on other untraced tensors is
+    public but leaves the step unproven (``Rows.unproven``: torch lets a copy of the batch escape the labels,
+    through ``torch.tensor``, dlpack or ``_make_subclass``, where no read is seen). A call that mixes private
+    rows with other data, rearranges them or reads a tensor that combines examples is refused, with the reason."""
     traced = [t for t in _traced(args, kwargs) if t._label.private or t._label.kind == MIXED]
     if traced:
         bad = next((t._label.why for t in traced if t._label.kind == MIXED), None)
@@ -654,11 +700,25 @@ def forward_kind(args, kwargs, rows: Rows, drawn: Any) -> str:
                          "batch") + "): the private step needs each example's forward to see that example alone. "
             "Call the model on the batch (or chunk) as drawn, and on public data (generated images, a public batch) "
             "in a separate call: such a call is public, its gradient exact and unclipped")
-    if any(_shares_rows(t, drawn) for t in _plain_tensors(args, kwargs)):
-        return "private"  # (an untraced copy of the batch: ``torch.Tensor(x)``, a round trip through numpy)
-    if rows.escaped is not None and rows.unproven is None:  # the data may be computed from what was read out
-        rows.unproven = f"a forward on data the labels cannot follow, after {rows.escaped}"
+    undeclared = [t for t in _plain_tensors(args, kwargs) if t.is_floating_point() or t.dim() > 0]
+    declared = [t for t in _traced(args, kwargs) if t._label.kind == PUBLIC]
+    if any(_shares_rows(t, drawn) for t in undeclared + [plain(t) for t in declared]):
+        return "private"  # (an untraced copy or alias of the batch: ``torch.Tensor(x)``, a numpy round trip)
+    if rows.unproven is None:
+        if rows.escaped is not None:  # the data may be computed from what was read out
+            rows.unproven = f"a forward on other data after {rows.escaped}"
+        elif undeclared:
+            rows.unproven = ("a forward on data not declared public (clipbias.public(tensor)); it is taken as public, "
+                             "but a copy of the batch made out of clipbias's sight would be too")
     return "public"
+
+
+def public(*tensors: Tensor) -> Any:
+    """Declare tensors public (a GAN's generated batch, a public data set): a forward of the model on them in a
+    private step is public, its gradient exact and unclipped, and the step stays certified. A tensor that shares
+    rows or storage with the batch is still the batch (the private forward). Returns the tensor (or a tuple)."""
+    out = tuple(wrap(plain(t), Label(PUBLIC, None)) for t in tensors)
+    return out[0] if len(out) == 1 else out
 
 
 def reads_rows(args, kwargs) -> bool:
@@ -667,10 +727,14 @@ def reads_rows(args, kwargs) -> bool:
 
 
 def _shares_rows(t: Tensor, drawn: Any) -> bool:
-    """Whether a row of ``t`` equals a row of one of the drawn batch's tensors (an untraced copy of it)."""
+    """Whether ``t`` shares storage with one of the drawn batch's tensors (an alias: dlpack, ``_make_subclass``,
+    ``.data``) or a row of it equals one of their rows (an untraced copy)."""
     if t.dim() == 0 or t.numel() == 0:
         return False
     with torch._C.DisableTorchFunctionSubclass():
+        ptr = t.untyped_storage().data_ptr()
+        if any(d.untyped_storage().data_ptr() == ptr for d in batch.leaves(drawn) if d.numel()):
+            return True
         a = t.detach().to("cpu", torch.float64).reshape(t.shape[0], -1)
         for d in batch.leaves(drawn):
             if d.dim() == 0 or d.numel() == 0 or d[0].numel() != a.shape[1]:

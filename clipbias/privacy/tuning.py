@@ -26,6 +26,7 @@ from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
 from ..errors import ConfigError
+from . import rdp as cached_rdp  # dp-accounting's RdpAccountant, its Gaussian leaves kept per process
 
 BASIS = ("private hyperparameter tuning (Papernot & Steinke, ICLR 2022, Thm. 2): random search with a random "
          "number of trials K ~ truncated negative binomial (shape {shape:g}, mean {mean:g}), each trial the "
@@ -48,13 +49,13 @@ def tuned_epsilon(training: dp_event.DpEvent | Sequence[dp_event.DpEvent], score
     pointwise maximum is the one-trial RDP that Papernot & Steinke's Thm. 2 takes."""
     events = [training] if isinstance(training, dp_event.DpEvent) else list(training)
     if len(events) == 1:
-        acc = rdp.RdpAccountant()
+        acc = cached_rdp.accountant()
         acc.compose(dp_event.RepeatAndSelectDpEvent(trial_event(events[0], score_std), mean, shape))
         return float(acc.get_epsilon(delta))
     orders = np.asarray(rdp.DEFAULT_RDP_ORDERS, dtype=np.float64)
     curves = []
     for e in events:
-        acc = rdp.RdpAccountant(list(orders))
+        acc = cached_rdp.accountant(list(orders))
         acc.compose(trial_event(e, score_std))
         curves.append(np.asarray(acc._rdp, dtype=np.float64))  # one trial's RDP at ``orders``
     worst = np.max(curves, axis=0)

@@ -381,13 +381,21 @@ def child(cfg: dict) -> None:
         where = "; ".join(x for x in (f"{script.name}:{in_script[-1].lineno}" if in_script else "",
                                       f"raised at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else "") if x)
     wall = time.perf_counter() - t0
-    eps = None
+    eps, certified = None, None
     for e in engines:
         try:
             eps = float(e.get_epsilon(cfg["delta"]))
         except Exception as exc:  # noqa: BLE001 - an engine that never stepped
             print(f"[runner] get_epsilon failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        report = getattr(e, "privacy_report", None)  # (clipbias's: certified, and the caveats' first words)
+        if cfg["lib"] == "clipbias" and report is not None:
+            try:
+                r = report()
+                certified = "yes" if r.certified else "no: " + "; ".join(c[:70] for c in r.caveats)
+            except Exception:  # noqa: BLE001
+                pass
     Path(RESULT).write_text(json.dumps({"wall_s": wall, "error": error, "where": where, "epsilon": eps,
+                                        "certified": certified,
                                         "swaps": swaps, "gaps": gaps, "lib_from": lib}))
 
 
@@ -434,7 +442,7 @@ def run_one(name: str, ex: Example, lib: str, repo: Path, args, scratch: Path) -
     text = (out / "stdout.txt").read_text(errors="replace") + "\n" + \
         (out / "stderr.txt").read_text(errors="replace").replace("\r", "\n")
     res = json.loads((out / RESULT).read_text()) if (out / RESULT).exists() else \
-        {"wall_s": None, "epsilon": None, "swaps": [], "gaps": [], "where": None, "lib_from": None,
+        {"wall_s": None, "epsilon": None, "certified": None, "swaps": [], "gaps": [], "where": None, "lib_from": None,
          "error": f"timed out after {args.timeout} s" if rc == "timeout" else
          (_last_error(text) or f"process exited with {rc}")}
     if rc == "timeout" and not res["error"]:
@@ -451,12 +459,13 @@ def _last_error(text: str) -> str | None:
 
 
 def report(results: list, args) -> str:
-    rows = ["| example | library | metric | epsilon | wall s | status |", "|---|---|---|---|---|---|"]
+    rows = ["| example | library | metric | epsilon | certified | wall s | status |", "|---|---|---|---|---|---|---|"]
     for r in results:
         eps = f"{r['epsilon']:.2f}" if r["epsilon"] is not None else "-"
         wall = f"{r['wall_s']:.1f}" if r["wall_s"] is not None else f"({r['process_s']:.0f})"
         status = "ok" if not r["error"] else "FAILED: " + r["error"].replace("|", "\\|")[:160]
-        rows.append(f"| {r['example']} | {r['lib']} | {r['metric'] or '-'} | {eps} | {wall} | {status} |")
+        cert = (r.get("certified") or "-").replace("|", "\\|")
+        rows.append(f"| {r['example']} | {r['lib']} | {r['metric'] or '-'} | {eps} | {cert} | {wall} | {status} |")
     import torch
     froms = sorted({r["lib_from"] for r in results if r.get("lib_from")})
     lines = rows + ["", f"torch {torch.__version__}; " + "; ".join(froms), "", "Import swaps (clipbias arm):"]

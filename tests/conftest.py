@@ -22,6 +22,23 @@ import torch
 torch.set_num_threads(1)
 
 
+def _pin_worker() -> None:
+    """Under pytest-xdist, worker i of n keeps the cores i, i + n, ... of those it may use (when there are at
+    least n): the commands' ``--threads`` default (the cores this process may use) then starts no thread pool
+    that competes with the other workers for their cores (a 2-thread pool beside a busy worker ran a whole
+    `clipbias compare` 2x slower), and what a test starts (a ``clipbias train`` subprocess, spawned ranks)
+    shares its worker's cores."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and count.isdigit() and hasattr(os, "sched_setaffinity")):
+        return
+    cores, i, n = sorted(os.sched_getaffinity(0)), int(worker[2:]), int(count)
+    if len(cores) >= n > 1:
+        os.sched_setaffinity(0, cores[i % n::n])
+
+
+_pin_worker()
+
+
 def _calibration_dir() -> str:
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one session
     if run is None:
@@ -44,3 +61,34 @@ def _one_thread():
     yield
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def two_ranks(request, tmp_path_factory) -> Path:
+    """The folder where one pair of spawned gloo ranks (``tests/ranks.py``) ran the 2-process scenario of every
+    test module that has a selected test using this fixture: ``two_ranks / "test_x"`` for ``tests/test_x.py``.
+    Once per test session: under pytest-xdist the first worker to need it spawns the ranks in the folder its
+    workers share, holding a lock, and a worker that needs it meanwhile waits for their files."""
+    import torch.multiprocessing as mp
+    from filelock import FileLock  # (a dependency of torch)
+
+    from tests import ranks
+    modules = sorted({item.path.stem for item in request.session.items if "two_ranks" in item.fixturenames})
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the folder of this session's workers
+    out = root / "two-ranks"
+    with FileLock(str(out) + ".lock"):
+        if not (out / "done").is_file():
+            shutil.rmtree(out, ignore_errors=True)  # (what a failed try left)
+            out.mkdir()
+            mp.spawn(ranks.run, args=(2, (_free_port(), _free_port()), str(out), modules), nprocs=2, join=True)
+            (out / "done").touch()
+    return out

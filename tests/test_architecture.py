@@ -7,6 +7,7 @@ per script, its results in one folder, and every path into it that the docs and 
 from __future__ import annotations
 
 import ast
+import functools
 import glob
 import pathlib
 import re
@@ -15,6 +16,12 @@ import textwrap
 import pytest
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "clipbias"
+
+
+@functools.cache
+def _tree(path: pathlib.Path) -> ast.Module:
+    """The parsed source of a package file, once per process (the tests below walk every file)."""
+    return ast.parse(path.read_text())
 
 
 def _module(path: pathlib.Path) -> str:
@@ -33,7 +40,7 @@ def _imports(path: pathlib.Path) -> set[str]:
     mod = _module(path)
     pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("clipbias")}
         elif isinstance(node, ast.ImportFrom):
@@ -51,7 +58,10 @@ def _imports(path: pathlib.Path) -> set[str]:
     return out
 
 
-GRAPH = {_module(p): _imports(p) for p in PKG.rglob("*.py")}
+@functools.cache
+def _graph() -> dict[str, set[str]]:
+    """Each module of the package: the clipbias modules it imports (built when a test needs it, not at collection)."""
+    return {_module(p): _imports(p) for p in PKG.rglob("*.py")}
 
 
 def _parents(mod: str) -> list[str]:
@@ -61,6 +71,7 @@ def _parents(mod: str) -> list[str]:
 
 
 def test_the_package_has_no_import_cycle():
+    GRAPH = _graph()
     graph = {m: {d for d in deps if d in GRAPH and d != m} for m, deps in GRAPH.items()}
     state: dict[str, int] = {}
 
@@ -82,6 +93,7 @@ def test_the_package_has_no_import_cycle():
 def test_nothing_below_the_catalog_imports_it():
     """The bottom (errors, config, privacy, sampling, grads, transforms) and the algorithm modules
     themselves never import the catalog ``clipbias.algorithms``."""
+    GRAPH = _graph()
     bottom = [m for m in GRAPH if m.split(".")[1:2] and m.split(".")[1] in
               ("errors", "config", "privacy", "sampling", "grads", "transforms", "files")]
     methods = [m for m in GRAPH if m.startswith("clipbias.algorithms.")]
@@ -105,7 +117,7 @@ def _all_imports(path: pathlib.Path) -> list[tuple[str, int]]:
     mod = _module(path)
     pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("clipbias")):
             base = node.module or ""
             if node.level:
@@ -155,7 +167,7 @@ def _code_lines(node: ast.AST) -> int:
 def test_no_function_is_longer_than_80_lines():
     long = []
     for p in PKG.rglob("*.py"):
-        for n in ast.walk(ast.parse(p.read_text())):
+        for n in ast.walk(_tree(p)):
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and _code_lines(n) > 80:
                 long.append(f"{p.relative_to(PKG)}:{n.name} ({_code_lines(n)} lines without docstrings)")
     assert not long, long
@@ -168,7 +180,7 @@ LONG_CLASSES: set[str] = set()
 def test_no_class_is_longer_than_250_lines():
     long = []
     for p in PKG.rglob("*.py"):
-        for n in ast.walk(ast.parse(p.read_text())):
+        for n in ast.walk(_tree(p)):
             name = f"{p.relative_to(PKG).as_posix()}:{getattr(n, 'name', '')}"
             if isinstance(n, ast.ClassDef) and _code_lines(n) > 250 and name not in LONG_CLASSES:
                 long.append(f"{name} ({_code_lines(n)} lines without docstrings)")
@@ -280,7 +292,7 @@ def test_every_method_module_is_in_the_catalogs_registration_order():
     from clipbias import algorithms
     registering = {p.stem for p in (PKG / "algorithms").glob("*.py")
                    if any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "register"
-                          for n in ast.walk(ast.parse(p.read_text()))) and p.stem not in ("base", "__init__")}
+                          for n in ast.walk(_tree(p))) and p.stem not in ("base", "__init__")}
     listed = [m.__name__.rpartition(".")[2] for m in algorithms.REGISTRATION_ORDER]
     assert set(listed) == registering, (listed, registering)
     src = (PKG / "algorithms" / "__init__.py").read_text()

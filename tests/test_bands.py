@@ -400,20 +400,24 @@ def test_unit_norm_is_the_sensitivity_of_one_participation_in_a_class():
             assert (norms[~full] < 1).all()
 
 
-def _coefs_on_rank(rank: int, result: str) -> None:
+def ranks_scenario(rank: int, out: str) -> None:
+    """Run by both ranks of the session's process group (conftest's ``two_ranks``): the optimised coefficients
+    each rank bands with."""
     from clipbias.algorithms import band_strategy, bands
+    own = band_strategy.optimized
     if rank == 1:  # a rank whose own optimisation would differ: it must take rank 0's bits
         band_strategy.optimized = lambda b, t, m: (1.0,) + (0.0,) * (b - 1)
-    torch.save(bands.band_coefficients(4, 0.9, "optimized", 63), f"{result}.{rank}")
+    try:
+        torch.save(bands.band_coefficients(4, 0.9, "optimized", 63), f"{out}/c.{rank}")
+    finally:
+        band_strategy.optimized = own
 
 
 @pytest.mark.slow
-def test_under_torchrun_every_rank_bands_with_rank_0s_optimised_coefficients(tmp_path):
-    """2 gloo processes (about 6 s): rank 1's own optimisation is never used."""
+def test_under_torchrun_every_rank_bands_with_rank_0s_optimised_coefficients(two_ranks):
+    """2 gloo processes: rank 1's own optimisation is never used."""
     from clipbias.algorithms.band_strategy import optimized
-    from tests.test_distributed import _spawn
-    _spawn(_coefs_on_rank, str(tmp_path / "c"))
-    got = [torch.load(tmp_path / f"c.{r}") for r in range(2)]
+    got = [torch.load(two_ranks / "test_bands" / f"c.{r}") for r in range(2)]
     assert got[0] == got[1] == optimized(4, 63, 0.9)
 
 

@@ -231,20 +231,24 @@ def test_compare_and_train_take_blt_noise_by_name():
         parse_variant("dpsgd:bands=29:bltx")
 
 
-def _blt_on_rank(rank: int, result: str) -> None:
+def ranks_scenario(rank: int, out: str) -> None:
+    """Run by both ranks of the session's process group (conftest's ``two_ranks``): the BLT strategy each rank
+    takes."""
     from clipbias.algorithms import bands
     from clipbias.algorithms import blt as mod
+    own = mod.optimized
     if rank == 1:  # a rank whose own optimisation would differ: it must take rank 0's strategy
         mod.optimized = lambda t, k, m: mod.normalised((0.5, 0.0), (0.5, 0.5), k, t)
-    torch.save(bands.band_coefficients(4, 0.9, "blt", 63).to_dict(), f"{result}.{rank}")
+    try:
+        torch.save(bands.band_coefficients(4, 0.9, "blt", 63).to_dict(), f"{out}/c.{rank}")
+    finally:
+        mod.optimized = own
 
 
 @pytest.mark.slow
-def test_under_torchrun_every_rank_uses_rank_0s_blt_strategy(tmp_path):
+def test_under_torchrun_every_rank_uses_rank_0s_blt_strategy(two_ranks):
     """2 gloo processes: rank 1's own strategy is never used (the accounting and the noise are rank 0's)."""
-    from tests.test_distributed import _spawn
-    _spawn(_blt_on_rank, str(tmp_path / "c"))
-    got = [torch.load(tmp_path / f"c.{r}") for r in range(2)]
+    got = [torch.load(two_ranks / "test_blt" / f"c.{r}") for r in range(2)]
     assert got[0] == got[1] == blt.optimized(63, 4, 0.9).to_dict()
 
 

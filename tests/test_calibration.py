@@ -8,8 +8,6 @@ The exhaustive sweep (40 grid configurations and 12 random ones, through the CLI
 from __future__ import annotations
 
 import math
-import os
-import socket
 
 import numpy as np
 import pytest
@@ -145,35 +143,23 @@ def test_a_slow_calibration_says_so_on_stderr(capsys, monkeypatch):
     assert "calibrated in" in err and z > 0
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, port: int, result: str) -> None:
-    import torch.distributed as dist
-
+def ranks_scenario(rank: int, out: str) -> None:
+    """Run by both ranks of the session's process group (conftest's ``two_ranks``): an engine calibrated to
+    epsilon 2, counting this rank's calls of the calibration."""
     from clipbias.engine.core import DPEngine
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     calls = []
     real = privacy.calibrate
     privacy.calibrate = lambda *a, **k: calls.append(a) or real(*a, **k)
     try:
         engine = DPEngine(torch.nn.Linear(3, 2), "dpsgd", n=100, batch_size=10, steps=20, epsilon=2.0, delta=1e-5)
-        torch.save({"calls": len(calls), "z": engine.noise_multiplier}, f"{result}.{rank}")
+        torch.save({"calls": len(calls), "z": engine.noise_multiplier}, f"{out}/r.{rank}")
     finally:
         privacy.calibrate = real
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_ranks_of_a_process_group_share_rank_0s_calibration(tmp_path):
-    import torch.multiprocessing as mp
-    mp.spawn(_rank, args=(_port(), str(tmp_path / "r")), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"r.{i}") for i in range(2))
+def test_ranks_of_a_process_group_share_rank_0s_calibration(two_ranks):
+    r0, r1 = (torch.load(two_ranks / "test_calibration" / f"r.{i}") for i in range(2))
     assert (r0["calls"], r1["calls"]) == (1, 0)
     gaussian.calibrate.cache_clear()
     assert r0["z"] == r1["z"] == privacy.calibrate(AccountingSpec("gaussian", 0.1), 2.0, 1e-5, 20)

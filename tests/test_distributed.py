@@ -1,20 +1,19 @@
 """torch.distributed (gloo, 2 CPU processes) gives the single-process run: the same weights (up to
 float rounding and rare single steps of the noise grid) and the same epsilon with the same seed and
 --reproducible-noise, one failing rank stops every rank with the same error and nothing updated,
-refusals are clear."""
+refusals are clear. The test session's pair of spawned ranks (conftest's ``two_ranks``) runs the 2-process side
+of every test but the torchrun one (``ranks_scenario``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from clipbias.errors import ConfigError, NonFiniteGradientError, ResumeMismatchError
 from clipbias.run.training import TrainConfig, load_checkpoint, train
@@ -25,28 +24,6 @@ BASE = TrainConfig(data="digits", model="mlp", algo="dpsgd", noise_multiplier=1.
                    batch_size=64, lr=0.5, clip=1.0, seed=3, reproducible_noise=True)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, fn, args) -> None:
-    import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    import torch.distributed.nn.functional as _defaults  # noqa: F401  before the group: see distributed.init_from_env
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        fn(rank, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(fn, *args, world: int = 2) -> None:
-    mp.spawn(_worker, args=(world, _port(), fn, args), nprocs=world, join=True)
-
-
 # inner-outer: past iterates and outer momentum; dpgd-momentum: one momentum buffer per example (full
 # batch, 3 steps), sharded by owner and gathered into the checkpoint; p-avg: groups processed whole by
 # one rank; dpsgd --grad-path fast: the book-keeping sums per rank
@@ -55,10 +32,20 @@ METHODS = [{"algo": "dpsgd"}, {"algo": "dice"}, {"algo": "inner-outer", "extra":
            {"algo": "dpsgd", "grad_path": "fast"}, {"algo": "adaptive", "extra": {"count_noise": 3.2}}]
 
 
-def _train_ranks(rank: int, cfgs: list[TrainConfig], result: str) -> None:
-    out = [train(cfg) for cfg in cfgs]
-    torch.save([{"epsilon": r["epsilon"], "world_size": r["world_size"], "steps": r["steps"]} for r in out],
-               f"{result}.{rank}")
+DISK_CASES = [{"algo": "disk", "momentum": 0.5}, {"algo": "disk", "grad_path": "fast", "extra": {"kappa": 0.5}},
+              {"algo": "inner-outer+disk", "extra": {"K0": 1}}]
+CASES = {"methods": METHODS, "disk": DISK_CASES}  # the trainings the 2 ranks run (``ranks``), by test
+
+
+def _two_process_configs(ranks: str | Path, name: str) -> list[TrainConfig]:
+    return [dataclasses.replace(BASE, **m, out=str(Path(ranks) / f"{name}-{i}")) for i, m in enumerate(CASES[name])]
+
+
+def _train_ranks(rank: int, ranks: str) -> None:
+    for name in CASES:
+        out = [train(cfg, plot=False) for cfg in _two_process_configs(ranks, name)]
+        torch.save([{"epsilon": r["epsilon"], "world_size": r["world_size"], "steps": r["steps"]} for r in out],
+                   Path(ranks) / f"{name}.{rank}")
 
 
 def _same_up_to_grid_steps(w1: dict, w2: dict, cfg: TrainConfig) -> None:
@@ -86,27 +73,48 @@ def _initial(cfg: TrainConfig) -> dict:
             .model.state_dict().items()}
 
 
-def _one_and_two_processes(tmp_path, cases: list[dict]):
-    """Each case of ``BASE`` trained in this process and on 2 spawned ranks: (1-process configs,
-    2-process configs, 1-process results, each rank's results)."""
+def _one_and_two_processes(tmp_path, ranks: Path, name: str):
+    """Each case of ``CASES[name]`` trained in this process, and as the 2 ranks of ``ranks`` trained it: (1-process
+    configs, 2-process configs, 1-process results, each rank's results)."""
     torch.set_num_threads(1)
-    ones = [dataclasses.replace(BASE, **m, out=str(tmp_path / f"{i}-1")) for i, m in enumerate(cases)]
-    twos = [dataclasses.replace(c, out=str(tmp_path / f"{i}-2")) for i, c in enumerate(ones)]
-    single = [train(c) for c in ones]
-    _spawn(_train_ranks, twos, str(tmp_path / "res"))
-    return ones, twos, single, [torch.load(tmp_path / f"res.{r}") for r in range(2)]
+    ones = [dataclasses.replace(c, out=str(tmp_path / f"{i}-1")) for i, c in enumerate(_two_process_configs(ranks, name))]
+    single = [train(c, plot=False) for c in ones]
+    return ones, _two_process_configs(ranks, name), single, [torch.load(ranks / f"{name}.{r}") for r in range(2)]
+
+
+def ranks_scenario(rank: int, out: str) -> None:
+    """What the session's 2 ranks (conftest's ``two_ranks``, ``tests/ranks.py``) run in their process group for
+    this module: the trainings (``test_two_processes_give_the_single_process_run``,
+    ``test_disk_on_two_processes_...``), the failing rank and the resumed run (``test_a_failing_rank_...``), the
+    sharded model (``test_fully_shard_...``)."""
+    _train_ranks(rank, out)
+    _nan_rank(rank, str(Path(out) / "nan"))
+    _sharded_rank(rank, str(Path(out) / "fsdp"))
+
+
+def ranks_before_group(rank: int, world: int, port: int, out: str) -> None:
+    """First, in the fresh processes: the group of ``init_from_env`` and its threads
+    (``test_destroying_the_group_ends_its_threads``)."""
+    if Path("/proc/self/task").is_dir():  # (the test counts threads through /proc: Linux)
+        _threads_outlive_the_group(rank, world, port, str(Path(out) / "left"))
+
+
+@pytest.fixture
+def ranks(two_ranks) -> Path:
+    """This module's results in the session's 2 ranks (``ranks_scenario``, ``ranks_before_group``)."""
+    return two_ranks / "test_distributed"
 
 
 @pytest.mark.slow
-def test_two_processes_give_the_single_process_run(tmp_path):
+def test_two_processes_give_the_single_process_run(tmp_path, ranks):
     """dpsgd, dice (error feedback), inner-outer (stored iterates, outer momentum), dpgd-momentum
     (per-example state), p-avg (group rows) and dpsgd on the fast path: the 2-process weights equal
     the 1-process ones up to float rounding and rare single steps of the noise grid
     (``_same_up_to_grid_steps``), epsilon is identical, and so is the private per-example state."""
-    ones, twos, single, ranks = _one_and_two_processes(tmp_path, METHODS)
+    ones, twos, single, per_rank = _one_and_two_processes(tmp_path, ranks, "methods")
     for i, (one, two, res1) in enumerate(zip(ones, twos, single)):
-        assert res1["world_size"] == 1 and all(r[i]["world_size"] == 2 for r in ranks)
-        assert all(r[i]["epsilon"] == res1["epsilon"] and r[i]["steps"] == res1["steps"] > 1 for r in ranks)
+        assert res1["world_size"] == 1 and all(r[i]["world_size"] == 2 for r in per_rank)
+        assert all(r[i]["epsilon"] == res1["epsilon"] and r[i]["steps"] == res1["steps"] > 1 for r in per_rank)
         w1, w2 = load_checkpoint(one.out)["model"], load_checkpoint(two.out)["model"]
         _same_up_to_grid_steps(w1, w2, one)
         init = _initial(one)
@@ -118,15 +126,13 @@ def test_two_processes_give_the_single_process_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_disk_on_two_processes_gives_the_single_process_run(tmp_path):
+def test_disk_on_two_processes_gives_the_single_process_run(tmp_path, ranks):
     """DiSK (the previous iterate and the filter, identical on every rank) on the summed rows, on the
     fast path, and chained with inner-outer's outer momentum over stored iterates: 2 processes give the
     1-process weights up to rounding and rare grid steps, the same epsilon and the same filter state."""
-    cases = [{"algo": "disk", "momentum": 0.5}, {"algo": "disk", "grad_path": "fast", "extra": {"kappa": 0.5}},
-             {"algo": "inner-outer+disk", "extra": {"K0": 1}}]
-    ones, twos, single, ranks = _one_and_two_processes(tmp_path, cases)
+    ones, twos, single, per_rank = _one_and_two_processes(tmp_path, ranks, "disk")
     for i, (one, two, res1) in enumerate(zip(ones, twos, single)):
-        assert all(r[i]["epsilon"] == res1["epsilon"] and r[i]["world_size"] == 2 for r in ranks)
+        assert all(r[i]["epsilon"] == res1["epsilon"] and r[i]["world_size"] == 2 for r in per_rank)
         c1, c2 = load_checkpoint(one.out), load_checkpoint(two.out)
         _same_up_to_grid_steps(c1["model"], c2["model"], one)
         assert c2["engine"]["rows"]["prev"] is not None
@@ -174,8 +180,8 @@ def _interrupted_and_resumed(out: Path) -> None:
             raise _Stop
 
     with pytest.raises(_Stop):
-        train(cfg, on_epoch_end=stop)
-    train(dataclasses.replace(cfg, resume=True))
+        train(cfg, on_epoch_end=stop, plot=False)
+    train(dataclasses.replace(cfg, resume=True), plot=False)
 
 
 def _secret_streams_run() -> list:
@@ -193,18 +199,17 @@ def _secret_streams_run() -> list:
 RESUMED = dataclasses.replace(BASE, algo="dpgd-momentum", batch_size=1347, epochs=3)
 
 
-def test_a_failing_rank_stops_every_rank_and_unsplittable_sources_are_refused(tmp_path):
+def test_a_failing_rank_stops_every_rank_and_unsplittable_sources_are_refused(tmp_path, ranks):
     """Also: a 2-rank run checkpointed by rank 0 (the per-example buffers gathered), stopped and
     resumed at 2 ranks, ends where one uninterrupted process ends."""
-    _spawn(_nan_rank, str(tmp_path / "nan"))
     straight = dataclasses.replace(RESUMED, out=str(tmp_path / "straight"))
-    train(straight)
-    w1, w2 = load_checkpoint(straight.out)["model"], load_checkpoint(tmp_path / "resumed")["model"]
+    train(straight, plot=False)
+    w1, w2 = load_checkpoint(straight.out)["model"], load_checkpoint(ranks / "resumed")["model"]
     _same_up_to_grid_steps(w1, w2, RESUMED)
-    assert load_checkpoint(tmp_path / "resumed")["epoch"] == 3
-    b1, b2 = (load_checkpoint(d)["engine"]["pipeline"]["per_sample.0"]["buf"] for d in (straight.out, tmp_path / "resumed"))
+    assert load_checkpoint(ranks / "resumed")["epoch"] == 3
+    b1, b2 = (load_checkpoint(d)["engine"]["pipeline"]["per_sample.0"]["buf"] for d in (straight.out, ranks / "resumed"))
     assert float((b1 - b2).norm() / b1.norm()) < 1e-4  # each example's buffer once, after a resume too
-    r0, r1 = (torch.load(tmp_path / f"nan.{r}") for r in range(2))
+    r0, r1 = (torch.load(ranks / f"nan.{r}") for r in range(2))
     assert r0["msg"] is not None and r0["msg"] == r1["msg"]  # rank 0's data was fine: it stops too
     assert "example(s) [1]" in r0["msg"] and "rank 1 of 2" in r0["msg"] and "nothing was updated" in r0["msg"]
     assert r0["state"] == r1["state"] == (0, True, True)
@@ -250,11 +255,11 @@ def _threads_outlive_the_group(rank: int, world: int, port: int, result: str) ->
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc (Linux)")
-def test_destroying_the_group_ends_its_threads(tmp_path):
+def test_destroying_the_group_ends_its_threads(ranks):
     """A group still referenced after destroy_process_group keeps gloo's threads alive into interpreter
-    shutdown, where a worker freeing a late work's tensors aborts the process (a rare SIGABRT)."""
-    mp.spawn(_threads_outlive_the_group, args=(2, _port(), str(tmp_path / "left")), nprocs=2, join=True)
-    assert [(tmp_path / f"left.{r}").read_text() for r in range(2)] == ["", ""]
+    shutdown, where a worker freeing a late work's tensors aborts the process (a rare SIGABRT). (The ranks
+    ran it first, in their fresh processes: ``ranks_before_group``.)"""
+    assert [(ranks / f"left.{r}").read_text() for r in range(2)] == ["", ""]
 
 
 # ---------------------------------------------------------------- the command line under torchrun
@@ -347,22 +352,19 @@ def _sharded_rank(rank: int, result: str) -> None:
                 "refused": refused, "steps": eng.steps_taken}, f"{result}.{rank}")
 
 
-def test_fully_shard_gives_the_single_process_run(tmp_path):
+def test_fully_shard_gives_the_single_process_run(ranks):
     """A model sharded with fully_shard on 2 ranks (a block and the root; shards of unequal size) trains to the
     weights of the unsharded model in one process, float64, with the same epsilon: the per-example norms are
     whole, the noise is added once; parameters and optimizer state stay sharded, a NaN example on one rank
     stops both and updates nothing, and what the path cannot cover is refused by name."""
     torch.set_num_threads(1)
-    ranks = mp.spawn(_worker, args=(2, _port(), _sharded_rank, (str(tmp_path / "fsdp"),)), nprocs=2, join=False)
-    model = _sharded_model()  # the one-process run while the ranks run
+    model = _sharded_model()  # the one-process run
     eng, msg, before, after = _sharded_run(model)
-    while not ranks.join():
-        pass
     assert eng.steps_taken == 3 and all(torch.equal(a, b) for a, b in zip(before, after))
     init = list(_sharded_model().parameters())
     assert sum(float((p - q).detach().norm()) for p, q in zip(model.parameters(), init)) > 0.5  # trained
     for rank in range(2):
-        res = torch.load(tmp_path / f"fsdp.{rank}")
+        res = torch.load(ranks / f"fsdp.{rank}")
         assert res["steps"] == 3 and res["epsilon"] == eng.privacy().epsilon
         assert max(float((a - b).detach().abs().max()) for a, b in zip(res["w"], model.parameters())) <= 1e-12
         assert res["unchanged"] and res["msg"] is not None and "rank 1 of 2" in res["msg"]

@@ -6,6 +6,7 @@ import numpy as np
 import json
 
 import pytest
+from dp_accounting import dp_event as E
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_mod
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -401,6 +402,26 @@ def test_cached_one_step_pld_gives_the_accountants_epsilon(z, q, steps):
     b = P.PLDAccountant(value_discretization_interval=dice.SOUND_DISCRETIZATION)
     b.compose(dice.sound_event(p, z))
     assert dice.sound_epsilon(p, z, 1e-5) == pytest.approx(b.get_epsilon(1e-5), rel=1e-9)
+
+
+@pytest.mark.parametrize("event", [
+    E.SelfComposedDpEvent(E.PoissonSampledDpEvent(256 / 60000, E.GaussianDpEvent(0.9)), 2340),
+    E.GaussianDpEvent(3.0),
+    E.RepeatAndSelectDpEvent(E.ComposedDpEvent([E.SelfComposedDpEvent(E.PoissonSampledDpEvent(
+        0.05, E.GaussianDpEvent(1.2)), 60), E.GaussianDpEvent(25.0)]), 8.0, 1.0),
+    E.SelfComposedDpEvent(E.PoissonSampledDpEvent(0.3, E.ComposedDpEvent([E.GaussianDpEvent(2.0),
+                                                                           E.GaussianDpEvent(4.0)])), 7)])
+def test_the_rdp_accountant_with_kept_gaussian_leaves_is_dp_accountings_bit_for_bit(event):
+    """``rdp.CachedRdpAccountant`` (the RDP accountant, the tuning's) keeps each Gaussian leaf's RDP per process:
+    a first and a second (kept) composition give dp-accounting's RDP at every order and its epsilon exactly."""
+    from dp_accounting.rdp import rdp_privacy_accountant as R
+
+    from clipbias.privacy import rdp
+    ref = R.RdpAccountant().compose(event)
+    for _ in range(2):
+        got = rdp.accountant().compose(event)
+        assert isinstance(got, rdp.CachedRdpAccountant)
+        assert np.array_equal(got._rdp, ref._rdp) and got.get_epsilon(1e-5) == ref.get_epsilon(1e-5)
 
 
 def test_a_target_epsilon_that_does_not_bind_is_explained_on_the_spot(capsys, monkeypatch):

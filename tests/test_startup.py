@@ -46,3 +46,25 @@ def test_the_parsers_snapshot_is_the_live_registry():
     assert SNAPSHOT == _choices.live(), ("clipbias/cli/_snapshot.py is out of date: regenerate it with "
                                          "`python -m clipbias.cli._choices > clipbias/cli/_snapshot.py`")
     assert (ROOT / "clipbias/cli/_snapshot.py").read_text() == _choices.source()
+
+
+_CALIBRATE = """
+import contextlib, io, json, sys
+from clipbias.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    assert main(["calibrate", "--algo", "dpsgd", "--epsilon", "3", "--delta", "1e-5", "--sample-rate", "0.01",
+                 "--steps", "100", "--json"]) == 0
+print(json.dumps({"result": json.loads(out.getvalue()), "modules": sorted(sys.modules)}))
+"""
+
+
+def test_a_dpsgd_calibration_imports_no_torch(tmp_path):
+    """`clipbias calibrate --algo dpsgd` (no bands) needs the accountants only: torch's import was half of a
+    calibration's 3 s on a fresh cache. Its answer is the library's (the same call in this process)."""
+    got = json.loads(subprocess.run([sys.executable, "-c", _CALIBRATE], cwd=ROOT, capture_output=True, text=True,
+                                    check=True, env={"PYTHONPATH": str(ROOT), "PATH": "",
+                                                     "CLIPBIAS_CACHE": str(tmp_path)}).stdout)
+    assert not [m for m in got["modules"] if m == "torch" or m.startswith("torch.")]
+    from clipbias.privacy import AccountingSpec, calibrate
+    assert got["result"]["noise_multiplier"] == calibrate(AccountingSpec("gaussian", 0.01), 3.0, 1e-5, 100)

@@ -344,3 +344,13 @@ def test_an_eval_forward_on_the_private_rows_hides_no_gradient():
     out = model(xb)
     model.train()
     assert not out.requires_grad and rowtrace.label_of(out).kind == rowtrace.ROWS
+
+
+def test_a_tensor_of_the_batch_cannot_be_declared_public():
+    pe, m, model, opt, loader = _make()
+    it = iter(loader)
+    xb, yb = next(it)
+    for private in (xb, xb * 2 + 1e-6, model(xb), xb[:2]):
+        with pytest.raises(ConfigError, match="not public"):
+            clipbias.public(private)
+    assert rowtrace.label_of(clipbias.public(torch.randn(3, D))).kind == rowtrace.PUBLIC

@@ -717,6 +717,12 @@ def public(*tensors: Tensor) -> Any:
     """Declare tensors public (a GAN's generated batch, a public data set): a forward of the model on them in a
     private step is public, its gradient exact and unclipped, and the step stays certified. A tensor that shares
     rows or storage with the batch is still the batch (the private forward). Returns the tensor (or a tuple)."""
+    for t in tensors:
+        lab = label_of(t)
+        if not isinstance(t, Tensor) or lab is not None and lab.kind != PUBLIC:
+            raise ConfigError("clipbias.public: " + ("this tensor is computed from the private batch (or an output of "
+                              "the model on it): it is not public" if isinstance(t, Tensor) else
+                              f"expects tensors, got {type(t).__name__}"))
     out = tuple(wrap(plain(t), Label(PUBLIC, None)) for t in tensors)
     return out[0] if len(out) == 1 else out
 

@@ -354,3 +354,23 @@ def test_a_tensor_of_the_batch_cannot_be_declared_public():
         with pytest.raises(ConfigError, match="not public"):
             clipbias.public(private)
     assert rowtrace.label_of(clipbias.public(torch.randn(3, D))).kind == rowtrace.PUBLIC
+
+
+def test_a_value_read_from_one_chunk_reaches_the_next_chunks_step():
+    """BatchMemoryManager: a value read out of the first chunk (before its backward or after it) may feed the
+    second chunk's loss: the logical step is not proved."""
+    from clipbias import BatchMemoryManager
+    pe, m, model, opt, loader = _make(seed=None)
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=opt) as mem:
+        previous = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i, (xb, yb) in enumerate(mem):
+                loss = F.cross_entropy(model(xb), yb)
+                (loss if previous is None else loss * previous).backward()
+                previous = loss.item()
+                opt.step()
+                if pe.steps >= 1:
+                    break
+    report = pe.privacy_report()
+    assert pe.steps == 1 and not report.certified

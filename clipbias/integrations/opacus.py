@@ -702,8 +702,11 @@ class DPDataLoader:
             self.module._pending = pending = _Batch(idx, data, len(chunks))
             for chunk in chunks:
                 pending.yielded += 1
-                if self.module.follows:  # traced rows (``rowtrace``), a ``Rows`` per chunk
+                if self.module.follows:  # traced rows (``rowtrace``), a ``Rows`` per chunk; a value read out of
+                    # an earlier chunk of the batch may feed this one's loss: the read carries over
+                    earlier = pending.chunk
                     pending.chunk = rowtrace.Rows(_rows_in(chunk), self.engine.params)
+                    pending.chunk.escaped = earlier.escaped if earlier is not None else None
                     pending.chunk_rows.append(pending.chunk)
                     chunk = rowtrace.yielded(chunk, pending.chunk)
                 yield chunk

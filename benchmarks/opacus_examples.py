@@ -26,13 +26,15 @@ its process, imports of torch and torchvision excluded) and the status: ``ok`` o
 the import swaps, the GAPs and each failure with where it was raised. ``--out F.md`` writes the same text;
 ``--keep`` keeps the scratch folders (each run's stdout.txt and stderr.txt).
 
-Needs torchvision (the examples import it; clipbias does not depend on it: ``pip install --no-deps
-torchvision``; PyPI's Linux wheels are CUDA builds whose C++ operators do not load with a CPU torch, which
-``import_torchvision`` works around: the examples use none of them) and Opacus on the path for the Opacus arm::
+Needs torchvision (the examples import it; clipbias does not depend on it): install it beside the environment,
+not into it (``pip install --no-deps --target /tmp/tv_site torchvision==0.28.0``; PyPI's Linux wheels are CUDA
+builds whose C++ operators do not load with a CPU torch, which ``import_torchvision`` works around for the
+examples, but in ``.venv`` it breaks transformers' and Lightning's imports), and Opacus on the path for the
+Opacus arm::
 
     git --git-dir=OPACUS_GIT archive HEAD examples | (mkdir -p /tmp/opacus_src && tar x -C /tmp/opacus_src)
     pip install --no-deps --target /tmp/opacus_site opacus==1.6.0
-    PYTHONPATH=.:/tmp/opacus_site python benchmarks/opacus_examples.py --opacus-repo /tmp/opacus_src \\
+    PYTHONPATH=.:/tmp/opacus_site:/tmp/tv_site python benchmarks/opacus_examples.py --opacus-repo /tmp/opacus_src \\
         --examples mnist,cifar10,dcgan,char-lstm,mnist_lightning
 
 Time on 2 CPU cores: 8 min 12 s for the five examples and two libraries (timed, other jobs running; each run is capped by

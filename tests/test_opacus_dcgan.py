@@ -90,9 +90,9 @@ def _train(read_before_backward: bool, epochs: int, n: int = 256):
                 errD.backward()
                 optimizerD.step()
             optimizerD.zero_grad(set_to_none=True)
-            if not read_before_backward:
-                D_x = real_out.mean().item()
-            D_G_z1 = output.mean().item()
+            if not read_before_backward:  # (kept as tensors, read after the training: a read between steps
+                D_x = real_out.detach().mean()  # could feed a later step's public term)
+            D_G_z1 = output.detach().mean()
             optimizerG.zero_grad()
             output_g = netD(fake)
             errG = criterion(output_g, torch.full((batch_size,), 1.0))

@@ -523,6 +523,7 @@ class DPModule(nn.Module):
         self._anchor = torch.zeros((), requires_grad=True)
         self._eager: bool | None = None  # None until the first recorded forward shows whether the step can
         self._optimizer: "DPOptimizer | None" = None  # set by DPOptimizer
+        self._run = rowtrace.Run()  # reads of a batch after its step (``follows``)
 
     def forward(self, *args, **kwargs):
         pending = self._pending
@@ -705,7 +706,7 @@ class DPDataLoader:
                 if self.module.follows:  # traced rows (``rowtrace``), a ``Rows`` per chunk; a value read out of
                     # an earlier chunk of the batch may feed this one's loss: the read carries over
                     earlier = pending.chunk
-                    pending.chunk = rowtrace.Rows(_rows_in(chunk), self.engine.params)
+                    pending.chunk = rowtrace.Rows(_rows_in(chunk), self.engine.params, self.module._run)
                     pending.chunk.escaped = earlier.escaped if earlier is not None else None
                     pending.chunk_rows.append(pending.chunk)
                     chunk = rowtrace.yielded(chunk, pending.chunk)
@@ -878,7 +879,13 @@ class DPOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"the model was called on {batch.size(x)} examples, but the private data loader's batch "
                               f"holds {len(pending.indices)}: call the model on the batch (or chunk) as drawn, one "
                               f"example per row")
+        run = self.module._run
+        if run.read_after_step is not None and any(p is not None and bool(p.any()) for p in public):
+            pending.chunk_rows[0].unproven = pending.chunk_rows[0].unproven or (
+                f"a public term after {run.read_after_step} (it may carry that batch into the update unclipped)")
         self.engine.step(x, batch.cat(gs), pending.indices, public=public)
+        for chunk in pending.chunk_rows:  # a read from now on is a read of an earlier batch
+            chunk.stepped, chunk.watched = True, []
         why = next((c.unproven for c in pending.chunk_rows if c.unproven is not None), None)
         if why is not None:  # released, and counted: the report carries the caveat (``accounting.report``)
             self.engine.unproven_steps += 1

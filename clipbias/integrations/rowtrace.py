@@ -64,8 +64,9 @@ class Rows:
     """One yielded chunk of the private batch: its number of examples, what escaped tracing since, and the
     public part of the update its backward passes left in the parameters (``_backward``)."""
 
-    def __init__(self, size: int, params: list[Tensor]) -> None:
-        self.size, self.params = size, params
+    def __init__(self, size: int, params: list[Tensor], run: "Run | None" = None) -> None:
+        self.size, self.params, self.run = size, params, run
+        self.stepped = False  # its step was taken: a read now is a read of an earlier batch (``Run``)
         self.escaped: str | None = None  # the first read of a value of the chunk out of torch (``_escape``)
         self.reaches_params = False  # a public output or a parameter met a loss term (``_backward`` snapshots)
         self.backwards = 0  # backward passes followed (proved per-example)
@@ -80,6 +81,15 @@ class Rows:
 
     def changed(self) -> bool:
         return any(_fingerprint(t) != f for t, f in self.watched)
+
+
+class Run:
+    """What the chunks of one training share: whether a value of a batch was read out of torch after its step
+    (``read_after_step``). Such a value may feed a later step's public term, which reaches the update unclipped:
+    a later step with a public part is then not proved (``clipbias.integrations.opacus.DPOptimizer.follow``)."""
+
+    def __init__(self) -> None:
+        self.read_after_step: str | None = None
 
 
 def _fingerprint(t: Tensor) -> tuple:
@@ -126,6 +136,11 @@ class Traced(Tensor):
                               f"examples); compute what it does in the loss instead")
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
+        if name == "grad" and found and isinstance(out, Tensor):  # the gradient of a private loss is private
+            lab = found[0]
+            return wrap(out, lab if lab.kind in (ROWS, PUBLIC) else mixed("the gradient of a tensor of the batch"))
+        if name == "grad_fn" and any(lab.kind != PUBLIC for lab in found):  # (hooks on its node are unseen)
+            _escape(found, name, args)
         if name in META or not found:
             return out
         if name in READS or out is not None and not _holds_tensor(out):  # a value leaves torch
@@ -215,8 +230,8 @@ def _plain_tensors(args, kwargs) -> list[Tensor]:
 
 META = frozenset("""size dim ndim numel __len__ shape dtype device layout is_cuda is_cpu is_sparse is_quantized is_meta
 is_floating_point is_complex is_contiguous is_leaf requires_grad grad_fn names stride storage_offset element_size
-nelement itemsize nbytes __hash__ get_device is_pinned register_hook retain_grad retains_grad _version __get__
-dim_order is_set_to grad __dir__ __setstate__ _is_view is_nested is_mkldnn has_names __dlpack_device__""".split())
+nelement itemsize nbytes __hash__ get_device is_pinned register_hook retains_grad _version __get__
+dim_order is_set_to __dir__ __setstate__ _is_view is_nested is_mkldnn has_names __dlpack_device__""".split())
 """Attributes that hold no value of the tensor (its shape, dtype, device; the number of rows of a batch is
 visible): returned as they are. Any other call whose result holds no tensor reads values out of torch
 (``_escape``): ``.item()``, ``bool``, ``repr``, ``torch.equal``, ``.tolist()``, ``.storage()``, ..."""
@@ -233,7 +248,7 @@ READS = ESCAPES | frozenset("item __float__ __int__ __index__ __bool__ __complex
 """Reading values of the private step out of torch (``_escape``): before the backward, the loss or the control
 flow that reaches the backward may depend on them, which the labels cannot follow."""
 
-HOOKS = frozenset("register_hook register_post_accumulate_grad_hook".split())
+HOOKS = frozenset("register_hook register_post_accumulate_grad_hook retain_grad".split())
 
 
 def _escape(found: list[Label], name: str, args) -> None:
@@ -241,9 +256,13 @@ def _escape(found: list[Label], name: str, args) -> None:
     a backward after it is not proved per example (``_backward``). Public values are not the batch's."""
     for lab in found:
         rows = lab.rows
+        if lab.kind != PUBLIC and rows is not None and rows.stepped and rows.run is not None \
+                and rows.run.read_after_step is None:
+            rows.run.read_after_step = f"`.{name}` read a value of an earlier batch out of torch"
         if lab.kind != PUBLIC and rows is not None and rows.escaped is None:
             what = {"__float__": "float(...)", "__int__": "int(...)", "__bool__": "a condition (bool(...), if ...)",
-                    "__index__": "an index", "__complex__": "complex(...)"}.get(name, f"`.{name}()`")
+                    "__index__": "an index", "__complex__": "complex(...)",
+                    "grad_fn": "`.grad_fn` (a hook on it)"}.get(name, f"`.{name}()`")
             rows.escaped = f"{what} read a value computed from the private batch out of torch"
 
 
@@ -521,7 +540,9 @@ def _shape_label(name: str, args, kwargs, rows: Rows, kinds: set, tensors: list[
         if dims is not None and 0 not in dims and _leading(tensors, rows):
             return Label(ROWS, rows)
         return Label(ONE, rows)
-    if name in ("__getitem__", "index_put", "index_put_"):
+    if name in ("index_put", "index_put_"):  # (values added at indices: one element may sum every example)
+        return mixed(f"`{name}` writes values of the batch at positions the labels cannot follow")
+    if name == "__getitem__":
         index = args[1] if len(args) > 1 else None
         parts = index if isinstance(index, tuple) else (index,)
         for k, part in enumerate(parts):  # a private index reads other examples' values, but a mask of the rows
@@ -610,7 +631,9 @@ def _unproven(loss: Tensor, rows: Rows) -> str | None:
         return rows.escaped + " before the backward"
     if rows.changed():
         return "a tensor of the batch or an output of the model changed in place through an alias (`.data`)"
-    seen, todo = set(), [loss.grad_fn]
+    with torch._C.DisableTorchFunctionSubclass():
+        first = loss.grad_fn
+    seen, todo = set(), [first]
     while todo:
         node = todo.pop()
         if node is None or node in seen:
@@ -638,6 +661,8 @@ def _backward(func: Callable, args, kwargs, found: list[Label]):
         lab = label_of(out)
         if lab is not None and lab.rows is not None and lab.rows.unproven is None:
             lab.rows.unproven = _unproven(out, lab.rows)
+            if lab.rows.unproven is None and (kwargs.get("create_graph") or func is torch.autograd.grad):
+                lab.rows.unproven = "a backward that builds a graph of the gradient (create_graph, autograd.grad)"
         if lab is None or lab.kind == PUBLIC:
             continue
         why = lab.why if lab.kind == MIXED else None

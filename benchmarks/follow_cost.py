@@ -1,5 +1,6 @@
 """What following the loop's own loss costs (docs/integrations.md, "The loss your loop computes is the loss
-trained"): the Opacus interface's step on the CNN of Opacus's MNIST example at B = 256, without ``criterion``
+trained"): the Opacus interface's step on clipbias's ``cnn`` (Tramer & Boneh's, the layer shapes of Opacus's
+MNIST example) at B = 256, without ``criterion``
 (the loop's loss is traced and followed: the forward the loop calls runs without a graph, the private step
 runs its own) against ``criterion=nn.CrossEntropyLoss()`` (from the second batch the forward takes the step:
 no second forward). The two arms interleaved in one process, the median time of a whole loop iteration
@@ -15,25 +16,11 @@ import platform
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from clipbias import PrivacyEngine
-
-
-class Net(nn.Module):
-    """The convnet of Opacus's MNIST example (its layer sizes, written here)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1, self.conv2 = nn.Conv2d(1, 16, 8, 2, padding=3), nn.Conv2d(16, 32, 4, 2)
-        self.fc1, self.fc2 = nn.Linear(32 * 4 * 4, 32), nn.Linear(32, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2, 1)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2, 1)
-        return self.fc2(F.relu(self.fc1(x.view(-1, 32 * 4 * 4))))
+from clipbias.models import build_model
 
 
 def main() -> None:
@@ -47,7 +34,7 @@ def main() -> None:
 
     def arm(criterion):
         torch.manual_seed(0)
-        m = Net()
+        m = build_model("cnn", (1, 28, 28), 10)
         model, opt, loader = PrivacyEngine().make_private(
             module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
             data_loader=DataLoader(TensorDataset(x, y), batch_size=a.batch_size), noise_multiplier=1.0,

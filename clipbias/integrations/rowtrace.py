@@ -365,7 +365,7 @@ def _label(name: str, args, kwargs, found: list[Label], out: Any) -> Label:
             return mixed(f"`{name}` on a tensor whose rows are no longer one example each (after a transpose, a "
                          f"selection or a concatenation along the batch)")
         if dims is not None and 0 not in dims:
-            return Label(ROWS, rows) if (_aligned_or_one(args, kwargs, rows, kinds) and _leading(tensors, rows)
+            return Label(ROWS, rows) if (_same_rows(args, kwargs) and _leading(tensors, rows)
                                          and _index_ok(name, args, kwargs, rows)) or one \
                 else mixed(f"`{name}` on tensors whose rows are not aligned")
         if name == "mean" and kinds == {ROWS}:  # (over the examples: divided by B times a public count)
@@ -430,13 +430,6 @@ def _leading(tensors: list[Tensor], rows: Rows) -> bool:
                                                   and t.shape[0] > 0) for t in tensors)
 
 
-def _group(t: Tensor, rows: Rows) -> int | None:
-    """Rows per example of a ``ROWS`` tensor ``t``."""
-    if t.dim() == 0 or rows.size == 0 or t.shape[0] % rows.size:
-        return None
-    return t.shape[0] // rows.size
-
-
 def _aligned(args, kwargs, rows: Rows, tensors: list[Tensor]) -> bool:
     """Elementwise operands whose private rows line up with the result's: every traced operand has the result's
     number of dimensions and first dimension (no broadcast along the examples), every untraced one either the
@@ -455,12 +448,10 @@ def _aligned(args, kwargs, rows: Rows, tensors: list[Tensor]) -> bool:
     return True
 
 
-def _aligned_or_one(args, kwargs, rows: Rows, kinds: set) -> bool:
+def _same_rows(args, kwargs) -> bool:
+    """Every traced operand has a first dimension, the same for all (an operation along another dimension)."""
     ts = _traced(args, kwargs)
-    if kinds == {ONE}:
-        return len(ts) == 1
-    sizes = {t.shape[0] for t in ts if t.dim() > 0}
-    return len(sizes) == 1 and all(t.dim() > 0 for t in ts)
+    return all(t.dim() > 0 for t in ts) and len({t.shape[0] for t in ts}) == 1
 
 
 DIM_AT = {"topk": 2, "kthvalue": 2, "diff": 2, "norm": 2, "normalize": 2, "vector_norm": 2, "split": 2, "chunk": 2,

@@ -179,3 +179,58 @@ def test_epsilon_reaches_the_loggers_at_every_epochs_last_batch(tmp_path):
     for row, steps in zip(rows, (4, 8)):
         assert float(row["epsilon"]) == pytest.approx(dp.engine.privacy(steps).epsilon, rel=1e-9)
     assert float(trainer.progress_bar_metrics["epsilon"]) == pytest.approx(dp.engine.privacy(8).epsilon, rel=1e-6)
+
+
+class Smoothed(MLP):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y, label_smoothing=0.3)
+
+
+class Coupled(MLP):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        return nn.functional.cross_entropy(out, y) + ((out - out.mean(0)) ** 2).sum()
+
+
+class Reads(MLP):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        return loss * 2 if loss.item() > 100 else loss  # a value of the batch read before the backward
+
+
+def _weights(module: L.LightningModule) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+
+def test_the_loss_training_step_returns_is_the_loss_trained():
+    """Without ``criterion`` the step trains the loss ``training_step`` returns (label smoothing 0.3): the
+    weights equal those of ``criterion=CrossEntropyLoss(label_smoothing=0.3)`` on the same key's batches and
+    noise, and differ from plain cross-entropy's (which the callback trained before, whatever the loop
+    returned)."""
+    kw = dict(noise_multiplier=1.0, max_grad_norm=1.0, noise_seed=3)
+    followed, _ = fit(DPCallback(**kw), Smoothed())
+    given, _ = fit(DPCallback(criterion=nn.CrossEntropyLoss(label_smoothing=0.3), **kw), Smoothed())
+    plain, _ = fit(DPCallback(**kw), MLP())
+    assert torch.allclose(_weights(followed), _weights(given), atol=1e-5)
+    assert float((_weights(followed) - _weights(plain)).abs().max()) > 1e-3
+
+
+def test_a_criterion_that_is_not_the_loss_training_step_returns_is_said():
+    with pytest.warns(UserWarning, match="is not `criterion`'s"):
+        fit(DPCallback(noise_multiplier=1.0, max_grad_norm=1.0, criterion=nn.CrossEntropyLoss(label_smoothing=0.3)))
+
+
+def test_a_loss_that_couples_examples_is_refused_and_a_read_before_backward_is_uncertified():
+    with pytest.raises(ConfigError, match="not a sum of per-example terms"):
+        fit(DPCallback(noise_multiplier=1.0, max_grad_norm=1.0), Coupled())
+    dp = DPCallback(noise_multiplier=1.0, max_grad_norm=1.0)
+    with pytest.warns(UserWarning, match="could not be proved a sum of per-example terms"):
+        fit(dp, Reads(), max_epochs=1)
+    report = dp.privacy_report()
+    assert not report.certified and any(".item()" in c or "read" in c for c in report.caveats)
+    plain = DPCallback(noise_multiplier=1.0, max_grad_norm=1.0)
+    fit(plain, max_epochs=1)  # (MLP logs its loss with self.log: read after the step, certified)
+    assert plain.privacy_report().certified

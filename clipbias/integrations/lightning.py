@@ -9,11 +9,14 @@
 What it does (docs/integrations.md): your train DataLoader's dataset is drawn in secret Poisson batches by the
 engine (expected size B = the DataLoader's ``batch_size``, with its ``collate_fn`` and workers); the
 optimizer from ``configure_optimizers`` is made private (its schedulers keep stepping it); each optimizer step
-runs your ``training_step`` for the loss it returns and logs (without a graph: no backward is run), then the
-engine's private step on the batch: per-example gradients of ``criterion(module(x), y)``, clipping, secret
-noise, and your optimizer's ``step`` on the private update. ``epsilon`` is logged with ``self.log``. A batch
-changed after the draw (``on_after_batch_transfer``, an in-place edit in ``training_step``) makes the report
-uncertified (``clipbias.engine.drawn``); validation on the training data is refused.
+runs your ``training_step`` and the backward of the loss it returns, as Lightning does, with your module's
+forward on the batch as the call of the run's ``Session`` (the Opacus interface's core, ``session``): run
+without a graph, its outputs handed as leaves that receive the gradient of your loss; then the engine's
+private step on the batch: each example's gradient of the loss ``training_step`` computes (proved a sum of
+per-example terms, ``rowtrace``; or of ``criterion`` where you pass one), clipping, secret noise, and your
+optimizer's ``step`` on the private update. ``epsilon`` is logged with ``self.log``. A batch changed after the
+draw (``on_after_batch_transfer``, an in-place edit in ``training_step``) makes the report uncertified
+(``clipbias.engine.drawn``); validation on the training data is refused.
 """
 
 from __future__ import annotations
@@ -21,17 +24,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import lightning as L
-import torch
-from torch import Tensor
 from torch.utils.data import DataLoader
 
 from ..engine import DPEngine
 from ..errors import ConfigError
 from ..privacy import PrivacyReport
-from ..sampling.loader import PoissonLoader, split
-from ..sampling.poisson import epoch_steps
-from .opacus import DPOptimizer, loss_function
+from .opacus import loss_function
 from .options import DPOptions, EpsilonLog, check_trainable
+from .session import DPOptimizer, Session, epoch_steps, physical_chunks, poisson_loader
 
 __all__ = ["DPCallback"]
 
@@ -49,11 +49,12 @@ class DPCallback(L.Callback):
             ``max_epochs`` / ``max_steps``.
         target_delta: Delta of the guarantee; default ``min(1e-5, 1 / (10 n))`` for ``n`` training examples.
         max_grad_norm: The per-example clipping norm C.
-        criterion: The per-example loss the engine differentiates, evaluated on ``module(x)`` and ``y`` of
-            each batch ``(x, y)`` (or ``module(**inputs)`` and ``labels`` of a dict batch with a
-            ``"labels"`` entry): default the cross-entropy of ``module(x)`` against ``y``; a loss module
-            with ``reduction`` (evaluated per example) or a function returning per-example losses ``[b]``.
-            It should be the loss your ``training_step`` returns: that one is only logged.
+        criterion: Leave it out to train the loss your ``training_step`` returns (each example's gradient
+            from its backward, proved per example: ``rowtrace``; docs/integrations.md). Given, the step
+            differentiates it per example instead, on your module's outputs and the batch's targets ``y``
+            (or the ``labels`` entry of a dict batch): a loss module with ``reduction`` (evaluated per
+            example) or a function returning per-example losses ``[b]``; a warning says so where the loss
+            ``training_step`` returns is not ``criterion``'s.
         max_physical_batch: Examples per per-example gradient computation (memory only; default 512).
         **options (Any): The other settings of
             [`DPOptions`][clipbias.integrations.options.DPOptions]: ``algorithm``, ``grad_path``,
@@ -74,11 +75,11 @@ class DPCallback(L.Callback):
         self.options.check()
         if isinstance(max_physical_batch, bool) or not isinstance(max_physical_batch, int) or max_physical_batch < 1:
             raise ConfigError(f"max_physical_batch must be an integer >= 1, got {max_physical_batch!r}")
-        self.loss_fn, self.max_physical_batch = loss_function(criterion), max_physical_batch
+        self.loss_fn = loss_function(criterion, follow=criterion is None)
+        self.max_physical_batch = max_physical_batch
         self.engine: DPEngine | None = None
+        self.session: Session | None = None
         self.data: DataLoader | None = None       # your train DataLoader (its dataset, batch size, collate_fn)
-        self._pending: Tensor | None = None       # indices of the batch the private loader handed out
-        self._batch: Any = None                   # that batch, as the training step received it
         self._state: dict | None = None           # a checkpoint's private state, loaded once the engine exists
         self._epsilon = EpsilonLog()
 
@@ -93,7 +94,6 @@ class DPCallback(L.Callback):
         loop._combined_loader = None  # built again, through the private source
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trainer.fit_loop._skip_backward = True  # the engine computes the gradients: no backward of the loss
         trainer.fit_loop._combined_loader = None  # (configure_optimizers may have read the loader's length)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -115,7 +115,10 @@ class DPCallback(L.Callback):
         if self._state is not None:
             self.engine.load_state_dict(self._state)
             self._state = None
-        trainer.strategy.optimizers = [_StepOnBatch(optimizer, self.engine, self)]
+        self.session = Session(self.engine)
+        self.session.eager = False  # (the step comes after training_step: its closure runs under the state guard)
+        follow(pl_module, self.session)
+        trainer.strategy.optimizers = [DPOptimizer(optimizer, self.session, guard_closure=True)]
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         source = getattr(trainer.fit_loop, "_data_source", None)  # (before training: the DataLoader given to fit)
@@ -123,13 +126,8 @@ class DPCallback(L.Callback):
         check_validation_data(self.data if self.data is not None else
                               given if isinstance(given, DataLoader) else None, trainer)
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
-        self._batch = batch
-
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._batch = None
         check_monitors(trainer)
         last = batch_idx + 1 >= trainer.num_training_batches
         if self.engine is not None and (trainer.global_step % trainer.log_every_n_steps == 0 or last):
@@ -140,8 +138,8 @@ class DPCallback(L.Callback):
 
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            trainer.fit_loop._skip_backward = False
+        if stage == "fit" and "forward" in vars(pl_module):
+            del pl_module.forward  # (the class's own again: ``follow``)
 
     # ------------------------------------------------------------------ privacy and checkpoints
     def privacy_report(self) -> PrivacyReport:
@@ -153,9 +151,9 @@ class DPCallback(L.Callback):
         Raises:
             ConfigError: no private training yet (call ``trainer.fit`` first).
         """
-        if self.engine is None:
+        if self.session is None:
             raise ConfigError("DPCallback.privacy_report: no private training yet; call trainer.fit first")
-        return self.engine.privacy()
+        return self.session.report()
 
     def get_epsilon(self) -> float:
         """Epsilon after the steps taken, at the run's delta: ``privacy_report().epsilon``."""
@@ -307,41 +305,21 @@ class PoissonBatches:
         self.batch_size = data.batch_size
 
     def __len__(self) -> int:
-        return epoch_steps(len(self.dataset), self.batch_size, self.data.drop_last)
+        return epoch_steps(self.data)
 
     def __iter__(self):
-        engine, data = self.callback.engine, self.data
-        if engine is None:
+        session = self.callback.session
+        if session is None:
             raise ConfigError("DPCallback: the private loader was iterated before training started")
-        loader = PoissonLoader(engine, self.dataset, collate_fn=data.collate_fn, num_workers=data.num_workers,
-                               pin_memory=data.pin_memory, prefetch_factor=data.prefetch_factor if data.num_workers
-                               else None, device="cpu")
-        for idx, batch in loader.batches(len(self)):
-            self.callback._pending = idx
-            yield batch
+        yield from session.batches(poisson_loader(session.engine, self.data), len(self), physical_chunks(None))
 
 
-class _StepOnBatch(DPOptimizer):
-    """Your optimizer, made private for Lightning: ``step(closure)`` runs the closure (your ``training_step``,
-    without a graph) for its loss, then the engine's private step on the batch the private loader drew."""
+def follow(pl_module: L.LightningModule, session: Session) -> None:
+    """Your module's forward, as Lightning's ``training_step`` calls it (``self(x)``), made the call of the
+    run's ``Session`` (an attribute of the instance, removed at ``teardown``): on the private batch it is
+    recorded for the step and its outputs are handed as leaves; elsewhere it is your forward."""
+    forward = type(pl_module).forward.__get__(pl_module)
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: DPEngine, callback: DPCallback) -> None:
-        super().__init__(optimizer, engine, None, None)
-        self.callback = callback
-
-    def step(self, closure: Callable | None = None):
-        cb = self.callback
-        loss = None
-        if closure is not None:
-            with torch.no_grad():  # (Lightning runs no backward: fit_loop._skip_backward)
-                loss = self.engine.state_guard.run(closure)  # training_step may not write the module's state
-        if cb._pending is None or cb._batch is None:
-            raise ConfigError("DPCallback: an optimizer step without a batch of the private loader (call "
-                              "optimizer.step once per training batch, through Trainer.fit)")
-        idx, data = cb._pending, cb._batch
-        cb._pending = None
-        for p in self.engine.params:
-            p.grad = None
-        x, y = split(data)
-        self.engine.step(x, y, idx)  # a hook or training_step changed the batch: uncertified, with why (engine.drawn)
-        return loss
+    def private_forward(*args, **kwargs):
+        return session.call(forward, pl_module.training, args, kwargs)
+    pl_module.forward = private_forward

@@ -32,27 +32,21 @@ import re
 import warnings
 from collections.abc import Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset, default_collate
+from torch.utils.data import DataLoader
 
 from .. import algorithms, privacy
-from ..data import batch
 from ..engine import DPEngine
-from ..engine import accounting
-from ..engine.checks import class_indices
 from ..engine.drawn import TRANSFORMED_CAVEAT  # noqa: F401  (the caveat's text: the engine's report carries it)
 from ..errors import ClipbiasError, ConfigError
 from ..grads.rows import cross_entropy, output_gradient
 from ..privacy import PrivacyReport
-from ..sampling.loader import PoissonLoader, TensorData, split
-from ..sampling.poisson import epoch_steps as sampling_epoch_steps
-from . import rowtrace
 from .options import ACCOUNTANTS, default_delta, engine_config
 from .opacus_accountant import Accountant
+from .session import DPOptimizer, Session, epoch_steps, physical_chunks, poisson_loader
 
 OPACUS_WORDS = ((re.compile(r"(?<![\w.])loss_fn(?!\w)"), "criterion"), (re.compile(r"`AlgoConfig\.clip`"),
                 "`max_grad_norm`"), (re.compile(r"`epsilon`"), "`target_epsilon`"))
@@ -97,21 +91,6 @@ class _OpacusEngine(DPEngine):
             return super().step(*args, **kwargs)
 
 
-@dataclass
-class _Batch:
-    """The logical batch the data loader handed out and has not been stepped on yet."""
-
-    indices: Tensor
-    data: Any                      # the collated batch, as the loader yielded it
-    chunks: int = 1                # physical chunks it is yielded in (BatchMemoryManager)
-    yielded: int = 0               # chunks yielded so far
-    inputs: list = field(default_factory=list)  # the model's recorded inputs, one per chunk
-    stepped: bool = False          # the model's forward took the private step (``DPModule``)
-    outputs: list = field(default_factory=list)  # the outputs the loop got, as leaves (None: not a tensor)
-    chunk: "rowtrace.Rows | None" = None  # the chunk yielded last, traced (the loop's own loss: ``follows``)
-    chunk_rows: list = field(default_factory=list)  # every chunk's ``Rows``, in order
-
-
 class PrivacyEngine:
     """Opacus's ``PrivacyEngine``, backed by a ``clipbias.engine.DPEngine``.
 
@@ -142,6 +121,7 @@ class PrivacyEngine:
         self.module: DPModule | None = None
         self.optimizer: DPOptimizer | None = None
         self.data_loader: DPDataLoader | None = None
+        self.session: Session | None = None
 
     # ------------------------------------------------------------------ making a training private
     @_speaks_opacus
@@ -298,9 +278,10 @@ class PrivacyEngine:
                                max_physical_batch=extra.get("max_physical_batch", 512),
                                noise_seed=extra.get("noise_seed"), autocast=extra.get("autocast"),
                                loss_scale=extra.get("loss_scale"))
-        self.module = DPModule(module)
-        self.data_loader = DPDataLoader(self.engine, data_loader, self.module)
-        self.optimizer = DPOptimizer(optimizer, self.engine, self.module, self.data_loader)
+        self.session = Session(self.engine, unstepped=UNSTEPPED)
+        self.module = DPModule(module, self.session)
+        self.data_loader = DPDataLoader(self.session, data_loader)
+        self.optimizer = DPOptimizer(optimizer, self.session)
         if options["grad_sample_mode"] == "ghost":
             return self.module, self.optimizer, criterion or nn.CrossEntropyLoss(), self.data_loader
         return self.module, self.optimizer, self.data_loader
@@ -332,10 +313,8 @@ class PrivacyEngine:
         Raises:
             ConfigError: before ``make_private``, or a ``delta`` outside (0, 1).
         """
-        engine = self._engine()
-        if delta is not None:
-            privacy.check_delta(delta)
-        return accounting.report(engine, engine.steps_taken, delta)  # (one accountant run, the run's caveats)
+        self._engine()
+        return self.session.report(delta)
 
     @property
     def steps(self) -> int:
@@ -412,19 +391,13 @@ LIGHTNING_PATTERN = (
     "privacy_report() and the logged `epsilon` replace privacy_engine.get_epsilon")
 
 
-def epoch_steps(data_loader: DataLoader) -> int:
-    """The steps of one epoch as Opacus counts them, ``len(data_loader)`` of your loader over its dataset
-    (``clipbias.sampling.epoch_steps``: every integration's count)."""
-    return sampling_epoch_steps(len(data_loader.dataset), data_loader.batch_size, data_loader.drop_last)
-
-
 def _unwrapped(module: Any, optimizer: Any, data_loader: Any) -> tuple:
     """What ``make_private`` returned before, given again (a resumed script), as the objects it wrapped: the
     module, the optimizer and the DataLoader (Opacus accepts them too). A warning where their training took
     steps: this PrivacyEngine accounts its own steps from zero unless that training's state is loaded."""
     earlier = [w.engine for w in (optimizer, data_loader) if isinstance(w, (DPOptimizer, DPDataLoader))]
-    if isinstance(module, DPModule) and module._optimizer is not None:
-        earlier.append(module._optimizer.engine)
+    if isinstance(module, DPModule) and module._session is not None:
+        earlier.append(module._session.engine)
     taken = max((e.steps_taken for e in earlier), default=0)
     if taken:
         warnings.warn(f"make_private got the module, optimizer or data loader of a training that has taken {taken} "
@@ -501,162 +474,34 @@ ELEMENTWISE = (nn.BCEWithLogitsLoss, nn.BCELoss, nn.MSELoss, nn.L1Loss, nn.Smoot
 
 class DPModule(nn.Module):
     """Your module, made private (``_module``, as Opacus's ``GradSampleModule``). In training, on the rows of a
-    batch of the private data loader, it records its inputs for ``optimizer.step()`` and runs its forward
-    without an autograd graph (under the engine's state guard); each output is handed back as a leaf that
-    requires grad, so that ``loss.backward()`` works, costs almost nothing and leaves in it the gradient of the
-    loop's own loss.
+    batch of the private data loader, its forward is the loop's call of the run's ``Session``
+    (``Session.call``): recorded for ``optimizer.step()``, run without an autograd graph under the engine's
+    state guard, each output handed back as a leaf that requires grad, so that ``loss.backward()`` works, costs
+    almost nothing and leaves in it the gradient of the loop's own loss.
 
-    Without ``criterion`` (``follows``) that gradient is what the step trains (``rowtrace``: the batch and the
-    outputs are traced, a loss that couples examples is refused at its backward), and a call on other data is
-    public: your module with its graph (``_follow``). With ``criterion``, ``optimizer.step()`` holds the loop's
-    gradient against ``criterion``'s (``DPOptimizer.check_loss``), and where the engine's step can hand back
-    the batch's outputs (its gradient path keeps them, the outputs are tensors with one row per example, no
-    ``labels=`` keyword) the forward takes the private step itself from the second batch on and returns the
-    step's own outputs: no second forward, and ``optimizer.step()`` then only closes the batch. A forward in
-    training mode on such a batch under ``torch.no_grad()`` is not recorded, but it too may not change a
-    buffer. Elsewhere (``eval()``, after the step) it is your module."""
+    Without ``criterion`` that gradient is what the step trains (``rowtrace``: the batch and the outputs are
+    traced, a loss that couples examples is refused at its backward), and a call on other data is public: your
+    module with its graph. With ``criterion``, ``optimizer.step()`` holds the loop's gradient against
+    ``criterion``'s (``Session.check_loss``), and where the engine's step can hand back the batch's outputs the
+    forward takes the private step itself from the second batch on and returns the step's own outputs. A
+    forward in training mode on such a batch under ``torch.no_grad()`` is not recorded, but it too may not
+    change a buffer. Elsewhere (``eval()``, after the step) it is your module."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, session: Session | None = None) -> None:
         super().__init__()
         self._module = module
-        self._pending: _Batch | None = None
-        self._anchor = torch.zeros((), requires_grad=True)
-        self._eager: bool | None = None  # None until the first recorded forward shows whether the step can
-        self._optimizer: "DPOptimizer | None" = None  # set by DPOptimizer
-        self._run = rowtrace.Run()  # reads of a batch after its step (``follows``)
+        self._session = session
 
     def forward(self, *args, **kwargs):
-        pending = self._pending
-        if self.follows:  # the loop's own loss (``rowtrace``): the tensors the loop gets are traced
-            args, kwargs, traced = rowtrace.plain(args), rowtrace.plain(kwargs), (args, kwargs)
-        if self.follows and pending is not None and not self.training and rowtrace.reads_rows(*traced):
-            with torch.no_grad():  # (eval mode on the private rows: values for metrics, no gradient to hide)
-                return rowtrace.rows_output(self._guarded(self._module, *args, **kwargs), pending.chunk)
-        if pending is None or not self.training:
+        if self._session is None:
             return self._module(*args, **kwargs)
-        if self.follows:
-            return self._follow(pending, args, kwargs, traced)
-        record = torch.is_grad_enabled()  # a no_grad pass (a "teacher" forward) is not the step's, but guarded
-        if record:
-            pending.inputs.append((args, kwargs))
-            if self._eager and pending.chunks == 1 and len(pending.inputs) == 1 and len(pending.indices):
-                return self._step_here(pending)
-        with torch.no_grad():
-            out = self._guarded(self._module, *args, **kwargs)
-        if record and self._eager is None and self._optimizer is not None:
-            self._eager = self._optimizer.engine.outputs_kept and "labels" not in kwargs and \
-                _per_example(out, len(pending.indices))
-        return self._handed(out, pending) if record else out
-
-    @property
-    def follows(self) -> bool:
-        """Whether the step trains the loss the loop computes (``make_private`` without ``criterion``)."""
-        return self._optimizer is not None and self._optimizer.engine.loss_fn is output_gradient
-
-    def _follow(self, pending: _Batch, args: tuple, kwargs: dict, traced: tuple):
-        """A call in a step that trains the loop's own loss: on the chunk's rows (``rowtrace.forward_kind``), the
-        step's forward, without a graph, its outputs handed as traced leaves; on other data, public: your module
-        with its graph, whose gradient the loop's backward adds to the update exactly (``rowtrace._backward``)."""
-        chunk = pending.chunk
-        if rowtrace.forward_kind(*traced, chunk, pending.data) == "public":
-            return rowtrace.public_output(self._guarded(self._module, *args, **kwargs), chunk)
-        record = torch.is_grad_enabled()  # a no_grad pass (a "teacher" forward) is not the step's, but guarded
-        with torch.no_grad():
-            out = self._guarded(self._module, *args, **kwargs)
-        if not record:
-            return rowtrace.rows_output(out, chunk)
-        pending.inputs.append((args, kwargs))
-        leaves: list = []
-
-        def hand(t: Tensor):
-            if t.is_floating_point() and t.dim() > 0 and t.shape[0] == chunk.size:
-                leaf, handed = rowtrace.private_leaf(t, chunk)
-                leaves.append(leaf)
-                return handed
-            if t.is_floating_point():
-                raise ConfigError(f"the model returned a floating tensor of shape {tuple(t.shape)}, not one row per "
-                                  f"example of the batch's {chunk.size}: the step trains the loss your loop computes "
-                                  f"from each example's outputs; return per-example outputs, or pass "
-                                  f"make_private(..., criterion=...) to train that loss instead")
-            return rowtrace.rows_output(t, chunk)
-        handed = batch.map_tensors(hand, out)
-        pending.outputs.append(leaves)
-        return handed
-
-    def _step_here(self, pending: _Batch):
-        """The private step now, on the recorded call; its outputs, as the loop gets them (``_handed``)."""
-        self._optimizer.run(pending, keep_outputs=True)  # (the engine's step guards its own forward)
-        pending.stepped = True
-        return self._handed(self._optimizer.engine.last_outputs, pending)
-
-    def _handed(self, out: Any, pending: _Batch) -> Any:
-        """``out`` as the loop gets it: a floating tensor as a leaf that requires grad, so that the loop's
-        ``loss.backward()`` leaves in it the gradient of the loop's own loss, which ``optimizer.step()`` holds
-        against ``criterion``'s (``DPOptimizer.check_loss``); anything else tied to a zero-valued anchor."""
-        if isinstance(out, Tensor) and out.is_floating_point():
-            leaf = out.detach().requires_grad_()
-            pending.outputs.append(leaf)
-            return leaf
-        pending.outputs.append(None)
-        return _tie(out, self._anchor)
-
-    def _guarded(self, fn: Callable, *args, **kwargs):
-        """``fn(*args, **kwargs)`` under the engine's state guard: refused (the buffers restored) if it wrote
-        the module's state (``clipbias.engine.guard``)."""
-        return self._optimizer.engine.state_guard.run(fn, *args, **kwargs)
+        return self._session.call(self._module, self.training, args, kwargs)
 
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["_module"], name)
-
-
-LOSS_CHECKS = 5
-"""``DPOptimizer.check_loss`` holds the loop's loss against ``criterion`` at the first this many steps."""
-
-LOSS_WARNING = ("the loss your training loop computes is not `criterion`'s: its gradient with respect to the model's "
-                "outputs differs from that of the mean of `criterion`'s per-example losses on the same outputs and "
-                "targets. With `criterion` given, the private step differentiates `criterion` for each example, not "
-                "the graph your loop built, so label smoothing, class weights, extra terms or another loss in the loop "
-                "are not what is trained. Leave out make_private's `criterion` to train the loss your loop computes, "
-                "or pass that loss as `criterion`: a loss module with `reduction` (evaluated per example), or a "
-                "function of (outputs, targets) that returns one loss per example")
-
-
-UNPROVEN_WARNING = (
-    "this step's loss could not be proved a sum of per-example terms: {}. The run is no longer certified "
-    "(privacy_report() says why). To keep the guarantee, read values (loss.item(), accuracy) after "
-    "optimizer.step(), or pass make_private(..., criterion=...): the step then differentiates criterion per "
-    "example and does not depend on what your loop computes")
-
-
-def _criterion_gradient(loss_fn: Callable, out: Tensor, y: Any) -> Tensor:
-    """The gradient, with respect to ``out``, of the mean over the batch of ``loss_fn``'s per-example losses (the
-    engine's convention: ``cross_entropy`` and the loss modules take the batch; any other callable, one example
-    at a time)."""
-    o, y = out.detach().requires_grad_(), class_indices(y) if loss_fn is cross_entropy else y  # (as the step)
-    with torch.enable_grad():
-        if loss_fn is cross_entropy or getattr(loss_fn, "batched", False):
-            total = loss_fn(o, y).sum()
-        else:
-            total = sum(loss_fn(o[i:i + 1], batch.take(y, slice(i, i + 1))).sum() for i in range(len(o)))
-        return torch.autograd.grad(total / len(o), o, allow_unused=True)[0] if total.requires_grad \
-            else torch.zeros_like(o)
-
-
-def _per_example(out: Any, b: int) -> bool:
-    """Whether ``out`` is tensors only (in tuples or mappings), each with one row per example."""
-    try:
-        leaves = batch.leaves(out)
-    except ClipbiasError:
-        return False
-    return bool(leaves) and all(t.dim() > 0 and t.shape[0] == b for t in leaves)
-
-
-def _tie(out: Any, anchor: Tensor) -> Any:
-    """``out`` with every floating tensor ``t`` replaced by ``t + 0 * anchor`` (a graph of one node)."""
-    return batch.map_tensors(lambda t: t + anchor.to(t.device, t.dtype) * 0 if t.is_floating_point() else t, out)
 
 
 class DPDataLoader:
@@ -667,17 +512,12 @@ class DPDataLoader:
     (``epoch_steps``); an epoch yields that many batches (fewer at the end of ``make_private_with_epsilon``'s
     plan, which is ``epochs * len()`` steps). Yields what your ``collate_fn`` returns, as your DataLoader did."""
 
-    def __init__(self, engine: DPEngine, data_loader: DataLoader, module: DPModule) -> None:
-        self.engine, self.module, self.original = engine, module, data_loader
+    def __init__(self, session: Session, data_loader: DataLoader) -> None:
+        self.session, self.engine, self.original = session, session.engine, data_loader
         self.dataset, self.batch_size = data_loader.dataset, data_loader.batch_size
         self.physical_batch_size: int | None = None
         self.steps_per_epoch = epoch_steps(data_loader)
-        workers = data_loader.num_workers
-        self.loader = PoissonLoader(engine, _batched(data_loader), collate_fn=data_loader.collate_fn,
-                                    num_workers=workers, pin_memory=data_loader.pin_memory,
-                                    prefetch_factor=data_loader.prefetch_factor if workers else None,
-                                    persistent_workers=data_loader.persistent_workers,
-                                    multiprocessing_context=data_loader.multiprocessing_context, device="cpu")
+        self.loader = poisson_loader(self.engine, data_loader)
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -698,233 +538,11 @@ class DPDataLoader:
                 f"and make_private_with_epsilon(..., epochs=more) (the noise is then calibrated for the longer run), "
                 f"or make_private(noise_multiplier=...), which has no planned end (get_epsilon accounts the steps "
                 f"taken). A new training that starts from these trained weights adds its epsilon to this one's")
-        for idx, data in self.loader.batches(len(self)):
-            chunks = _chunks(data, self.physical_batch_size)
-            self.module._pending = pending = _Batch(idx, data, len(chunks))
-            for chunk in chunks:
-                pending.yielded += 1
-                if self.module.follows:  # traced rows (``rowtrace``), a ``Rows`` per chunk; a value read out of
-                    # an earlier chunk of the batch may feed this one's loss: the read carries over
-                    earlier = pending.chunk
-                    pending.chunk = rowtrace.Rows(_rows_in(chunk), self.engine.params, self.module._run)
-                    pending.chunk.escaped = earlier.escaped if earlier is not None else None
-                    pending.chunk_rows.append(pending.chunk)
-                    chunk = rowtrace.yielded(chunk, pending.chunk)
-                yield chunk
-            if self.module._pending is pending and pending.inputs:  # the loop never stepped on it
-                self.module._pending = None
-                raise ConfigError("the private data loader's batch was used in a forward pass but "
-                                  "optimizer.step() was not called before the next batch: call it once per batch")
+        return self.session.batches(self.loader, len(self), physical_chunks(self.physical_batch_size))
 
 
-def _rows_in(chunk: Any) -> int:
-    """The examples in a yielded chunk (its inputs' rows where other entries have none)."""
-    try:
-        return batch.size(chunk)
-    except ClipbiasError:
-        return batch.size(split(chunk)[0])
-
-
-def _batched(data_loader: DataLoader):
-    """The loader's dataset; a ``TensorDataset`` of inputs and targets read with torch's default collate is
-    fetched by one indexing operation a batch (``TensorData``: the same tensors the collate would stack)."""
-    ds = data_loader.dataset
-    if type(ds) is TensorDataset and len(ds.tensors) == 2 and data_loader.collate_fn is default_collate:
-        return TensorData(*ds.tensors)
-    return ds
-
-
-def _chunks(data: Any, size: int | None) -> list:
-    b = batch.size(split(data)[1])
-    if size is None or b <= size:
-        return [data]
-    return [batch.tree_map(lambda t: t[s:s + size], data) for s in range(0, b, size)]
-
-
-class DPOptimizer(torch.optim.Optimizer):
-    """Your optimizer, made private: ``step()`` runs the private step on the batch the data loader drew and
-    the inputs your model was called with, then your optimizer's own ``step`` on the private update. Its
-    ``param_groups``, ``state`` and ``defaults`` are your optimizer's (schedulers act on them); ``state_dict``
-    is your optimizer's. ``original_optimizer`` is your optimizer."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: DPEngine, module: DPModule,
-                 data_loader: DPDataLoader) -> None:  # no super().__init__: the state is the original's
-        self.original_optimizer, self.engine, self.module, self.data_loader = optimizer, engine, module, data_loader
-        if module is not None:
-            module._optimizer = self
-        self.noise_multiplier, self.max_grad_norm = engine.noise_multiplier, engine.config.clip
-        self.expected_batch_size = engine.expected_batch_size
-        self._step_supports_amp_scaling = False
-        self.loss_checks = 0  # steps whose loop's loss was held against criterion's (``check_loss``)
-
-    @property
-    def transformed_steps(self) -> int:
-        """Steps whose model inputs or targets were not the drawn batch: the engine's count (``engine.drawn``)."""
-        return self.engine.transformed_steps
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.original_optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict]) -> None:
-        self.original_optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.original_optimizer.state
-
-    @property
-    def defaults(self) -> dict:
-        return self.original_optimizer.defaults
-
-    def __getattr__(self, name: str):
-        if name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
-                    "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
-                    "_optimizer_load_state_dict_post_hooks", "_zero_grad_profile_name", "_opt_called"):
-            return getattr(self.original_optimizer, name)
-        raise AttributeError(name)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.original_optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict:
-        return self.original_optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.original_optimizer.load_state_dict(state_dict)
-
-    def add_param_group(self, param_group: dict) -> None:
-        raise ConfigError("add_param_group after make_private: the private update covers the parameters the "
-                          "engine was built with; add the group before make_private")
-
-    def step(self, closure: Callable | None = None):
-        """The private step, at the end of each logical batch (earlier chunks of a ``BatchMemoryManager`` only
-        record their inputs). Returns ``closure()``'s loss when a closure is given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        pending = self.module._pending
-        if pending is None:
-            raise ConfigError("optimizer.step() without a batch of the private data loader: iterate over the data "
-                              "loader that make_private returned and call the model on each batch")
-        if pending.yielded < pending.chunks:  # a physical chunk of a larger logical batch (virtual step)
-            return loss
-        if self.module.follows:
-            self.module._pending = None
-            self.follow(pending)
-            return loss
-        self.check_loss(pending)
-        if pending.stepped and len(pending.inputs) == 1:  # the model's forward took the step (``DPModule``)
-            self.module._pending = None
-            return loss
-        if len(pending.inputs) != pending.chunks:
-            raise ConfigError(f"the model ran {len(pending.inputs)} time(s) on this batch of the private data loader, "
-                              f"in {pending.chunks} chunk(s): call it exactly once per (chunk of a) batch, in training "
-                              f"mode with gradients enabled")
-        self.module._pending = None
-        self.run(pending)
-        return loss
-
-    def check_loss(self, pending: _Batch) -> None:
-        """Say so (a warning, once) where the loss the loop computed is not ``criterion``'s: the gradient the loop's
-        ``loss.backward()`` left in the outputs against that of the mean of ``criterion``'s per-example losses on
-        the same outputs and targets (checked at the first ``LOSS_CHECKS`` steps whose batch was one call of the
-        model returning one tensor; a loss that ignored the outputs has none). The step differentiates
-        ``criterion``, never the loop's graph: a loss the loop changed (label smoothing, class weights, an extra
-        term, a sum) would otherwise be replaced in silence."""
-        if self.loss_checks >= LOSS_CHECKS or len(pending.outputs) != 1 or pending.outputs[0] is None \
-                or not len(pending.indices):
-            return
-        self.loss_checks += 1
-        out = pending.outputs[0]
-        try:
-            _, y = self._batch(pending)
-            ours = _criterion_gradient(self.engine.loss_fn, out, y)
-        except Exception:  # (criterion cannot run on the whole batch: the engine's step will say why)
-            return
-        theirs = out.grad if out.grad is not None else torch.zeros_like(out)
-        scale = float(theirs.abs().max())
-        if torch.allclose(theirs, ours, rtol=1e-3, atol=1e-6 * max(scale, float(ours.abs().max()), 1e-30)):
-            return
-        self.loss_checks = LOSS_CHECKS
-        b = len(out)
-        summed = b > 1 and torch.allclose(theirs, ours * b, rtol=1e-3, atol=1e-6 * max(scale, 1e-30))
-        warnings.warn(LOSS_WARNING + (f" (here the loop's loss is the sum over the batch, {b} times criterion's mean: "
-                                      f"divide it by the batch size, or scale the learning rate)" if summed else ""),
-                      stacklevel=3)
-
-    def follow(self, pending: _Batch) -> None:
-        """The private step on the loss the loop computed: each chunk's forward on its rows, with the gradient the
-        loop's backward left in its outputs (times the chunk's size: ``loss_reduction="mean"``, Opacus's
-        convention, each example's gradient of its own loss) as the targets of ``output_gradient``; and the
-        public part the loop's backward passes left in the parameters (``rowtrace``)."""
-        if len(pending.inputs) != pending.chunks:
-            raise ConfigError(f"the model ran {len(pending.inputs)} time(s) on the rows of this batch of the private "
-                              f"data loader, in {pending.chunks} chunk(s): call it exactly once per (chunk of a) batch "
-                              f"on its rows, in training mode with gradients enabled (a call on other data, "
-                              f"generated images or a public batch, is public and may come in any number)")
-        gs, public = [], [None] * len(self.engine.params)
-        for chunk, leaves in zip(pending.chunk_rows, pending.outputs):
-            if chunk.backwards == 0 and any(leaf.grad is not None for leaf in leaves):
-                raise ConfigError("the gradient in the model's outputs did not come from a loss.backward() on them "
-                                  "that clipbias followed (rowtrace): compute the loss from the outputs the model "
-                                  "returned and call loss.backward()")
-            g = [leaf.grad * chunk.size if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
-            gs.append(g[0] if len(g) == 1 else tuple(g))
-            public = [p if q is None else q if p is None else p + q for p, q in zip(public, chunk.public)]
-        x = batch.cat([_as_batch(rec) for rec in pending.inputs])
-        if batch.size(x) != len(pending.indices):
-            raise ConfigError(f"the model was called on {batch.size(x)} examples, but the private data loader's batch "
-                              f"holds {len(pending.indices)}: call the model on the batch (or chunk) as drawn, one "
-                              f"example per row")
-        run = self.module._run
-        if run.read_after_step is not None and any(p is not None and bool(p.any()) for p in public):
-            pending.chunk_rows[0].unproven = pending.chunk_rows[0].unproven or (
-                f"a public term after {run.read_after_step} (it may carry that batch into the update unclipped)")
-        self.engine.step(x, batch.cat(gs), pending.indices, public=public)
-        for chunk in pending.chunk_rows:  # a read from now on is a read of an earlier batch
-            chunk.stepped, chunk.watched = True, []
-        why = next((c.unproven for c in pending.chunk_rows if c.unproven is not None), None)
-        if why is not None:  # released, and counted: the report carries the caveat (``accounting.report``)
-            self.engine.unproven_steps += 1
-            if self.engine.unproven_steps == 1:
-                warnings.warn(UNPROVEN_WARNING.format(why), stacklevel=3)
-
-    def run(self, pending: _Batch, keep_outputs: bool = False) -> None:
-        """``DPEngine.step`` on the logical batch (``keep_outputs``: its outputs in ``engine.last_outputs``)."""
-        x, y = self._batch(pending)
-        # the engine compares the inputs and targets with the batch as the loader fetched it (``engine.drawn``:
-        # an in-place transform of the yielded tensors changed ``pending.data`` too; ``labels=`` may be the targets)
-        self.engine.step(x, y, pending.indices, keep_outputs=keep_outputs)
-
-    def _batch(self, pending: _Batch) -> tuple:
-        """The logical batch's model inputs (as recorded) and targets (the loader's, or a ``labels`` keyword)."""
-        x = batch.cat([_as_batch(rec) for rec in pending.inputs])
-        if isinstance(x, dict) and "labels" in x:
-            x = dict(x)
-            y = x.pop("labels")
-        else:
-            y = split(pending.data)[1]
-        device = next(iter(self.engine.params)).device
-        y = batch.to(y, device)
-        if batch.size(x) != len(pending.indices) or batch.size(y) != len(pending.indices):
-            raise ConfigError(f"the model was called on {batch.size(x)} examples, but the private data loader's batch "
-                              f"holds {len(pending.indices)}: call the model on the batch (or chunk) as drawn, one "
-                              f"example per row")
-        return x, y
-
-
-def _as_batch(rec: tuple) -> Any:
-    """One recorded call ``(args, kwargs)`` as the engine's input: a tensor, a tuple or a dict."""
-    args, kwargs = rec
-    if kwargs and args:
-        raise ConfigError("the model was called with both positional and keyword tensors; clipbias replays a call "
-                          "model(x), model(*xs) or model(**inputs)")
-    if kwargs:
-        return {k: v for k, v in kwargs.items() if v is not None}
-    return args[0] if len(args) == 1 else tuple(args)
+UNSTEPPED = ("the private data loader's batch was used in a forward pass but optimizer.step() was not called before "
+             "the next batch: call it once per batch")
 
 
 class BatchMemoryManager:

@@ -86,7 +86,7 @@ class Rows:
 class Run:
     """What the chunks of one training share: whether a value of a batch was read out of torch after its step
     (``read_after_step``). Such a value may feed a later step's public term, which reaches the update unclipped:
-    a later step with a public part is then not proved (``clipbias.integrations.opacus.DPOptimizer.follow``)."""
+    a later step with a public part is then not proved (``clipbias.integrations.session.Session.follow``)."""
 
     def __init__(self) -> None:
         self.read_after_step: str | None = None

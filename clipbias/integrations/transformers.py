@@ -33,15 +33,15 @@ import torch
 import transformers
 from torch import Tensor, nn
 
-from ..data import batch as batches
 from ..data.text import IGNORE
 from ..engine import DPEngine
 from ..errors import ConfigError
 from ..privacy import PrivacyReport
 from ..randomness.example import example_generator
 from ..sampling.loader import PoissonLoader
-from ..sampling.poisson import epoch_steps
+from ..sampling.poisson import epoch_steps as sampling_epoch_steps
 from .options import DPOptions, EpsilonLog, check_trainable
+from .session import Deferred, Session, exact_chunks, is_mapping
 
 __all__ = ["DPArguments", "DPTrainer", "PerExampleIds", "causal_lm_loss", "keyed_collator",
            "sequence_classification_loss"]
@@ -272,72 +272,29 @@ def keyed_collator(collator: Any) -> Any:
     return keyed
 
 
-class _Pending:
-    """The logical Poisson batch whose chunks the Trainer is working through."""
-
-    def __init__(self, indices: Tensor, data: Any, chunks: int) -> None:
-        self.indices, self.data, self.chunks, self.seen = indices, data, chunks, 0
-
-
 class PoissonChunks:
     """The Trainer's train "dataloader": each logical batch is a secret Poisson sample drawn by the engine,
-    yielded as exactly ``chunks`` (= gradient_accumulation_steps) slices, so that the Trainer's
-    accumulation loop takes one optimizer step per logical batch. ``len()`` counts chunks."""
+    yielded as exactly ``chunks`` (= gradient_accumulation_steps) slices (``Session.batches``), so that the
+    Trainer's accumulation loop takes one optimizer step per logical batch. ``len()`` counts chunks."""
 
     def __init__(self, trainer: "DPTrainer", dataset: Any, collate_fn: Callable, chunks: int,
                  batch_size: float) -> None:
         self.trainer, self.dataset, self.collate_fn, self.chunks = trainer, dataset, collate_fn, chunks
         self.batch_size = batch_size
-        self.steps_per_epoch = epoch_steps(len(dataset), round(batch_size), trainer.args.dataloader_drop_last)
+        self.steps_per_epoch = sampling_epoch_steps(len(dataset), round(batch_size), trainer.args.dataloader_drop_last)
 
     def __len__(self) -> int:
         return self.steps_per_epoch * self.chunks
 
     def __iter__(self):
-        args, engine = self.trainer.args, self.trainer.dp_engine
-        if engine is None:
+        args, session = self.trainer.args, self.trainer.dp_session
+        if session is None:
             raise ConfigError("DPTrainer's private loader draws its batches once training has started: call "
                               "trainer.train()")
-        loader = PoissonLoader(engine, self.dataset, collate_fn=self.collate_fn,
+        loader = PoissonLoader(session.engine, self.dataset, collate_fn=self.collate_fn,
                                num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
                                prefetch_factor=args.dataloader_prefetch_factor, device="cpu")
-        for idx, data in loader.batches(self.steps_per_epoch):
-            if not isinstance(data, Mapping):
-                raise ConfigError(f"the data collator must return a dict of tensors (input_ids, labels, ...), "
-                                  f"got {type(data).__name__}")
-            self.trainer._dp_pending = _Pending(idx, data, self.chunks)
-            b = batches.size(data)
-            bounds = [round(i * b / self.chunks) for i in range(self.chunks + 1)]
-            for lo, hi in zip(bounds, bounds[1:]):
-                yield batches.tree_map(lambda t, lo=lo, hi=hi: t[lo:hi], data)
-
-
-class _Deferred(torch.optim.Optimizer):
-    """The engine's view of your optimizer: the engine leaves the private update in ``.grad`` and the
-    Trainer steps your optimizer on it (after its logging and callbacks); ``state_dict`` is yours."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # the state is the original's
-        self.original = optimizer
-
-    @property
-    def param_groups(self) -> list:
-        return self.original.param_groups
-
-    @property
-    def state(self):
-        return self.original.state
-
-    def step(self, closure=None):
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return None
-
-    def state_dict(self) -> dict:
-        return self.original.state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.original.load_state_dict(state_dict)
+        yield from session.batches(loader, self.steps_per_epoch, exact_chunks(self.chunks), check=is_mapping)
 
 
 def check_training_args(args: Any) -> None:
@@ -436,8 +393,7 @@ class DPTrainer(transformers.Trainer):
                               "draws each of the n examples independently, which a stream cannot offer")
         super().__init__(*args, **kwargs)
         check_training_args(self.args)
-        self.dp_args, self.dp_engine = dp_args, None
-        self._dp_pending: _Pending | None = None
+        self.dp_args, self.dp_engine, self.dp_session = dp_args, None, None
         self._dp_epsilon = EpsilonLog()
 
     # ------------------------------------------------------------------ the private batches and step
@@ -463,6 +419,7 @@ class DPTrainer(transformers.Trainer):
         optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
         if self.dp_engine is None:
             self.dp_engine = self._build_engine(optimizer)
+            self.dp_session = Session(self.dp_engine)
         elif self.dp_engine.optimizer.original is not getattr(optimizer, "optimizer", optimizer):  # (accelerate's)
             raise ConfigError("DPTrainer: the optimizer changed after the private engine was built; one DPTrainer "
                               "trains one run")
@@ -471,11 +428,11 @@ class DPTrainer(transformers.Trainer):
     def _build_engine(self, optimizer: torch.optim.Optimizer) -> DPEngine:
         args, n, B = self.args, len(self.train_dataset), self.expected_batch_size
         check_trainable(self.model)
-        steps_per_epoch = epoch_steps(n, round(B), args.dataloader_drop_last)  # the Trainer's len(dataloader)
+        steps_per_epoch = sampling_epoch_steps(n, round(B), args.dataloader_drop_last)  # the Trainer's len(dataloader)
         steps = args.max_steps if args.max_steps > 0 else max(1, math.ceil(args.num_train_epochs * steps_per_epoch))
         loss = resolve_loss(self.dp_args.per_example_loss, self.model, args.label_smoothing_factor)
         engine = self.dp_args.engine(self.model, optimizer, n=n, batch_size=B, steps=steps, loss_fn=loss,
-                                     max_physical_batch=args.per_device_train_batch_size, stepped=_Deferred(optimizer))
+                                     max_physical_batch=args.per_device_train_batch_size, stepped=Deferred(optimizer))
         _log.info(f"DPTrainer: {engine.algo.name}, noise multiplier {engine.noise_multiplier:.4g}, expected batch "
                   f"B = {B:g} of n = {n} (q = {engine.sample_rate:.4g}), clip {engine.config.clip:g}, delta "
                   f"{engine.delta:.3g}; per-example gradients: {engine.grad_path_note}")
@@ -497,14 +454,15 @@ class DPTrainer(transformers.Trainer):
         Raises:
             ConfigError: a batch that the private data loader did not draw (train with ``trainer.train()``).
         """
-        pending = self._dp_pending
-        if pending is None or self.dp_engine is None:
+        session = self.dp_session
+        pending = session.pending if session is not None else None
+        if pending is None:
             raise ConfigError("DPTrainer.training_step got a batch that its private data loader did not draw: "
                               "train with trainer.train(), whose batches come from get_train_dataloader()")
-        pending.seen += 1
-        if pending.seen < pending.chunks:
+        pending.seen += 1  # (the Trainer fetches a step's chunks before its first training_step: count the calls)
+        if pending.seen < pending.chunks:  # an earlier chunk of the logical batch: the step comes at its last
             return torch.zeros((), device=self.args.device)
-        self._dp_pending = None
+        session.pending = None
         model.train()
         x, y = self._split_labels(pending.data)
         x, y = self._prepare_input(x), self._prepare_input(y)
@@ -562,9 +520,9 @@ class DPTrainer(transformers.Trainer):
         Raises:
             ConfigError: no private step yet (call ``train()`` first).
         """
-        if self.dp_engine is None:
+        if self.dp_session is None:
             raise ConfigError("DPTrainer.privacy_report: no private step yet; call train() first")
-        return self.dp_engine.privacy()
+        return self.dp_session.report()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.dp_engine is not None and ("loss" in logs or "train_loss" in logs):

@@ -1,0 +1,530 @@
+"""One private training as every adapter sees it: draw a batch, record the loop's calls on it, take the step,
+report. The Opacus interface (``opacus``), ``DPCallback`` (``lightning``) and ``DPTrainer`` (``transformers``)
+are framework glue around one ``Session``:
+
+* ``Session.batches`` draws the secret Poisson batches of the user's dataset (``PoissonLoader``: the engine's
+  sampler, the user's ``collate_fn`` and workers), splits each into the chunks the framework iterates
+  (``BatchMemoryManager``'s physical batches, Hugging Face's gradient-accumulation micro-steps) and keeps the
+  batch handed out and not yet stepped on: ``Pending``.
+* ``Session.call`` is the model's forward on a chunk: recorded, run under the engine's state guard, its outputs
+  handed to the loop as leaves, so that the loop's own ``loss.backward()`` leaves in them the gradient of the
+  loss the loop computes. Without a ``criterion`` (``follows``) that gradient is what the step trains
+  (``rowtrace`` proves it per example); with one, the step differentiates ``criterion`` and says so where the
+  loop's loss differs (``check_loss``).
+* ``Session.step`` takes the private step on the pending batch (``DPEngine.step``); ``DPOptimizer`` is the
+  user's optimizer with that step; ``report``, ``state_dict`` and ``load_state_dict`` are the run's.
+
+Each adapter decides only where these are called from: its loader's ``__iter__``, its model's forward, its
+optimizer's ``step``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset, default_collate
+
+from ..data import batch
+from ..engine import DPEngine, accounting
+from ..engine.checks import class_indices
+from ..errors import ClipbiasError, ConfigError
+from ..grads.rows import cross_entropy, output_gradient
+from ..privacy import PrivacyReport, check_delta
+from ..sampling.loader import PoissonLoader, TensorData, split
+from ..sampling.poisson import epoch_steps as sampling_epoch_steps
+from . import rowtrace
+
+
+@dataclass
+class Pending:
+    """The logical batch the private loader handed out and the step has not been taken on yet."""
+
+    indices: Tensor
+    data: Any                      # the collated batch, as the loader yielded it
+    chunks: int = 1                # chunks it is yielded in (physical batches, accumulation micro-steps)
+    yielded: int = 0               # chunks yielded so far
+    seen: int = 0                  # chunks the framework's training step has taken (Hugging Face's)
+    inputs: list = field(default_factory=list)  # the model's recorded inputs, one per chunk
+    stepped: bool = False          # the model's forward took the private step (``Session.call``)
+    outputs: list = field(default_factory=list)  # the outputs the loop got, as leaves (None: not a tensor)
+    chunk: "rowtrace.Rows | None" = None  # the chunk yielded last, traced (the loop's own loss: ``follows``)
+    chunk_rows: list = field(default_factory=list)  # every chunk's ``Rows``, in order
+
+
+def epoch_steps(data_loader: DataLoader) -> int:
+    """The steps of one epoch as Opacus, Lightning and Hugging Face count them: ``len(data_loader)`` of the
+    user's loader over its dataset (``clipbias.sampling.epoch_steps``)."""
+    return sampling_epoch_steps(len(data_loader.dataset), data_loader.batch_size, data_loader.drop_last)
+
+
+def poisson_loader(engine: DPEngine, data_loader: DataLoader) -> PoissonLoader:
+    """The engine's secret Poisson batches of ``data_loader``'s dataset, with its ``collate_fn``, workers and
+    pinning; a ``TensorDataset`` of inputs and targets read with torch's default collate is fetched by one
+    indexing operation a batch (``TensorData``: the same tensors the collate would stack)."""
+    ds, workers = data_loader.dataset, data_loader.num_workers
+    if type(ds) is TensorDataset and len(ds.tensors) == 2 and data_loader.collate_fn is default_collate:
+        ds = TensorData(*ds.tensors)
+    return PoissonLoader(engine, ds, collate_fn=data_loader.collate_fn, num_workers=workers,
+                         pin_memory=data_loader.pin_memory,
+                         prefetch_factor=data_loader.prefetch_factor if workers else None,
+                         persistent_workers=data_loader.persistent_workers if workers else False,
+                         multiprocessing_context=data_loader.multiprocessing_context if workers else None,
+                         device="cpu")
+
+
+def physical_chunks(size: int | None) -> Callable[[Any], list]:
+    """Split a batch in chunks of at most ``size`` examples (None: whole)."""
+    def chunks(data: Any) -> list:
+        b = batch.size(split(data)[1])
+        if size is None or b <= size:
+            return [data]
+        return [batch.tree_map(lambda t, s=s: t[s:s + size], data) for s in range(0, b, size)]
+    return chunks
+
+
+def exact_chunks(n: int) -> Callable[[Any], list]:
+    """Split a batch in exactly ``n`` slices (some may be empty): one per gradient-accumulation micro-step."""
+    def chunks(data: Any) -> list:
+        b = batch.size(data)
+        bounds = [round(i * b / n) for i in range(n + 1)]
+        return [batch.tree_map(lambda t, lo=lo, hi=hi: t[lo:hi], data) for lo, hi in zip(bounds, bounds[1:])]
+    return chunks
+
+
+LOSS_CHECKS = 5
+"""``Session.check_loss`` holds the loop's loss against ``criterion`` at the first this many steps."""
+
+LOSS_WARNING = ("the loss your training loop computes is not `criterion`'s: its gradient with respect to the model's "
+                "outputs differs from that of the mean of `criterion`'s per-example losses on the same outputs and "
+                "targets. With `criterion` given, the private step differentiates `criterion` for each example, not "
+                "the graph your loop built, so label smoothing, class weights, extra terms or another loss in the loop "
+                "are not what is trained. Leave out `criterion` to train the loss your loop computes, "
+                "or pass that loss as `criterion`: a loss module with `reduction` (evaluated per example), or a "
+                "function of (outputs, targets) that returns one loss per example")
+
+UNPROVEN_WARNING = (
+    "this step's loss could not be proved a sum of per-example terms: {}. The run is no longer certified "
+    "(privacy_report() says why). To keep the guarantee, read values (loss.item(), accuracy) after "
+    "optimizer.step() (Lightning: in on_train_batch_end), or pass criterion=... (to make_private or DPCallback): "
+    "the step then differentiates criterion per example and does not depend on what your loop computes")
+
+
+class Session:
+    """One private training: the engine, the batch handed out and not stepped on (``pending``), the loop's
+    calls on it, the step and the report.
+
+    Args:
+        engine: The run's ``DPEngine``; its ``loss_fn`` is ``output_gradient`` where the step trains the loss
+            the loop computes (``follows``).
+        unstepped: The error's text when the loop ran the model on a batch and asked for the next one without
+            a step (None: no such check, the framework steps by itself).
+    """
+
+    def __init__(self, engine: DPEngine, unstepped: str | None = None) -> None:
+        self.engine, self.unstepped = engine, unstepped
+        self.pending: Pending | None = None
+        self.run = rowtrace.Run()  # reads of a batch after its step (``follows``)
+        self.anchor = torch.zeros((), requires_grad=True)
+        self.eager: bool | None = None  # whether the forward may take the step (criterion; first forward decides)
+        self.loss_checks = 0  # steps whose loop's loss was held against criterion's (``check_loss``)
+        self.stepping = False  # inside ``DPEngine.step`` (``engine_step``)
+
+    @property
+    def follows(self) -> bool:
+        """Whether the step trains the loss the loop computes (no ``criterion``)."""
+        return self.engine.loss_fn is output_gradient
+
+    # ------------------------------------------------------------------ the batches
+    def batches(self, loader: PoissonLoader, steps: int, chunks: Callable[[Any], list],
+                check: Callable[[Any], None] | None = None) -> Iterator:
+        """The chunks of ``steps`` secret Poisson batches (``loader``; fewer where the engine's plan ends), each
+        batch split by ``chunks`` and kept as ``pending`` while its chunks are handed out (``check`` refuses a
+        collated batch the adapter cannot use); traced where the step follows the loop (``rowtrace``)."""
+        for idx, data in loader.batches(steps):
+            if check is not None:
+                check(data)
+            parts = chunks(data)
+            self.pending = pending = Pending(idx, data, len(parts))
+            for chunk in parts:
+                pending.yielded += 1
+                if self.follows:  # traced rows (``rowtrace``), a ``Rows`` per chunk; a value read out of an
+                    # earlier chunk of the batch may feed this one's loss: the read carries over
+                    earlier = pending.chunk
+                    pending.chunk = rowtrace.Rows(_rows_in(chunk), self.engine.params, self.run)
+                    pending.chunk.escaped = earlier.escaped if earlier is not None else None
+                    pending.chunk_rows.append(pending.chunk)
+                    chunk = rowtrace.yielded(chunk, pending.chunk)
+                yield chunk
+            if self.unstepped is not None and self.pending is pending and pending.inputs:
+                self.pending = None  # the loop never stepped on it
+                raise ConfigError(self.unstepped)
+
+    # ------------------------------------------------------------------ the model's forward
+    def call(self, fn: Callable, training: bool, args: tuple, kwargs: dict) -> Any:
+        """The model's forward ``fn(*args, **kwargs)`` as the loop's call on the pending batch: in training, on
+        its rows, recorded for the step and run without a graph (under the state guard), the outputs handed as
+        leaves; elsewhere ``fn`` as it is."""
+        pending = self.pending
+        if self.stepping:  # the engine's own forward, inside its step (a model whose forward is this call)
+            return fn(*args, **kwargs)
+        if self.follows:  # the loop's own loss (``rowtrace``): the tensors the loop gets are traced
+            args, kwargs, traced = rowtrace.plain(args), rowtrace.plain(kwargs), (args, kwargs)
+        if self.follows and pending is not None and not training and rowtrace.reads_rows(*traced):
+            with torch.no_grad():  # (eval mode on the private rows: values for metrics, no gradient to hide)
+                return rowtrace.rows_output(self.guarded(fn, *args, **kwargs), pending.chunk)
+        if pending is None or not training:
+            return fn(*args, **kwargs)
+        if self.follows:
+            return self._follow(fn, pending, args, kwargs, traced)
+        record = torch.is_grad_enabled()  # a no_grad pass (a "teacher" forward) is not the step's, but guarded
+        if record:
+            pending.inputs.append((args, kwargs))
+            if self.eager and pending.chunks == 1 and len(pending.inputs) == 1 and len(pending.indices):
+                return self._step_here(pending)
+        with torch.no_grad():
+            out = self.guarded(fn, *args, **kwargs)
+        if record and self.eager is None:
+            self.eager = self.engine.outputs_kept and "labels" not in kwargs and _per_example(out, len(pending.indices))
+        return self._handed(out, pending) if record else out
+
+    def _follow(self, fn: Callable, pending: Pending, args: tuple, kwargs: dict, traced: tuple) -> Any:
+        """A call in a step that trains the loop's own loss: on the chunk's rows (``rowtrace.forward_kind``), the
+        step's forward, without a graph, its outputs handed as traced leaves; on other data, public: the model
+        with its graph, whose gradient the loop's backward adds to the update exactly (``rowtrace._backward``)."""
+        chunk = pending.chunk
+        if rowtrace.forward_kind(*traced, chunk, pending.data) == "public":
+            return rowtrace.public_output(self.guarded(fn, *args, **kwargs), chunk)
+        record = torch.is_grad_enabled()  # a no_grad pass (a "teacher" forward) is not the step's, but guarded
+        with torch.no_grad():
+            out = self.guarded(fn, *args, **kwargs)
+        if not record:
+            return rowtrace.rows_output(out, chunk)
+        pending.inputs.append((args, kwargs))
+        leaves: list = []
+
+        def hand(t: Tensor):
+            if t.is_floating_point() and t.dim() > 0 and t.shape[0] == chunk.size:
+                leaf, handed = rowtrace.private_leaf(t, chunk)
+                leaves.append(leaf)
+                return handed
+            if t.is_floating_point():
+                raise ConfigError(f"the model returned a floating tensor of shape {tuple(t.shape)}, not one row per "
+                                  f"example of the batch's {chunk.size}: the step trains the loss your loop computes "
+                                  f"from each example's outputs; return per-example outputs, or pass `criterion=` "
+                                  f"to train that loss instead")
+            return rowtrace.rows_output(t, chunk)
+        handed = batch.map_tensors(hand, out)
+        pending.outputs.append(leaves)
+        return handed
+
+    def _step_here(self, pending: Pending) -> Any:
+        """The private step now, on the recorded call; its outputs, as the loop gets them (``_handed``)."""
+        self.take(pending, keep_outputs=True)  # (the engine's step guards its own forward)
+        pending.stepped = True
+        return self._handed(self.engine.last_outputs, pending)
+
+    def _handed(self, out: Any, pending: Pending) -> Any:
+        """``out`` as the loop gets it: a floating tensor as a leaf that requires grad, so that the loop's
+        ``loss.backward()`` leaves in it the gradient of the loop's own loss, which the step holds against
+        ``criterion``'s (``check_loss``); anything else tied to a zero-valued anchor."""
+        if isinstance(out, Tensor) and out.is_floating_point():
+            leaf = out.detach().requires_grad_()
+            pending.outputs.append(leaf)
+            return leaf
+        pending.outputs.append(None)
+        return _tie(out, self.anchor)
+
+    def guarded(self, fn: Callable, *args, **kwargs) -> Any:
+        """``fn(*args, **kwargs)`` under the engine's state guard: refused (the buffers restored) if it wrote the
+        model's state (``clipbias.engine.guard``)."""
+        return self.engine.state_guard.run(fn, *args, **kwargs)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> None:
+        """The private step at the end of each logical batch (earlier chunks only record their inputs)."""
+        pending = self.pending
+        if pending is None:
+            raise ConfigError("an optimizer step without a batch of the private data loader: iterate over the "
+                              "private data loader and call the model on each batch")
+        if pending.yielded < pending.chunks:  # a chunk of a larger logical batch (virtual step)
+            return
+        self.pending = None
+        if self.follows:
+            self.follow(pending)
+            return
+        self.check_loss(pending)
+        if pending.stepped and len(pending.inputs) == 1:  # the model's forward took the step (``call``)
+            return
+        if len(pending.inputs) != pending.chunks:
+            raise ConfigError(f"the model ran {len(pending.inputs)} time(s) on this batch of the private data loader, "
+                              f"in {pending.chunks} chunk(s): call it exactly once per (chunk of a) batch, in training "
+                              f"mode with gradients enabled")
+        self.take(pending)
+
+    def take(self, pending: Pending, keep_outputs: bool = False) -> None:
+        """``DPEngine.step`` on the logical batch (``keep_outputs``: its outputs in ``engine.last_outputs``)."""
+        x, y = self.recorded(pending)
+        # the engine compares the inputs and targets with the batch as the loader fetched it (``engine.drawn``:
+        # an in-place transform of the yielded tensors changed ``pending.data`` too; ``labels=`` may be the targets)
+        self.engine_step(x, y, pending.indices, keep_outputs=keep_outputs)
+
+    def engine_step(self, *args, **kwargs) -> Any:
+        """``DPEngine.step``; the model's forward inside it is the engine's own (``call`` passes it through)."""
+        self.stepping = True
+        try:
+            return self.engine.step(*args, **kwargs)
+        finally:
+            self.stepping = False
+
+    def recorded(self, pending: Pending) -> tuple:
+        """The logical batch's model inputs (as recorded) and targets (the loader's, or a ``labels`` keyword)."""
+        x = batch.cat([_as_batch(rec) for rec in pending.inputs])
+        if isinstance(x, dict) and "labels" in x:
+            x = dict(x)
+            y = x.pop("labels")
+        else:
+            y = split(pending.data)[1]
+        y = batch.to(y, next(iter(self.engine.params)).device)
+        if batch.size(x) != len(pending.indices) or batch.size(y) != len(pending.indices):
+            raise ConfigError(f"the model was called on {batch.size(x)} examples, but the private data loader's batch "
+                              f"holds {len(pending.indices)}: call the model on the batch (or chunk) as drawn, one "
+                              f"example per row")
+        return x, y
+
+    def check_loss(self, pending: Pending) -> None:
+        """Say so (a warning, once) where the loss the loop computed is not ``criterion``'s: the gradient the loop's
+        ``loss.backward()`` left in the outputs against that of the mean of ``criterion``'s per-example losses on
+        the same outputs and targets (checked at the first ``LOSS_CHECKS`` steps whose batch was one call of the
+        model returning one tensor; a loss that ignored the outputs has none). The step differentiates
+        ``criterion``, never the loop's graph: a loss the loop changed (label smoothing, class weights, an extra
+        term, a sum) would otherwise be replaced in silence."""
+        if self.loss_checks >= LOSS_CHECKS or len(pending.outputs) != 1 or pending.outputs[0] is None \
+                or not len(pending.indices):
+            return
+        self.loss_checks += 1
+        out = pending.outputs[0]
+        try:
+            _, y = self.recorded(pending)
+            ours = _criterion_gradient(self.engine.loss_fn, out, y)
+        except Exception:  # (criterion cannot run on the whole batch: the engine's step will say why)
+            return
+        theirs = out.grad if out.grad is not None else torch.zeros_like(out)
+        scale = float(theirs.abs().max())
+        if torch.allclose(theirs, ours, rtol=1e-3, atol=1e-6 * max(scale, float(ours.abs().max()), 1e-30)):
+            return
+        self.loss_checks = LOSS_CHECKS
+        b = len(out)
+        summed = b > 1 and torch.allclose(theirs, ours * b, rtol=1e-3, atol=1e-6 * max(scale, 1e-30))
+        warnings.warn(LOSS_WARNING + (f" (here the loop's loss is the sum over the batch, {b} times criterion's mean: "
+                                      f"divide it by the batch size, or scale the learning rate)" if summed else ""),
+                      stacklevel=4)
+
+    def follow(self, pending: Pending) -> None:
+        """The private step on the loss the loop computed: each chunk's forward on its rows, with the gradient the
+        loop's backward left in its outputs (times the chunk's size: ``loss_reduction="mean"``, Opacus's
+        convention, each example's gradient of its own loss) as the targets of ``output_gradient``; and the
+        public part the loop's backward passes left in the parameters (``rowtrace``)."""
+        if len(pending.inputs) != pending.chunks:
+            raise ConfigError(f"the model ran {len(pending.inputs)} time(s) on the rows of this batch of the private "
+                              f"data loader, in {pending.chunks} chunk(s): call it exactly once per (chunk of a) batch "
+                              f"on its rows, in training mode with gradients enabled (a call on other data, "
+                              f"generated images or a public batch, is public and may come in any number)")
+        gs, public = [], [None] * len(self.engine.params)
+        for chunk, leaves in zip(pending.chunk_rows, pending.outputs):
+            if chunk.backwards == 0 and any(leaf.grad is not None for leaf in leaves):
+                raise ConfigError("the gradient in the model's outputs did not come from a loss.backward() on them "
+                                  "that clipbias followed (rowtrace): compute the loss from the outputs the model "
+                                  "returned and call loss.backward()")
+            g = [leaf.grad * chunk.size if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+            gs.append(g[0] if len(g) == 1 else tuple(g))
+            public = [p if q is None else q if p is None else p + q for p, q in zip(public, chunk.public)]
+        x = batch.cat([_as_batch(rec) for rec in pending.inputs])
+        if batch.size(x) != len(pending.indices):
+            raise ConfigError(f"the model was called on {batch.size(x)} examples, but the private data loader's batch "
+                              f"holds {len(pending.indices)}: call the model on the batch (or chunk) as drawn, one "
+                              f"example per row")
+        if self.run.read_after_step is not None and any(p is not None and bool(p.any()) for p in public):
+            pending.chunk_rows[0].unproven = pending.chunk_rows[0].unproven or (
+                f"a public term after {self.run.read_after_step} (it may carry that batch into the update unclipped)")
+        self.engine_step(x, batch.cat(gs), pending.indices, public=public)
+        for chunk in pending.chunk_rows:  # a read from now on is a read of an earlier batch
+            chunk.stepped, chunk.watched = True, []
+        why = next((c.unproven for c in pending.chunk_rows if c.unproven is not None), None)
+        if why is not None:  # released, and counted: the report carries the caveat (``accounting.report``)
+            self.engine.unproven_steps += 1
+            if self.engine.unproven_steps == 1:
+                warnings.warn(UNPROVEN_WARNING.format(why), stacklevel=4)
+
+    # ------------------------------------------------------------------ the report and the state
+    def report(self, delta: float | None = None) -> PrivacyReport:
+        """The guarantee after the steps taken, at ``delta`` (default: the run's)."""
+        if delta is not None:
+            check_delta(delta)
+        return accounting.report(self.engine, self.engine.steps_taken, delta)  # (one accountant run, the caveats)
+
+    def state_dict(self) -> dict:
+        """The engine's private state (secret key, sampler, counters, error feedback, the optimizer's state)."""
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.engine.load_state_dict(state)
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Your optimizer, made private: ``step()`` runs ``closure`` (if given) and then the private step on the
+    batch the private loader drew (``Session.step``), which ends in your optimizer's own ``step`` on the private
+    update. Its ``param_groups``, ``state`` and ``defaults`` are your optimizer's (schedulers act on them);
+    ``state_dict`` is your optimizer's. ``original_optimizer`` is your optimizer.
+
+    Args:
+        optimizer: Your optimizer.
+        session: The run's ``Session``.
+        guard_closure: Run ``closure`` under the engine's state guard (a framework's training step, which may
+            write the model's state on the private batch: Lightning's ``training_step``).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, session: Session, guard_closure: bool = False) -> None:
+        self.original_optimizer, self.session, self.engine = optimizer, session, session.engine
+        self.guard_closure = guard_closure  # (no super().__init__: the state is the original's)
+        self.noise_multiplier, self.max_grad_norm = self.engine.noise_multiplier, self.engine.config.clip
+        self.expected_batch_size = self.engine.expected_batch_size
+        self._step_supports_amp_scaling = False
+
+    @property
+    def transformed_steps(self) -> int:
+        """Steps whose model inputs or targets were not the drawn batch: the engine's count (``engine.drawn``)."""
+        return self.engine.transformed_steps
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        self.original_optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.original_optimizer.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.original_optimizer.defaults
+
+    def __getattr__(self, name: str):
+        if name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                    "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                    "_optimizer_load_state_dict_post_hooks", "_zero_grad_profile_name", "_opt_called"):
+            return getattr(self.original_optimizer, name)
+        raise AttributeError(name)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise ConfigError("add_param_group after the training was made private: the private update covers the "
+                          "parameters the engine was built with; add the group before")
+
+    def step(self, closure: Callable | None = None):
+        """The private step, at the end of each logical batch (earlier chunks only record their inputs).
+        Returns ``closure()``'s loss when a closure is given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = self.session.guarded(closure) if self.guard_closure else closure()
+        self.session.step()
+        return loss
+
+
+class Deferred(torch.optim.Optimizer):
+    """The engine's view of your optimizer where the framework steps it (Hugging Face's ``Trainer``): the engine
+    leaves the private update in ``.grad`` and the framework steps your optimizer on it (after its logging and
+    callbacks); ``state_dict`` is yours."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # the state is the original's
+        self.original = optimizer
+
+    @property
+    def param_groups(self) -> list:
+        return self.original.param_groups
+
+    @property
+    def state(self):
+        return self.original.state
+
+    def step(self, closure=None):
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict:
+        return self.original.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.original.load_state_dict(state_dict)
+
+
+def _criterion_gradient(loss_fn: Callable, out: Tensor, y: Any) -> Tensor:
+    """The gradient, with respect to ``out``, of the mean over the batch of ``loss_fn``'s per-example losses (the
+    engine's convention: ``cross_entropy`` and the loss modules take the batch; any other callable, one example
+    at a time)."""
+    o, y = out.detach().requires_grad_(), class_indices(y) if loss_fn is cross_entropy else y  # (as the step)
+    with torch.enable_grad():
+        if loss_fn is cross_entropy or getattr(loss_fn, "batched", False):
+            total = loss_fn(o, y).sum()
+        else:
+            total = sum(loss_fn(o[i:i + 1], batch.take(y, slice(i, i + 1))).sum() for i in range(len(o)))
+        return torch.autograd.grad(total / len(o), o, allow_unused=True)[0] if total.requires_grad \
+            else torch.zeros_like(o)
+
+
+def _per_example(out: Any, b: int) -> bool:
+    """Whether ``out`` is tensors only (in tuples or mappings), each with one row per example."""
+    try:
+        leaves = batch.leaves(out)
+    except ClipbiasError:
+        return False
+    return bool(leaves) and all(t.dim() > 0 and t.shape[0] == b for t in leaves)
+
+
+def _tie(out: Any, anchor: Tensor) -> Any:
+    """``out`` with every floating tensor ``t`` replaced by ``t + 0 * anchor`` (a graph of one node)."""
+    return batch.map_tensors(lambda t: t + anchor.to(t.device, t.dtype) * 0 if t.is_floating_point() else t, out)
+
+
+def _rows_in(chunk: Any) -> int:
+    """The examples in a yielded chunk (its inputs' rows where other entries have none)."""
+    try:
+        return batch.size(chunk)
+    except ClipbiasError:
+        return batch.size(split(chunk)[0])
+
+
+def _as_batch(rec: tuple) -> Any:
+    """One recorded call ``(args, kwargs)`` as the engine's input: a tensor, a tuple or a dict."""
+    args, kwargs = rec
+    if kwargs and args:
+        raise ConfigError("the model was called with both positional and keyword tensors; clipbias replays a call "
+                          "model(x), model(*xs) or model(**inputs)")
+    if kwargs:
+        return {k: v for k, v in kwargs.items() if v is not None}
+    return args[0] if len(args) == 1 else tuple(args)
+
+
+def is_mapping(data: Any) -> None:
+    """Refuse a collated batch that is not a dict of tensors (Hugging Face's collators)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"the data collator must return a dict of tensors (input_ids, labels, ...), got "
+                          f"{type(data).__name__}")

@@ -348,7 +348,9 @@ def _label(name: str, args, kwargs, found: list[Label], out: Any) -> Label:
     if public:
         return mixed(f"`{name}` combines a tensor of the private batch with a public output or with a tensor that "
                      f"requires grad outside the model's private forward (a parameter): only whole per-example "
-                     f"losses may be added to such terms")
+                     f"losses may be added to such terms (a submodule called directly on the private batch, "
+                     f"`model.encoder(x)` or Lightning's `self.net(x)`, is such a meeting: call the model itself, "
+                     f"`model(x)` or `self(x)`, whose forward is the recorded private one)")
     if SUM in kinds:
         return mixed(f"`{name}` combines a sum over the batch with the batch's rows (each example's term then "
                      f"depends on the others)")

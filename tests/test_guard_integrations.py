@@ -286,3 +286,102 @@ def test_hf_evaluation_on_the_training_set_is_refused(tmp_path):
     trainer = _trainer(tmp_path, train, eval_dataset=valid, eval_strategy="steps", eval_steps=1)
     trainer.train()
     assert trainer.privacy_report().certified and trainer.dp_engine.transformed_steps == 0
+
+
+# ---------------------------------------------------------------- a fourth red team's channels
+def test_hf_token_counts_are_refused_flops_are_zero_and_the_report_names_what_is_released(tmp_path):
+    """``include_num_input_tokens_seen`` logged each private batch's exact token count (one long example shows:
+    a membership test at every step, certified); ``total_flos`` summed them too."""
+    with pytest.raises(ConfigError, match="include_num_input_tokens_seen.*exact number of tokens"):
+        _trainer(tmp_path, Tokens(16), include_num_input_tokens_seen="all")
+    trainer = _trainer(tmp_path, Tokens(16))
+    trainer.train()
+    report = trainer.privacy_report()
+    assert trainer.state.total_flos == 0 and report.certified
+    assert any("training loss the Trainer logs" in r for r in report.released)
+    assert any(r.startswith("n,") for r in report.released) and "released" in report.to_dict()
+
+
+def _made_private(criterion=None):
+    pe = PrivacyEngine()
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    m, o, dl = pe.make_private(module=model, optimizer=opt, data_loader=DataLoader(DATA, batch_size=16),
+                               noise_multiplier=1.0, max_grad_norm=1.0, criterion=criterion)
+    return pe, m, o, dl
+
+
+@pytest.mark.parametrize("how", ["break after a read", "break with criterion", "break unread", "peek",
+                                 "peek stepped on", "stop after the step"])
+def test_a_batch_the_loop_walks_away_from_is_passed_over(how):
+    """A loop that breaks when it sees an outlier got the same batch again on its next pass (given back), so it
+    stopped again and again, uncounted: how many steps a run took depended on one example (TPR 1, FPR 0 over
+    10 trials), certified. Now a batch left without a step counts as passed over (uncertified, with why), read
+    or not (the loop keeps the batch and may read it after the ``break``); a peeked batch that is stepped on is
+    used, and a loop that stops right after a step leaves nothing."""
+    pe, m, o, dl = _made_private(nn.CrossEntropyLoss() if "criterion" in how else None)
+    if how.startswith("peek"):
+        x, y = next(iter(dl))  # a look at a batch before training
+        if how == "peek stepped on":
+            o.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+    for x, y in dl:
+        if how == "break after a read" and float(x.abs().max()) > 0:
+            break
+        if how.startswith("break") and pe.steps == 1:
+            break
+        o.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        o.step()
+        if how == "stop after the step" and pe.steps == 1:
+            break
+    report = pe.privacy_report()
+    counted = how not in ("peek stepped on", "stop after the step")
+    assert report.certified != counted and pe.engine.sampler.passed_over == counted
+    assert counted == any("passed over by the training loop" in c for c in report.caveats)
+    assert any("reads from the private batches" in r for r in report.released)
+    assert any(r.startswith("n,") for r in report.released)
+
+
+def test_the_optimizers_settings_may_not_change_between_the_draw_and_the_step():
+    """A loop that set the learning rate to 0 when the batch's loss spiked froze the weights exactly at the
+    canary's steps (certified). A change between the draw and the step is refused; a scheduler stepped after
+    ``optimizer.step()`` is not such a change."""
+    pe, m, o, dl = _made_private()
+    sched = torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)
+    for x, y in dl:
+        o.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        o.step()
+        sched.step()
+    assert pe.steps == 4 and pe.privacy_report().certified
+    pe, m, o, dl = _made_private()
+    with pytest.raises(ConfigError, match="optimizer's lr changed after the private data loader drew this batch"):
+        for x, y in dl:
+            o.zero_grad()
+            loss = nn.functional.cross_entropy(m(x), y)
+            loss.backward()
+            o.param_groups[0]["lr"] = 0.0 if float(x.abs().max()) > 10 else 0.25
+            o.step()
+
+
+class WritesHparams(Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.save_hyperparameters({"scale": 1.0})
+
+    def forward(self, x):
+        return self.net(x / self.hparams.scale)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.hparams.scale = max(1.0, float(x.abs().max()))  # a statistic of the batch, read by forward
+        return nn.functional.cross_entropy(self(x), y)
+
+
+def test_lightning_hparams_written_on_the_private_batch_are_refused():
+    """``self.hparams`` was skipped by the state guard as Lightning's own: a batch statistic written into it in
+    ``training_step`` and read by ``forward`` moved the other examples' clipped sum by 12 C, certified."""
+    with pytest.raises(ConfigError, match="state changed on the private batch.*_hparams"):
+        _fit(WritesHparams())

@@ -79,8 +79,8 @@ def report(engine: Any, steps: int, delta: float | None = None) -> PrivacyReport
         rep = rep.with_caveat(UNPROVEN_CAVEAT.format(engine.unproven_steps, engine.steps_taken))
     for line in fetch_caveats(engine) if engine.algo.private else ():  # the loader's re-fetch check (refetch)
         rep = rep.with_caveat(line)
-    if engine.algo.private and getattr(getattr(engine, "sampler", None), "skipped", 0):  # (None while being built)
-        rep = rep.with_caveat(SKIPPED_CAVEAT.format(engine.sampler.skipped))
+    if engine.algo.private and getattr(getattr(engine, "sampler", None), "passed_over", 0):  # (None while built)
+        rep = rep.with_caveat(SKIPPED_CAVEAT.format(engine.sampler.passed_over))
     return rep
 
 
@@ -136,7 +136,7 @@ def undrawn_caveat(undrawn: int, steps: int, q: float) -> str:
 
 
 SKIPPED_CAVEAT = ("{} batch(es) drawn by the sampler were passed over by the training loop (sampled again before a "
-                  "step used them): a loop that chooses batches by their content (skipping small or empty ones, "
+                  "step used them, or left without a step: a break, a peek with next(iter(loader))): a loop that chooses batches by their content (skipping small or empty ones, "
                   "redrawing) includes examples at another rate than the accounted q")
 
 

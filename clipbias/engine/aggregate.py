@@ -322,12 +322,12 @@ def auto_other_path(engine, grad_path: str):
 
 
 def drop_staged(engine) -> None:
-    """Undo ``engine``'s step that did not complete: every stage's staged state dropped; with bands, the step's
-    batch goes back to the sampler (the retry takes it again). The retry draws the same dropout masks
-    (functions of the key, the step and the indices)."""
+    """Undo ``engine``'s step that did not complete: every stage's staged state dropped; the step's batch goes
+    back to the sampler (the retry takes it again; with bands its class is the step's). The retry draws the
+    same dropout masks (functions of the key, the step and the indices)."""
     engine.rows.rollback()
     engine.pipeline.rollback()
-    if engine.bands > 1 and engine.sampler.next_step == engine.steps_taken + 1:
+    if engine.sampler.next_step == engine.steps_taken + 1:
         engine.sampler.give_back()
 
 

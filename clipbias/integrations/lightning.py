@@ -31,7 +31,8 @@ from ..errors import ConfigError
 from ..privacy import PrivacyReport
 from .opacus import loss_function
 from .options import DPOptions, EpsilonLog, check_trainable
-from .session import DPOptimizer, Session, epoch_steps, physical_chunks, poisson_loader
+from .session import (N_RELEASED, TIMES_RELEASED, DPOptimizer, Session, epoch_steps, physical_chunks,
+                      poisson_loader)
 
 __all__ = ["DPCallback"]
 
@@ -115,7 +116,9 @@ class DPCallback(L.Callback):
         if self._state is not None:
             self.engine.load_state_dict(self._state)
             self._state = None
-        self.session = Session(self.engine)
+        self.session = Session(self.engine, released=(
+            "what training_step logs (self.log of the loss or accuracy on the private batches) and keeps "
+            "(training_step_outputs): statistics of the private data without noise", TIMES_RELEASED, N_RELEASED))
         self.session.eager = False  # (the step comes after training_step: its closure runs under the state guard)
         follow(pl_module, self.session)
         trainer.strategy.optimizers = [DPOptimizer(optimizer, self.session, guard_closure=True)]

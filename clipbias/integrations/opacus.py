@@ -46,7 +46,7 @@ from ..grads.rows import cross_entropy, output_gradient
 from ..privacy import PrivacyReport
 from .options import ACCOUNTANTS, default_delta, engine_config
 from .opacus_accountant import Accountant
-from .session import DPOptimizer, Session, epoch_steps, physical_chunks, poisson_loader
+from .session import N_RELEASED, DPOptimizer, Session, epoch_steps, physical_chunks, poisson_loader
 
 OPACUS_WORDS = ((re.compile(r"(?<![\w.])loss_fn(?!\w)"), "criterion"), (re.compile(r"`AlgoConfig\.clip`"),
                 "`max_grad_norm`"), (re.compile(r"`epsilon`"), "`target_epsilon`"))
@@ -278,7 +278,9 @@ class PrivacyEngine:
                                max_physical_batch=extra.get("max_physical_batch", 512),
                                noise_seed=extra.get("noise_seed"), autocast=extra.get("autocast"),
                                loss_scale=extra.get("loss_scale"))
-        self.session = Session(self.engine, unstepped=UNSTEPPED)
+        self.session = Session(self.engine, unstepped=UNSTEPPED, released=(
+            "what your loop reads from the private batches and prints, logs or keeps (loss.item(), accuracy): "
+            "statistics of the private data without noise", N_RELEASED))
         self.module = DPModule(module, self.session)
         self.data_loader = DPDataLoader(self.session, data_loader)
         self.optimizer = DPOptimizer(optimizer, self.session)

@@ -20,6 +20,7 @@ optimizer's ``step``.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -54,6 +55,10 @@ class Pending:
     outputs: list = field(default_factory=list)  # the outputs the loop got, as leaves (None: not a tensor)
     chunk: "rowtrace.Rows | None" = None  # the chunk yielded last, traced (the loop's own loss: ``follows``)
     chunk_rows: list = field(default_factory=list)  # every chunk's ``Rows``, in order
+
+
+N_RELEASED = "n, the number of training examples (the sampling rate B / n and the steps per epoch derive from it)"
+TIMES_RELEASED = "the run's timings (steps per second, runtime: they grow with the private batches' sizes)"
 
 
 def epoch_steps(data_loader: DataLoader) -> int:
@@ -123,16 +128,18 @@ class Session:
             the loop computes (``follows``).
         unstepped: The error's text when the loop ran the model on a batch and asked for the next one without
             a step (None: no such check, the framework steps by itself).
+        released: What the framework releases beside the model outside the mechanism (``PrivacyReport.released``).
     """
 
-    def __init__(self, engine: DPEngine, unstepped: str | None = None) -> None:
-        self.engine, self.unstepped = engine, unstepped
+    def __init__(self, engine: DPEngine, unstepped: str | None = None, released: tuple[str, ...] = ()) -> None:
+        self.engine, self.unstepped, self.released = engine, unstepped, released
         self.pending: Pending | None = None
         self.run = rowtrace.Run()  # reads of a batch after its step (``follows``)
         self.anchor = torch.zeros((), requires_grad=True)
         self.eager: bool | None = None  # whether the forward may take the step (criterion; first forward decides)
         self.loss_checks = 0  # steps whose loop's loss was held against criterion's (``check_loss``)
         self.stepping = False  # inside ``DPEngine.step`` (``engine_step``)
+        self.settings: list | None = None  # the optimizer's settings when the pending batch was drawn
 
     @property
     def follows(self) -> bool:
@@ -144,12 +151,16 @@ class Session:
                 check: Callable[[Any], None] | None = None) -> Iterator:
         """The chunks of ``steps`` secret Poisson batches (``loader``; fewer where the engine's plan ends), each
         batch split by ``chunks`` and kept as ``pending`` while its chunks are handed out (``check`` refuses a
-        collated batch the adapter cannot use); traced where the step follows the loop (``rowtrace``)."""
+        collated batch the adapter cannot use); traced where the step follows the loop (``rowtrace``). A batch
+        the loop leaves without a step (a ``break``, a peek) stays pending (a peeked batch may be stepped on) and
+        is never handed out again; until a step uses it, it counts as passed over (``PoissonSampler.abandon``:
+        the run is uncertified), since whether a loop stops may depend on what it saw."""
         for idx, data in loader.batches(steps):
             if check is not None:
                 check(data)
             parts = chunks(data)
             self.pending = pending = Pending(idx, data, len(parts))
+            self.settings = _settings(self.engine.optimizer)  # (the step is taken at these: ``engine_step``)
             for chunk in parts:
                 pending.yielded += 1
                 if self.follows:  # traced rows (``rowtrace``), a ``Rows`` per chunk; a value read out of an
@@ -274,7 +285,17 @@ class Session:
         self.engine_step(x, y, pending.indices, keep_outputs=keep_outputs)
 
     def engine_step(self, *args, **kwargs) -> Any:
-        """``DPEngine.step``; the model's forward inside it is the engine's own (``call`` passes it through)."""
+        """``DPEngine.step``, at the optimizer's settings of the moment the batch was drawn (refused otherwise:
+        a learning rate set from a value of the batch, 0 at a spike, would release which batches held an
+        outlier); the model's forward inside it is the engine's own (``call`` passes it through)."""
+        now = _settings(self.engine.optimizer)
+        if self.settings is not None and now != self.settings:
+            changed = sorted({k for a, b in zip(now, self.settings) for k in a if a.get(k) != b.get(k)})
+            raise ConfigError(f"the optimizer's {', '.join(changed) or 'param_groups'} changed after the private data "
+                              f"loader drew this batch and before its step: a setting chosen after the batch was seen "
+                              f"may depend on its values (a learning rate of 0 when the loss spikes releases which "
+                              f"batches held an outlier). Set it before the batch is drawn (at the top of the epoch), "
+                              f"or with a learning-rate scheduler stepped after optimizer.step()")
         self.stepping = True
         try:
             return self.engine.step(*args, **kwargs)
@@ -365,7 +386,8 @@ class Session:
         """The guarantee after the steps taken, at ``delta`` (default: the run's)."""
         if delta is not None:
             check_delta(delta)
-        return accounting.report(self.engine, self.engine.steps_taken, delta)  # (one accountant run, the caveats)
+        report = accounting.report(self.engine, self.engine.steps_taken, delta)  # (one accountant run, the caveats)
+        return dataclasses.replace(report, released=(*report.released, *self.released))
 
     def state_dict(self) -> dict:
         """The engine's private state (secret key, sampler, counters, error feedback, the optimizer's state)."""
@@ -474,6 +496,13 @@ class Deferred(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.original.load_state_dict(state_dict)
+
+
+def _settings(optimizer: Any) -> list[dict]:
+    """The optimizer's settings, every ``param_groups`` entry but the parameters, as plain values."""
+    def plain(v: Any) -> Any:
+        return v.detach().cpu().tolist() if isinstance(v, Tensor) else v
+    return [{k: plain(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
 def _criterion_gradient(loss_fn: Callable, out: Tensor, y: Any) -> Tensor:

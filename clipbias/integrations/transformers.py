@@ -41,7 +41,7 @@ from ..randomness.example import example_generator
 from ..sampling.loader import PoissonLoader
 from ..sampling.poisson import epoch_steps as sampling_epoch_steps
 from .options import DPOptions, EpsilonLog, check_trainable
-from .session import Deferred, Session, exact_chunks, is_mapping
+from .session import N_RELEASED, TIMES_RELEASED, Deferred, Session, exact_chunks, is_mapping
 
 __all__ = ["DPArguments", "DPTrainer", "PerExampleIds", "causal_lm_loss", "keyed_collator",
            "sequence_classification_loss"]
@@ -320,6 +320,11 @@ def check_training_args(args: Any) -> None:
         raise ConfigError(f"train_sampling_strategy={strategy!r} would let Hugging Face's sampler "
                           f"choose the batches; the privacy guarantee needs the engine's secret Poisson batches: "
                           f"leave it at 'random' (which DPTrainer replaces by Poisson sampling)")
+    tokens = getattr(args, "include_num_input_tokens_seen", "no")
+    if tokens not in ("no", False, None):
+        raise ConfigError(f"include_num_input_tokens_seen={tokens!r} logs the exact number of tokens in each private "
+                          f"batch (a membership test: one long example shows in the count), outside the privacy "
+                          f"guarantee; leave it at 'no'")
     if getattr(args, "auto_find_batch_size", False):
         raise ConfigError("auto_find_batch_size would change the expected batch size B during the run, and with it "
                           "the sampling rate the accounting assumes: set per_device_train_batch_size yourself")
@@ -419,7 +424,9 @@ class DPTrainer(transformers.Trainer):
         optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
         if self.dp_engine is None:
             self.dp_engine = self._build_engine(optimizer)
-            self.dp_session = Session(self.dp_engine)
+            self.dp_session = Session(self.dp_engine, released=(
+                "the training loss the Trainer logs (each private batch's mean example loss, no noise)",
+                TIMES_RELEASED, N_RELEASED))
         elif self.dp_engine.optimizer.original is not getattr(optimizer, "optimizer", optimizer):  # (accelerate's)
             raise ConfigError("DPTrainer: the optimizer changed after the private engine was built; one DPTrainer "
                               "trains one run")
@@ -504,6 +511,11 @@ class DPTrainer(transformers.Trainer):
         """
         check_eval_data(self.train_dataset, eval_dataset if eval_dataset is not None else self.eval_dataset)
         return super().evaluate(eval_dataset, *args, **kwargs)
+
+    def floating_point_ops(self, inputs: dict) -> int:
+        """0: the Trainer's count (``total_flos``, logged) is 6 x parameters x the tokens of each private batch,
+        the sum of the batches' sizes and padded lengths, a statistic of the private data."""
+        return 0
 
     def _clip_grad_norm(self, model):
         """No clipping of the batch gradient: each example's gradient was clipped to ``max_grad_norm`` of

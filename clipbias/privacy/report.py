@@ -23,6 +23,8 @@ class PrivacyReport:
         noise_multiplier: The noise multiplier z of the run, where it has one.
         caveats: Why the statement does not hold as certified for this run, one sentence each (a
             seed-keyed run, statistics of the private data released outside the mechanism, ...).
+        released: What the run releases beside the model, outside the mechanism, named (the training loss
+            a framework logs, timings, n): epsilon does not cover them; keep them as private as the data.
     """
 
     epsilon: float
@@ -32,6 +34,7 @@ class PrivacyReport:
     certified: bool
     noise_multiplier: float | None = None
     caveats: tuple[str, ...] = ()
+    released: tuple[str, ...] = ()
 
     def with_caveat(self, why: str) -> "PrivacyReport":
         """The same statement, not certified, with ``why`` among its caveats.
@@ -47,7 +50,7 @@ class PrivacyReport:
     def to_dict(self) -> dict:
         """The statement as a JSON-ready dict (``caveats`` a list, an infinite epsilon the string ``"inf"``)."""
         d = asdict(self)
-        d["caveats"] = list(self.caveats)
+        d["caveats"], d["released"] = list(self.caveats), list(self.released)
         if math.isinf(self.epsilon):
             d["epsilon"] = "inf"
         return d

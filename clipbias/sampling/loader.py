@@ -272,5 +272,5 @@ class PoissonLoader:
                 engine.sampler.fetched = (idx, batch.tree_map(lambda t: t.detach().clone(), data),
                                           guard.snapshot() if guard is not None else None)
                 yield idx, data
-        finally:  # a loop that stopped (break, an error) before stepping on the last batch: the next loop takes it
-            engine.sampler.give_back()
+        finally:  # a loop that stopped (break, an error) before stepping on the last batch: counted as skipped
+            engine.sampler.abandon()  # (a failed step gave its batch back already: ``aggregate.drop_staged``)

@@ -56,6 +56,7 @@ class PoissonSampler:
             raise ConfigError(f"PoissonSampler needs a clipbias.randomness.SecretKey, got {type(key).__name__}")
         self.key, self.drawn = key, 0  # batches drawn so far: the address of the next one
         self.skipped = 0  # batches returned by sample() that no step used before the next sample()
+        self.abandoned = False  # the last one's loader was closed before a step used it (``abandon``)
         self._last: Tensor | None = None  # what sample() returned last (give_back)
         self.fetched: tuple | None = None  # (indices, a copy of the batch a PoissonLoader fetched for them)
         self._ahead: list[Tensor] = []  # drawn by draw_ahead, not yet returned by sample
@@ -75,6 +76,7 @@ class PoissonSampler:
         """
         if self._last is not None:
             self.skipped += 1
+        self.abandoned = False
         if self._ahead:
             self.handed = max(0, self.handed - 1)
             self._last = self._ahead.pop(0)
@@ -95,6 +97,22 @@ class PoissonSampler:
     def settle(self) -> None:
         """The batch ``sample`` returned last was released: ``give_back`` no longer applies to it."""
         self._last = self.fetched = None
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        """The loader that handed out the batch ``sample`` returned last was closed before a step used it (a
+        ``break``, a peek with ``next(iter(loader))``, an error in the loop): it is not handed out again, and
+        until a step uses it (the peeked batch stepped on) it counts as passed over (``passed_over``). Given
+        back, the next loop would get it again, so a loop that stops on what it sees (an outlier) would stop
+        again and again, never counted: whether and when training ends would depend on the batch."""
+        if self._last is not None:
+            self.abandoned = True
+
+    @property
+    def passed_over(self) -> int:
+        """Batches drawn that no step used: ``skipped``, and the last one if its loader was closed without a
+        step on it (``abandon``)."""
+        return self.skipped + int(self._last is not None and self.abandoned)
 
     def give_back(self) -> None:
         """Return the batch ``sample`` just returned: ``sample`` gives it again (a step that failed
@@ -102,6 +120,7 @@ class PoissonSampler:
         if self._last is not None:
             self._ahead.insert(0, self._last)
             self._last = None
+        self.abandoned = False
 
     def draw_ahead(self) -> Tensor:
         """The batch that ``sample`` returns after every batch handed out before it: drawn now (or

@@ -157,7 +157,7 @@ _PHASES = {  # label -> (module, attribute path) of the library functions timed 
     "graph check": ("clipbias.grads.fast", "BookKeeping._check_graph"),
     "per-example losses": ("clipbias.grads.fast", "BookKeeping._losses"),
     "ghost plan": ("clipbias.grads.fast", "ghost_plan"),
-    "clipped sums": ("clipbias.grads.fast", "_Matrix.sums"),
+    "clipped sums": ("clipbias.grads.layers.linear", "Matrix.sums"),
 }
 
 

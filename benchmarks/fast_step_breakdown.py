@@ -64,7 +64,9 @@ def instrument() -> None:
     from clipbias.grads import fast, fast_checks
     fast.BookKeeping._backward = timed("forward and backward", fast.BookKeeping._backward)
     fast._rules_of = timed("rules: norms", fast._rules_of)
-    for cls in {c for c in vars(fast).values() if isinstance(c, type) and "sums" in vars(c)}:
+    from clipbias.grads.layers import RULES
+    modules = [fast] + [sys.modules[type(r).__module__] for r in RULES.values()]
+    for cls in {c for mod in modules for c in vars(mod).values() if isinstance(c, type) and "sums" in vars(c)}:
         cls.sums = timed("rules: clipped sums", cls.sums)
     fast_checks.RuntimeChecks._check_examples = timed("check", fast_checks.RuntimeChecks._check_examples)
     transforms.snapped_gaussian = timed("noise", transforms.snapped_gaussian)

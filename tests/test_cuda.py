@@ -219,14 +219,15 @@ def test_the_ghost_norm_on_cuda_makes_the_cpu_update(algo, monkeypatch):
     a layer takes the ghost norm, its rounding bound and float64 sums: in float64 the GPU's update is
     the CPU's to 1e-10."""
     import clipbias.grads.fast as fc
+    from clipbias.grads.layers.linear import Matrix
     monkeypatch.setattr(fc, "FORMED_BYTES", -1)
     ghosts = []
-    init = fc._Matrix.__init__
+    init = Matrix.__init__
 
     def spy(self, m, a, g, ghost):
         init(self, m, a, g, ghost)
         ghosts.append(self.ghost)
-    monkeypatch.setattr(fc._Matrix, "__init__", spy)
+    monkeypatch.setattr(Matrix, "__init__", spy)
 
     def wide():  # the second convolution: 4 positions, o k = 16 x 72, so the ghost norm is the cheaper
         torch.manual_seed(0)

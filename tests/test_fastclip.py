@@ -303,11 +303,11 @@ def test_embedding_rule_counts_a_repeated_token_once_per_example():
     """Example i's embedding gradient row for a token it holds twice is the sum of both output
     gradients: its squared norm is ||g1 + g2||^2, not ||g1||^2 + ||g2||^2 (the sum would understate
     it when they align); the padding row gets none."""
-    from clipbias.grads.fast import _Embed
+    from clipbias.grads.layers.embedding import Embed
     m = nn.Embedding(5, 2, padding_idx=0)
     idx = torch.tensor([[3, 3, 1], [0, 2, 4]])
     g = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [0.0, 2.0]], [[9.0, 9.0], [0.0, 1.0], [3.0, 0.0]]])
-    r = _Embed(m, idx, g)
+    r = Embed(m, idx, g)
     torch.testing.assert_close(r.sq, torch.tensor([4.0 + 4.0, 1.0 + 9.0], dtype=torch.float64), rtol=1e-4, atol=0)
     assert bool((r.sq >= torch.tensor([8.0, 10.0], dtype=torch.float64)).all())  # an upper bound
     (w,) = r.sums(torch.tensor([[1.0, 10.0]]))
@@ -574,7 +574,7 @@ def test_a_large_cancelling_example_cannot_round_the_others_away(monkeypatch):
 def test_the_ghost_norm_bound_holds_and_is_tight_on_ordinary_data():
     """``ghost_norm_bound`` is at least the float64 norm of the formed per-example gradient, and on
     random (non-cancelling) data within 1e-3 of it in float32 (the bound grows with (k + o) u L)."""
-    from clipbias.grads.fast import ghost_norm_bound
+    from clipbias.grads.layers.linear import ghost_norm_bound
     torch.manual_seed(0)
     a, g = torch.randn(16, 12, 40), torch.randn(16, 12, 30)
     exact = torch.bmm(g.double().transpose(1, 2), a.double()).square().sum((1, 2))
@@ -607,14 +607,14 @@ def test_a_fast_path_run_is_certified_like_the_rows_path():
 def test_the_ghost_sums_in_blocks_equal_one_float64_product(monkeypatch):
     """A ghost layer's float64 sums, a block of output rows at a time (WIDE_BLOCK_BYTES), equal the
     whole product ``sum_i s_i g_i^T a_i`` computed in float64 at once."""
-    import clipbias.grads.fast as fc
+    from clipbias.grads.layers import linear
     torch.manual_seed(0)
     a, g, s = torch.randn(5, 4, 7), torch.randn(5, 4, 300), torch.rand(5, dtype=torch.float64)
-    rule = fc._Matrix(nn.Linear(7, 300), a, g, ghost=True)
+    rule = linear.Matrix(nn.Linear(7, 300), a, g, ghost=True)
     assert rule.ghost and rule.pe is None
     want = torch.einsum("blo,blk->ok", g.double() * s.view(-1, 1, 1), a.double()).reshape(-1)
     for block in (8 * 20, 8 * 20 * 7, 2**26):  # one output row, seven, all
-        monkeypatch.setattr(fc, "WIDE_BLOCK_BYTES", block)
+        monkeypatch.setattr(linear, "WIDE_BLOCK_BYTES", block)
         torch.testing.assert_close(rule._wide_sum(s), want.float())  # float64, rounded once to float32
 
 
@@ -641,7 +641,7 @@ def test_the_ghost_norm_bound_holds_under_reduced_matmul_precision():
     """With ``torch.set_float32_matmul_precision("medium")`` (bfloat16 passes) a Gram of 512 features
     would have no useful bound; the Grams run at float32's own precision inside and the setting is
     restored after. bfloat16 activations widen to float32 first."""
-    from clipbias.grads.fast import ghost_norm_bound
+    from clipbias.grads.layers.linear import ghost_norm_bound
     torch.manual_seed(0)
     a, g = torch.randn(4, 6, 512), torch.randn(4, 6, 300)
     exact = torch.bmm(g.double().transpose(1, 2), a.double()).square().sum((1, 2))

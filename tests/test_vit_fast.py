@@ -1,5 +1,5 @@
 """Hugging Face ViT fully fine-tuned on the fast path: the bare ``cls_token`` and ``position_embeddings`` of
-``ViTEmbeddings`` (``clipbias.grads.vit``) equal to per-example autograd and to the rows path (dropout
+``ViTEmbeddings`` (``clipbias.grads.layers.vit``) equal to per-example autograd and to the rows path (dropout
 included), a private run, the float32 clip, and the refusals (interpolated position embeddings, a mask
 token, a changed forward) with ``grad_path="auto"`` falling back to the rows path."""
 
@@ -19,7 +19,7 @@ from transformers.models.vit import modeling_vit  # noqa: E402
 from clipbias.config import AlgoConfig  # noqa: E402
 from clipbias.engine import DPEngine, aggregate  # noqa: E402
 from clipbias.errors import ConfigError, PathRefusal  # noqa: E402
-from clipbias.grads import vit as vit_rule  # noqa: E402
+from clipbias.grads.layers import vit as vit_rule  # noqa: E402
 from clipbias.grads.fast import BookKeeping, _rules_of, why_unsupported  # noqa: E402
 from clipbias.grads.rows import FuncGradients, ParamSums  # noqa: E402
 from clipbias.transforms import clip_scale  # noqa: E402

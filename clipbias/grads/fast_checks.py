@@ -15,7 +15,8 @@ from ..data import batch
 from ..data.batch import Batch
 from ..errors import ConfigError, PathRefusal
 from ..randomness import forward
-from . import precision, vit
+from . import precision
+from .layers import RULES
 from .precision import row_norms
 
 PROBES = 4
@@ -36,21 +37,17 @@ MIXED_RTOL = 0.25
 _MIXED_HINT = ("; or, under autocast, the 16-bit forward and backward lost more than 25 % of these examples' "
                "gradient against float64 (float16 output gradients flushed to zero: raise loss_scale)")
 
-_BATCHED_DIMS = {nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5, nn.InstanceNorm1d: 3, nn.InstanceNorm2d: 4,
-                 nn.InstanceNorm3d: 5}  # an input of one dimension less is one unbatched example
-
-
 def _batched_dims(m: nn.Module, default: int) -> int:
-    """The number of dimensions of a Conv/InstanceNorm layer's batched input, ``default`` for other layers."""
-    return next((d for t, d in _BATCHED_DIMS.items() if isinstance(m, t)), default)
+    """The exact number of dimensions of the layer's batched input where its rule fixes one (a Conv's, an
+    InstanceNorm's: one dimension less is one unbatched example), else ``default``."""
+    dims = RULES.rule_for(m).input_dims(m)
+    return dims[0] if dims is not None and dims[0] == dims[1] else default
 
 
 def _trainable(m: nn.Module) -> list[nn.Parameter]:
-    """The layer's trainable parameters in the order the rules return them: weight, bias (a ViTEmbeddings':
-    ``vit.PARAMS``)."""
-    if vit.hf_class(m):
-        return vit.trainable(m)
-    return [p for p in (getattr(m, "weight", None), getattr(m, "bias", None)) if p is not None and p.requires_grad]
+    """The layer's trainable parameters in the order its rule returns them (``LayerRule.params``: weight,
+    bias; a ViTEmbeddings': ``layers.vit.PARAMS``)."""
+    return RULES.rule_for(m).params(m)
 
 
 class RuntimeChecks:

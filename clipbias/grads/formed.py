@@ -1,5 +1,5 @@
 """``FormedRows``: the shared half of the fast-path rules that form each example's gradient rows
-(``grads.fast._Affine``, ``grads.vit.Tokens``): their squared norms are ``sq_norms``' upper bounds on the
+(``grads.layers.base.PerChannel``, ``grads.layers.vit.Tokens``): their squared norms are ``sq_norms``' upper bounds on the
 very rows that are summed, and the sums, one example's row, a weighted combination and the cross term
 with another point's rows (DiSK) are read off the rows."""
 

@@ -2,7 +2,7 @@
 
 An RMS normalisation computes ``weight * x / rms(x)`` over its trailing features, so example i's
 weight gradient is ``sum over positions of g * x / rms(x)``: the fast path forms it from the layer's
-input (``normalised``) and output gradient, one value per feature, as it does for LayerNorm.
+input and output gradient, one value per feature, as it does for LayerNorm (``grads.layers.norms``).
 
 Hugging Face's decoders (Llama, Qwen2, Qwen3, Mistral) define their own class, which normalises
 in float32 and casts back before the weight multiplies::
@@ -26,7 +26,6 @@ import sys
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 TORCH_RMSNORM: tuple[type, ...] = (nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()
 """``torch.nn.RMSNorm`` (torch >= 2.4), else empty."""
@@ -92,22 +91,3 @@ def why_not_hf(m: nn.Module) -> str | None:
     if not isinstance(w, Tensor) or w.dim() != 1 or not isinstance(getattr(m, "variance_epsilon", None), float):
         return f"{type(m).__name__} has a weight that is not one-dimensional, or no float variance_epsilon"
     return None
-
-
-def is_rms(m: nn.Module) -> bool:
-    """``torch.nn.RMSNorm`` or a class of ``REVIEWED`` (its forward checked by ``why_not_hf``)."""
-    return isinstance(m, TORCH_RMSNORM) or hf_class(m)
-
-
-def normalised(m: nn.Module, a: Tensor) -> Tensor:
-    """The layer's input ``a`` normalised as its forward normalises it, before the weight multiplies."""
-    if isinstance(m, TORCH_RMSNORM):
-        return F.rms_norm(a, m.normalized_shape, None, m.eps)
-    h = a.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
-    return h.to(a.dtype)
-
-
-def trailing(m: nn.Module) -> int:
-    """The number of trailing dimensions the layer normalises over (its weight's dimensions)."""
-    return len(m.normalized_shape) if isinstance(m, TORCH_RMSNORM) else 1

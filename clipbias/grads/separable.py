@@ -9,7 +9,8 @@ built only from modules that act on each example alone, the attribution is exact
 and this module proves it from the model's structure, every step (modules can be replaced, and
 hooks added, between steps):
 
-* every module is of one of these exact types (a subclass may override ``forward``): ``nn.Sequential``;
+* every module is of one of these exact types (a subclass may override ``forward``; a layer with
+  parameters is one of its layer rule's ``separable`` classes, ``grads.layers``): ``nn.Sequential``;
   ``nn.Linear`` (acts on the last dimension: its input must have a batch dimension before it),
   ``nn.Conv1d``/``nn.Conv2d``/``nn.Conv3d`` (their input batched: 3-D / 4-D / 5-D; any ``groups``
   and padding mode: both act within an example's channels and positions), ``nn.GroupNorm``
@@ -72,6 +73,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..randomness.forward import KeyedForward
 from ..models import gpt as _gpt, resnet as _resnet, scatter as _scatter, simple as _simple  # reviewed classes
+from .layers import RULES, LayerRule
 
 _saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks  # (pack, unpack) or None
 
@@ -81,13 +83,10 @@ ELEMENTWISE = (nn.Identity, nn.Tanh, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn
 """Activations applied to each entry alone."""
 
 _POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
-_RMS = (nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()  # torch >= 2.4
-_BATCHED_DIMS = {nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5,  # an input of one dimension less is one unbatched example
-                 nn.InstanceNorm1d: 3, nn.InstanceNorm2d: 4, nn.InstanceNorm3d: 5}
-_TRAILING = (nn.LayerNorm, *_RMS)  # normalise over their normalized_shape: the input must have more dimensions
-_TYPES = (nn.Sequential, nn.Linear, *_BATCHED_DIMS, nn.GroupNorm, *_TRAILING, nn.Embedding, nn.Flatten,
-          *ELEMENTWISE, nn.PReLU, *_POOLS)
-_DIMS_OF = (nn.Linear, *_TRAILING, *_BATCHED_DIMS)
+_STRUCTURE = (nn.Sequential, nn.Flatten, *ELEMENTWISE, *_POOLS)
+"""The modules without parameters that act on each example alone; the layers with them are their rules'
+(``LayerRule.separable``: exact classes, ``RULES.separable_rule``)."""
+_TYPES = (nn.Sequential, *(c for r in RULES.values() for c in r.separable), *_STRUCTURE[1:])
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
 _MODELS = "clipbias.models."  # where the reviewed model classes live
@@ -105,6 +104,8 @@ _BUILD = ("__init__", "__new__", "__setstate__")
 last), and what they leave on an instance (functions, hooks, children) is checked on the instance."""
 
 _CLASSES = tuple(dict.fromkeys(c for t in _TYPES for c in t.__mro__ if c is not object))  # nn.Module included
+"""The classes whose methods are snapshotted when clipbias is imported (a rule registered later: when it is
+registered, ``_admit``)."""
 _REVIEWED = (_gpt, _resnet, _scatter, _simple)
 """The modules of the reviewed model classes: their globals (``F``, ``torch``, helpers such as resnet's
 ``_shortcut_a``) are what the reviewed forwards call, so they are snapshotted too (``_AS_IMPORTED``)."""
@@ -150,6 +151,31 @@ def _inherited(cls: type, k: str, v: object) -> bool:
 _SNAPSHOT = {ns: list(vars(ns).values()) for ns in _AS_IMPORTED}
 """Every value each namespace holds, as last accepted: an unchanged namespace costs one list comparison
 (identity first), 0.02 ms for all of them a step instead of 0.17 ms name by name."""
+
+
+_ADMITTED: dict[str, list] = {}
+"""The namespaces each rule registered after import added to ``_AS_IMPORTED`` (removed with the rule)."""
+
+
+def _admit(rule: LayerRule, added: bool) -> None:
+    """A layer rule registered after clipbias was imported: its separable classes' methods (and their
+    modules' globals) snapshotted as they are when it is registered, as torch's are at import; a rule
+    removed: what it added dropped."""
+    if not added:
+        for ns in _ADMITTED.pop(rule.name, []):
+            _AS_IMPORTED.pop(ns, None)
+            _SNAPSHOT.pop(ns, None)
+        return
+    classes = [c for t in rule.separable for c in t.__mro__ if c is not object]
+    new = [ns for ns in dict.fromkeys(classes + [sys.modules.get(c.__module__) for c in classes])
+           if ns not in _AS_IMPORTED and ns is not None]
+    for ns in new:
+        _AS_IMPORTED[ns] = {k: v for k, v in _methods(ns).items() if k not in _BUILD}
+        _SNAPSHOT[ns] = list(vars(ns).values())
+    _ADMITTED[rule.name] = new
+
+
+RULES.watchers.append(_admit)
 
 
 def _unchanged(ns: object) -> bool:
@@ -232,12 +258,13 @@ def _module_why_not(m: nn.Module) -> str | None:
         return ("works in place: where the batch's rows share memory (sliding windows), it would write one "
                 "example's values into another's")
     t = type(m)
-    if t in _TYPES:
+    if t in _STRUCTURE:
         if t is nn.Flatten and not m.start_dim >= 1:
             return f"flattens from dimension {m.start_dim}: the batch dimension would be mixed in"
-        if t is nn.Embedding and (m.max_norm is not None or m.scale_grad_by_freq):
-            return "uses max_norm or scale_grad_by_freq (both depend on the batch's tokens)"
         return None
+    rule = RULES.separable_rule(t)
+    if rule is not None:  # its options (an Embedding's max_norm, say)
+        return rule.why_not_separable(m)
     return _unreviewed(t)
 
 
@@ -287,7 +314,7 @@ def watch(model: nn.Module, known: Iterable[nn.Module] = ()) -> Iterator[Inputs]
     def start(m: nn.Module, args: tuple, kwargs: dict) -> None:
         if seen.outside is None:
             seen.outside = _subclass(m, tuple(tree_leaves((args, kwargs)))) or _modes()
-    handles = [m.register_forward_pre_hook(layer) for m in model.modules() if type(m) in _DIMS_OF and m not in known]
+    handles = [m.register_forward_pre_hook(layer) for m in model.modules() if _dims(m) is not None and m not in known]
     handles.append(model.register_forward_pre_hook(start, with_kwargs=True))
     try:
         yield seen
@@ -300,13 +327,23 @@ def batched(inputs: dict[nn.Module, Tensor | int | list[int]]) -> bool:
     """Every input of the batched layers has its batch dimension (``inputs``: layer -> its input, or
     the numbers of dimensions of its inputs, as ``watch`` records them)."""
     for m, seen in inputs.items():
-        want = _BATCHED_DIMS.get(type(m))
+        want = _dims(m)
+        if want is None:
+            continue
+        lo, hi = want
         for a in seen if isinstance(seen, list) else [seen]:
             d = a if isinstance(a, int) else a.dim()
-            if (want is not None and d != want) or (type(m) is nn.Linear and d < 2) or \
-                    (type(m) in _TRAILING and d <= len(m.normalized_shape)):
+            if d < lo or (hi is not None and d > hi):
                 return False
     return True
+
+
+def _dims(m: nn.Module) -> tuple[int, int | None] | None:
+    """The dimensions a batched input of ``m`` has, where ``m``'s exact class is a separable rule's that
+    requires some (``LayerRule.input_dims``: a Linear's input at least 2, a Conv2d's exactly 4, a LayerNorm's
+    more than it normalises), else None."""
+    rule = RULES.separable_rule(type(m))
+    return None if rule is None else rule.input_dims(m)
 
 
 def proven(model: nn.Module, inputs: dict[nn.Module, Tensor | int | list[int]], labels: list[Tensor] = ()) -> bool:

@@ -28,9 +28,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..errors import PathRefusal
-from . import rms
-from .formed import FormedRows
+from ...errors import PathRefusal
+from .. import rms
+from ..formed import FormedRows
+from .base import Rule, register
 
 REVIEWED = frozenset({("transformers.models.vit.modeling_vit", "ViTEmbeddings")})
 """transformers' ViT embeddings class whose ``forward`` was reviewed (transformers 5.x): (module, class name)."""
@@ -188,3 +189,31 @@ class Tokens(FormedRows):
         b = g.shape[0]
         cls, pos = (isinstance(p, Tensor) and p.requires_grad for p in (m.cls_token, m.position_embeddings))
         self.form(([g[:, 0]] if cls else []) + ([g.reshape(b, -1)] if pos else []))
+
+
+class ViTEmbeddingsRule(Rule):
+    """``ViTEmbeddings`` exactly (``hf_class``), its forward, parameters and graph checked (module doc)."""
+
+    name = "vit-embeddings"
+
+    def kind(self, c: type) -> bool:
+        return (c.__module__, c.__qualname__) in REVIEWED
+
+    def claims(self, m: nn.Module) -> bool:
+        return hf_class(m)
+
+    def why_not(self, m: nn.Module, name: str) -> str | None:  # its own parameters, shapes and forward
+        why = why_not(m)
+        return None if why is None else f"module '{name}': {why}"
+
+    def params(self, m: nn.Module) -> list[nn.Parameter]:
+        return trainable(m)
+
+    def hooks(self, m: nn.Module, record) -> list:  # the output gradient taken at its dropout's input
+        return hooks(m, record)
+
+    def grads(self, m: nn.Module, a: Tensor, g: Tensor, ghost: bool) -> Tokens:
+        return Tokens(m, g)
+
+
+register(ViTEmbeddingsRule())

@@ -1,6 +1,6 @@
 """Files that are never half-written (``atomic_write``), JSON without infinities (``jsonable``), run
-directories that one run at a time may use (``run_lock``), and the fresh default output directory of
-each run (``new_run_dir``)."""
+directories that one run at a time may use (``run_lock``), the fresh default output directory of
+each run (``new_run_dir``), and the folder of clipbias's small JSON caches (``cache_directory``)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,18 @@ from typing import Any, Callable, Iterator
 from .errors import ConfigError, WriteError
 
 LOCK = ".clipbias.lock"
+
+
+def cache_directory() -> Path | None:
+    """The folder of clipbias's small JSON caches (calibrations, optimised noise strategies, the command
+    line's choices): ``$CLIPBIAS_CACHE``, else ``$XDG_CACHE_HOME/clipbias``, else ``~/.cache/clipbias``;
+    None where ``CLIPBIAS_CACHE=off`` disables them."""
+    env = os.environ.get("CLIPBIAS_CACHE")
+    if env == "off":
+        return None
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clipbias"
 
 
 def jsonable(obj: Any) -> Any:

@@ -7,10 +7,11 @@ does not measure time, plus a SHA-256 of the final model weights and of the priv
 13); ``tests/test_behaviour.py`` asserts that every algorithm still gives them bit for bit.
 
 Regenerate (only when a change is *meant* to change results, and say so in the commit):
-``python -m tests.behaviour > tests/data/behaviour.json``. A new method adds its case (an entry of
-``CASES``) and only its numbers: ``python -m tests.behaviour --add NAME`` runs it and writes it into
-``tests/data/behaviour.json``, every other case untouched; made on another machine than the file's, the
-case records its own ``fingerprint`` (its bit-for-bit machine).
+``python -m tests.behaviour > tests/data/behaviour.json``. A new method adds only its numbers:
+``python -m tests.behaviour --add NAME`` runs it and writes it into ``tests/data/behaviour.json``, every
+other case untouched; made on another machine than the file's, the case records its own ``fingerprint``
+(its bit-for-bit machine). A method runs the default case (digits, an MLP, 2 epochs, its own default
+settings) unless ``CASES`` gives it other settings.
 
 Float results depend on the machine's kernels (SIMD width, BLAS build): the golden file records the
 machine it was made on (``fingerprint``). On that machine the check is bit for bit; elsewhere it
@@ -31,7 +32,7 @@ import tempfile
 
 import torch
 
-CASES: dict[str, dict] = {
+CASES: dict[str, dict] = {  # the settings of a method's case where the defaults do not suit it (default: {})
     "sgd": {}, "clip-sgd": {}, "ef-sgd": {}, "dpsgd": {}, "normalized": {"lr": 0.2},
     "dice": {}, "dice-adam": {"lr": 0.01}, "dice-auto": {"lr": 0.2},
     "perturb": {"extra": {"k": 0.1}}, "self-aug": {"data": "digits-image", "model": "mlp", "extra": {"K": 2, "flip": False}},
@@ -104,7 +105,7 @@ def _exact(v):
 
 def numbers(algo: str) -> dict:
     from clipbias.run.training import RESULTS, TrainConfig, load_checkpoint, train
-    case = dict(CASES[algo])
+    case = dict(CASES.get(algo, {}))
     cfg = TrainConfig(data=case.pop("data", "digits"), model=case.pop("model", "mlp"), algo=algo, epochs=case.pop("epochs", 2),
                       batch_size=case.pop("batch_size", 128.0), lr=case.pop("lr", 0.5), clip=1.0,
                       noise_multiplier=1.0 if _private(algo) else None, seed=3, reproducible_noise=True,
@@ -150,7 +151,8 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--add"]:
         add(sys.argv[2:])
         sys.exit()
-    algos = sys.argv[1:] or list(CASES)
+    from clipbias.algorithms import ALGORITHMS
+    algos = sys.argv[1:] or list(ALGORITHMS)
     json.dump({"fingerprint": fingerprint(), "cases": {a: numbers(a) for a in algos}}, sys.stdout, indent=1,
               sort_keys=True)
     print()

@@ -421,10 +421,17 @@ def test_under_torchrun_every_rank_bands_with_rank_0s_optimised_coefficients(two
     assert got[0] == got[1] == optimized(4, 63, 0.9)
 
 
+BANDABLE = {"dpsgd", "normalized", "disk", "dpsgd+disk", "normalized+disk", "perturb", "self-aug", "perturb+disk",
+            "self-aug+disk"}
+NOT_BANDABLE = {"sgd", "clip-sgd", "ef-sgd", "dice", "dice-adam", "dice-auto", "dpgd-momentum", "inner-outer", "p-avg",
+                "batch-clip", "adaptive", "dice-perturb", "dice-self-aug"}  # (and each with +disk)
+
+
 def test_bandable_is_declared_by_the_algorithms_and_covers_exactly_the_one_step_ones():
     """The engine names no algorithm: each declares ``bandable`` (compositions and +disk inherit their
-    base's). The set is the one the banded accounting covers: rows of one example at one step, one
-    release, one bounding stage."""
+    base's). Of the reviewed methods, the set is the one the banded accounting covers: rows of one example
+    at one step, one release, one bounding stage. Any method that declares it (one added since included)
+    keeps no error-feedback buffer and has a fixed bound, what every one of them has."""
     from clipbias import algorithms
     names = [*algorithms.ALGORITHMS, *(f"{n}+disk" for n in algorithms.ALGORITHMS)]
     got = set()
@@ -434,8 +441,12 @@ def test_bandable_is_declared_by_the_algorithms_and_covers_exactly_the_one_step_
                 got.add(n)
         except ConfigError:  # a base DiSK does not extend
             pass
-    assert got == {"dpsgd", "normalized", "disk", "dpsgd+disk", "normalized+disk", "perturb", "self-aug",
-                   "perturb+disk", "self-aug+disk"}
+    reviewed = BANDABLE | NOT_BANDABLE | {f"{n}+disk" for n in NOT_BANDABLE}
+    assert got & reviewed == BANDABLE
+    for n in got:
+        algo = algorithms.get(n)
+        parts = algo.build(AlgoConfig(), {s.key: s.default for s in algo.schema}, 8.0, None)
+        assert algo.private and parts.error_feedback is None and not parts.per_sample[-1].dynamic, n
     for n in ("dice", "adaptive", "inner-outer", "p-avg", "dice+disk"):
         with pytest.raises(ConfigError, match=re.escape(f"`bands=2` is not available for {n}")):
             algorithms.get(n).spec(algorithms.get(n).with_defaults(AlgoConfig(), 8), 0.1, 1.0, 8, bands=2)

@@ -37,8 +37,10 @@ def one_thread():
 
 
 def test_every_algorithm_has_a_stored_case():
+    """One golden case per registered method (``python -m tests.behaviour --add NAME`` writes a new one's), and
+    ``CASES`` sets only registered methods' settings."""
     from clipbias.algorithms import ALGORITHMS
-    assert set(GOLDEN["cases"]) == set(CASES) == set(ALGORITHMS)
+    assert set(GOLDEN["cases"]) == set(ALGORITHMS) >= set(CASES)
 
 
 def close(got, want, key: str = "") -> bool:
@@ -57,7 +59,7 @@ def close(got, want, key: str = "") -> bool:
     return got == want
 
 
-@pytest.mark.parametrize("algo", sorted(CASES))
+@pytest.mark.parametrize("algo", sorted(GOLDEN["cases"]))
 def test_fixed_seed_run_gives_the_stored_numbers(algo):
     got, want = numbers(algo), GOLDEN["cases"][algo]
     assert got["engine_exact"] == want["engine_exact"], "secret RNG states or counters differ"

@@ -82,6 +82,9 @@ class Algorithm:
         bandable: Its rows are a function of one example and one step (no state across steps in the rows or
             the sums), it releases only the noisy update and one stage bounds the rows: the banded
             accounting covers it (``algorithms.bands``), so its noise may have more than one band.
+        composable: It is a base of ``compose`` (pre-clipping perturbation, self-augmentation): its rows are
+            per-example gradients (no ``source``) and its one per-example stage bounds them, so the pieces keep
+            its sensitivity and accounting.
     """
 
     name: str
@@ -104,6 +107,7 @@ class Algorithm:
     # it releases only the noisy update and one stage bounds the rows: the banded accounting covers it
     # (``algorithms.bands``), so its noise may have more than one band
     bandable: bool = False
+    composable: bool = False  # a base of ``compose``: rows of per-example gradients, one bounding stage
 
     def settings(self, cfg: AlgoConfig) -> dict:
         """The validated method settings of ``cfg.extra`` (unknown keys refused)."""

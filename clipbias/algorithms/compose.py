@@ -1,7 +1,8 @@
 """Composition of a base algorithm with pre-clipping perturbation and/or self-augmentation.
 
 Registers ``perturb`` (= dpsgd + perturb), ``self-aug`` (= dpsgd + self-aug), ``dice-perturb`` and
-``dice-self-aug``; ``compose`` builds (and refuses) other combinations. See ``docs/methods.md``.
+``dice-self-aug``; ``compose`` builds (and refuses) other combinations. The bases are the registered
+algorithms that declare ``composable`` (``bases()``). See ``docs/methods.md``.
 """
 
 from __future__ import annotations
@@ -9,13 +10,20 @@ from __future__ import annotations
 from ..config import AlgoConfig
 from ..errors import ConfigError
 from ..randomness import SecretKey
+from ..transforms import Clip
 from . import augment, core  # noqa: F401  (core registers the bases)
 from . import base as registry
 from .base import ALGORITHMS, Algorithm, Parts, get
 from .perturb import K_PERTURB, Perturb
 
 COMPOSABLE = {"perturb": (K_PERTURB,), "self-aug": augment.SETTINGS}
-BASES = ("dpsgd", "normalized", "dice", "dice-adam", "dice-auto")
+
+
+def bases() -> tuple[str, ...]:
+    """The algorithms ``compose`` builds on: those registered with ``composable=True`` (dpsgd, normalized,
+    dice, dice-adam, dice-auto, and any registered later), in registration order."""
+    return tuple(n for n, a in ALGORITHMS.items() if a.composable)
+
 
 # why a combination is refused (method -> reason), when the base uses DiceSGD's error feedback
 _REFUSED_WITH_DICE = {
@@ -44,13 +52,13 @@ def _check(base: str, methods: tuple[str, ...]) -> Algorithm:
             raise ConfigError(f"cannot compose {m!r}: composable pieces are {', '.join(COMPOSABLE)}")
     if len(set(methods)) != len(methods) or not methods:
         raise ConfigError(f"compose needs one or more distinct pieces, got {methods!r}")
-    if base not in BASES:
-        raise ConfigError(f"cannot compose on {base!r}: the base must be one of {', '.join(BASES)}")
+    if base not in bases():
+        raise ConfigError(f"cannot compose on {base!r}: the base must be one of {', '.join(bases())}")
     return get(base)
 
 
 def compose(base: str, *methods: str, name: str | None = None, register: bool = True) -> Algorithm:
-    """``base`` (dpsgd, normalized, dice, dice-adam, dice-auto) with pre-clipping perturbation
+    """``base`` (one of ``bases()``: dpsgd, normalized, dice, dice-adam, dice-auto) with pre-clipping perturbation
     and/or self-augmentation. Refuses combinations whose guarantee would not hold.
 
     Soundness: both pieces keep every row a function of one example and of data-independent
@@ -70,7 +78,8 @@ def compose(base: str, *methods: str, name: str | None = None, register: bool = 
         return Parts([Perturb(s["k"], key), *parts.per_sample], parts.error_feedback, parts.post, parts.divisor)
 
     def note(cfg: AlgoConfig, s: dict) -> str:
-        bound = f"{cfg.clip:g} (clip C)" if base in ("dpsgd", "dice", "dice-adam") else "1 (normalised)"
+        last = b.build(cfg, {}, 1.0, None).per_sample[-1]  # the base's bounding stage
+        bound = f"{last.bound:g} (clip C)" if isinstance(last, Clip) else f"{last.bound:g} (normalised)"
         parts = []
         if selfaug:
             parts.append(f"rows average the gradients of K={s['K']} random augmentations of one example")

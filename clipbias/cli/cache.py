@@ -3,8 +3,9 @@
 Two caches, both safe to delete (everything in them is recomputed on demand): decoded data and
 scattering features (``$CLIPBIAS_CACHE_DIR`` or ``~/.cache/clipbias``: Fashion-MNIST tensors, and
 per split the scattering features of the scatter models, about 1.4 GB after the default
-``clipbias compare``), and calibrated noise multipliers, optimised band coefficients and BLT strategies (``$CLIPBIAS_CACHE`` or
-``$XDG_CACHE_HOME/clipbias``, three small JSON files; ``CLIPBIAS_CACHE=off`` disables them). ``--clear``
+``clipbias compare``), and calibrated noise multipliers, optimised band coefficients, BLT strategies and the
+choices the command line offers (``$CLIPBIAS_CACHE`` or ``$XDG_CACHE_HOME/clipbias``, four small JSON files;
+``CLIPBIAS_CACHE=off`` disables them). ``--clear``
 removes only the files clipbias writes there, nothing else in those folders.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from . import _choices
 from ._common import emit
 
 
@@ -24,7 +26,7 @@ def cached_files() -> list[Path]:
     files = sorted(data.glob("fashion-mnist-*.pt")) + sorted((data / "scatter").glob("*.pt"))
     from ..algorithms import band_strategy, blt
     folder = calibration_cache._directory()
-    for name in (calibration_cache._FILE, band_strategy._FILE, blt._FILE):
+    for name in (calibration_cache._FILE, band_strategy._FILE, blt._FILE, _choices.FILE):
         if folder is not None and (folder / name).is_file():
             files.append(folder / name)
     return files

@@ -77,7 +77,7 @@ def _add_privacy_flags(p: argparse.ArgumentParser, d: dict) -> None:
                         "b (its class, drawn once), with probability b*q, and the noise of an update is correlated "
                         "with the b-1 before it so that accumulated updates carry less of it; accounted as the "
                         "subsampled Gaussian at rate b*q for ceil(T/b) steps (docs/privacy.md). Needs b*q <= 1; "
-                        "dpsgd, normalized, disk, perturb, self-aug. Default 1: independent noise")
+                        f"{', '.join(c['bandable'])} (and each with --kalman). Default 1: independent noise")
     g.add_argument("--bands-strategy", choices=("taylor", "optimized", "blt"), default="taylor",
                    help="the coefficients of --bands: taylor (default; the truncated square root of the momentum "
                         "workload) or optimized (the banded Toeplitz strategy of least total squared error of the "
@@ -121,7 +121,8 @@ def _add_training_group(p: argparse.ArgumentParser, d: dict, req: dict) -> None:
     t.add_argument("--weight-decay", type=float, default=0.0, metavar="WD",
                    help="weight decay of the base optimizer (default 0)")
     t.add_argument("--gamma", type=float, default=0.01,
-                   help="normalisation stability constant (normalized, dice-auto)")
+                   help="normalisation stability constant gamma of the normalising algorithms (e.g. normalized, "
+                        "dice-auto)")
     t.add_argument("--max-physical-batch", type=int, default=512, metavar="M",
                    help="micro-batch size for per-example gradients (memory only; math unchanged)")
     t.add_argument("--ema", type=float, default=None, metavar="DECAY",
@@ -138,8 +139,8 @@ def _add_training_group(p: argparse.ArgumentParser, d: dict, req: dict) -> None:
                         "so K is public and the accounting uses N = K")
     t.add_argument("--grad-path", choices=("rows", "fast", "auto"), default="auto",
                    help="rows: per-example gradients by torch.func, every algorithm; fast: per-layer norms and "
-                        "book-keeping sums, no [B, d] matrix (norm-scaling algorithms: dpsgd, normalized, the dice "
-                        "family; Linear, Conv1d/2d, Embedding, GroupNorm, LayerNorm), refused where it does not "
+                        "book-keeping sums, no [B, d] matrix (norm-scaling algorithms, e.g. dpsgd, normalized, the "
+                        "dice family; Linear, Conv1d/2d, Embedding, GroupNorm, LayerNorm), refused where it does not "
                         "apply; auto (default): fast where it applies and one micro-batch of rows would exceed "
                         "1 GiB, else rows (faster on CPU for small models). The fast path's per-example "
                         "sensitivity rests on run-time checks of the model's structure (docs/results.md), not on "
@@ -153,7 +154,7 @@ def _add_training_group(p: argparse.ArgumentParser, d: dict, req: dict) -> None:
     m = p.add_argument_group("method-specific (AlgoConfig.extra, set only when given; see docs/methods.md)")
     add_method_flags(m)
     m.add_argument("--public-source", choices=("test", "holdout"), default="test",
-                   help="batch-clip: public features from the test split (removed from evaluation; "
+                   help=f"{', '.join(current()['public'])}: public features from the test split (removed from evaluation; "
                         "default) or held out of the training split (about --public-size examples by keyed draws; "
                         "N shrinks; they are private data the guarantee does not protect: the run is reported "
                         "NOT certified)")

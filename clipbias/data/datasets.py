@@ -8,15 +8,12 @@ The test split is fixed (part of each data set's definition). A validation split
 the *training* split, for hyper-parameter tuning that never looks at the test set) is a keyed draw
 per example under a ``SecretKey`` (``with_validation``): never a public seed.
 
-Privacy of preprocessing (see ``docs/data.md``):
-
-* ``fashion-mnist``: pixels / 255, then ``(x - 0.2860) / 0.3530``. The two constants are
-  the public, widely published Fashion-MNIST statistics; nothing is computed from the data.
-* ``digits``: pixels / 16 (the known 0..16 range). Nothing is computed from the data.
-* ``breast-cancer`` and ``wine``: ``log1p`` of each (non-negative) feature, a fixed transform that
-  computes nothing from the data (standardising with the training split's mean and std would
-  release statistics of the private data outside the guarantee).
-* ``cifar10``: public constants 0.5/0.5. ``npz``: used as given (no preprocessing by clipbias).
+Privacy of preprocessing: each set's is in ``docs/data.md``'s table (one row per registered set, checked
+against the registry by ``tests/test_architecture.py``) and in its module. The built-in sets compute
+nothing from the data: public constants (Fashion-MNIST's published mean and std, CIFAR-10's 0.5/0.5),
+the known pixel range (digits) or a fixed transform (``log1p`` of breast-cancer's and wine's features:
+standardising with the training split's mean and std would release statistics of the private data
+outside the guarantee); ``npz`` is used as given.
 
 ``Dataset.preprocessing`` names which: ``"public"`` (constants or fixed transforms only),
 ``"none"`` (arrays used as given) or ``"private-statistics"`` (statistics of the private training

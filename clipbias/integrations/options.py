@@ -10,6 +10,7 @@ accounts every step.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -23,10 +24,36 @@ from ..errors import ConfigError
 from ..grads.precision import check_autocast
 
 
-ACCOUNTANTS = {"prv": "pld", "pld": "pld", "rdp": "rdp"}
-"""Opacus's accountant names and the clipbias accountant that serves each: its ``prv`` (Gopi et al.'s
-numerical composition of privacy-loss distributions) is clipbias's ``pld``, the same object computed by
-dp-accounting; ``gdp`` (a central-limit approximation, not an upper bound) is refused."""
+class AccountantNames(Mapping):
+    """The names the integrations' ``accountant=`` takes -> the registered accountant that serves each:
+    Opacus's ``prv`` (Gopi et al.'s numerical composition of privacy-loss distributions) is clipbias's
+    ``pld``, the same object computed by dp-accounting, and every accountant of the registry
+    (``privacy.ACCOUNTANTS``: ``pld``, ``rdp`` and any registered later) by its own name. Read from the
+    registry at each use, so an accountant registered after this module was imported is taken by
+    ``PrivacyEngine``, ``DPOptions`` (``DPArguments``, ``DPCallback``) alike. Opacus's ``gdp`` (a
+    central-limit approximation, not an upper bound) is none of them: refused."""
+
+    OPACUS = {"prv": "pld"}  # Opacus's names for a registered accountant
+
+    def _names(self) -> dict[str, str]:
+        registry = privacy.ACCOUNTANTS
+        return {**{k: v for k, v in self.OPACUS.items() if v in registry}, **{n: n for n in registry}}
+
+    def __getitem__(self, name: str) -> str:
+        return self._names()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __repr__(self) -> str:
+        return f"AccountantNames({self._names()!r})"
+
+
+ACCOUNTANTS = AccountantNames()
+"""``prv``, ``pld``, ``rdp`` and every accountant registered later -> the registered accountant that serves it."""
 
 
 def engine_config(optimizer: torch.optim.Optimizer, clip: float, ef_clip: float | None,
@@ -69,7 +96,8 @@ class DPOptions:
             per-example rows (not the non-private ones, nor those that need public features).
         grad_path: How the per-example gradients are computed: ``"auto"`` (default), ``"rows"``
             (``torch.func``) or ``"fast"`` (book-keeping, no per-example rows).
-        accountant: ``"pld"`` (default; ``"prv"`` is the same) or ``"rdp"``.
+        accountant: ``"pld"`` (default; ``"prv"`` is the same), ``"rdp"`` or any accountant registered in
+            ``clipbias.privacy.accountants`` (``ACCOUNTANTS``), by its name.
         dice_accounting: The bound error feedback (``algorithm="dice"``, ...) is accounted by: ``"sound"``
             (default, proven), ``"conservative"``, or ``"paper"`` / ``"authors"`` (kept to reproduce the
             paper, reported uncertified).

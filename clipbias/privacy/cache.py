@@ -15,23 +15,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from ..errors import ClipbiasError
+from ..files import cache_directory
 
 _FILE = "calibrations.json"
 
 
 def _directory() -> Path | None:
-    env = os.environ.get("CLIPBIAS_CACHE")
-    if env == "off":
-        return None
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clipbias"
+    return cache_directory()
 
 
 def _code_digest() -> str:

@@ -135,9 +135,9 @@ class TrainConfig:
         if self.ef_clip is not None:
             check_positive(self.ef_clip, "ef_clip")
             if not algo.reads_ef_clip:  # it would be recorded but change nothing
-                raise ConfigError(f"`ef_clip` applies to the clipped error-feedback algorithms (dice, dice-adam, "
-                                  f"dice-perturb, dice-self-aug, ef-sgd); `algo='{self.algo}'` has no clipped "
-                                  f"feedback buffer: drop `ef_clip`")
+                takers = ", ".join(n for n, a in algorithms.ALGORITHMS.items() if a.reads_ef_clip)
+                raise ConfigError(f"`ef_clip` applies to the clipped error-feedback algorithms ({takers}); "
+                                  f"`algo='{self.algo}'` has no clipped feedback buffer: drop `ef_clip`")
         if self.grad_bound is not None:
             check_positive(self.grad_bound, "grad_bound")
         check_positive(self.gamma, "gamma")
@@ -177,8 +177,9 @@ class TrainConfig:
             flags = ", ".join(f"`AlgoConfig.extra['{k}']`" for k in given)
             disk = f" (kappa and disk_gamma are DiSK's: use `algo='{self.algo}+disk'` or `algo='disk'`)" if \
                 {"kappa", "disk_gamma", "kf_gamma"} & set(given) else ""
+            takers = ", ".join(n for n, a in algorithms.ALGORITHMS.items() if a.schema)
             raise ConfigError(f"{flags} {'does' if len(given) == 1 else 'do'} not apply to `algo='{self.algo}'`; the method settings are for "
-                              f"the paper methods (perturb, p-avg, inner-outer, ...){disk}")
+                              f"the algorithms that take them ({takers}){disk}")
         if "public_size" in given:
             check_int(given["public_size"], "public_size", 1)
         if self.public_source not in ("test", "holdout"):

@@ -59,8 +59,9 @@ class TuneConfig:
         check_epsilon(self.base.epsilon)
         algo = algorithms.get(self.base.algo)
         if not algo.private or algo.accounting != "gaussian":
+            covered = ", ".join(n for n, a in algorithms.ALGORITHMS.items() if a.private and a.accounting == "gaussian")
             raise ConfigError(f"tune accounts the trials with Renyi DP, which covers the Gaussian-accounted "
-                              f"algorithms (dpsgd, normalized, adaptive, perturb, p-avg, ...); `algo='{self.base.algo}'` "
+                              f"algorithms ({covered}); `algo='{self.base.algo}'` "
                               f"is {'not private' if not algo.private else 'accounted by the DiceSGD mixture'}")
         for name, (lo, hi) in (("lr_range", self.lr_range), ("clip_range", self.clip_range)):
             if not (check_positive(lo, name) <= check_positive(hi, name)):

@@ -233,6 +233,49 @@ def test_a_new_method_is_one_declaration_and_the_cli_takes_its_setting(half_clip
     assert eng.spec.sensitivity == 0.5 and eng.pipeline.noise.std == pytest.approx(1.0 * 0.5 / 10)
 
 
+def test_a_new_method_appears_in_the_clis_choices_and_help(half_clip, capsys, monkeypatch):
+    """The parsers' choices are the registry's: the method, its setting's flag (with its help and the
+    methods that read it) and its ``bandable`` declaration reach ``--algo``, the method flags and ``--bands``'s
+    help, with no file regenerated."""
+    from clipbias.cli import _choices, main
+    c = _choices.current()
+    assert "half-clip" in c["algorithms"] and "half-clip" in c["bandable"]
+    [shrink] = [s for s in c["settings"] if s["key"] == "shrink"]
+    assert shrink["flag"] == "--shrink" and shrink["users"] == ["half-clip"] and shrink["default"] == 0.5
+    monkeypatch.setenv("COLUMNS", "100000")  # one line per flag: no name broken at a hyphen
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    assert re.search(r"--shrink SHRINK +clip at shrink \* C \(--algo half-clip; default 0\.5\)\n", text)
+    assert re.search(f"--algo NAME +algorithm: {re.escape(', '.join(c['algorithms']))}\n", text)
+    assert "; dpsgd, normalized, disk, perturb, self-aug, half-clip (and each with --kalman)." in text
+
+
+def test_a_composable_method_is_a_base_of_compose():
+    """``compose`` builds on every algorithm registered with ``composable=True`` (its list of bases is read
+    from the registry): a new base needs no edit of ``compose``."""
+    from clipbias.algorithms import ALGORITHMS, bases, compose, get
+    from clipbias.algorithms.base import Algorithm, Parts, register
+    from clipbias.config import AlgoConfig
+    from clipbias.errors import ConfigError
+    from clipbias.transforms import Clip
+
+    assert bases() == tuple(n for n, a in ALGORITHMS.items() if a.composable) == \
+        ("dpsgd", "normalized", "dice", "dice-adam", "dice-auto")
+    with pytest.raises(ConfigError, match="base must be one of"):
+        compose("third-clip", "perturb", register=False)
+    register(Algorithm("third-clip", "DPSGD clipping at C / 3", True, "gaussian",
+                       lambda cfg, s, B, key: Parts([Clip(cfg.clip / 3)]), composable=True))
+    try:
+        assert bases()[-1] == "third-clip"
+        algo = compose("third-clip", "perturb", register=False)
+        spec = algo.spec(AlgoConfig(clip=3.0, extra={"k": 0.1}), 0.1, 1.0, 8)
+        assert spec.sensitivity == 1.0 and "sensitivity 1 (clip C)" in spec.note
+        assert get("perturb").spec(AlgoConfig(clip=3.0, extra={"k": 0.1}), 0.1, 1.0, 8).sensitivity == 3.0
+    finally:
+        del ALGORITHMS["third-clip"]
+
+
 @pytest.fixture
 def gdp_accountant():
     """A new accountant declared in one place: the recipe's, the full-batch exact formula at any rate (an
@@ -259,6 +302,53 @@ def test_a_new_accountant_is_one_registration_and_the_cli_offers_it(gdp_accounta
     args = build_parser().parse_args(["account", "--noise-multiplier", "1", "--sample-rate", "1", "--steps", "3",
                                       "--accountant", "full-batch-gdp", "--delta", "1e-5"])
     assert args.accountant == "full-batch-gdp"
+    from clipbias.cli import _choices
+    assert _choices.current()["accountants"] == ["pld", "rdp", "full-batch-gdp"]
+
+
+def test_an_accountant_registered_at_run_time_reaches_every_integration(gdp_accountant):
+    """The integrations look the registry up at each use: the accountant registered after they were imported
+    is taken by name by ``PrivacyEngine(accountant=)`` (Opacus's interface) and by ``DPOptions`` (what
+    ``DPArguments`` and ``DPCallback`` hold), and it is the one their reports account with."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from clipbias import privacy
+    from clipbias.grads.rows import cross_entropy
+    from clipbias.integrations.opacus import PrivacyEngine
+    from clipbias.integrations.options import ACCOUNTANTS, DPOptions
+    from clipbias.errors import ConfigError
+
+    assert list(ACCOUNTANTS) == ["prv", "pld", "rdp", "full-batch-gdp"] and ACCOUNTANTS["full-batch-gdp"] == "full-batch-gdp"
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 5, generator=g), torch.randint(0, 3, (64,), generator=g)
+    model = nn.Linear(5, 3)
+    pe = PrivacyEngine(accountant="full-batch-gdp")
+    model, opt, loader = pe.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
+                                         noise_multiplier=2.0, max_grad_norm=1.0, noise_seed=0)
+    for xb, yb in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    report = pe.privacy_report(1e-5)
+    assert pe.steps >= 1 and report.accountant == "full-batch-gdp"
+    assert report.basis.startswith("T-fold Gaussian, exact mu-GDP")
+    assert pe.engine.accountant == "full-batch-gdp"
+    assert report.epsilon == privacy.account(pe.engine.spec, pe.steps, 1e-5, "full-batch-gdp").epsilon
+
+    options = DPOptions(noise_multiplier=2.0, accountant="full-batch-gdp", noise_seed=0)
+    options.check()
+    m = nn.Linear(5, 3)
+    engine = options.engine(m, torch.optim.SGD(m.parameters(), lr=0.1), n=64, batch_size=16, steps=None,
+                            loss_fn=cross_entropy, max_physical_batch=64)
+    assert engine.accountant == "full-batch-gdp"
+    report = engine.privacy(4)
+    assert report.accountant == "full-batch-gdp" and report.basis.startswith("T-fold Gaussian, exact mu-GDP")
+    assert report.epsilon == privacy.account(engine.spec, 4, options.delta(64), "full-batch-gdp").epsilon
+    with pytest.raises(ConfigError, match="full-batch-gdp"):  # the refusal lists it among the names taken
+        DPOptions(noise_multiplier=2.0, accountant="gdp").check()
 
 
 @pytest.fixture
@@ -286,17 +376,65 @@ def test_a_new_data_set_is_one_registration_and_the_cli_trains_on_it(tiny_data, 
     assert res["steps"] == 5 and res["certified"] is True
 
 
-def test_every_method_module_is_in_the_catalogs_registration_order():
-    """``algorithms.REGISTRATION_ORDER`` is the catalog's imports of the modules that register methods,
-    in order: a method module that registers and is not listed there is found by nobody."""
+def _catalog_imports(path: pathlib.Path) -> list[str]:
+    """The sibling modules a catalog imports (``from . import x``, ``from .x import ...``), in order."""
+    out = []
+    for node in _tree(path).body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            out += [a.name for a in node.names] if node.module is None else [node.module.split(".")[0]]
+    return out
+
+
+def test_every_module_that_registers_is_imported_by_its_catalog():
+    """A module of ``algorithms/``, ``privacy/`` or ``data/`` that registers something (an algorithm, an
+    accountant, a data set) is imported by its package's catalog, where one line adds it: a module that
+    registers and is not imported there is found by nobody."""
+    calls = {"algorithms": "register", "privacy": "register", "data": "register_dataset"}
+    catalogs = {"algorithms": "__init__.py", "privacy": "__init__.py", "data": "datasets.py"}
+    for package, call in calls.items():
+        registering = {p.stem for p in (PKG / package).glob("*.py")
+                       if p.stem not in ("base", "accountants", "dataset", "__init__")
+                       and any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == call
+                               for n in ast.walk(_tree(p)))}
+        imported = set(_catalog_imports(PKG / package / catalogs[package]))
+        assert registering and registering <= imported, (package, registering - imported)
+
+
+def _table(text: str, heading: str) -> list[list[str]]:
+    """The rows (cells, stripped) of the first Markdown table after ``heading`` in ``text``."""
+    lines = text.split(heading, 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_the_docs_tables_are_the_registries():
+    """docs/methods.md's table of every algorithm (name, accounting kind, bandable, composable), its table of
+    method settings (key, flag, the methods that read it) and docs/data.md's table of data sets list exactly
+    what is registered: a new entry without its row fails here, naming it."""
     from clipbias import algorithms
-    registering = {p.stem for p in (PKG / "algorithms").glob("*.py")
-                   if any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "register"
-                          for n in ast.walk(_tree(p))) and p.stem not in ("base", "__init__")}
-    listed = [m.__name__.rpartition(".")[2] for m in algorithms.REGISTRATION_ORDER]
-    assert set(listed) == registering, (listed, registering)
-    src = (PKG / "algorithms" / "__init__.py").read_text()
-    assert [src.index(f"from . import {m}") for m in listed] == sorted(src.index(f"from . import {m}") for m in listed)
+    from clipbias.data import DATASETS
+    docs = PKG.parent / "docs"
+    methods = (docs / "methods.md").read_text()
+    rows = _table(methods, "\n## Every algorithm\n")
+    yes = {"yes": True, "no": False}
+    got = [(r[0].strip("`"), r[2].strip("`"), yes[r[3]], yes[r[4]]) for r in rows]
+    want = [(n, a.accounting, a.bandable, a.composable) for n, a in algorithms.ALGORITHMS.items()]
+    assert got == want, sorted(set(got) ^ set(want))
+    settings = {r[0].split("`")[1]: r for r in _table(methods, "\nMethod settings live in `AlgoConfig.extra`")}
+    assert set(settings) == set(algorithms.all_settings()), set(settings) ^ set(algorithms.all_settings())
+    for key, s in algorithms.all_settings().items():
+        flag, users = settings[key][1], settings[key][2]
+        assert s.flag.split("/")[0] in flag or not s.cli, (key, flag)
+        readers = [n for n, a in algorithms.ALGORITHMS.items() if any(x.key == key for x in a.schema)]
+        assert all(re.search(rf"(^|[ ,]){re.escape(n)}([ ,(]|$)", users) for n in readers), (key, users, readers)
+    data = [r[0].strip("`") for r in _table((docs / "data.md").read_text(), "\n")]
+    assert data == list(DATASETS), (data, list(DATASETS))
+
 
 
 def test_the_extension_points_are_one_registry_type():
@@ -380,12 +518,12 @@ def test_every_benchmarks_path_the_docs_and_code_name_exists():
 
 
 def test_the_recipes_name_files_and_tests_that_exist():
-    """docs/architecture.md's recipes (method, accountant, data set, model layer) name real files, tests and
+    """docs/architecture.md's recipes (method, accountant, data set, layer rule) name real files, tests and
     commands: every path in backquotes exists (``<name>`` is the new module's), every ``test_...`` it names
     is defined in tests/, and the commands name modules that run."""
     root = PKG.parent
     recipes = "".join(RECIPES.split(f"\n## {s}\n", 1)[1].split("\n## ", 1)[0]
-                      for s in ("Adding a method", "Adding an accountant", "Adding a data set", "Adding a model layer"))
+                      for s in ("Adding a method", "Adding an accountant", "Adding a data set", "Adding a layer rule"))
     paths = {p for p in re.findall(r"`((?:clipbias|tests|docs)/[\w/.<>]+?)(?:::\w+)?`", recipes) if "<" not in p}
     paths |= set(re.findall(r"\b((?:clipbias|tests|docs)/[\w/]+\.(?:py|md|json))\b", recipes))
     assert len(paths) >= 15 and [p for p in sorted(paths) if not (root / p).exists()] == []

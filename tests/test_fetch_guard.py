@@ -404,3 +404,20 @@ def test_the_opacus_interface_and_the_lightning_callback_go_through_the_check():
         warnings.simplefilter("always")
         trainer.fit(Module(), DataLoader(Counter(), batch_size=12))
     assert "random" in dp.engine.fetch_caveats and not dp.engine.privacy().certified
+
+
+class LastTokenModel(TokenModel):
+    """Pools the last position of every row, masked or not (XLNet's summary_type="last" under right padding)."""
+
+    def forward(self, input_ids, attention_mask):
+        return self.out(self.emb(input_ids))[:, -1:].expand(-1, input_ids.shape[1], -1)
+
+
+def test_a_model_that_reads_the_masked_padding_is_held_to_it():
+    """Right padding with an attention_mask is taken to be ignored by the model; the step holds the model to it
+    (its outputs for the checked example alone and as its padded row): a model pooling the last position,
+    masked or not, moved the other examples' clipped sum by 4.62 C through the padding (a stock XLNet,
+    certified); it is now reported. The model that ignores the padding stays certified (above)."""
+    eng = engine(LastTokenModel(), loss_fn=token_loss, grad_path="rows")
+    eng, warned = train(Tokens(), eng, collate_fn=hf_collate())
+    uncertified(eng, warned, "reads masked positions")

@@ -24,6 +24,7 @@ from ..grads.rows import (FuncGradients, LossFn, ParamSums, PerExampleRows, RowS
 from ..randomness import forward
 from ..transforms import Pipeline, StepContext, scales_by_norm
 from ..grads.two_point import TwoPointRows
+from ..sampling import refetch
 from .checks import padding_refusal
 
 AUTO_ROWS_BYTES = 2**30
@@ -218,6 +219,8 @@ def attempt_sums(engine, x: Batch, y: Batch, indices: Tensor | None, keep_output
         torch.equal(fetched[0], indices.detach().cpu()) else None
     with engine.state_guard.watching(intercept=False, since=since) as watch:  # the keyed forward reports aliases
         sums = _attempt_sums(engine, x, y, indices, keep_outputs, watch.listen)
+    if sums[3] is None and watch.error is None:  # the padding the loader's check took to be ignored, held
+        refetch.probe(engine, engine.model, x, indices, engine.state_guard.run)
     return sums if watch.error is None or sums[3] is not None else (*sums[:3], watch.error)
 
 

@@ -63,6 +63,11 @@ CAVEATS = {
     "left padding": ("the collate_fn pads on the left (or elsewhere than after the example) at {n} step(s): an "
                      "example's tokens then sit at positions that move with the batch's longest example; pad on the "
                      "right (tokenizer.padding_side = 'right') or to a fixed length"),
+    "reads padding": ("the model's outputs for an example differed with and without the batch's padding at {n} "
+                      "step(s), its attention_mask notwithstanding: the model reads masked positions (XLNet's "
+                      "last-token pooling, a mean over the sequence that ignores the mask), so each example's output "
+                      "depends on the others' lengths; pad to a fixed length, or use a model that ignores masked "
+                      "positions"),
     "label padding": ("the collate_fn pads labels with values other than -100 at {n} step(s): the loss then reads "
                       "the padding, whose length depends on the batch's longest example; pad labels with -100"),
 }
@@ -127,6 +132,62 @@ def check(engine: Any, alone: Callable[[int, int], Any], idx: Tensor, data: Any,
     kind = _row_kind(data, j, first)
     if kind is not None:
         note(engine, kind)
+    elif _padded(data, j, first):  # padding taken to be ignored: the step holds the model to it (``probe``)
+        engine.__dict__["padding_probe"] = (idx.clone(), j, first)
+
+
+def _padded(data: Any, j: int, alone: Any) -> bool:
+    """Whether row ``j`` of the batch is longer than the example alone in some leaf (right padding)."""
+    return any(isinstance(b, Tensor) and isinstance(a, Tensor) and b.dim() > 1 and a.dim() == b.dim()
+               and a.shape[0] == 1 and j < b.shape[0] and b[j].shape != a[0].shape
+               for (_, b), (_, a) in zip(_leaves(data), _leaves(alone)))
+
+
+def probe(engine: Any, model: Any, x: Any, indices: Tensor | None, guarded: Callable) -> None:
+    """Hold the model to the padding the loader's check took to be ignored (``check``): in eval mode, without a
+    graph, its outputs for the checked example alone and as its padded row of this step's batch ``x``; outputs
+    that differ (on the example's own extent) are noted ``reads padding``. Runs once per step at most, on the
+    step whose batch the check saw; the forwards under ``guarded`` (the state guard: they may not write the
+    model either)."""
+    seen = engine.__dict__.pop("padding_probe", None)
+    if seen is None or indices is None or not isinstance(x, Mapping):
+        return
+    idx, j, alone = seen
+    if not torch.equal(idx, indices.detach().cpu()) or j >= len(idx):
+        return
+    alone = alone[0] if isinstance(alone, (tuple, list)) else alone
+    if not isinstance(alone, Mapping) or any(k not in alone for k in x):
+        return
+    device = next(iter(engine.params)).device
+    one = {k: alone[k].to(device) if isinstance(alone[k], Tensor) else alone[k] for k in x}
+    row = {k: v[j:j + 1] if isinstance(v, Tensor) and v.dim() > 0 else v for k, v in x.items()}
+    was = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            a, b = guarded(lambda: model(**one)), guarded(lambda: model(**row))
+    finally:
+        model.train(was)
+    if not _same_extent(a, b):
+        note(engine, "reads padding")
+
+
+def _same_extent(a: Any, b: Any) -> bool:
+    """Whether the outputs ``a`` (the example alone) and ``b`` (its padded row) agree on ``a``'s extent, to
+    float32's rounding of a masked attention."""
+    la, lb = _leaves(a), _leaves(b)
+    if [p for p, _ in la] != [p for p, _ in lb]:
+        return False
+    for (_, s), (_, t) in zip(la, lb):
+        if not isinstance(s, Tensor) or not s.is_floating_point():
+            continue
+        if s.dim() != t.dim() or any(m > n for m, n in zip(s.shape, t.shape)):
+            return False
+        t = t[tuple(slice(0, m) for m in s.shape)].to(s.dtype)
+        scale = float(s.abs().max()) if s.numel() else 0.0
+        if not torch.allclose(s, t, rtol=1e-3, atol=1e-4 * max(scale, 1e-6)):
+            return False
+    return True
 
 
 def _equal(a: Tensor, b: Tensor) -> bool:

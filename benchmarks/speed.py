@@ -10,6 +10,9 @@ batch of B examples:
   ``-fast`` arms with ``grad_path="fast"`` (per-layer norms and book-keeping sums, no rows);
   ``dpsgd-fast-noprobe`` is a diagnostic, not a configuration a user can choose: the fast path with
   its per-step soundness probe skipped, to measure what the probe costs;
+* any engine arm with ``-prefetch`` or ``-noprefetch`` appended (``dpsgd-fast-prefetch``): the noise's normals drawn
+  in a background thread during the step (``DPEngine(noise_prefetch=True)``) or on the critical path (``False``);
+  without either, the engine's default (``noise_prefetch=None``: by size, ``clipbias.randomness.prefetch``);
 * ``opacus-hooks`` (and ``opacus-ghost``, ``opacus-ew``: expanded weights): Opacus' ``PrivacyEngine.make_private`` on the same model,
   when ``import opacus`` works (``pip install opacus`` or ``PYTHONPATH`` to a copy; not a clipbias
   dependency);
@@ -56,12 +59,14 @@ def _nonprivate(model: nn.Module, lr: float):
 
 
 def _engine(model: nn.Module, algo: str, n: int, b: int, lr: float, max_physical_batch: int):
+    prefetch = True if algo.endswith("-prefetch") else False if algo.endswith("-noprefetch") else None
+    algo = algo.removesuffix("-noprefetch").removesuffix("-prefetch")
     probe = not algo.endswith("-noprobe")  # a diagnostic arm, not a configuration: the probe's cost
     algo = algo.removesuffix("-noprobe")
     fast = algo.endswith("-fast")  # "dpsgd-fast": the book-keeping fast path
     eng = DPEngine(model, algo.removesuffix("-fast"), n=n, batch_size=float(b), steps=10**6, noise_multiplier=1.0,
                    config=AlgoConfig(lr=lr, clip=1.0), noise_seed=0, max_physical_batch=max_physical_batch,
-                   accountant="rdp", grad_path="fast" if fast else "rows")
+                   accountant="rdp", grad_path="fast" if fast else "rows", noise_prefetch=prefetch)
 
     if not probe:  # the per-step soundness check skipped: what the rest of the fast path costs
         eng.fast._check_examples = lambda *args, **kwargs: None

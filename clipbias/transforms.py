@@ -22,7 +22,8 @@ from torch import Tensor
 
 from .errors import ConfigError
 from .grads.precision import full_float32, last_norms
-from .randomness import SecretKey, snapped_gaussian
+from .randomness import Purpose, SecretKey, snapped_gaussian
+from .randomness.prefetch import NormalsPrefetch, wanted
 
 
 @dataclass
@@ -249,7 +250,11 @@ class GaussianNoise(Stage):
     sets the std for the step's bound.
 
     State: the draw counter; with b > 1 bands also the last b - 1 inputs ``v`` (PRIVATE: clipped sums
-    without noise, saved only in the engine's private ``state_dict``) and outputs ``g``, all float64."""
+    without noise, saved only in the engine's private ``state_dict``) and outputs ``g``, all float64.
+
+    ``prefetch``: whether ``draw_ahead`` starts drawing a step's normals in the background as the step
+    begins (``clipbias.randomness.prefetch``; True, False, or None: ``prefetch.DEFAULT``). The release is
+    the same bit for bit either way; the draws made ahead are not state."""
 
     def __init__(self, std: float, key: SecretKey, coefs: tuple[float, ...] = (1.0,), strategy: str = "taylor",
                  per_bound: float | None = None) -> None:
@@ -266,6 +271,8 @@ class GaussianNoise(Stage):
         self.inputs: list[Tensor] = []   # v_{t-1}, v_{t-2}, ... (at most b - 1)
         self.outputs: list[Tensor] = []  # g_{t-1}, g_{t-2}, ...
         self._pending: tuple[int, list[Tensor], list[Tensor]] | None = None
+        self.prefetch: bool | None = None
+        self._ahead = NormalsPrefetch()
 
     @property
     def bands(self) -> int:
@@ -276,19 +283,33 @@ class GaussianNoise(Stage):
         if self.per_bound is not None:
             self.std = self.per_bound * bound
 
+    def draw_ahead(self, count: int, device: torch.device | str) -> None:
+        """Start drawing the normals of this step's release (``count`` coordinates on ``device``) in the
+        background where ``prefetch`` says so: the engine calls it as a step begins, and the release takes
+        them (``_noisy``). They are those of the draw counter now, which only ``commit`` moves."""
+        if not wanted(self.prefetch) or self.bands == 1 and self.std == 0 and self.per_bound is None:
+            self._ahead.release()  # (the buffer of a run that drew ahead before: freed)
+            return
+        self._ahead.start(self.key, Purpose.NOISE, self.draws, count, device)
+
+    def _noisy(self, x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+        """The release ``snapped_gaussian(x, std, key, draws)``, with its normals drawn ahead where they were."""
+        z = self._ahead.take(self.key, Purpose.NOISE, self.draws, x.numel(), x.device) if self._ahead.pending else None
+        return snapped_gaussian(x, self.std, self.key, self.draws, dtype=dtype, normals=z)
+
     def __call__(self, v: Tensor) -> Tensor:
         if self.bands == 1:
             if self.std == 0:
                 return v
             self._pending = (self.draws + 1, [], [])
-            return snapped_gaussian(v, self.std, self.key, self.draws, dtype=v.dtype)
+            return self._noisy(v, v.dtype)
         c, keep = self.coefs, self.bands - 1
         self.inputs, self.outputs = _on(v.device, self.inputs), _on(v.device, self.outputs)  # a loaded state: CPU
         v64 = v.to(torch.float64, copy=True)  # kept: never an alias of the caller's tensor
         mixed = c[0] * v64
         for ck, past in zip(c[1:], self.inputs):
             mixed += ck * past
-        y = snapped_gaussian(mixed, self.std, self.key, self.draws)  # the release (float64 grid values)
+        y = self._noisy(mixed)  # the release (float64 grid values)
         for ck, past in zip(c[1:], self.outputs):
             y -= ck * past
         g = y.div_(c[0])
@@ -296,12 +317,14 @@ class GaussianNoise(Stage):
         return g.to(v.dtype, copy=True)  # g is kept: the caller gets its own copy
 
     def commit(self) -> None:
+        self._ahead.clear()  # this draw is released: never drawn again
         if self._pending is not None:
             self.draws, self.inputs, self.outputs = self._pending
             self._pending = None
 
     def rollback(self) -> None:
         self._pending = None
+        self._ahead.wait()  # kept for the retry, which releases this draw; no thread outlives the step
 
     def state_dict(self) -> dict:
         return {"draws": self.draws, "coefs": list(self.coefs), "strategy": self.strategy,
@@ -328,6 +351,7 @@ class GaussianNoise(Stage):
         self.inputs = [t.to(torch.float64) for t in state["inputs"]]
         self.outputs = [t.to(torch.float64) for t in state["outputs"]]
         self._pending = None
+        self._ahead.clear()
 
 
 def _on(device: torch.device, tensors: list[Tensor]) -> list[Tensor]:
@@ -356,6 +380,8 @@ class BLTNoise(GaussianNoise):
         self.sums: list[Tensor] = []  # s_1 .. s_d (empty before the first step: zeros)
         self.out_sums: list[Tensor] = []  # r_1 .. r_d
         self._pending = None
+        self.prefetch: bool | None = None  # the normals drawn ahead (GaussianNoise.draw_ahead)
+        self._ahead = NormalsPrefetch()
 
     @property
     def bands(self) -> int:
@@ -368,7 +394,7 @@ class BLTNoise(GaussianNoise):
         mixed = v64.clone() if not self.sums else torch.add(v64, self.sums[0], alpha=b.omegas[0])
         for w, s in zip(b.omegas[1:], self.sums[1:]):
             mixed.add_(s, alpha=w)
-        y = snapped_gaussian(mixed.mul_(b.scale), self.std, self.key, self.draws)  # the release
+        y = self._noisy(mixed.mul_(b.scale))  # the release
         g = y.div_(b.scale)
         for w, r in zip(b.omegas, self.out_sums):
             g.sub_(r, alpha=w)
@@ -376,6 +402,7 @@ class BLTNoise(GaussianNoise):
         return g.to(v.dtype, copy=True)  # g is kept: the caller gets its own copy
 
     def commit(self) -> None:
+        self._ahead.clear()  # this draw is released: never drawn again
         if self._pending is None:
             return
         self.draws, v64, g = self._pending
@@ -405,6 +432,7 @@ class BLTNoise(GaussianNoise):
         self.sums = [t.to(torch.float64, copy=True) for t in state["sums"]]
         self.out_sums = [t.to(torch.float64, copy=True) for t in state["out_sums"]]
         self._pending = None
+        self._ahead.clear()
 
 
 @dataclass
@@ -465,6 +493,12 @@ class Pipeline:
                 with full_float32():  # TF32 would round the rows before their factors (grads/precision.py)
                     return ref, (factors.to(g.dtype).unsqueeze(-2) @ g).squeeze(-2)
         return ref, g.sum(-2)
+
+    def draw_ahead(self, count: int, device: torch.device | str) -> None:
+        """As a step begins: the noise's normals for an update of ``count`` coordinates on ``device`` start
+        being drawn in the background (``GaussianNoise.draw_ahead``), while the step computes its sums."""
+        if self.noise is not None:
+            self.noise.draw_ahead(count, device)
 
     def finish(self, processed_sum: Tensor, reference_sum: Tensor | None) -> Tensor:
         """Sums over the logical batch -> the (noisy) update handed to the base optimizer."""

@@ -74,11 +74,16 @@ def band_labels(key: SecretKey, n: int, bands: int) -> np.ndarray:
 
 
 def normals(key: SecretKey, purpose: int, step: int, index: int, count: int,
-            device: torch.device | str = "cpu", cipher: str = "auto") -> Tensor:
+            device: torch.device | str = "cpu", cipher: str = "auto", out: Tensor | None = None) -> Tensor:
     """``count`` independent standard normals (float64) at the address, on ``device``. ``cipher``:
     where the keystream is made: ``"openssl"`` (on the CPU), ``"torch"`` (on ``device``) or ``"auto"``
-    (torch for large draws on a GPU); the numbers are the same either way."""
-    out = torch.empty(count, dtype=torch.float64, device=device)
+    (torch for large draws on a GPU); the numbers are the same either way. ``out``: written into this
+    float64 vector of ``count`` on ``device`` (a buffer reused from draw to draw) and returned."""
+    if out is None:
+        out = torch.empty(count, dtype=torch.float64, device=device)
+    elif out.shape != (count,) or out.dtype != torch.float64 or out.device != torch.device(device):
+        raise ValueError(f"normals: out must be float64 [{count}] on {device}, got {out.dtype} {list(out.shape)} "
+                         f"on {out.device}")
     for start, z in normal_chunks(key, purpose, step, index, count, device, cipher):
         out[start:start + len(z)] = z
     return out

@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from .draws import normal_chunks
+from .draws import _CHUNK_PAIRS, normal_chunks
 from .key import Purpose, SecretKey
 
 GRID_BITS = 8
@@ -52,13 +52,25 @@ def snap(x: Tensor, s: Tensor, g: float) -> Tensor:
 
 
 def snapped_gaussian(x: Tensor, std: float, key: SecretKey, draw: int, purpose: int = Purpose.NOISE,
-                     dtype: torch.dtype = torch.float64) -> Tensor:
+                     dtype: torch.dtype = torch.float64, normals: Tensor | None = None) -> Tensor:
     """``round_g(x + std Z)`` (shape of ``x``, in ``dtype``: float64 by default; a narrower dtype is a
     rounding of the float64 grid value, post-processing), Z from the address ``(purpose, draw, 0)``;
-    computed piece by piece of the noise stream."""
+    computed piece by piece of the noise stream.
+
+    ``normals``: Z already drawn (``draws.normals(key, purpose, draw, 0, x.numel(), x.device)``, made ahead
+    by ``prefetch.NormalsPrefetch``), scaled in place (it is spent); the same values piece by piece, so the
+    same release (every operation here is elementwise)."""
     flat, g = x.reshape(-1), noise_grid(std)
     out = torch.empty(flat.shape, dtype=dtype, device=x.device)
-    for start, z in normal_chunks(key, purpose, draw, 0, flat.numel(), x.device):
-        piece = slice(start, start + len(z))
-        out[piece] = snap(flat[piece].to(torch.float64), z.mul_(std), g)
+    if normals is None:
+        scaled = ((start, z.mul_(std)) for start, z in normal_chunks(key, purpose, draw, 0, flat.numel(), x.device))
+    else:
+        if normals.shape != flat.shape or normals.dtype != torch.float64 or normals.device != x.device:
+            raise ValueError(f"snapped_gaussian: normals drawn ahead must be float64 [{flat.numel()}] on {x.device}, "
+                             f"got {normals.dtype} {list(normals.shape)} on {normals.device}")
+        n = 2 * _CHUNK_PAIRS  # pieces of the size normal_chunks yields on the CPU
+        scaled = ((start, normals[start:start + n].mul_(std)) for start in range(0, flat.numel(), n))
+    for start, s in scaled:
+        piece = slice(start, start + len(s))
+        out[piece] = snap(flat[piece].to(torch.float64), s, g)
     return out.view(x.shape)

@@ -35,7 +35,7 @@ def noise_multiplier_for(engine: Any, epsilon: float | None, noise_multiplier: f
                                                          engine.accountant, engine.dice_accounting))
     why = no_signal(z, epsilon, engine.expected_batch_size, engine.total_steps)
     if why:
-        warnings.warn(why, NoSignalWarning, stacklevel=3)
+        warnings.warn(why, NoSignalWarning, stacklevel=4)  # (the caller of DPEngine, through make_plan)
     return z
 
 

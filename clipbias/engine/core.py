@@ -10,15 +10,12 @@ accounted like any other.
 from __future__ import annotations
 
 import math
-import warnings
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from .. import algorithms, privacy
-from ..algorithms.bands import band_coefficients, blt_classes_warning, check_strategy
 from ..data import batch
 from .. import distributed
 from ..data.batch import Batch
@@ -29,34 +26,14 @@ from ..grads.rows import LossFn, PerSampleGradients, RowSource, as_row_source, c
 from ..sampling.loader import PoissonLoader
 from ..privacy import PrivacyReport
 from ..randomness import SecretKey
-from ..sampling.poisson import PoissonSampler, check_bands
+from ..sampling.poisson import PoissonSampler
 from . import accounting, state as saved
-from .accounting import SEEDED_CAVEAT, noise_multiplier_for  # noqa: F401  (SEEDED_CAVEAT: engine's API)
+from .accounting import SEEDED_CAVEAT  # noqa: F401  (SEEDED_CAVEAT: engine's API)
 from .aggregate import apply_update, attempt_sums, auto_other_path, drop_staged, engine_aggregate, output_source
 from .guard import StateGuard
-from .checks import canon, check_arguments, check_distributed, check_mixed, check_step
+from .checks import check_arguments, check_distributed, check_mixed, check_step
 from .loop import run_steps
-
-
-@dataclass(frozen=True)
-class PrivacySettings:
-    """The privacy-relevant settings of a run: a resumed run must match them exactly."""
-
-    algorithm: str
-    n: int
-    sample_rate: float
-    steps: int
-    noise_multiplier: float
-    delta: float
-    accountant: str
-    dice_accounting: str
-    clip: float
-    ef_clip: float | None
-    grad_bound: float | None
-    gamma: float
-    target_epsilon: float | None
-    extra: tuple = ()  # method settings (p, k, K0, ...): they change the sensitivity or the algorithm
-    bands: int = 1     # banded noise: participation classes and noise correlation (algorithms.bands)
+from .plan import PrivacySettings, StepPlan, make_plan  # noqa: F401  (PrivacySettings, StepPlan: engine's API)
 
 
 class DPEngine:
@@ -116,6 +93,12 @@ class DPEngine:
         bands_strategy: The banded noise's coefficients: ``"taylor"`` (default) or ``"optimized"`` for the
             run's finite number of steps (the same privacy guarantee, ``clipbias.algorithms.band_strategy``);
             ``"blt"``: BLT noise.
+        noise_prefetch: Whether each step's noise (its standard normals: data-independent, a function of the key and
+            the draw counter) is drawn in a background thread while the step's forward and backward run, on a CUDA
+            device on a side stream (``clipbias.randomness.prefetch``): True, False, or None (default: off,
+            ``prefetch.DEFAULT``, whose docstring gives the measurements: slower on the 2-core CPU measured). The
+            same release bit for bit either way; drawing ahead holds one float64 vector of the update's size (8
+            bytes a coordinate), reused from step to step.
 
     Raises:
         ConfigError: both ``epsilon`` and ``noise_multiplier``, or neither for a private algorithm; neither
@@ -141,46 +124,29 @@ class DPEngine:
                  noise_seed: int | SecretKey | None = None, grads: RowSource | PerSampleGradients | None = None,
                  grad_path: str = "auto", bands: int = 1, optimizer: torch.optim.Optimizer | None = None,
                  sample_rate: float | None = None, autocast: torch.dtype | str | None = None,
-                 loss_scale: float | None = None, bands_strategy: str = "taylor") -> None:
-        self.algo = algorithms.get(algorithm)
+                 loss_scale: float | None = None, bands_strategy: str = "taylor",
+                 noise_prefetch: bool | None = None) -> None:
         self.autocast = check_mixed(autocast, loss_scale, grads)  # (dtype, loss scale) or None
         self.undrawn_steps = 0  # steps whose batch the engine's sampler did not draw (``privacy`` caveat)
         self.transformed_steps = 0  # steps on a batch other than the one the loader drew (``drawn``)
         self.unproven_steps = 0  # steps on a loop's loss not proved per example (the Opacus interface's ``follow``)
-        self.config = config or AlgoConfig()
-        n = check_arguments(model, n, batch_size, self.config)
+        n = check_arguments(model, n, batch_size, config or AlgoConfig())
         self.sharded = distributed.is_sharded(model)  # fully_shard: gathered whole for each step (``_gathered``)
         if self.sharded:
             distributed.check_sharded(model, rule_kind)
-        self.config = self.algo.with_defaults(self.config, batch_size)
         if max_physical_batch < 1:
             raise ConfigError(f"max_physical_batch must be >= 1, got {max_physical_batch!r}")
-        if epsilon is not None and noise_multiplier is not None:
-            raise ConfigError("give either epsilon (the noise is calibrated to it) or noise_multiplier, not both")
-        privacy.check_delta(delta)
-        privacy.check_accountant(accountant)
-        self.n, self.expected_batch_size = n, float(batch_size)
-        self.sample_rate = self.expected_batch_size / n if sample_rate is None else check_rate(sample_rate)
-        check_bands(bands, self.sample_rate)
-        self.algo.check_bands(bands)
-        check_strategy(bands_strategy)
-        self.bands, self.bands_strategy = bands, bands_strategy
-        steps_per_epoch = max(1, round(n / self.expected_batch_size) if sample_rate is None else round(1 / sample_rate))
-        steps = planned_steps(epochs, steps, steps_per_epoch, open_ended=noise_multiplier is not None)
-        self.total_steps, self.delta = steps, delta
-        # the noise's coefficients (or BLT strategy: the accounting reads it), before the noise is calibrated
-        self.noise_shape = band_coefficients(bands, self.algo.workload_momentum(self.config), bands_strategy, steps)
-        if bands_strategy == "blt" and (why := blt_classes_warning(bands, self.sample_rate)):
-            warnings.warn(why, stacklevel=2)
+        # the run's plan: participation, mechanism, calibrated noise, accounting (nothing of the data or model)
+        self.plan = make_plan(algorithm, config or AlgoConfig(), n=n, batch_size=batch_size, epochs=epochs,
+                              steps=steps, epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier,
+                              accountant=accountant, dice_accounting=dice_accounting, bands=bands,
+                              sample_rate=sample_rate, bands_strategy=bands_strategy)
+        self.algo, self.config, z, steps = self.plan.algo, self.plan.config, self.noise_multiplier, self.total_steps
         # in a process group every rank holds rank 0's key: one global sample, one noise draw
         self.key = distributed.broadcast_key(SecretKey.of(noise_seed))
         self.key.adopt(self)
         self._dropout_layouts: dict = {}  # each keyed dropout call's layout as the first forward made it
         self.state_guard = StateGuard(model)  # a forward on the private batch may not write the model
-        self.accountant, self.dice_accounting = accountant, dice_accounting
-
-        self.noise_multiplier = z = noise_multiplier_for(self, epsilon, noise_multiplier)
-        self.spec = self.algo.spec(self.config, self.sample_rate, z, self.expected_batch_size, bands, self.noise_shape)
         if self.algo.private:  # refuses now (not after training) when the guarantee cannot hold
             self.privacy(steps if steps != math.inf else 1)
         self.model = model
@@ -193,9 +159,10 @@ class DPEngine:
         self.params = self.rows.layout.params(model)
         self.pipeline = self.algo.pipeline(self.config, self.expected_batch_size, z, self.key, self.noise_shape,
                                            bands_strategy)
+        set_prefetch(self.pipeline, noise_prefetch)
         self.optimizer = check_base_optimizer(optimizer, self.params, self.rows.layout.names) or \
             algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer, self.params, self.config)
-        self.sampler = PoissonSampler(n, self.sample_rate, self.key, steps_per_epoch, bands)
+        self.sampler = PoissonSampler(n, self.sample_rate, self.key, self.plan.steps_per_epoch, bands)
         self.max_physical_batch = max_physical_batch
         self._aggregate, self.grad_path_note = engine_aggregate(self, grad_path, own_rows, model, loss_fn,
                                                                 max_physical_batch)
@@ -205,10 +172,21 @@ class DPEngine:
         self._other_path = auto_other_path(self, grad_path)  # taken if the chosen path refuses the first step
         self.steps_taken, self.last_loss = 0, (0.0, 0)
         self.last_outputs, self._outputs = None, None  # step(keep_outputs=True)
-        self.settings = PrivacySettings(algorithm, n, self.sample_rate, steps, z, delta, accountant,
-                                        dice_accounting, self.config.clip, self.config.ef_clip,
-                                        self.config.grad_bound, self.config.gamma, epsilon,
-                                        tuple(sorted((k, canon(v)) for k, v in self.config.extra.items())), bands)
+
+    # ------------------------------------------------------------------ the plan's values, as the engine's
+    n = property(lambda self: self.plan.n)
+    expected_batch_size = property(lambda self: self.plan.expected_batch_size)
+    sample_rate = property(lambda self: self.plan.sample_rate)
+    total_steps = property(lambda self: self.plan.total_steps)
+    delta = property(lambda self: self.plan.delta)
+    accountant = property(lambda self: self.plan.accountant)
+    dice_accounting = property(lambda self: self.plan.dice_accounting)
+    bands = property(lambda self: self.plan.bands)
+    bands_strategy = property(lambda self: self.plan.bands_strategy)
+    noise_shape = property(lambda self: self.plan.noise_shape)
+    noise_multiplier = property(lambda self: self.plan.noise_multiplier)
+    spec = property(lambda self: self.plan.spec)
+    settings = property(lambda self: self.plan.settings)
 
     # ------------------------------------------------------------------ training
     def step(self, x: Batch, y: Batch, indices: Tensor | None = None, *, keep_outputs: bool = False,
@@ -254,6 +232,9 @@ class DPEngine:
         drawn = accounting.origin(self, x, y, indices)  # (drawn by the sampler, as the loader fetched it)
         self.last_outputs, self._outputs = None, [] if keep_outputs else None
         dev = self.params[0].device
+        # the noise does not depend on the data: its normals are drawn while the sums are computed (joined by the
+        # commit or the rollback below, so no draw outlives the step)
+        self.pipeline.draw_ahead(self.rows.layout.dim, dev)
         proc_sum, ref_sum, losses, failure = attempt_sums(self, x, y, indices, keep_outputs)
         if self._other_path is not None and batch.size(x) and failure is None:
             self._other_path = None  # auto's choice stands from the first step that ran the model
@@ -369,23 +350,12 @@ class DPEngine:
         saved.load(self, state)
 
 
-def planned_steps(epochs: int | None, steps: int | None, steps_per_epoch: int, open_ended: bool) -> float:
-    """The run's planned steps: ``steps``, else ``epochs`` epochs, else (with a given noise multiplier) an
-    open-ended run (Opacus's habit: ``math.inf``, accounted as the steps are taken)."""
-    if steps is None and epochs is None and open_ended:
-        return math.inf
-    if steps is None:
-        if epochs is None or epochs < 1:
-            raise ConfigError(f"give `epochs` >= 1 or `steps` >= 1 (got epochs={epochs!r})")
-        steps = epochs * steps_per_epoch
-    return steps if steps == math.inf else privacy.check_steps(steps)
-
-
-def check_rate(sample_rate: float) -> float:
-    """A given sampling rate: a float in (0, 1]."""
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
-        raise ConfigError(f"sample_rate must be a number in (0, 1], got {sample_rate!r}")
-    return float(sample_rate)
+def set_prefetch(pipeline, noise_prefetch: bool | None) -> None:
+    """``DPEngine(noise_prefetch=...)`` on the noise stage (``GaussianNoise.prefetch``), checked."""
+    if noise_prefetch is not None and not isinstance(noise_prefetch, bool):
+        raise ConfigError(f"noise_prefetch must be True, False or None (the default), got {noise_prefetch!r}")
+    if pipeline.noise is not None:
+        pipeline.noise.prefetch = noise_prefetch
 
 
 def check_base_optimizer(optimizer: torch.optim.Optimizer | None, params: list,

@@ -69,9 +69,7 @@ def _load(engine: Any, state: dict) -> None:
     engine.pipeline.load_state_dict(state["pipeline"])
     noise = engine.pipeline.noise
     if noise is not None and noise.strategy == "blt":  # a resumed BLT run is accounted with its saved strategy
-        engine.noise_shape = noise.blt
-        engine.spec = engine.algo.spec(engine.config, engine.sample_rate, engine.noise_multiplier,
-                                       engine.expected_batch_size, engine.bands, noise.blt)
+        engine.plan = engine.plan.with_strategy(noise.blt)
     engine.sampler.load_state_dict(state["sampler"])
     engine.rows.load_state_dict(state["rows"])
     engine.fetch_caveats = dict(state.get("fetch_caveats", {}))  # what the loader's re-fetch check saw so far

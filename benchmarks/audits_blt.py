@@ -1,5 +1,5 @@
 """The mechanism-level audits of BLT noise (docs/privacy.md, "BLT noise"; ``clipbias.audit.blt``): each row
-is one ``BLTAudit`` (two worlds of runs through ``transforms.BLTNoise``, the matched statistic on the
+is one ``BLTAudit`` (two worlds of runs through ``step.BLTNoise``, the matched statistic on the
 releases y = C g), its JSON in ``benchmarks/results/audits/blt-*.json`` (read by ``audit_table.py``), and
 a line of the printed table: claim (the engine's epsilon), lower bound (Clopper-Pearson) and GDP reading.
 

@@ -38,7 +38,7 @@ from torch.nn import functional as F
 
 from clipbias.cli._common import tune_allocator
 from clipbias.config import AlgoConfig
-from clipbias.data.datasets import load_dataset
+from clipbias.data.catalog import load_dataset
 from clipbias.engine.core import DPEngine
 from clipbias.grads.conv_rows import conv_weight_rows
 from clipbias.models import build_model
@@ -150,7 +150,7 @@ _PHASES = {  # label -> (module, attribute path) of the library functions timed 
     "forward and backward to the layer outputs": ("clipbias.grads.fast", "BookKeeping._backward"),
     "per-layer rules (per-example kernels, norms, rounding bounds)": ("clipbias.grads.fast", "_rule"),
     "structural proof": ("clipbias.grads.separable", "proven"),
-    "secret noise snapped onto its grid": ("clipbias.transforms", "snapped_gaussian"),
+    "secret noise snapped onto its grid": ("clipbias.step.noise", "snapped_gaussian"),
     "check of the step's arguments": ("clipbias.engine.core", "check_step"),
     "finite-norm checks": ("clipbias.engine.core", "check_finite_norms"),
     "model check": ("clipbias.grads.fast", "check_model"),

@@ -60,7 +60,7 @@ def timed(phase: str, fn):
 
 
 def instrument() -> None:
-    from clipbias import transforms
+    from clipbias.step import noise
     from clipbias.grads import fast, fast_checks
     fast.BookKeeping._backward = timed("forward and backward", fast.BookKeeping._backward)
     fast._rules_of = timed("rules: norms", fast._rules_of)
@@ -69,7 +69,7 @@ def instrument() -> None:
     for cls in {c for mod in modules for c in vars(mod).values() if isinstance(c, type) and "sums" in vars(c)}:
         cls.sums = timed("rules: clipped sums", cls.sums)
     fast_checks.RuntimeChecks._check_examples = timed("check", fast_checks.RuntimeChecks._check_examples)
-    transforms.snapped_gaussian = timed("noise", transforms.snapped_gaussian)
+    noise.snapped_gaussian = timed("noise", noise.snapped_gaussian)
     torch.optim.AdamW.step = timed("optimizer", torch.optim.AdamW.step)
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from clipbias.data.datasets import load_dataset
+from clipbias.data.catalog import load_dataset
 from clipbias.errors import ClipbiasError
 from clipbias.cli._common import tune_allocator
 from clipbias.run.training import TrainConfig, jsonable, prepare_splits, summarize, train, write_json

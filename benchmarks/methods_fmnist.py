@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 from clipbias.config import AlgoConfig
-from clipbias.data.datasets import load_dataset
+from clipbias.data.catalog import load_dataset
 from clipbias.engine.core import DPEngine
 from clipbias.grads.rows import FuncGradients
 from clipbias.algorithms import (PerExampleMomentum, batchclip_predict, batchnorm_variant,
@@ -69,7 +69,7 @@ from clipbias.algorithms import (PerExampleMomentum, batchclip_predict, batchnor
 from clipbias.analysis.diagnostics import clipped_quantity
 from clipbias.analysis.diagnostics import sampling_noise_report as sampling_noise
 from clipbias.models import build_model
-from clipbias.transforms import StepContext
+from clipbias.step import StepContext
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from clipbias.config import AlgoConfig
-from clipbias.data.datasets import load_dataset
+from clipbias.data.catalog import load_dataset
 from clipbias.engine.core import DPEngine
 from clipbias.models import build_model
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import speed  # noqa: E402
 
-from clipbias.data.datasets import load_dataset  # noqa: E402
+from clipbias.data.catalog import load_dataset  # noqa: E402
 from clipbias.models import build_model  # noqa: E402
 
 

@@ -43,7 +43,7 @@ from torch import nn
 
 from clipbias.cli._common import tune_allocator
 from clipbias.config import AlgoConfig
-from clipbias.data.datasets import load_dataset
+from clipbias.data.catalog import load_dataset
 from clipbias.engine.core import DPEngine
 from clipbias.models import build_model
 

@@ -2,7 +2,7 @@
 
 Data flows one way through small composable stages::
 
-    sampler -> per-sample gradients -> per-sample transforms -> aggregate
+    sampler -> per-sample gradients -> per-sample stages -> aggregate
             -> error feedback -> noise -> base torch optimizer
 
 See ``docs/architecture.md`` for the map of modules.

@@ -91,11 +91,11 @@ def test_the_package_has_no_import_cycle():
 
 
 def test_nothing_below_the_catalog_imports_it():
-    """The bottom (errors, config, privacy, sampling, grads, transforms) and the algorithm modules
+    """The bottom (errors, config, privacy, sampling, grads, step) and the algorithm modules
     themselves never import the catalog ``clipbias.algorithms``."""
     GRAPH = _graph()
     bottom = [m for m in GRAPH if m.split(".")[1:2] and m.split(".")[1] in
-              ("errors", "config", "privacy", "sampling", "grads", "transforms", "files")]
+              ("errors", "config", "privacy", "sampling", "grads", "step", "files")]
     methods = [m for m in GRAPH if m.startswith("clipbias.algorithms.")]
     assert len(bottom) >= 8 and len(methods) >= 8
     for m in bottom + methods:
@@ -107,7 +107,7 @@ def test_nothing_below_the_catalog_imports_it():
 # The pipeline's floors, bottom to top: a unit may import only its own floor and the floors below.
 FLOORS = [("errors", "config", "files", "distributed", "randomness", "registry"),  # bottom: no pipeline stage
           ("data",),                                                  # data sets, text, batch structures
-          ("models", "layers", "sampling", "grads", "transforms", "privacy"),   # stages and accounting
+          ("models", "layers", "sampling", "grads", "step", "privacy"),   # stages and accounting
           ("algorithms",), ("engine",), ("run", "integrations"), ("analysis", "audit"), ("cli",), ("__main__",)]
 FLOOR = {unit: i for i, units in enumerate(FLOORS) for unit in units}
 
@@ -139,7 +139,7 @@ def test_the_root_holds_at_most_eight_plain_modules_and_every_unit_has_a_floor()
 
 def test_every_unit_imports_only_downward():
     """Data flows one way, and so do the imports: a unit never imports a higher floor, even inside a
-    function (``FLOORS``: data -> sampling, gradients, transforms, accounting -> algorithms -> engine ->
+    function (``FLOORS``: data -> sampling, gradients, step stages, accounting -> algorithms -> engine ->
     run -> analysis and audits -> cli)."""
     up = []
     for p in PKG.rglob("*.py"):
@@ -258,7 +258,7 @@ def test_a_composable_method_is_a_base_of_compose():
     from clipbias.algorithms.base import Algorithm, Parts, register
     from clipbias.config import AlgoConfig
     from clipbias.errors import ConfigError
-    from clipbias.transforms import Clip
+    from clipbias.step import Clip
 
     assert bases() == tuple(n for n, a in ALGORITHMS.items() if a.composable) == \
         ("dpsgd", "normalized", "dice", "dice-adam", "dice-auto")
@@ -390,7 +390,7 @@ def test_every_module_that_registers_is_imported_by_its_catalog():
     accountant, a data set) is imported by its package's catalog, where one line adds it: a module that
     registers and is not imported there is found by nobody."""
     calls = {"algorithms": "register", "privacy": "register", "data": "register_dataset"}
-    catalogs = {"algorithms": "__init__.py", "privacy": "__init__.py", "data": "datasets.py"}
+    catalogs = {"algorithms": "__init__.py", "privacy": "__init__.py", "data": "catalog.py"}
     for package, call in calls.items():
         registering = {p.stem for p in (PKG / package).glob("*.py")
                        if p.stem not in ("base", "accountants", "dataset", "__init__")

@@ -16,7 +16,7 @@ from clipbias.errors import ConfigError
 from clipbias.grads import precision
 from clipbias.grads.fast import BookKeeping
 from clipbias.grads.rows import FuncGradients
-from clipbias.transforms import clip_scale
+from clipbias.step import clip_scale
 
 B, C = 256, 1.0
 

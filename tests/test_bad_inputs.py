@@ -33,7 +33,7 @@ from torch import nn
 from clipbias.cli import main
 from clipbias.cli._common import Terminated
 from clipbias.config import AlgoConfig
-from clipbias.data.datasets import IdxFormatError
+from clipbias.data.catalog import IdxFormatError
 from clipbias.engine.core import DPEngine
 from clipbias.errors import ClipbiasError, ConfigError, NonFiniteGradientError, UnsupportedModelError
 from clipbias.privacy import gaussian
@@ -436,7 +436,7 @@ CASES = [
     A("train-into-a-file", lambda tmp: train(TrainConfig(data="digits", model="logreg", algo="dpsgd",
                                                          noise_multiplier=1.0, out=str(tmp / "blocker"))),
       ConfigError, "{tmp}/blocker'` is a file"),
-    A("fashion-mnist-corrupted-label-api", lambda tmp: __import__("clipbias.data.datasets").data.load_dataset(
+    A("fashion-mnist-corrupted-label-api", lambda tmp: __import__("clipbias.data.catalog").data.load_dataset(
         "fashion-mnist", data_dir=tmp / "fm"), IdxFormatError, "label 200", "--reinstall", setup=corrupt_fashion),
 ]
 

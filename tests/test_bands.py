@@ -19,7 +19,7 @@ from clipbias.engine.core import DPEngine
 from clipbias.errors import ConfigError, ResumeMismatchError
 from clipbias.randomness import Purpose, SecretKey, noise_grid, normals, poisson_indices
 from clipbias.sampling.poisson import PoissonSampler
-from clipbias.transforms import GaussianNoise
+from clipbias.step import GaussianNoise
 
 KEY = SecretKey.from_seed(5)
 

@@ -1,4 +1,4 @@
-"""BLT noise (``clipbias.algorithms.blt``, ``transforms.BLTNoise``): the sensitivity over a class's
+"""BLT noise (``clipbias.algorithms.blt``, ``step.BLTNoise``): the sensitivity over a class's
 participations, the streamed C and C^{-1} against dense matrices, the accounting, the engine, resume
 and refusals."""
 
@@ -20,7 +20,7 @@ from clipbias.config import AlgoConfig
 from clipbias.engine.core import DPEngine
 from clipbias.errors import ConfigError
 from clipbias.randomness import Purpose, SecretKey, noise_grid, normals
-from clipbias.transforms import BLTNoise
+from clipbias.step import BLTNoise
 
 KEY = SecretKey.of(7)
 
@@ -185,7 +185,7 @@ def test_blt_noise_is_refused_where_its_accounting_does_not_hold():
         DPEngine(nn.Linear(6, 3), "dpsgd", n=400, batch_size=50.0, noise_multiplier=1.0, bands=8,
                  bands_strategy="blt")
     from clipbias.run.training import TrainConfig
-    from clipbias.run.tune import TuneConfig
+    from clipbias.run.tuning import TuneConfig
     with pytest.raises(ConfigError, match="not BLT noise"):
         TuneConfig(TrainConfig(data="digits", model="logreg", algo="dpsgd", epsilon=3.0, bands=4,
                                bands_strategy="blt"), lr_range=(0.1, 1.0), clip_range=(0.1, 1.0))

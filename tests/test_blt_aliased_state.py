@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch import nn
 
-from clipbias import transforms
+from clipbias.step import noise
 from clipbias.algorithms import blt
 from clipbias.config import AlgoConfig
 from clipbias.engine.core import DPEngine
@@ -74,18 +74,18 @@ def _released_mu(stop: int, discarded: int, k: int = 4, T: int = 40) -> float:
         return x + std * e(("Z", draw))
 
     out = []
-    with mock.patch.object(transforms, "snapped_gaussian", release):
-        first = transforms.BLTNoise(1.0, SecretKey.from_seed(0), b)
+    with mock.patch.object(noise, "snapped_gaussian", release):
+        first = noise.BLTNoise(1.0, SecretKey.from_seed(0), b)
         for t in range(stop):
             out.append(first(e(("A", t))))
             first.commit()
         state = first.state_dict()
-        discarded_run = transforms.BLTNoise(1.0, SecretKey.from_seed(0), b)
+        discarded_run = noise.BLTNoise(1.0, SecretKey.from_seed(0), b)
         discarded_run.load_state_dict(state)
         for t in range(stop, stop + discarded):
             discarded_run(e(("B", t)))
             discarded_run.commit()
-        released = transforms.BLTNoise(1.0, SecretKey.from_seed(0), b)
+        released = noise.BLTNoise(1.0, SecretKey.from_seed(0), b)
         released.load_state_dict(state)
         for t in range(stop, T):
             out.append(released(e(("C", t))))

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from clipbias import privacy, transforms
+from clipbias import privacy
+from clipbias.step import Stage, noise
 from clipbias.algorithms import blt
 from clipbias.audit.blt import class_steps, dense
 from clipbias.config import AlgoConfig
@@ -50,13 +51,13 @@ def test_the_streamed_release_is_the_dense_product_to_float64_accuracy():
     b, T = blt.optimize(40, 4, 0.9), 1000
     rng = np.random.default_rng(0)
     v = np.concatenate((np.ones((T, 2)), rng.standard_normal((T, 2))), 1)
-    stage, xs = transforms.BLTNoise(1.0, SecretKey.from_seed(0), b), []
+    stage, xs = noise.BLTNoise(1.0, SecretKey.from_seed(0), b), []
 
     def identity(x, *args, **kwargs):
         xs.append(x.clone())
         return x.clone()
 
-    with mock.patch.object(transforms, "snapped_gaussian", identity):
+    with mock.patch.object(noise, "snapped_gaussian", identity):
         for t in range(T):
             stage(torch.from_numpy(v[t]))
             stage.commit()
@@ -130,7 +131,7 @@ def test_a_batch_of_another_class_is_refused_and_a_failed_step_reuses_nothing():
     ref, e = _engine(40, seed=1, noise_multiplier=1.0), _engine(40, seed=1, noise_multiplier=1.0)
     fail = [True]
 
-    class Post(transforms.Stage):
+    class Post(Stage):
         def __call__(self, v):
             if fail[0]:
                 fail[0] = False

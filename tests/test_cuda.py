@@ -245,7 +245,7 @@ def test_fast_path_probe_refuses_a_one_example_mixing_on_cuda(b):
     holds a canary is refused at every step, whichever examples the probe draws."""
     from clipbias.errors import ConfigError
     from clipbias.grads.fast import BookKeeping
-    from clipbias.transforms import clip_scale
+    from clipbias.step import clip_scale
     from test_fastclip import _Canary, _canary_batch
     torch.manual_seed(0)
     m, (x, y) = _Canary().to(CUDA), _canary_batch(b)
@@ -330,7 +330,7 @@ def test_clipped_sums_are_full_float32_under_tf32(path):
     contribution is the float64 clipped gradient to float32 accuracy."""
     from clipbias.grads.rows import FuncGradients, ParamSums
     from clipbias.grads.fast import BookKeeping
-    from clipbias.transforms import clip_scale
+    from clipbias.step import clip_scale
     torch.manual_seed(0)
     model = nn.Linear(256, 512).to(CUDA)
     x, y = torch.randn(1, 256, device=CUDA), torch.tensor([3], device=CUDA)

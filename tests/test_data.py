@@ -1,4 +1,4 @@
-"""Tests for clipbias.data.datasets: idx parsing, Fashion-MNIST loading/caching, sklearn splits."""
+"""Tests for clipbias.data.catalog: idx parsing, Fashion-MNIST loading/caching, sklearn splits."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from clipbias.data import fashion as cd
-from clipbias.data.datasets import DataNotFoundError, IdxFormatError, holdout, keyed_split, load_dataset, read_idx
+from clipbias.data.catalog import DataNotFoundError, IdxFormatError, holdout, keyed_split, load_dataset, read_idx
 from clipbias.errors import ConfigError
 from clipbias.randomness import Purpose, SecretKey
 

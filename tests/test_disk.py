@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from clipbias import algorithms
-from clipbias.algorithms.disk import combination
+from clipbias.algorithms.kalman_filter import combination
 from clipbias.config import AlgoConfig
 from clipbias.engine import DPEngine
 from clipbias.errors import ConfigError
@@ -212,7 +212,7 @@ def test_a_clipped_combination_stays_within_the_clip_in_float32(path):
     example's clipped contribution reached 37 C. Each example alone: its contribution's norm <= C."""
     from clipbias.grads.fast import BookKeeping
     from clipbias.grads.rows import FuncGradients, ParamSums, cross_entropy
-    from clipbias.transforms import clip_scale
+    from clipbias.step import clip_scale
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(20, 32), nn.Tanh(), nn.Linear(32, 5))
     x, y = torch.randn(24, 20), torch.randint(0, 5, (24,))
@@ -235,7 +235,7 @@ def test_a_combination_that_cancels_cannot_beat_the_clip_on_the_fast_path(kappa,
     import contextlib
 
     from clipbias.grads.fast import BookKeeping
-    from clipbias.transforms import clip_scale
+    from clipbias.step import clip_scale
     c = combination(kappa, gamma)
     worst = 0.0
     for A in (2.0 ** 10, 2.0 ** 16, 2.0 ** 20):

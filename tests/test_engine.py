@@ -12,7 +12,7 @@ from clipbias.errors import ConfigError, NonFiniteGradientError, ResumeMismatchE
 from clipbias.grads.rows import FuncGradients, ParamLayout
 from clipbias.randomness import Purpose, SecretKey, inclusion_threshold, snapped_gaussian, uint64s
 from clipbias.sampling.poisson import PoissonSampler
-from clipbias.transforms import clip_rows
+from clipbias.step import clip_rows
 
 
 def small_cnn() -> nn.Module:
@@ -405,7 +405,7 @@ def test_feedback_state_loaded_on_cpu_follows_the_update_device():
     outer momentum move to the update's device (the 'meta' device stands in for CUDA here: mixing
     it with CPU tensors raises exactly as CUDA does)."""
     from clipbias.algorithms import OuterMomentum
-    from clipbias.transforms import ErrorFeedback
+    from clipbias.step import ErrorFeedback
 
     a = torch.zeros(3, device="meta")
     with pytest.raises(RuntimeError):
@@ -421,7 +421,7 @@ def test_feedback_state_loaded_on_cpu_follows_the_update_device():
 def test_sensitivity_is_the_last_stage_bound():
     """An unbounded stage after a Clip voids the Clip's bound: the pipeline has no sensitivity."""
     from clipbias.algorithms import Perturb
-    from clipbias.transforms import Clip, Pipeline
+    from clipbias.step import Clip, Pipeline
 
     assert Pipeline([Perturb(0.1), Clip(2.0)], 1.0).sensitivity == 2.0
     assert Pipeline([Clip(2.0), Perturb(0.1)], 1.0).sensitivity is None
@@ -433,7 +433,7 @@ def test_fused_scale_and_sum_equals_the_rows_it_replaces(stage):
     clipping every row then summing: the same update to float rounding, with or without the norms the
     finiteness check computed, for [b, d] rows and for a leading axis of independent runs."""
     from clipbias.grads.rows import check_finite
-    from clipbias.transforms import Clip, Normalize, Pipeline, StepContext, clip_rows, normalize_rows
+    from clipbias.step import Clip, Normalize, Pipeline, StepContext, clip_rows, normalize_rows
     g = torch.randn(3, 50, 700, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 2, 50)[:, None]
     st = Clip(1.5) if stage == "clip" else Normalize(0.01)
     rows = clip_rows(g, 1.5) if stage == "clip" else normalize_rows(g, 0.01)
@@ -473,7 +473,7 @@ def test_clip_and_normalize_factors_never_round_above_the_bound():
     C = 0.51 * 2^-149, which adaptive clipping reached; a one-parameter row of norm 1.7e38 contributed
     1.20 C at C = 1e-6): such factors are 0, a non-finite row contributes 0 (not NaN), and every
     contribution stays within the bound across the float32 range."""
-    from clipbias.transforms import clip_scale, normalize_rows
+    from clipbias.step import clip_scale, normalize_rows
     tiny = torch.finfo(torch.float32).tiny
     for c in (0.51 * 2.0 ** -149, 2.0 ** -140, 1e-30, 1e-6, 1e-3, 1.0):
         for v in (2.0 ** -30, 1.0, 3.0, 1e20, 1.7e38):
@@ -506,7 +506,7 @@ def test_the_fast_path_one_position_sum_cannot_round_up_through_the_subnormals()
     gradients near float32's maximum (red team: 1.96 C released). The sum runs in float64 and the
     factor is 0 below float32's smallest normal number: the contribution stays within C."""
     from clipbias.grads.fast import BookKeeping
-    from clipbias.transforms import clip_scale
+    from clipbias.step import clip_scale
     k = o = 256
     big = float(torch.finfo(torch.float32).max)
     m = nn.Linear(k, o, bias=False)

@@ -14,7 +14,7 @@ from clipbias.engine.core import DPEngine
 from clipbias.errors import ConfigError
 from clipbias.grads.fast import BookKeeping, why_unsupported
 from clipbias.grads.rows import FuncGradients, ParamSums
-from clipbias.transforms import clip_scale
+from clipbias.step import clip_scale
 from tests.weights import at_weights
 from tests.test_fastclip import _data, _run, branch, float64  # noqa: F401  (fixtures)
 

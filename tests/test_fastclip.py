@@ -538,7 +538,7 @@ def test_an_input_whose_positions_cancel_cannot_beat_the_clip(monkeypatch):
     smaller than the true one (the unbounded ghost norm let a clipped contribution reach 2.42 C).
     With the rounding bound every contribution, measured in float64, stays within C."""
     import clipbias.grads.fast as fc
-    from clipbias.transforms import clip_scale
+    from clipbias.step import clip_scale
     monkeypatch.setattr(fc, "FORMED_BYTES", -1)
     torch.manual_seed(0)
     _, bk = _positions_model()
@@ -558,7 +558,7 @@ def test_a_large_cancelling_example_cannot_round_the_others_away(monkeypatch):
     Its norm bound now scales it down with its terms, and the sum is float64: adding it moves the
     released sum by at most C."""
     import clipbias.grads.fast as fc
-    from clipbias.transforms import clip_scale
+    from clipbias.step import clip_scale
     monkeypatch.setattr(fc, "FORMED_BYTES", -1)
     torch.manual_seed(0)
     _, bk = _positions_model()
@@ -623,7 +623,7 @@ def test_tiny_inputs_times_huge_output_gradients_cannot_hide_a_norm():
     while g a^T (|g_j| ~ 1e18) did not: 2.98 C released at C = 0.01. In float64 it holds; float16
     activations, whose squares underflow in float16 below 2^-12, are widened to float32 first."""
     from clipbias.grads.fast import BookKeeping
-    from clipbias.transforms import clip_scale
+    from clipbias.step import clip_scale
     m = nn.Linear(4096, 256, bias=False)
     bk = BookKeeping(m, lambda out, y: (out * y).sum(1))
     x, y, C = torch.full((1, 4096), 2.0 ** -75), torch.full((1, 256), 1.1e18), 0.01
@@ -684,7 +684,7 @@ def test_row_norms_are_upper_bounds_on_long_rows():
     the rows path is then at most C (it was 1.0000352 C for a Linear(256, 512) example)."""
     from clipbias.grads.precision import row_norms
     from clipbias.grads.rows import FuncGradients, ParamSums
-    from clipbias.transforms import clip_rows, clip_scale
+    from clipbias.step import clip_rows, clip_scale
     g = torch.Generator().manual_seed(0)
     for d in (1, 255, 256, 257, 4097, 1_000_003):
         rows = torch.randn(3, d, generator=g).abs() * torch.rand(3, d, generator=g)
@@ -962,7 +962,7 @@ def test_mixing_is_refused_however_small_the_gradients():
     """The probe's comparison is relative: an absolute slack of 1e-7 let this model through, and one
     example then moved the clipped sum by 1.40 C with the clip at the median norm (red team)."""
     from clipbias.grads.fast import BookKeeping
-    from clipbias.transforms import clip_scale
+    from clipbias.step import clip_scale
     torch.manual_seed(0)
     x, y = torch.randn(16, 16), torch.randint(0, 3, (16,))
     with pytest.raises(ConfigError, match="lets examples see each other"):
@@ -1071,7 +1071,7 @@ def test_a_mixing_driven_by_one_example_is_refused_whichever_examples_are_probed
     steps each), and removing the canary moved the clipped sum by 2.0, 4.0 and 7.6 C (C = 1). Each
     probe alone: refused every time."""
     from clipbias.grads import fast as fc
-    from clipbias.transforms import clip_scale
+    from clipbias.step import clip_scale
     torch.manual_seed(0)
     m, (x, y) = _Canary(), _canary_batch(b)
     bk = fc.BookKeeping(m)

@@ -115,7 +115,8 @@ def test_the_hash_sees_a_one_bit_write_through_numpy():
         for _ in range(200):  # until the canary is sampled (probability 1 - 0.75^200)
             idx = eng.sampler.sample()
             eng.step(x[idx], y[idx], idx)
-    assert 5 in eng.sampler.sample().tolist()  # (the refused step's batch, given back: drawn again)
+    assert 5 in eng.sampler.sample().tolist()  # (the refused step's batch, given back for the retry)
+    assert eng.sampler.skipped == 1 and not eng.privacy().certified  # (and the failure counted)
 
 
 @pytest.mark.parametrize("path", ["rows", "auto"])

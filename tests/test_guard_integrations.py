@@ -385,3 +385,87 @@ def test_lightning_hparams_written_on_the_private_batch_are_refused():
     ``training_step`` and read by ``forward`` moved the other examples' clipped sum by 12 C, certified."""
     with pytest.raises(ConfigError, match="state changed on the private batch.*_hparams"):
         _fit(WritesHparams())
+
+
+# ---------------------------------------------------------------- a fifth red team's channels
+def test_a_failed_step_the_loop_catches_counts_as_passed_over():
+    """A corrupt example (a NaN) fails its step; a loop that caught the error and went on was handed the same
+    batch again and again (its steps then depended on that example: TPR 1 at FPR 0, certified)."""
+    from clipbias.errors import NonFiniteGradientError
+    pe, m, o, dl = _made_private()
+    data = dl.dataset.tensors[0]
+    data[3] = float("nan")
+    try:
+        for _ in range(2):
+            for x, y in dl:
+                o.zero_grad()
+                nn.functional.cross_entropy(m(x), y).backward()
+                try:
+                    o.step()
+                except NonFiniteGradientError:
+                    continue
+    finally:
+        data[3] = 0.0
+    report = pe.privacy_report()
+    assert pe.engine.sampler.skipped >= 1 and not report.certified
+    assert any("a step on them failed" in c for c in report.caveats)
+
+
+def test_a_parameter_moved_to_another_group_and_a_read_before_the_step_are_seen():
+    """Moving every parameter into a group of learning rate 0 (no setting changed) froze the weights at the
+    canary's steps, certified; so did a value read between ``loss.backward()`` and ``optimizer.step()``."""
+    pe, m, o, dl = _made_private()
+    with pytest.raises(ConfigError, match="param_groups|params"):
+        for x, y in dl:
+            o.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            group = o.param_groups[0]
+            o.param_groups.append({**group, "lr": 0.0})  # every parameter now in a group of learning rate 0
+            group["params"] = []
+            o.step()
+    pe, m, o, dl = _made_private()
+    for x, y in dl:
+        o.zero_grad()
+        loss = nn.functional.cross_entropy(m(x), y)
+        loss.backward()
+        _ = float(loss)  # read after the backward, before the step
+        o.step()
+    report = pe.privacy_report()
+    assert not report.certified and any("before optimizer.step()" in c or "read" in c for c in report.caveats)
+
+
+class RunningNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x):
+        return self.net(x / self.scale)
+
+
+def test_state_written_between_steps_is_refused():
+    """A running statistic of the batch written after ``optimizer.step()`` (or in Lightning's
+    ``on_train_batch_end``) was outside every checked span: released with the model, and read by the next
+    step's forward (4.8 C), certified. The next step now refuses it."""
+    pe = PrivacyEngine()
+    model = RunningNorm()
+    m, o, dl = pe.make_private(module=model, optimizer=torch.optim.SGD(model.net.parameters(), lr=0.5),
+                               data_loader=DataLoader(DATA, batch_size=16), noise_multiplier=1.0, max_grad_norm=1.0)
+    with pytest.raises(ConfigError, match="changed after the last private step.*buffer scale"):
+        for x, y in dl:
+            o.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+            with torch.no_grad():
+                model.scale.copy_(torch.maximum(model.scale, x.detach().abs().amax() if len(x) else model.scale))
+
+
+class WritesAfterTheStep(Module):
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.seen = float(batch[0].abs().amax()) if len(batch[0]) else 0.0
+
+
+def test_lightning_state_written_in_on_train_batch_end_is_refused():
+    with pytest.raises(ConfigError, match="changed after the last private step.*attribute seen"):
+        _fit(WritesAfterTheStep())

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from clipbias.cli import main
-from clipbias.data.datasets import load_dataset
+from clipbias.data.catalog import load_dataset
 from clipbias.engine.core import SEEDED_CAVEAT, DPEngine
 from clipbias.errors import ResumeMismatchError
 from clipbias.randomness import SecretKey

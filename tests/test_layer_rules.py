@@ -19,7 +19,7 @@ from clipbias.grads import separable
 from clipbias.grads.fast import BookKeeping, why_unsupported
 from clipbias.grads.layers import RULES, ChannelRule, LayerRule, register
 from clipbias.registry import Registry
-from clipbias.transforms import clip_scale
+from clipbias.step import clip_scale
 from tests.test_architecture import run_recipe
 
 CLIP = 0.3

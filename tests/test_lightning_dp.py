@@ -155,7 +155,7 @@ def test_a_second_fit_with_the_same_callback_is_refused():
 def test_blt_noise_through_the_callback_is_the_engines_and_certified():
     """``bands`` and ``bands_strategy`` reach the engine: BLT noise in 4 classes over the fit's 8 steps, the
     batches drawn by class (the engine refuses any other), the report the Gaussian mechanism's."""
-    from clipbias.transforms import BLTNoise
+    from clipbias.step import BLTNoise
     dp = DPCallback(target_epsilon=2.0, target_delta=1e-3, max_grad_norm=0.5, bands=4, bands_strategy="blt")
     fit(dp)
     report = dp.privacy_report()

@@ -11,7 +11,7 @@ from torch import nn
 
 from clipbias import algorithms
 from clipbias.config import AlgoConfig
-from clipbias.data.datasets import Dataset
+from clipbias.data.catalog import Dataset
 from clipbias.engine.core import DPEngine
 from clipbias.errors import ConfigError, NonFiniteGradientError
 from clipbias.algorithms import (CropFlip, GroupBatchNorm, batchclip_logits, batchclip_predict, batchnorm_variant,
@@ -23,7 +23,7 @@ from clipbias.randomness import Purpose, SecretKey, keyed_ints, keyed_normal, sn
 
 KEY0 = SecretKey.from_seed(0)  # the secret key of every draw in an engine with noise_seed=0
 AUGMENT, GROUP, PERTURB, PUBLIC = Purpose.AUGMENT, Purpose.GROUP, Purpose.PERTURB, Purpose.PUBLIC
-from clipbias.transforms import StepContext
+from clipbias.step import StepContext
 
 N, D_IN, CLASSES = 24, 6, 3
 Z = 5.0  # noise multiplier given directly: no calibration in the tests

@@ -428,7 +428,7 @@ def test_make_private_takes_banded_noise_with_optimised_coefficients():
 def test_make_private_with_epsilon_takes_blt_noise():
     """``bands_strategy="blt"`` through the Opacus interface: the engine's noise stage is BLT noise for the
     run's steps in ``bands`` classes, the accounting is its Gaussian mechanism, and training proceeds."""
-    from clipbias.transforms import BLTNoise
+    from clipbias.step import BLTNoise
     pe = _trained_with_epsilon(torch.randn(256, 5), torch.randint(0, 3, (256,)), bands=8, bands_strategy="blt")
     noise = pe.engine.pipeline.noise
     assert isinstance(noise, BLTNoise) and noise.blt.classes == 8 and noise.blt.steps == pe.engine.total_steps

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from clipbias.cli import main
-from clipbias.data.datasets import DataFormatError, DataNotFoundError, load_dataset
+from clipbias.data.catalog import DataFormatError, DataNotFoundError, load_dataset
 from clipbias.randomness import SecretKey
 
 

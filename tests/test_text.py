@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clipbias.data.datasets import DataFormatError, DataNotFoundError
+from clipbias.data.catalog import DataFormatError, DataNotFoundError
 from clipbias.data.text import (IGNORE, E2EDataset, LMCollate, byte_tokenizer, lm_collate, prompt, read_e2e,
                            sequence_loss, token_count)
 

@@ -15,7 +15,7 @@ from clipbias.engine.core import DPEngine
 from clipbias.errors import ConfigError
 from clipbias.grads.fast import BookKeeping, _rules_of, why_unsupported
 from clipbias.grads.rows import FuncGradients
-from clipbias.transforms import clip_scale
+from clipbias.step import clip_scale
 
 
 class TiedLM(nn.Module):

@@ -16,7 +16,7 @@ from clipbias.errors import ConfigError
 from clipbias.privacy import tuning
 from clipbias.randomness import SecretKey
 from clipbias.run import TrainConfig
-from clipbias.run.tune import TuneConfig, tune
+from clipbias.run.tuning import TuneConfig, tune
 
 TRAINING = dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.05, dp_event.GaussianDpEvent(1.2)), 60)
 
@@ -138,7 +138,7 @@ def test_a_banded_tuning_accounts_each_trial_with_its_bands():
     event (rate b q, ceil(T / b) steps), not the plain one: its epsilon is what that event gives."""
     import dataclasses
     from clipbias.algorithms.bands import banded_spec
-    from clipbias.run import tune as tune_module
+    from clipbias.run import tuning as tune_module
     base = dataclasses.replace(BASE, bands=3, momentum=0.9)
     tc = TuneConfig(base, (0.05, 5.0), (0.1, 10.0), trials=2.0)
     part = tune_module.prepare_splits(dataclasses.replace(base, validation=0))
@@ -178,7 +178,7 @@ def test_a_tuning_searches_the_bands_with_keyed_draws_and_one_calibration():
     """``bands_choices``: each trial draws its bands from the tuning's key (not from its position), the
     calibration covers every choice, and the best trial's bands are released with it."""
     import dataclasses
-    from clipbias.run import tune as tune_module
+    from clipbias.run import tuning as tune_module
     base = dataclasses.replace(BASE, momentum=0.9)
     tc = TuneConfig(base, (0.05, 5.0), (0.1, 10.0), trials=2.0, bands_choices=(1, 3), strategy_choices=("taylor",))
     key = SecretKey.from_seed(3)

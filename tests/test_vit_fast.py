@@ -22,7 +22,7 @@ from clipbias.errors import ConfigError, PathRefusal  # noqa: E402
 from clipbias.grads.layers import vit as vit_rule  # noqa: E402
 from clipbias.grads.fast import BookKeeping, _rules_of, why_unsupported  # noqa: E402
 from clipbias.grads.rows import FuncGradients, ParamSums  # noqa: E402
-from clipbias.transforms import clip_scale  # noqa: E402
+from clipbias.step import clip_scale  # noqa: E402
 from tests.weights import at_weights  # noqa: E402
 
 

@@ -16,7 +16,7 @@ from . import momentum
 from . import p_avg
 from . import batchclip
 from . import adaptive
-from . import disk
+from . import kalman_filter  # DiSK
 from . import compose as _compose  # noqa: F401  (registers the compositions, last)
 from ..config import Setting
 from .augment import AugmentedGradients, CropFlip
@@ -24,7 +24,7 @@ from .base import ALGORITHMS, Algorithm, Parts, clip_or_normalize, get, make_opt
 from .batchclip import (BatchClipGradients, GroupBatchNorm, batchclip_logits, batchclip_predict,
                         batchnorm_variant, check_batchnorm_model, public_split)
 from .compose import COMPOSABLE, bases, compose
-from .disk import KalmanFilter, TwoPointRows, kalman, kalman_name
+from .kalman_filter import KalmanFilter, TwoPointRows, kalman, kalman_name
 from .momentum import (InnerMomentumGradients, OuterMomentum, PerExampleMomentum, available_memory_bytes,
                        check_momentum_memory, momentum_memory_bytes)
 from .p_avg import GroupClip, GroupMeanGradients, noise_ratio_vs_dpsgd, num_groups

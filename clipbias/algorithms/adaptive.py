@@ -30,7 +30,7 @@ from ..config import OPTIONAL, AlgoConfig, Setting, real
 from ..errors import ConfigError
 from ..grads.precision import last_norms
 from ..randomness import Purpose, SecretKey, snapped_gaussian
-from ..transforms import Clip, StepContext, clip_rows, clip_scale, scale_rows
+from ..step import Clip, StepContext, clip_rows, clip_scale, scale_rows
 from .base import Algorithm, Parts, register
 
 

@@ -1,7 +1,7 @@
 """Banded correlated noise (banded matrix factorisation; Choquette-Choo, Ganesh, McKenna, McMahan,
 Rush, Thakurta, Xu, NeurIPS 2023) for the Gaussian-accounted algorithms that declare ``bandable``: the
 mechanism, its coefficients and its accounting. The stage is the one noise stage,
-``transforms.GaussianNoise`` with b coefficients (one coefficient: independent noise).
+``step.GaussianNoise`` with b coefficients (one coefficient: independent noise).
 
 With b bands the mechanism releases, at step t, ``y_t = sum_{k < b} c_k v_{t-k} + std Z_t`` (v: the
 clipped sum divided by B, as the plain noise stage receives it; Z_t i.i.d. standard normal, rounded
@@ -34,7 +34,7 @@ from dataclasses import replace
 from .. import distributed
 from ..errors import ConfigError
 from ..privacy import AccountingSpec
-from ..transforms import GaussianNoise
+from ..step import GaussianNoise
 from .band_taylor import coefficients
 
 

@@ -22,7 +22,7 @@ from ..privacy import AccountingSpec, DiceParams
 from ..privacy.dice import default_ef_clip
 from ..randomness import SecretKey
 from ..registry import Registry
-from ..transforms import BLTNoise, Clip, ErrorFeedback, GaussianNoise, Normalize, PerSample, Pipeline, Stage
+from ..step import BLTNoise, Clip, ErrorFeedback, GaussianNoise, Normalize, PerSample, Pipeline, Stage
 from .bands import banded_spec
 
 

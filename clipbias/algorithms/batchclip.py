@@ -34,7 +34,7 @@ from ..config import OPTIONAL, REQUIRED, Setting, integer
 from ..errors import ConfigError
 from ..grads.rows import FuncGradients, LossFn, RowSource
 from ..randomness import Purpose, SecretKey, batch_keys, forward, keyed_ints
-from ..transforms import Clip
+from ..step import Clip
 from .base import Algorithm, Parts, register
 from .p_avg import P_AVG
 
@@ -109,7 +109,7 @@ def public_split(dataset, n_public: int = 100, source: str = "test", seed: int =
     if not (isinstance(n_public, int) and n_public >= 1):
         raise ConfigError(f"`AlgoConfig.extra['public_size']` must be an integer >= 1, got {n_public!r}")
     if source == "holdout":
-        from ..data.datasets import holdout
+        from ..data.catalog import holdout
         if key is None:
             raise ConfigError("public_split(source='holdout') needs key=: the SecretKey whose draws choose the "
                               "held-out training examples (the run's key)")

@@ -9,7 +9,7 @@ The strategy C is lower-triangular Toeplitz with the rational generating functio
 
 so ``C_{t,j} = c_0`` for t = j and ``c_0 sum_i omega_i theta_i^(t-j-1)`` below: ``(C v)_t = c_0 (v_t +
 sum_i omega_i s_{i,t})`` with ``s_{i,t+1} = theta_i s_{i,t} + v_t``, and ``C^{-1}`` streams alike
-(``transforms.BLTNoise``).
+(``step.BLTNoise``).
 
 Privacy (docs/privacy.md, "BLT noise"). With ``bands = k`` participation classes (cyclic Poisson:
 example x joins only steps of its class l, t = l mod k, each with probability k q <= 1), x's

@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..config import AlgoConfig
 from ..errors import ConfigError
 from ..randomness import SecretKey
-from ..transforms import Clip
+from ..step import Clip
 from . import augment, core  # noqa: F401  (core registers the bases)
 from . import base as registry
 from .base import ALGORITHMS, Algorithm, Parts, get

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..transforms import Clip, ErrorFeedback, Normalize
+from ..step import Clip, ErrorFeedback, Normalize
 from .base import Algorithm, Parts, register
 
 register(Algorithm("sgd", "plain SGD on per-example gradients (non-private)", False, "none",

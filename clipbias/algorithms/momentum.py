@@ -28,7 +28,7 @@ from ..config import OPTIONAL, AlgoConfig, Setting, boolean, integer, real
 from ..errors import ConfigError
 from ..grads.rows import FuncGradients, LossFn, PerExampleRows, RowSource
 from ..randomness import forward
-from ..transforms import Carried, PerSample, StepContext
+from ..step import Carried, PerSample, StepContext
 from .base import Algorithm, Parts, clip_or_normalize, register
 
 

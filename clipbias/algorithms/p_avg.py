@@ -33,7 +33,7 @@ from ..data import batch
 from ..config import AlgoConfig, Setting, integer
 from ..grads.rows import FuncGradients, LossFn, RowSource, check_finite
 from ..randomness import PROBE_STEP, Purpose, SecretKey, batch_keys, forward, int_list, keyed_ints
-from ..transforms import Clip
+from ..step import Clip
 from .base import Algorithm, Parts, register
 
 

@@ -13,7 +13,7 @@ from torch import Tensor
 from ..config import Setting, real
 from ..errors import ConfigError
 from ..randomness import PROBE_STEP, Purpose, SecretKey, batch_keys, keyed_normal, normals
-from ..transforms import PerSample, StepContext
+from ..step import PerSample, StepContext
 
 
 class Perturb(PerSample):

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from ..engine.core import run_steps
 from ..grads.rows import FuncGradients, LossFn, ParamLayout, cross_entropy
 from ..randomness import PROBE_STEP
-from ..transforms import StepContext
+from ..step import StepContext
 from .instruments import (DEFAULT_PS, DEFAULT_WINDOWS, PRIVACY_WARNING, NoiseTracker, clipping_bias, cosine,
                           cosine_histogram, cosines_to, instruments, noise_lag_correlation, norm_stats,
                           p_averaged_clipped, p_averaged_cosines, sampling_noise, sampling_noise_report,

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from ..transforms import clip_rows
+from ..step import clip_rows
 from .symmetry import _check_rows, projection_symmetry
 
 PRIVACY_WARNING = ("NOT differentially private: these diagnostics read the raw per-example gradients "

@@ -1,4 +1,4 @@
-"""The mechanism-level audit of BLT noise (``clipbias.algorithms.blt``, ``transforms.BLTNoise``).
+"""The mechanism-level audit of BLT noise (``clipbias.algorithms.blt``, ``step.BLTNoise``).
 
 The claim under test (docs/privacy.md, "BLT noise"): an example of participation class l (steps
 t = l mod k), contributing at most 1 (in units where the noise std is z) at any subset of its class's
@@ -42,7 +42,7 @@ from ..errors import ConfigError
 from ..privacy.pld import gaussian_exact_epsilon
 from ..randomness import SecretKey
 from ..randomness.key import derive_seed
-from ..transforms import BLTNoise
+from ..step import BLTNoise
 from .stats import epsilon_lower_bound, gdp_epsilon_lower_bound
 
 SIGNS = ("plus", "worst")

@@ -35,7 +35,7 @@ from ..errors import ConfigError
 from ..privacy.report import check_delta, check_positive, check_rate, check_steps
 from ..randomness import SecretKey
 from ..sampling.poisson import band_rate, check_bands
-from ..transforms import Pipeline, StepContext
+from ..step import Pipeline, StepContext
 from . import banded
 from .stats import epsilon_lower_bound, gdp_epsilon_lower_bound
 

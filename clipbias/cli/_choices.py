@@ -40,7 +40,7 @@ def live() -> dict:
     from ..analysis import toy
     from ..audit.canary import SCHEDULES, STATISTICS
     from ..config import boolean
-    from ..data.datasets import DATASETS
+    from ..data.catalog import DATASETS
     from ..privacy import ACCOUNTANTS
     from ..privacy.dice import DEFAULT_DICE_ACCOUNTING, DEFAULT_EF_RATIO, DICE_ACCOUNTING
 
@@ -112,7 +112,7 @@ def current() -> dict:
     if "clipbias.algorithms" in sys.modules:
         return live()
     values = dict(cached())
-    accountants, catalog = sys.modules.get("clipbias.privacy.accountants"), sys.modules.get("clipbias.data.datasets")
+    accountants, catalog = sys.modules.get("clipbias.privacy.accountants"), sys.modules.get("clipbias.data.catalog")
     if accountants is not None:
         values["accountants"] = list(accountants.ACCOUNTANTS)
     if catalog is not None:

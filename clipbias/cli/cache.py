@@ -20,7 +20,7 @@ from ._common import emit
 
 def cached_files() -> list[Path]:
     """The files clipbias has cached, in both caches."""
-    from ..data.datasets import cache_dir
+    from ..data.catalog import cache_dir
     from ..privacy import cache as calibration_cache
     data = cache_dir()
     files = sorted(data.glob("fashion-mnist-*.pt")) + sorted((data / "scatter").glob("*.pt"))
@@ -33,7 +33,7 @@ def cached_files() -> list[Path]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..data.datasets import cache_dir
+    from ..data.catalog import cache_dir
     from ..privacy import cache as calibration_cache
     files = cached_files()
     size = sum(f.stat().st_size for f in files)

@@ -17,7 +17,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..files import atomic_write
     from ..randomness import SecretKey
     from ..run.report import write_json
-    from ..run.tune import TuneConfig, tune
+    from ..run.tuning import TuneConfig, tune
     from .train import config_from_args, fmt_certified, set_threads
 
     set_threads(args.threads)

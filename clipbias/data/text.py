@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from .datasets import DataFormatError, DataNotFoundError
+from .catalog import DataFormatError, DataNotFoundError
 from ..errors import ConfigError, require
 
 __all__ = ["E2EDataset", "EOS", "IGNORE", "LMCollate", "SEP", "byte_tokenizer", "lm_collate", "prompt",

@@ -136,7 +136,7 @@ def undrawn_caveat(undrawn: int, steps: int, q: float) -> str:
 
 
 SKIPPED_CAVEAT = ("{} batch(es) drawn by the sampler were passed over by the training loop (sampled again before a "
-                  "step used them, or left without a step: a break, a peek with next(iter(loader))): a loop that chooses batches by their content (skipping small or empty ones, "
+                  "step used them, left without a step: a break, a peek with next(iter(loader)), or a step on them failed): a loop that chooses batches by their content (skipping small or empty ones, "
                   "redrawing) includes examples at another rate than the accounted q")
 
 

@@ -22,7 +22,7 @@ from ..grads.fast import BookKeeping, why_unsupported
 from ..grads.rows import (FuncGradients, LossFn, ParamSums, PerExampleRows, RowSource, check_finite,
                           check_finite_norms, cross_entropy, guarded)
 from ..randomness import forward
-from ..transforms import Pipeline, StepContext, scales_by_norm
+from ..step import Pipeline, StepContext, scales_by_norm
 from ..grads.two_point import TwoPointRows
 from ..sampling import refetch
 from .checks import padding_refusal
@@ -326,11 +326,14 @@ def auto_other_path(engine, grad_path: str):
 
 def drop_staged(engine) -> None:
     """Undo ``engine``'s step that did not complete: every stage's staged state dropped; the step's batch goes
-    back to the sampler (the retry takes it again; with bands its class is the step's). The retry draws the
-    same dropout masks (functions of the key, the step and the indices)."""
+    back to the sampler (the retry takes it again: with bands its class is the step's). The failure counts as a
+    passed-over batch (``PoissonSampler.skipped``: uncertified): the error is itself a statement about the batch
+    (a non-finite gradient of one corrupt example), and a loop that catches it and goes on, or stops, would
+    otherwise run as many steps as that example lets it."""
     engine.rows.rollback()
     engine.pipeline.rollback()
-    if engine.sampler.next_step == engine.steps_taken + 1:
+    if engine.sampler.last is not None and engine.sampler.next_step == engine.steps_taken + 1:
+        engine.sampler.skipped += 1
         engine.sampler.give_back()
 
 

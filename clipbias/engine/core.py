@@ -226,6 +226,7 @@ class DPEngine:
                 ``check_step`` refuses (indices no Poisson batch holds, labels of the wrong dtype, ...).
         """
         y = check_step(self, x, y, indices)  # (int32 class indices as torch.long)
+        self.state_guard.check_between_steps()  # state written since the last step ended (guard)
         if keep_outputs and not self.outputs_kept:
             raise ConfigError("keep_outputs: this gradient path does not produce the batch's outputs (only the fast "
                               "path and the per-parameter rows of a norm-scaling algorithm do)")
@@ -263,6 +264,7 @@ class DPEngine:
         accounting.count_origin(self, drawn)
         self.sampler.settle()
         apply_update(self, update, public)
+        self.state_guard.stepped()  # (the next step refuses state written in between: check_between_steps)
         return mine
 
     @property

@@ -112,7 +112,7 @@ def record_dropout_layouts(state: dict, engine: Any) -> None:
 
 
 def one_noise_type(state: dict, engine: Any) -> None:
-    """7 -> 8: the noise stage is one type whose plain case is one band (``transforms.GaussianNoise``), and it
+    """7 -> 8: the noise stage is one type whose plain case is one band (``step.GaussianNoise``), and it
     saves its coefficients, strategy and history whatever its bands: a plain noise state (only ``draws``)
     is the one-band state ``coefs`` [1.0], ``strategy`` taylor, no past inputs or outputs."""
     noise = state["pipeline"].get("noise")

@@ -177,7 +177,7 @@ def _rule(m: nn.Module, a: Tensor, g: Tensor, ghost: bool) -> LayerGrads:
 
 class _Combined:
     """One layer's ``c G'_i + (1 - c) G_i`` from its rules at two points on the same examples (DiSK,
-    ``clipbias.algorithms.disk``): the squared norm through the cross term, the sums linear in both.
+    ``clipbias.algorithms.kalman_filter``): the squared norm through the cross term, the sums linear in both.
 
     The expansion ``c^2 ||F||^2 + (1 - c)^2 ||N||^2 + 2 c (1 - c) <F, N>`` cancels when the two
     gradients nearly cancel, and then its rounding can exceed the true norm: an example whose

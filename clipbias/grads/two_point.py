@@ -1,5 +1,5 @@
 """Rows at two points of one step: ``c r(x_t + gamma d_t) + (1 - c) r(x_t)`` of a base row source ``r``
-(``d_t = x_t - x_{t-1}``, the released iterates). DiSK (``clipbias.algorithms.disk``) takes its rows this way;
+(``d_t = x_t - x_{t-1}``, the released iterates). DiSK (``clipbias.algorithms.kalman_filter``) takes its rows this way;
 the engine's aggregates see only this row source type (``engine.aggregate.TwoPoint``), never the method.
 
 Each row is a function of one example and of the released iterates: the base's sensitivity holds."""

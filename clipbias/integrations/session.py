@@ -369,6 +369,9 @@ class Session:
             raise ConfigError(f"the model was called on {batch.size(x)} examples, but the private data loader's batch "
                               f"holds {len(pending.indices)}: call the model on the batch (or chunk) as drawn, one "
                               f"example per row")
+        for chunk in pending.chunk_rows:  # a read after the backward, before this step, may steer the step
+            if chunk.unproven is None and chunk.escaped is not None:
+                chunk.unproven = chunk.escaped + " before optimizer.step()"
         if self.run.read_after_step is not None and any(p is not None and bool(p.any()) for p in public):
             pending.chunk_rows[0].unproven = pending.chunk_rows[0].unproven or (
                 f"a public term after {self.run.read_after_step} (it may carry that batch into the update unclipped)")
@@ -499,10 +502,12 @@ class Deferred(torch.optim.Optimizer):
 
 
 def _settings(optimizer: Any) -> list[dict]:
-    """The optimizer's settings, every ``param_groups`` entry but the parameters, as plain values."""
+    """The optimizer's settings: every ``param_groups`` entry as plain values, the parameters by identity (a
+    parameter moved into a group of learning rate 0 is a change)."""
     def plain(v: Any) -> Any:
-        return v.detach().cpu().tolist() if isinstance(v, Tensor) else v
-    return [{k: plain(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        return [id(p) for p in v] if isinstance(v, list) and all(isinstance(p, Tensor) for p in v) else \
+            v.detach().cpu().tolist() if isinstance(v, Tensor) else v
+    return [{k: plain(v) for k, v in g.items()} for g in optimizer.param_groups]
 
 
 def _criterion_gradient(loss_fn: Callable, out: Tensor, y: Any) -> Tensor:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from clipbias.data.datasets import cache_dir
+from clipbias.data.catalog import cache_dir
 from clipbias.errors import ConfigError, require
 
 __all__ = ["ScatterFeatures", "ScatterLinear", "ScatterCNN"]

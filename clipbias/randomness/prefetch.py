@@ -1,7 +1,7 @@
 """The noise's standard normals drawn ahead, off the critical path of a step.
 
 The Gaussian noise of a release does not depend on the data: its normals are ``draws.normals(key, NOISE,
-draw, 0, d)``, a pure function of the key and the noise stage's draw counter (``transforms.GaussianNoise``).
+draw, 0, d)``, a pure function of the key and the noise stage's draw counter (``step.GaussianNoise``).
 So the engine starts drawing them when a step begins (``start``), in a background thread, and the noise
 stage takes them when the step's sums are ready (``take``): the draw runs while the forward and backward
 run. The thread's heavy work releases the GIL (OpenSSL's ChaCha20, numpy's and torch's vector operations);

@@ -12,7 +12,7 @@ import torch
 
 from .. import algorithms, privacy
 from ..config import AlgoConfig
-from ..data.datasets import DATASETS
+from ..data.catalog import DATASETS
 from ..errors import ConfigError
 from ..files import new_run_dir
 from ..privacy.report import check_delta, check_epsilon, check_nonnegative, check_positive

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..data.datasets import HOLDOUT_CAVEAT
+from ..data.catalog import HOLDOUT_CAVEAT
 from ..files import atomic_write, jsonable
 from .config import TrainConfig
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import algorithms
-from ..data.datasets import Dataset, keyed_split, load_dataset
+from ..data.catalog import Dataset, keyed_split, load_dataset
 from ..errors import ClipbiasError, ConfigError
 from ..randomness import Purpose, SecretKey
 from .config import TrainConfig

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from .. import algorithms, distributed
-from ..data.datasets import Dataset
+from ..data.catalog import Dataset
 from ..engine.core import run_steps
 from ..errors import ConfigError, ResumeMismatchError, TrainingDivergedError
 from ..files import run_lock

@@ -24,21 +24,21 @@ import torch
 
 os.environ.setdefault("CLIPBIAS_CACHE", "off")
 
-from clipbias import transforms  # noqa: E402
+from clipbias.step import noise  # noqa: E402
 from clipbias.algorithms import blt  # noqa: E402
 from clipbias.randomness import SecretKey  # noqa: E402
 
 
 def streamed(b: blt.BLT, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(x, g): the stage's noiseless releases and its outputs, T x R."""
-    stage = transforms.BLTNoise(1.0, SecretKey.from_seed(0), b)
+    stage = noise.BLTNoise(1.0, SecretKey.from_seed(0), b)
     xs, gs = [], []
 
     def identity(x, std, key, draw, *a, **k):
         xs.append(x.clone())
         return x.clone()
 
-    with mock.patch.object(transforms, "snapped_gaussian", identity):
+    with mock.patch.object(noise, "snapped_gaussian", identity):
         for t in range(len(v)):
             gs.append(stage(torch.from_numpy(v[t])).numpy())
             stage.commit()

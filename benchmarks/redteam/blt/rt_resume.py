@@ -20,7 +20,8 @@ from torch import nn
 
 os.environ.setdefault("CLIPBIAS_CACHE", "off")
 
-from clipbias import privacy, transforms  # noqa: E402
+from clipbias import privacy  # noqa: E402
+from clipbias.step import Stage  # noqa: E402
 from clipbias.config import AlgoConfig  # noqa: E402
 from clipbias.engine import DPEngine  # noqa: E402
 
@@ -82,7 +83,7 @@ def main() -> None:
     steps(e, 2, x, y)
     fail = [True]
 
-    class Post(transforms.Stage):
+    class Post(Stage):
         def __call__(self, v):
             if fail[0]:
                 fail[0] = False

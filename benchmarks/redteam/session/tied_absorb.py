@@ -11,7 +11,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from clipbias.grads.fast import BookKeeping  # noqa: E402
-from clipbias.transforms import clip_scale  # noqa: E402
+from clipbias.step import clip_scale  # noqa: E402
 
 torch.manual_seed(0)
 

@@ -32,7 +32,7 @@ from ..errors import ConfigError
 from ..grads.rows import LossFn, RowSource
 from ..grads.two_point import TwoPointRows
 from ..randomness import SecretKey
-from ..transforms import Carried, Chain
+from ..step import Carried, Chain
 from . import base as registry
 from .base import Algorithm, Parts, get, register
 

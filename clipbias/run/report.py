@@ -14,7 +14,6 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor

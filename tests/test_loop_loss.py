@@ -411,3 +411,94 @@ def test_a_third_red_teams_channels_are_closed():
                 break
     report = pe.privacy_report()
     assert not report.certified and any("could not be proved" in c for c in report.caveats)
+
+
+def _views_step(second, loss_of=None, clip=0.8, seed=11):
+    """One step whose loop runs the model twice on the batch's rows (``model(xb)``, ``model(second(xb))``) and
+    trains the sum of the views' cross-entropies (or ``loss_of(o1, o2, y)``): (weights before, after, xb, yb)."""
+    pe, m, model, opt, loader = _make(noise=0.1, clip=clip, seed=seed)
+    start = {n: p.detach().clone() for n, p in m.named_parameters()}
+    xb, yb = next(iter(loader))
+    opt.zero_grad()
+    o1 = model(xb)
+    loss = F.cross_entropy(o1, yb) if second is None else \
+        (loss_of or (lambda a, b, y: F.cross_entropy(a, y) + F.cross_entropy(b, y)))(o1, model(second(xb)), yb)
+    loss.backward()
+    opt.step()
+    assert pe.steps == 1
+    plain = lambda t: t.as_subclass(torch.Tensor).clone()  # noqa: E731
+    return pe, m, start, torch.cat([p.detach().reshape(-1) for p in m.parameters()]), plain(xb), plain(yb)
+
+
+def _clipped_sum(m, start, xb, yb, views, clip, together=True):
+    """sum_i clip(per-example gradient), by torch.func: of the sum of the views' losses (``together``), or of
+    each view's loss clipped on its own."""
+    def grads(views_of):
+        def loss(p, x, y):
+            x, y = x.unsqueeze(0), y.unsqueeze(0)
+            return sum(F.cross_entropy(torch.func.functional_call(m, p, (v,)), y) for v in views_of(x))
+        g = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(start, xb, yb)
+        flat = torch.cat([g[n].reshape(len(xb), -1) for n in start], 1)
+        return ((clip / flat.norm(dim=1)).clamp(max=1)[:, None] * flat).sum(0)
+    if together:
+        return grads(lambda x: [f(x) for f in views])
+    return sum(grads(lambda x, f=f: [f(x)]) for f in views)
+
+
+def test_two_views_of_each_example_are_summed_before_clipping():
+    """Issue 55 item 2: two forwards on the batch's rows (an augmented view) are one example's gradient, the sum
+    of the views', clipped to C once. Same key, same batch and noise: the weights after the views step minus
+    those after the one-view step are -lr / B times the difference of the clipped sums computed by torch.func
+    (vmap(grad)) on the same batch; clipping each view on its own gives other values."""
+    flip = lambda t: t.flip(-1)  # noqa: E731
+    clip = 0.8
+    _, m, start, two, xb, yb = _views_step(flip, clip=clip)
+    _, _, _, one, xb1, _ = _views_step(None, clip=clip)
+    assert torch.equal(xb, xb1)
+    ident = lambda t: t  # noqa: E731
+    together = _clipped_sum(m, start, xb, yb, [ident, flip], clip)
+    alone = _clipped_sum(m, start, xb, yb, [ident], clip)
+    separately = _clipped_sum(m, start, xb, yb, [ident, flip], clip, together=False)
+    expected = -0.3 / B * (together - alone)
+    torch.testing.assert_close(two - one, expected, rtol=1e-3, atol=2e-5)
+    # each view clipped on its own is another update (twice the bound per example at most, not once)
+    assert (-0.3 / B * (separately - alone) - (two - one)).abs().max() > 1e-3
+
+
+def test_two_forwards_on_the_drawn_rows_stay_certified():
+    """Two calls on the batch as drawn (a consistency term on a second forward): summed per example, clipped
+    once; the run stays certified (no seed: a fresh key)."""
+    pe, *_ = _views_step(lambda t: t, loss_of=lambda a, b, y: F.cross_entropy(a, y) + 0.5 * (b ** 2).mean(),
+                         seed=None)
+    report = pe.privacy_report()
+    assert report.certified, report.caveats
+
+
+def test_views_that_are_not_one_row_per_example_are_refused():
+    """A second call on fewer rows, or on the rows rearranged, is refused with the reason."""
+    for second in (lambda t: t[:3], lambda t: t.flip(0)):
+        pe, m, model, opt, loader = _make()
+        xb, yb = next(iter(loader))
+        model(xb)
+        with pytest.raises(ConfigError, match="not one row per example"):
+            model(second(xb))
+        assert pe.steps == 0
+
+
+def test_views_on_a_model_with_dropout_are_refused():
+    """The K views of an example would draw their keyed masks as one input of another shape than a single
+    forward's: a views step on a model that draws dropout masks is refused, with the reason, before any change."""
+    x, y = _data()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(D, 8), nn.Dropout(0.5), nn.Linear(8, K))
+    pe = PrivacyEngine()
+    model, opt, loader = pe.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                         data_loader=DataLoader(TensorDataset(x, y), batch_size=B),
+                                         noise_multiplier=0.5, max_grad_norm=1.0, noise_seed=3)
+    before = [p.detach().clone() for p in m.parameters()]
+    xb, yb = next(iter(loader))
+    opt.zero_grad()
+    (F.cross_entropy(model(xb), yb) + F.cross_entropy(model(xb.flip(-1)), yb)).backward()
+    with pytest.raises(ConfigError, match="dropout masks in a step where the model ran several times"):
+        opt.step()
+    assert pe.steps == 0 and all(torch.equal(a, p) for a, p in zip(before, m.parameters()))

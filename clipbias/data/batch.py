@@ -51,6 +51,27 @@ def cat(parts: list) -> Any:
     return type(first)(cat([p[i] for p in parts]) for i in range(len(first)))
 
 
+def stack(parts: list, dim: int = 1) -> Any:
+    """Batches of one structure stacked leaf by leaf along ``dim`` (the views of each example: ``[b, K, ...]``);
+    tensors whose shapes differ are refused (``ConfigError``)."""
+    first = parts[0]
+    if isinstance(first, Tensor):
+        if any(not isinstance(p, Tensor) or p.shape != first.shape for p in parts):
+            raise ConfigError(f"tensors of shapes {[tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__ for p in parts]} "
+                              f"cannot be stacked: every view must have the same shapes")
+        return torch.stack(parts, dim)
+    if isinstance(first, Mapping):
+        if any(not isinstance(p, Mapping) or set(p) != set(first) for p in parts):
+            raise ConfigError("views of different structures (other keys) cannot be stacked")
+        return _mapping(type(first), {k: stack([p[k] for p in parts], dim) for k in first})
+    if isinstance(first, (tuple, list)):
+        if any(not isinstance(p, (tuple, list)) or len(p) != len(first) for p in parts):
+            raise ConfigError("views of different structures (other lengths) cannot be stacked")
+        items = [stack([p[i] for p in parts], dim) for i in range(len(first))]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
+    raise ConfigError(f"a batch must be a tensor or a tuple, list or dict of tensors, got {type(first).__name__}")
+
+
 def map_tensors(fn: Callable[[Tensor], Any], x: Any) -> Any:
     """``fn`` applied to every tensor of ``x``, its structure kept (a ``ModelOutput`` stays one); unlike
     ``tree_map``, anything that is not a tensor, tuple, list or mapping (a cache object) is kept as it is."""

@@ -208,7 +208,7 @@ def engine_aggregate(engine, grad_path: str, own_rows: bool, model: nn.Module, l
     return agg, note + "; fully_shard: the parameters gathered whole for the step, the update applied per shard"
 
 
-def attempt_sums(engine, x: Batch, y: Batch, indices: Tensor | None, keep_outputs: bool) -> tuple:
+def attempt_sums(engine, x: Batch, y: Batch, indices: Tensor | None, keep_outputs: bool, views: bool = False) -> tuple:
     """``engine``'s step's (processed sum, reference sum or None, per-example losses, failure or None) on this
     rank, under the keyed forward (and a fully_shard model gathered whole); computed once more on the
     other path where ``grad_path="auto"`` takes it (``fall_back``). A forward that wrote the model's state
@@ -220,7 +220,8 @@ def attempt_sums(engine, x: Batch, y: Batch, indices: Tensor | None, keep_output
     with engine.state_guard.watching(intercept=False, since=since) as watch:  # the keyed forward reports aliases
         sums = _attempt_sums(engine, x, y, indices, keep_outputs, watch.listen)
     if sums[3] is None and watch.error is None:  # the padding the loader's check took to be ignored, held
-        refetch.probe(engine, engine.model, x, indices, engine.state_guard.run)
+        refetch.probe(engine, engine.model, batch.tree_map(lambda t: t[:, 0], x) if views else x, indices,
+                      engine.state_guard.run)  # (views: the first view of each example)
     return sums if watch.error is None or sums[3] is not None else (*sums[:3], watch.error)
 
 

@@ -166,6 +166,8 @@ class DPEngine:
         self.max_physical_batch = max_physical_batch
         self._aggregate, self.grad_path_note = engine_aggregate(self, grad_path, own_rows, model, loss_fn,
                                                                 max_physical_batch)
+        self.grad_path = grad_path
+        self._views_path = None  # (aggregate, rows) of the steps with several views of each example (``views``)
         self.own_rows = own_rows  # a given backend may read labels its own way (the audit's canaries: y < 0)
         self.world_size = check_distributed(self.algo.name, self.rows, self.pipeline)
         self.grad_path_fallback: str | None = None  # grad_path="auto"'s fall-back, once it has happened
@@ -190,7 +192,7 @@ class DPEngine:
 
     # ------------------------------------------------------------------ training
     def step(self, x: Batch, y: Batch, indices: Tensor | None = None, *, keep_outputs: bool = False,
-             public: list | None = None) -> Tensor:
+             public: list | None = None, views: bool = False) -> Tensor:
         """One logical step on the Poisson batch ``(x, y)``.
 
         In a process group of N ranks, ``(x, y, indices)`` is this rank's share of the global batch
@@ -215,6 +217,11 @@ class DPEngine:
             public: A gradient that depends on no private example (one tensor or None per parameter, layout
                 order: a forward on generated or public data, a term of the parameters alone), added to the
                 noisy update as it is (post-processing; ``apply_update``).
+            views: Each example ran through the model K times (augmented views): every tensor of ``x`` and of
+                ``y`` is ``[b, K, ...]``, example i's views and their targets. Example i's gradient is the sum of
+                ``loss_fn(model(x_i^k), y_i^k)``'s gradients over its K views, clipped as one example's (the
+                sensitivity is unchanged). Such a step takes the rows path (``views_path``; refused under
+                ``grad_path="fast"``) and refuses dropout masks (``grads.rows.VIEWS_DROPOUT``).
 
         Returns:
             The per-example losses of this rank's examples.
@@ -230,14 +237,28 @@ class DPEngine:
         if keep_outputs and not self.outputs_kept:
             raise ConfigError("keep_outputs: this gradient path does not produce the batch's outputs (only the fast "
                               "path and the per-parameter rows of a norm-scaling algorithm do)")
-        drawn = accounting.origin(self, x, y, indices)  # (drawn by the sampler, as the loader fetched it)
+        if views:
+            check_views(x, y)
+            if keep_outputs:
+                raise ConfigError("keep_outputs: a step with views does not keep the batch's outputs")
+        # (drawn by the sampler, as the loader fetched it; with views, each view compared with the fetched batch)
+        drawn = accounting.origin(self, split_views(x) if views else x, split_views(y) if views else y, indices)
         self.last_outputs, self._outputs = None, [] if keep_outputs else None
         dev = self.params[0].device
         # the noise does not depend on the data: its normals are drawn while the sums are computed (joined by the
         # commit or the rollback below, so no draw outlives the step)
         self.pipeline.draw_ahead(self.rows.layout.dim, dev)
-        proc_sum, ref_sum, losses, failure = attempt_sums(self, x, y, indices, keep_outputs)
-        if self._other_path is not None and batch.size(x) and failure is None:
+        if views:  # the rows path, on each example's K views (auto's choice waits for a step without views)
+            saved = self._aggregate, self.rows, self._other_path
+            self._aggregate, self.rows = views_path(self)
+            self._other_path = None
+            try:
+                proc_sum, ref_sum, losses, failure = attempt_sums(self, x, y, indices, keep_outputs, views=True)
+            finally:
+                self._aggregate, self.rows, self._other_path = saved
+        else:
+            proc_sum, ref_sum, losses, failure = attempt_sums(self, x, y, indices, keep_outputs)
+        if self._other_path is not None and batch.size(x) and failure is None and not views:
             self._other_path = None  # auto's choice stands from the first step that ran the model
         mine = torch.cat(losses) if losses else torch.zeros(0, device=dev)
         self.last_loss = (float(mine.sum()), len(mine))
@@ -350,6 +371,53 @@ class DPEngine:
                 loads a state: one that has taken steps would replay its own released draws).
         """
         saved.load(self, state)
+
+
+def check_views(x: Batch, y: Batch) -> None:
+    """Refuse a views step (``DPEngine.step(..., views=True)``) whose tensors are not all ``[b, K, ...]`` with one
+    K, K >= 1."""
+    ks = {t.shape[1] if t.dim() >= 2 else None for t in batch.leaves(x) + batch.leaves(y)}
+    if None in ks or len(ks) != 1 or 0 in ks:
+        raise ConfigError(f"views: every tensor of the inputs and targets must be [b, K, ...], the K views of each "
+                          f"example on the second dimension, with one K for all (got second dimensions "
+                          f"{sorted(str(k) for k in ks)})")
+
+
+def split_views(x: Batch) -> list:
+    """The views of a views batch ``[b, K, ...]``: K batches of ``[b, ...]``."""
+    k = batch.leaves(x)[0].shape[1]
+    return [batch.tree_map(lambda t, i=i: t[:, i], x) for i in range(k)]
+
+
+def views_path(engine: DPEngine) -> tuple:
+    """(aggregate, rows) of a step with several views of each example: the per-example gradients of the sum of
+    the views' losses (``FuncGradients(views=True)``), summed per parameter where the step only scales rows by
+    their norms (the fast path's steps too: book-keeping has no per-example sum over views), else per-example
+    rows through the pipeline. Built once; refused (``ConfigError``, with the reason) where the engine does not
+    compute its per-example gradients itself with torch.func, and under ``grad_path="fast"``."""
+    if engine._views_path is not None:
+        return engine._views_path
+    from ..grads.rows import FuncGradients, ParamSums, PerExampleRows
+    from .aggregate import TwoPoint
+    why = ("`grad_path='fast'` was asked for, and the fast path (book-keeping) has no per-example sum over views: "
+           "use `grad_path='auto'` or `grad_path='rows'`" if engine.grad_path == "fast" else
+           "the model is sharded with fully_shard, whose steps take the fast path" if engine.sharded else
+           "a gradient backend was given" if not engine.own_rows else
+           "DiSK's two points" if isinstance(engine._aggregate, TwoPoint) else None)
+    agg, rows = engine._aggregate, engine.rows
+    if why is None and agg is not None:  # a norm-scaling step: the rows summed per parameter
+        agg = ParamSums(FuncGradients(engine.model, engine.loss_fn, views=True))
+    elif why is None and type(rows) is PerExampleRows and isinstance(rows.grads, FuncGradients) \
+            and not rows.grads.grouped:
+        rows = PerExampleRows(FuncGradients(engine.model, engine.loss_fn, views=True))
+        rows.key = engine.key
+    elif why is None:
+        why = f"--algo {engine.algo.name} computes its own rows"
+    if why is not None:
+        raise ConfigError(f"a step with several forwards of each example (views, summed per example before clipping) "
+                          f"is not available here: {why}")
+    engine._views_path = (agg, rows)
+    return engine._views_path
 
 
 def set_prefetch(pipeline, noise_prefetch: bool | None) -> None:

@@ -135,7 +135,11 @@ class FuncGradients:
     position in the micro-batch, which the masks of the batch are looked up by), elsewhere from torch. ``grouped=True``: each "example"
     is a group ``x_i`` of shape ``[p, *input]`` run through the model together (BatchNorm sees the
     group) and the loss is that of the group's first row (BatchClipping); ``check=False`` then lets
-    the cross-example BatchNorm through. Otherwise the model is checked at every call, so a
+    the cross-example BatchNorm through. ``views=True``: each example ``x_i`` is ``[K, *input]``, K
+    forwards of the same example (augmented views), run through the model as a batch of K, with
+    targets ``y_i`` of ``[K, *target]``; its loss is the sum of the K rows' losses, so its gradient is
+    the sum of the views' gradients, clipped as one example's (``DPEngine.step(..., views=True)``).
+    Dropout is refused in such a step (``VIEWS_DROPOUT``). Otherwise the model is checked at every call, so a
     BatchNorm switched to train mode after construction is refused too.
 
     A model that ``vmap`` cannot run (a forward that branches on tensor values, such as Hugging Face's
@@ -147,18 +151,20 @@ class FuncGradients:
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn = cross_entropy, *, grouped: bool = False,
-                 check: bool = True) -> None:
+                 check: bool = True, views: bool = False) -> None:
         if check:
             check_model(model)
-        self.model, self.loss_fn, self.grouped, self.check = model, loss_fn, grouped, check
+        self.model, self.loss_fn, self.grouped, self.check, self.views = model, loss_fn, grouped, check, views
         self.layout = ParamLayout.of(model)
 
         def loss_one(params: dict[str, Tensor], consts: dict[str, Tensor], x: Batch, y: Batch, at: Tensor) -> Tensor:
             # in the engine's private step: dropout keyed by this example's index, and its autocast (if any)
             with forward.one_pass(at), precision.forward_autocast(norms32=True):
-                out = functional_call(self.model, (params, consts), *batch.arguments(x if grouped else batch.unsqueeze(x)))
-                # the loss of one example (a sum over a batch of one, or a [1] vector of per-example losses)
-                loss = self.loss_fn(out[:1] if grouped else out, batch.unsqueeze(y)).sum()
+                out = functional_call(self.model, (params, consts),
+                                      *batch.arguments(x if grouped or views else batch.unsqueeze(x)))
+                # the loss of one example (a sum over a batch of one, or a [1] vector of per-example losses;
+                # with views, over its K views)
+                loss = self.loss_fn(out[:1] if grouped else out, y if views else batch.unsqueeze(y)).sum()
             return _scaled(loss)
 
         self._one = grad_and_value(loss_one)
@@ -207,9 +213,16 @@ class FuncGradients:
     def _per_param(self, x: Batch, y: Batch, params: dict[str, Tensor] | None) -> tuple[list[Tensor], Tensor]:
         if self.check:
             check_model(self.model)
+        if self.views:  # (a keyed mask would be drawn for the K views as one input: refused, VIEWS_DROPOUT)
+            with forward.refusing(VIEWS_DROPOUT):
+                return self._per_param_of(x, y, params, False)
+        return self._per_param_of(x, y, params, self.keep_output and not self.grouped)
+
+    def _per_param_of(self, x: Batch, y: Batch, params: dict[str, Tensor] | None,
+                      out: bool) -> tuple[list[Tensor], Tensor]:
+        """``_per_param``; ``out``: the outputs too, from the same forward (one example each)."""
         at = torch.arange(batch.size(x), device=self.device())
         p = params if params is not None else self.params()
-        out = self.keep_output and not self.grouped  # the outputs too, from the same forward (one example each)
         if self.vectorized:
             try:
                 if out:
@@ -258,6 +271,12 @@ class FuncGradients:
         if out:
             self.last_out = batch.cat(outs)
         return [torch.stack([g[n] for g in rows]) for n in self.layout.names], torch.stack(losses)
+
+
+VIEWS_DROPOUT = ("the model draws dropout masks in a step where the model ran several times on each example (views, "
+                 "summed per example before clipping): clipbias keys each example's masks by its index and would lay "
+                 "the K views out as one input, whose shape differs from a single forward's; switch dropout off for "
+                 "such a loop (model.eval() on the dropout modules, or p = 0), or call the model once per example")
 
 
 def _scaled(loss: Tensor) -> Tensor:

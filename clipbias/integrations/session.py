@@ -55,6 +55,7 @@ class Pending:
     outputs: list = field(default_factory=list)  # the outputs the loop got, as leaves (None: not a tensor)
     chunk: "rowtrace.Rows | None" = None  # the chunk yielded last, traced (the loop's own loss: ``follows``)
     chunk_rows: list = field(default_factory=list)  # every chunk's ``Rows``, in order
+    call_chunks: list = field(default_factory=list)  # the chunk (its number) of each recorded call (``follow``)
 
 
 N_RELEASED = "n, the number of training examples (the sampling rate B / n and the steps per epoch derive from it)"
@@ -216,6 +217,7 @@ class Session:
         if not record:
             return rowtrace.rows_output(out, chunk)
         pending.inputs.append((args, kwargs))
+        pending.call_chunks.append(len(pending.chunk_rows) - 1)
         leaves: list = []
 
         def hand(t: Tensor):
@@ -350,21 +352,34 @@ class Session:
         loop's backward left in its outputs (times the chunk's size: ``loss_reduction="mean"``, Opacus's
         convention, each example's gradient of its own loss) as the targets of ``output_gradient``; and the
         public part the loop's backward passes left in the parameters (``rowtrace``)."""
-        if len(pending.inputs) != pending.chunks:
+        per_chunk = [[k for k, c in enumerate(pending.call_chunks) if c == i] for i in range(len(pending.chunk_rows))]
+        views = len(per_chunk[0]) if per_chunk else 0
+        if views == 0 or len(pending.inputs) != pending.chunks * views or any(len(calls) != views for calls in per_chunk):
             raise ConfigError(f"the model ran {len(pending.inputs)} time(s) on the rows of this batch of the private "
-                              f"data loader, in {pending.chunks} chunk(s): call it exactly once per (chunk of a) batch "
-                              f"on its rows, in training mode with gradients enabled (a call on other data, "
-                              f"generated images or a public batch, is public and may come in any number)")
-        gs, public = [], [None] * len(self.engine.params)
-        for chunk, leaves in zip(pending.chunk_rows, pending.outputs):
-            if chunk.backwards == 0 and any(leaf.grad is not None for leaf in leaves):
-                raise ConfigError("the gradient in the model's outputs did not come from a loss.backward() on them "
-                                  "that clipbias followed (rowtrace): compute the loss from the outputs the model "
-                                  "returned and call loss.backward()")
-            g = [leaf.grad * chunk.size if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
-            gs.append(g[0] if len(g) == 1 else tuple(g))
+                              f"data loader, in {pending.chunks} chunk(s) ({[len(c) for c in per_chunk]} a chunk): "
+                              f"call it the same number of times on the rows of each (chunk of a) batch, in "
+                              f"training mode with gradients enabled: once, or K times for K views of each example "
+                              f"(augmentations; their gradients are summed per example before clipping). A call on "
+                              f"other data, generated images or a public batch, is public and may come in any number")
+        gs, xs, public = [], [], [None] * len(self.engine.params)
+        for chunk, calls in zip(pending.chunk_rows, per_chunk):
+            g_views = []
+            for k in calls:
+                leaves = pending.outputs[k]
+                if chunk.backwards == 0 and any(leaf.grad is not None for leaf in leaves):
+                    raise ConfigError("the gradient in the model's outputs did not come from a loss.backward() on "
+                                      "them that clipbias followed (rowtrace): compute the loss from the outputs the "
+                                      "model returned and call loss.backward()")
+                g = [leaf.grad * chunk.size if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+                g_views.append(g[0] if len(g) == 1 else tuple(g))
+            if views == 1:
+                gs.append(g_views[0])
+                xs.append(_as_batch(pending.inputs[calls[0]]))
+            else:  # each example's K views, [rows, K, ...], in the order of the calls
+                gs.append(_stacked(g_views, "outputs"))
+                xs.append(_stacked([_as_batch(pending.inputs[k]) for k in calls], "inputs"))
             public = [p if q is None else q if p is None else p + q for p, q in zip(public, chunk.public)]
-        x = batch.cat([_as_batch(rec) for rec in pending.inputs])
+        x = batch.cat(xs)
         if batch.size(x) != len(pending.indices):
             raise ConfigError(f"the model was called on {batch.size(x)} examples, but the private data loader's batch "
                               f"holds {len(pending.indices)}: call the model on the batch (or chunk) as drawn, one "
@@ -375,7 +390,10 @@ class Session:
         if self.run.read_after_step is not None and any(p is not None and bool(p.any()) for p in public):
             pending.chunk_rows[0].unproven = pending.chunk_rows[0].unproven or (
                 f"a public term after {self.run.read_after_step} (it may carry that batch into the update unclipped)")
-        self.engine_step(x, batch.cat(gs), pending.indices, public=public)
+        if views == 1:
+            self.engine_step(x, batch.cat(gs), pending.indices, public=public)
+        else:
+            self.engine_step(x, batch.cat(gs), pending.indices, public=public, views=True)
         for chunk in pending.chunk_rows:  # a read from now on is a read of an earlier batch
             chunk.stepped, chunk.watched = True, []
         why = next((c.unproven for c in pending.chunk_rows if c.unproven is not None), None)
@@ -522,6 +540,16 @@ def _criterion_gradient(loss_fn: Callable, out: Tensor, y: Any) -> Tensor:
             total = sum(loss_fn(o[i:i + 1], batch.take(y, slice(i, i + 1))).sum() for i in range(len(o)))
         return torch.autograd.grad(total / len(o), o, allow_unused=True)[0] if total.requires_grad \
             else torch.zeros_like(o)
+
+
+def _stacked(parts: list, what: str) -> Any:
+    """The K views' ``parts`` (inputs or output gradients, one batch each) as one ``[rows, K, ...]`` batch."""
+    try:
+        return batch.stack(parts, 1)
+    except ClipbiasError as e:
+        raise ConfigError(f"the model ran {len(parts)} times on the rows of a chunk (views of each example, summed "
+                          f"per example before clipping), but their {what} do not stack: {e}. Call it on views of "
+                          f"the same shapes and structure, one row per example each") from None
 
 
 def _per_example(out: Any, b: int) -> bool:

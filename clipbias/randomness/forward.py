@@ -488,6 +488,22 @@ def examples(ids: Tensor | Sequence[int] | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def refusing(why: str) -> Iterator[None]:
+    """Any keyed dropout mask drawn inside is refused with ``why`` (``ConfigError``): a step whose layout of the
+    examples' inputs the masks do not cover (several views of each example)."""
+    mode = active()
+    if mode is None:
+        yield
+        return
+    saved = mode.refusal
+    mode.refusal = why
+    try:
+        yield
+    finally:
+        mode.refusal = saved
+
+
+@contextlib.contextmanager
 def same_example(row: int) -> Iterator[None]:
     """Every row is the example of row ``row`` (the fast path's counterfactual batch of its copies)."""
     mode = active()

@@ -396,6 +396,7 @@ def views_path(engine: DPEngine) -> tuple:
     rows through the pipeline. Built once; refused (``ConfigError``, with the reason) where the engine does not
     compute its per-example gradients itself with torch.func, and under ``grad_path="fast"``."""
     if engine._views_path is not None:
+        engine._views_path[1].key = engine.key  # (a state loaded since: the run's key)
         return engine._views_path
     from ..grads.rows import FuncGradients, ParamSums, PerExampleRows
     from .aggregate import TwoPoint

@@ -118,7 +118,7 @@ def test_padded_encoders_fast_path_equals_rows_path(make, attn):
 
 def test_vit_fast_path_equals_rows_path_and_rows_equal_independent_gradients():
     """ViT (SDPA, image 16, patch 8): the rows path's clipped sum equals per-example autograd in a loop; the
-    fast path (its cls token and position embeddings by the ViTEmbeddings rule, grads.vit) equals the rows
+    fast path (its cls token and position embeddings by the ViTEmbeddings rule, grads.layers.vit) equals the rows
     path, fully fine-tuned and with them frozen (tests/test_vit_fast.py: dropout, refusals)."""
     x = {"pixel_values": torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)}
     y = torch.tensor([0, 2, 1, 2])

@@ -104,15 +104,8 @@ def stepper(name: str, which: str, model, dtype, steps: int, dev: torch.device):
         return (lambda x, y, idx: eng.step(x, y, idx)), eng.grad_path_note.split(" ")[0]
     crit = hf.Loss(name == "gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if which.startswith("opacus"):  # as hf_side_by_side.arm
-        from opacus import PrivacyEngine
-        from torch.utils.data import DataLoader, TensorDataset
-        mode = "ghost" if which == "opacus-ghost" else "hooks"
-        loader = DataLoader(TensorDataset(torch.zeros(hf.B * steps)), batch_size=hf.B)
-        got = PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
-                                           max_grad_norm=1.0, criterion=crit, grad_sample_mode=mode,
-                                           poisson_sampling=False)
-        model, opt, crit = (got[0], got[1], got[2]) if mode == "ghost" else (got[0], got[1], crit)
+    if which.startswith("opacus"):
+        model, opt, crit = hf.opacus_private(which, model, opt, crit, hf.B * steps, hf.B)
 
     def step(x, y, idx):
         opt.zero_grad()

@@ -109,6 +109,19 @@ def engine(model, name: str, steps: int, grad_path: str):
                     max_physical_batch=B, noise_seed=0, grad_path=grad_path)
 
 
+def opacus_private(which: str, model, opt, crit, n: int, b: int) -> tuple:
+    """Opacus's ``make_private`` for the arm ``which`` (``opacus-hooks`` or ``opacus-ghost``), fixed batches of
+    ``b`` over ``n`` rows: the (model, optimizer, criterion) the arm steps with."""
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+    mode = "ghost" if which == "opacus-ghost" else "hooks"
+    loader = DataLoader(TensorDataset(torch.zeros(n)), batch_size=b)
+    got = PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
+                                       max_grad_norm=1.0, criterion=crit, grad_sample_mode=mode,
+                                       poisson_sampling=False)
+    return (got[0], got[1], got[2]) if mode == "ghost" else (got[0], got[1], crit)
+
+
 def arm(name: str, which: str, steps: int) -> dict:
     model, make = build(name)
     model.train()
@@ -124,14 +137,7 @@ def arm(name: str, which: str, steps: int) -> dict:
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         if which.startswith("opacus"):
-            from opacus import PrivacyEngine
-            from torch.utils.data import DataLoader, TensorDataset
-            mode = "ghost" if which == "opacus-ghost" else "hooks"
-            loader = DataLoader(TensorDataset(torch.zeros(n)), batch_size=B)
-            got = PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
-                                               max_grad_norm=1.0, criterion=crit, grad_sample_mode=mode,
-                                               poisson_sampling=False)
-            model, opt, crit = (got[0], got[1], got[2]) if mode == "ghost" else (got[0], got[1], crit)
+            model, opt, crit = opacus_private(which, model, opt, crit, n, B)
 
         def step(x, y, idx):
             opt.zero_grad()

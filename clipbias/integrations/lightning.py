@@ -118,8 +118,8 @@ class DPCallback(L.Callback):
             self._state = None
         self.session = Session(self.engine, released=(
             "what training_step logs (self.log of the loss or accuracy on the private batches) and keeps "
-            "(training_step_outputs): statistics of the private data without noise", TIMES_RELEASED, N_RELEASED))
-        self.session.eager = False  # (the step comes after training_step: its closure runs under the state guard)
+            "(training_step_outputs): statistics of the private data without noise", TIMES_RELEASED, N_RELEASED),
+            eager=False)  # (the step comes after training_step, whose closure runs under the state guard)
         follow(pl_module, self.session)
         trainer.strategy.optimizers = [DPOptimizer(optimizer, self.session, guard_closure=True)]
 

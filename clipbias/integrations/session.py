@@ -130,14 +130,17 @@ class Session:
         unstepped: The error's text when the loop ran the model on a batch and asked for the next one without
             a step (None: no such check, the framework steps by itself).
         released: What the framework releases beside the model outside the mechanism (``PrivacyReport.released``).
+        eager: False where the forward may never take the step (a framework whose training step runs under the
+            state guard: the step's own update would read as a write).
     """
 
-    def __init__(self, engine: DPEngine, unstepped: str | None = None, released: tuple[str, ...] = ()) -> None:
+    def __init__(self, engine: DPEngine, unstepped: str | None = None, released: tuple[str, ...] = (),
+                 eager: bool | None = None) -> None:
         self.engine, self.unstepped, self.released = engine, unstepped, released
         self.pending: Pending | None = None
         self.run = rowtrace.Run()  # reads of a batch after its step (``follows``)
         self.anchor = torch.zeros((), requires_grad=True)
-        self.eager: bool | None = None  # whether the forward may take the step (criterion; first forward decides)
+        self.eager = eager  # whether the forward may take the step (criterion; None: its first forward decides)
         self.loss_checks = 0  # steps whose loop's loss was held against criterion's (``check_loss``)
         self.stepping = False  # inside ``DPEngine.step`` (``engine_step``)
         self.settings: list | None = None  # the optimizer's settings when the pending batch was drawn

@@ -101,10 +101,10 @@ IMPORT_MAP = {
     "opacus.data_loader.DPDataLoader": "clipbias.integrations:DPDataLoader",
     "opacus.optimizers.DPOptimizer": "clipbias.integrations:DPOptimizer",
     "opacus.GradSampleModule": "clipbias.integrations:DPModule",
+    "opacus.lightning.DPLightningDataModule": "clipbias.integrations.lightning:DPLightningDataModule",
 }
 """Opacus name -> ``module:name`` in clipbias. Anything else imported from ``opacus`` is a GAP. Not mapped on
-purpose: ``opacus.lightning.DPLightningDataModule`` (clipbias's Lightning integration is a callback,
-``clipbias.integrations.lightning.DPCallback``, not a data module), ``opacus.distributed``'s DDP wrapper
+purpose: ``opacus.distributed``'s DDP wrapper
 (clipbias distributes the step itself, ``clipbias.distributed``), ``opacus.grad_sample.functorch``."""
 
 LIBS = ("opacus", "clipbias")
@@ -340,10 +340,51 @@ class _BlockOpacus:
             raise ModuleNotFoundError(f"No module named {name!r} (Opacus is blocked in the clipbias arm)", name=name)
 
 
+def _outplace_activations() -> None:
+    """``nn.ReLU``/``nn.LeakyReLU`` built with ``inplace=False`` whatever the script asks: Opacus 1.6's backward
+    hooks fail on torch 2.13 when an in-place activation follows a hooked layer (the dcgan example); out of place
+    the activations compute the same values. For the Opacus arm only (``--opacus-outplace``)."""
+    import torch.nn as nn
+    for cls in (nn.ReLU, nn.LeakyReLU):
+        init = cls.__init__
+
+        def outplace(self, *a, _init=init, _slope=cls is nn.LeakyReLU, **k):
+            k.pop("inplace", None)
+            a = a[:1] if _slope else ()  # (LeakyReLU's negative_slope; the flag is the other positional)
+            _init(self, *a, inplace=False, **k)
+        cls.__init__ = outplace
+
+
+def lightning_1x_names() -> None:
+    """The Lightning 1.x names mnist_lightning.py uses, mapped to today's Lightning (2.x) and torchmetrics for
+    both arms (the script fails on both libraries without them): ``pytorch_lightning.utilities.cli.LightningCLI``
+    (now ``pytorch_lightning.cli``), ``trainer._data_connector._train_dataloader_source`` (now
+    ``trainer.fit_loop._data_source``) and ``torchmetrics.Accuracy()`` without ``task`` (torchmetrics < 0.11
+    inferred multiclass; here ``task="multiclass", num_classes=10``, MNIST's)."""
+    import types
+
+    import pytorch_lightning.cli
+    import torchmetrics
+    from pytorch_lightning.trainer.connectors.data_connector import _DataConnector
+    cli = types.ModuleType("pytorch_lightning.utilities.cli")
+    cli.LightningCLI = pytorch_lightning.cli.LightningCLI
+    sys.modules["pytorch_lightning.utilities.cli"] = cli
+    _DataConnector._train_dataloader_source = property(lambda self: self.trainer.fit_loop._data_source)
+    accuracy = torchmetrics.Accuracy
+
+    def Accuracy(*a, **k):  # noqa: N802 - torchmetrics's name
+        if not a and "task" not in k:
+            k.update(task="multiclass", num_classes=10)
+        return accuracy(*a, **k)
+    torchmetrics.Accuracy = Accuracy
+
+
 def child(cfg: dict) -> None:
     """Run one example under one library in this process; write RESULT in the working directory."""
     script = Path(cfg["script"])
     install_standins(cfg["n_train"], cfg["n_test"])
+    if cfg.get("lightning_1x"):
+        lightning_1x_names()
     src, swaps, gaps = script.read_text(encoding="utf-8"), [], []
     engines = []
     if cfg["lib"] == "clipbias":
@@ -355,6 +396,8 @@ def child(cfg: dict) -> None:
     else:
         import opacus
         from opacus import PrivacyEngine
+        if cfg.get("outplace"):
+            _outplace_activations()
         lib = f"opacus {opacus.__version__} from {Path(opacus.__file__).parent}"
     init = PrivacyEngine.__init__
 
@@ -430,8 +473,10 @@ def run_one(name: str, ex: Example, lib: str, repo: Path, args, scratch: Path) -
     if name == "char-lstm":
         write_names(data / "names", n_train)
     argv = [a.format(data=data, out=out) for a in ex.args]
+    if args.epochs and "--epochs" in argv:
+        argv[argv.index("--epochs") + 1] = str(args.epochs)
     cfg = {"lib": lib, "script": str(repo / ex.script), "argv": argv, "delta": ex.delta, "n_train": n_train,
-           "n_test": n_test}
+           "n_test": n_test, "outplace": args.opacus_outplace, "lightning_1x": name == "mnist_lightning"}
     env = {**os.environ, **ex.env, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     with open(out / "stdout.txt", "w") as so, open(out / "stderr.txt", "w") as se:
@@ -506,6 +551,11 @@ def main() -> None:
     p.add_argument("--n-train", type=int, default=0, help="stand-in training size (0: the example's default)")
     p.add_argument("--n-test", type=int, default=0, help="stand-in test size (0: the example's default)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per run")
+    p.add_argument("--epochs", type=int, default=0,
+                   help="epochs for the examples that take --epochs (0: each example's default above)")
+    p.add_argument("--opacus-outplace", action="store_true",
+                   help="Opacus arm: build nn.ReLU/nn.LeakyReLU out of place (Opacus 1.6's hooks fail on torch 2.13 "
+                        "after an in-place activation, as in the dcgan example; the values are the same)")
     p.add_argument("--out", type=Path, help="also write the report (markdown) here")
     p.add_argument("--keep", action="store_true", help="keep the scratch folders (stdout/stderr of each run)")
     args = p.parse_args()

@@ -19,6 +19,7 @@ import clipbias
 from clipbias import PrivacyEngine
 from clipbias.errors import ConfigError
 from clipbias.integrations import rowtrace
+from clipbias.integrations.session import SIZES_RELEASED
 
 N, D, K, B = 96, 5, 3, 16
 
@@ -502,3 +503,22 @@ def test_views_on_a_model_with_dropout_are_refused():
     with pytest.raises(ConfigError, match="dropout masks in a step where the model ran several times"):
         opt.step()
     assert pe.steps == 0 and all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+
+
+@pytest.mark.parametrize("sized", [True, False])
+def test_public_data_of_the_private_batchs_size_names_that_count_as_released(sized):
+    """DCGAN's ``netD(netG(torch.randn(batch_size, nz)))``: the public term's rows follow the private batch's size,
+    so the update carries that count unclipped; the report names it in ``released`` (as the timings are). A
+    public batch of its own size (here a row count no Poisson batch of this run has) does not."""
+    pe, m, model, opt, loader = _make(seed=None)
+    for i, (xb, yb) in enumerate(loader):
+        opt.zero_grad()
+        rows = len(xb) if sized else N + 1
+        loss = F.cross_entropy(model(xb), yb) + 0.1 * model(clipbias.public(torch.randn(rows, D))).pow(2).mean()
+        loss.backward()
+        opt.step()
+        if i == 1:
+            break
+    report = pe.privacy_report()
+    assert report.certified
+    assert (SIZES_RELEASED in report.released) == sized

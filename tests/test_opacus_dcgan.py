@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import clipbias
 from clipbias import PrivacyEngine  # was: from opacus import PrivacyEngine
+from clipbias.integrations.session import SIZES_RELEASED
 
 nz, ngf, ndf, nc = 8, 8, 8, 1
 
@@ -107,7 +108,10 @@ def test_the_dcgan_examples_loop_trains_the_discriminator_on_both_terms():
     privacy_engine, seen, epsilon, netG = _train(read_before_backward=False, epochs=2)
     last = torch.tensor(seen[-8:])
     assert last[:, 0].mean() > last[:, 1].mean() + 0.05, seen[-8:]  # D(x) above D(G(z)): both terms trained
-    assert privacy_engine.privacy_report().certified and 0 < epsilon < 20
+    report = privacy_engine.privacy_report()
+    assert report.certified and 0 < epsilon < 20
+    # the generated batch has the private batch's size (torch.randn(batch_size, nz)): that count is released
+    assert SIZES_RELEASED in report.released
     assert any(p.grad is not None for p in netG.parameters())  # the generator's step ran through netD(fake)
 
 

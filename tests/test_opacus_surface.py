@@ -395,9 +395,10 @@ def test_a_cifar10_shaped_script_runs_with_the_import_changed(criterion):
         assert report.certified
 
 
-def test_make_private_on_a_lightning_module_says_the_one_line_that_replaces_it():
-    """Opacus's mnist_lightning pattern (make_private in configure_optimizers) cannot be private here: Lightning
-    calls the module and its own loaders. Refused at make_private with the one line that replaces it."""
+def test_make_private_on_a_lightning_module_without_a_trainer_says_where_to_call_it():
+    """Opacus's mnist_lightning pattern calls make_private in configure_optimizers, where the Trainer is attached
+    (tests/test_opacus_lightning.py); on a LightningModule without a Trainer it is refused, naming that place and
+    the one line (DPCallback) that does the same."""
     LightningModule = type("LightningModule", (nn.Module,), {})  # (the check reads the class's name: no import)
     Lit = type("Lit", (LightningModule,), {})
     module = Lit()

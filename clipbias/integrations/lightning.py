@@ -34,7 +34,7 @@ from .options import DPOptions, EpsilonLog, check_trainable
 from .session import (N_RELEASED, TIMES_RELEASED, DPOptimizer, Session, epoch_steps, physical_chunks,
                       poisson_loader)
 
-__all__ = ["DPCallback"]
+__all__ = ["DPCallback", "DPLightningDataModule"]
 
 FLOAT_PRECISIONS = ("32-true", "64-true", "32", "64")
 
@@ -110,6 +110,12 @@ class DPCallback(L.Callback):
                               f"that run pass ckpt_path= to fit (a new DPCallback loads its state); a new "
                               f"DPCallback starts a new run, accounted on its own")
         check_trainable(pl_module)
+        given = getattr(self, "given", None)  # (the data loader make_private was given: the Opacus pattern)
+        if given is not None and (len(given.dataset), given.batch_size) != (len(self.data.dataset),
+                                                                           self.data.batch_size):
+            raise ConfigError(f"make_private was given a data_loader of {len(given.dataset)} examples in batches of "
+                              f"{given.batch_size}, the Trainer trains on {len(self.data.dataset)} in batches of "
+                              f"{self.data.batch_size}: pass the Trainer's train dataloader to make_private")
         n, B = len(self.data.dataset), self.data.batch_size
         self.engine = self.options.engine(pl_module, optimizer, n=n, batch_size=B, steps=planned_steps(trainer),
                                           loss_fn=self.loss_fn, max_physical_batch=self.max_physical_batch)
@@ -277,6 +283,7 @@ class _PrivateSource:
 
     def dataloader(self) -> "PoissonBatches":
         data = self.original.dataloader()
+        data = getattr(data, "original", data) if type(data).__name__ == "DPDataLoader" else data
         if not isinstance(data, DataLoader):
             raise ConfigError(f"DPCallback needs one torch DataLoader(dataset, batch_size=B) as the train dataloader, "
                               f"got {type(data).__name__}: its dataset is drawn in Poisson batches of expected size B")
@@ -326,3 +333,101 @@ def follow(pl_module: L.LightningModule, session: Session) -> None:
     def private_forward(*args, **kwargs):
         return session.call(forward, pl_module.training, args, kwargs)
     pl_module.forward = private_forward
+
+
+# ---------------------------------------------------------------------- Opacus's Lightning pattern
+def make_private_lightning(privacy_engine: Any, module: Any, data_loader: Any, *, criterion: Callable | None,
+                           max_grad_norm: float, noise_multiplier: float | None, epsilon: float | None,
+                           delta: float | None, epochs: int | None, accountant: str, extra: dict) -> DPCallback:
+    """Opacus's mnist_lightning pattern: ``privacy_engine.make_private(module=self, ...)`` in the
+    LightningModule's ``configure_optimizers``. Lightning calls the module and iterates its own train loader,
+    so the private step is this ``DPCallback``, added to the module's Trainer (in place of the one an earlier
+    ``make_private`` of the same ``PrivacyEngine`` added) with the settings ``make_private`` was given: the
+    Trainer's train loader is drawn in secret Poisson batches, the optimizer ``configure_optimizers`` returns
+    is made private, the loss ``training_step`` returns is trained. The ``PrivacyEngine`` reads its epsilon and
+    report from it."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None:
+        raise ConfigError("make_private on a LightningModule without a Trainer: call it in configure_optimizers "
+                          "(Opacus's mnist_lightning pattern), where the Trainer is attached, or add "
+                          "`callbacks=[DPCallback(noise_multiplier=..., max_grad_norm=...)]` to your Trainer "
+                          "(from clipbias.integrations.lightning import DPCallback)")
+    if epochs is not None and trainer.max_epochs != epochs:
+        raise ConfigError(f"make_private_with_epsilon(epochs={epochs}) but the Trainer runs max_epochs="
+                          f"{trainer.max_epochs}: the noise is calibrated for the Trainer's planned steps; give "
+                          f"epochs={trainer.max_epochs} (or change max_epochs)")
+    own = ("max_physical_batch",)
+    options = {k: v for k, v in extra.items() if k not in own and k != "delta"}
+    callback = DPCallback(noise_multiplier=noise_multiplier, target_epsilon=epsilon,
+                          target_delta=delta if delta is not None else extra.get("delta"),
+                          max_grad_norm=max_grad_norm, criterion=criterion, accountant=accountant,
+                          max_physical_batch=extra.get("max_physical_batch", 512), **options)
+    callback.given = data_loader
+    earlier = getattr(privacy_engine, "lightning", None)
+    trainer.callbacks[:] = [c for c in trainer.callbacks if c is not earlier] + [callback]
+    callback.setup(trainer, module, "fit")  # (Lightning's setup hooks ran before configure_optimizers)
+    return callback
+
+
+class DPLightningDataModule:
+    """Opacus's ``opacus.lightning.DPLightningDataModule``: your ``LightningDataModule``, whose
+    ``train_dataloader()`` is marked for private training (a ``DPDataLoader``, as Opacus's, so that a script's
+    ``poisson_sampling=isinstance(data_loader, DPDataLoader)`` holds); the ``DPCallback`` that ``make_private``
+    adds draws its batches in secret Poisson batches. The other loaders and hooks are your data module's.
+    An instance is a ``LightningDataModule`` of the package yours is built on (``lightning`` or
+    ``pytorch_lightning``).
+
+    Args:
+        datamodule: Your ``LightningDataModule``.
+        generator: Opacus's; only None (clipbias's batches are drawn under the run's secret key).
+
+    Raises:
+        ConfigError: not a LightningDataModule, or a ``generator``.
+    """
+
+    def __new__(cls, datamodule: Any, generator: Any = None):
+        if cls is DPLightningDataModule:
+            base = next((k for k in type(datamodule).__mro__ if k.__name__ == "LightningDataModule"), None)
+            if base is None:
+                raise ConfigError(f"DPLightningDataModule wraps a LightningDataModule, got {type(datamodule).__name__}")
+            cls = _SUBCLASSES.setdefault(base, type("DPLightningDataModule", (DPLightningDataModule, base), {}))
+        return object.__new__(cls)
+
+    def __init__(self, datamodule: Any, generator: Any = None) -> None:
+        if generator is not None:
+            raise ConfigError("DPLightningDataModule(generator=...): clipbias draws the Poisson batches under the "
+                              "run's secret 256-bit key; a torch generator would make them recoverable")
+        super().__init__()
+        self.datamodule = datamodule
+
+    def prepare_data(self) -> None:
+        self.datamodule.prepare_data()
+
+    def setup(self, stage: str | None = None) -> None:
+        self.datamodule.setup(stage)
+
+    def teardown(self, stage: str | None = None) -> None:
+        self.datamodule.teardown(stage)
+
+    def train_dataloader(self):
+        from .opacus import DPDataLoader
+        return DPDataLoader.marked(self.datamodule.train_dataloader())
+
+    def val_dataloader(self):
+        return self.datamodule.val_dataloader()
+
+    def test_dataloader(self):
+        return self.datamodule.test_dataloader()
+
+    def predict_dataloader(self):
+        return self.datamodule.predict_dataloader()
+
+    def state_dict(self) -> dict:
+        return self.datamodule.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.datamodule.load_state_dict(state_dict)
+
+
+_SUBCLASSES: dict = {}
+"""LightningDataModule class -> the DPLightningDataModule built on it."""

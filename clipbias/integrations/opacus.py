@@ -117,11 +117,21 @@ class PrivacyEngine:
                                  if accountant == "gdp" else ""))
         self.accountant_name, self.secure_mode = accountant, secure_mode
         self.accountant = Accountant(self, accountant)  # Opacus's ``privacy_engine.accountant`` surface
-        self.engine: DPEngine | None = None
+        self._engine_: DPEngine | None = None
         self.module: DPModule | None = None
         self.optimizer: DPOptimizer | None = None
         self.data_loader: DPDataLoader | None = None
-        self.session: Session | None = None
+        self._session_: Session | None = None
+        self.lightning = None  # the DPCallback of Opacus's Lightning pattern (``make_private_lightning``)
+
+    @property
+    def engine(self) -> DPEngine | None:
+        """The run's ``DPEngine`` (in the Lightning pattern: its ``DPCallback``'s, once ``fit`` trains)."""
+        return self.lightning.engine if self.lightning is not None else self._engine_
+
+    @property
+    def session(self) -> Session | None:
+        return self.lightning.session if self.lightning is not None else self._session_
 
     # ------------------------------------------------------------------ making a training private
     @_speaks_opacus
@@ -244,7 +254,8 @@ class PrivacyEngine:
         if not isinstance(module, nn.Module):
             raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if any(k.__name__ == "LightningModule" for k in type(module).__mro__):
-            raise ConfigError(LIGHTNING_PATTERN)
+            return self._make_lightning(module, optimizer, data_loader, criterion, max_grad_norm, options, extra,
+                                        noise_multiplier=noise_multiplier, epsilon=epsilon, delta=delta, epochs=epochs)
         if not isinstance(data_loader, DataLoader):
             raise ConfigError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
         if data_loader.batch_size is None:
@@ -267,7 +278,7 @@ class PrivacyEngine:
         # without ``criterion`` the step trains the loss the loop computes (``rowtrace``); Opacus's ghost mode
         # computes its loss with the criterion it returns
         follow = criterion is None and options["grad_sample_mode"] != "ghost"
-        self.engine = _OpacusEngine(module, algorithm, n=n, batch_size=B, steps=steps, epsilon=epsilon,
+        self._engine_ = _OpacusEngine(module, algorithm, n=n, batch_size=B, steps=steps, epsilon=epsilon,
                                noise_multiplier=noise_multiplier,
                                delta=delta if delta is not None else extra.get("delta", default_delta(n)),
                                accountant=ACCOUNTANTS[self.accountant_name],
@@ -278,7 +289,7 @@ class PrivacyEngine:
                                max_physical_batch=extra.get("max_physical_batch", 512),
                                noise_seed=extra.get("noise_seed"), autocast=extra.get("autocast"),
                                loss_scale=extra.get("loss_scale"))
-        self.session = Session(self.engine, unstepped=UNSTEPPED, released=(
+        self._session_ = Session(self.engine, unstepped=UNSTEPPED, released=(
             "what your loop reads from the private batches and prints, logs or keeps (loss.item(), accuracy): "
             "statistics of the private data without noise", N_RELEASED))
         self.module = DPModule(module, self.session)
@@ -287,6 +298,28 @@ class PrivacyEngine:
         if options["grad_sample_mode"] == "ghost":
             return self.module, self.optimizer, criterion or nn.CrossEntropyLoss(), self.data_loader
         return self.module, self.optimizer, self.data_loader
+
+    def _make_lightning(self, module, optimizer, data_loader, criterion, max_grad_norm, options, extra, *,
+                        noise_multiplier, epsilon, delta, epochs) -> tuple:
+        """Opacus's Lightning pattern (``make_private(module=self, ...)`` in ``configure_optimizers``): a
+        ``DPCallback`` on the module's Trainer takes the private steps (``make_private_lightning``); the
+        optimizer and data loader are returned as given (the callback makes the Trainer's private), the module
+        as a handle whose ``remove_hooks()`` takes the callback off the Trainer."""
+        from .lightning import make_private_lightning
+        if options["grad_sample_mode"] == "ghost":
+            raise ConfigError("grad_sample_mode='ghost' returns a criterion for your loop; in the Lightning pattern "
+                              "training_step's loss is trained: leave grad_sample_mode at 'hooks'")
+        if self.lightning is not None and self.lightning.engine is not None:
+            raise ConfigError("this PrivacyEngine's Lightning training has taken private steps: use one "
+                              "PrivacyEngine per training")
+        self.lightning = make_private_lightning(
+            self, module, data_loader, criterion=criterion, max_grad_norm=max_grad_norm,
+            noise_multiplier=noise_multiplier, epsilon=epsilon, delta=delta, epochs=epochs,
+            accountant=ACCOUNTANTS[self.accountant_name], extra=extra)
+        callback, trainer = self.lightning, module._trainer
+        self.module = DPModule(module, remove=lambda: trainer.callbacks.remove(callback)
+                               if callback in trainer.callbacks else None)
+        return self.module, optimizer, data_loader
 
     # ------------------------------------------------------------------ privacy
     @_speaks_opacus
@@ -384,15 +417,6 @@ class PrivacyEngine:
         return ckpt
 
 
-LIGHTNING_PATTERN = (
-    "make_private on a LightningModule (Opacus's mnist_lightning pattern, make_private in configure_optimizers): "
-    "Lightning calls your module and iterates its own loaders, not the ones make_private returns, so nothing would "
-    "be private. Return the plain optimizer from configure_optimizers and add the one line "
-    "`callbacks=[DPCallback(noise_multiplier=..., max_grad_norm=...)]` to your pl.Trainer "
-    "(from clipbias.integrations.lightning import DPCallback; docs/integrations.md, \"Lightning\"); its "
-    "privacy_report() and the logged `epsilon` replace privacy_engine.get_epsilon")
-
-
 def _unwrapped(module: Any, optimizer: Any, data_loader: Any) -> tuple:
     """What ``make_private`` returned before, given again (a resumed script), as the objects it wrapped: the
     module, the optimizer and the DataLoader (Opacus accepts them too). A warning where their training took
@@ -400,7 +424,7 @@ def _unwrapped(module: Any, optimizer: Any, data_loader: Any) -> tuple:
     earlier = [w.engine for w in (optimizer, data_loader) if isinstance(w, (DPOptimizer, DPDataLoader))]
     if isinstance(module, DPModule) and module._session is not None:
         earlier.append(module._session.engine)
-    taken = max((e.steps_taken for e in earlier), default=0)
+    taken = max((e.steps_taken for e in earlier if e is not None), default=0)  # (None: a marked loader)
     if taken:
         warnings.warn(f"make_private got the module, optimizer or data loader of a training that has taken {taken} "
                       f"private step(s): this PrivacyEngine accounts its own steps from 0 (right for a new training "
@@ -489,10 +513,19 @@ class DPModule(nn.Module):
     forward in training mode on such a batch under ``torch.no_grad()`` is not recorded, but it too may not
     change a buffer. Elsewhere (``eval()``, after the step) it is your module."""
 
-    def __init__(self, module: nn.Module, session: Session | None = None) -> None:
+    def __init__(self, module: nn.Module, session: Session | None = None, remove: Callable | None = None) -> None:
         super().__init__()
         self._module = module
         self._session = session
+        self._remove = remove
+
+    def remove_hooks(self) -> None:
+        """Opacus's ``GradSampleModule.remove_hooks``: the module is no longer private (its calls are your
+        module's, and ``optimizer.step()`` finds no private batch to step on); in the Lightning pattern the
+        ``DPCallback`` leaves the Trainer (Opacus's mnist_lightning calls it before a second ``make_private``)."""
+        self._session = None
+        if self._remove is not None:
+            self._remove()
 
     def forward(self, *args, **kwargs):
         if self._session is None:
@@ -521,6 +554,17 @@ class DPDataLoader:
         self.steps_per_epoch = epoch_steps(data_loader)
         self.loader = poisson_loader(self.engine, data_loader)
 
+    @classmethod
+    def marked(cls, data_loader: DataLoader) -> "DPDataLoader":
+        """Your DataLoader marked for private training, its batches to be drawn by the step that takes it
+        (``DPLightningDataModule``'s train loader: the ``DPCallback`` that ``make_private`` adds draws them);
+        iterated on its own it refuses."""
+        loader = cls.__new__(cls)
+        loader.session = loader.engine = loader.loader = None
+        loader.original, loader.dataset, loader.batch_size = data_loader, data_loader.dataset, data_loader.batch_size
+        loader.physical_batch_size, loader.steps_per_epoch = None, epoch_steps(data_loader)
+        return loader
+
     def __len__(self) -> int:
         return self.steps_per_epoch
 
@@ -532,6 +576,10 @@ class DPDataLoader:
 
     def __iter__(self):
         engine = self.engine
+        if engine is None:
+            raise ConfigError("this data loader is marked for private training (DPLightningDataModule): its "
+                              "batches are drawn by the DPCallback that make_private adds to the Trainer; pass the "
+                              "data module to trainer.fit")
         if engine.steps_taken >= engine.total_steps:  # a pass would yield no batch: say why
             raise ConfigError(
                 f"the {engine.total_steps} steps make_private_with_epsilon planned (epochs x len(data_loader)) are "

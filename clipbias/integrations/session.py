@@ -62,6 +62,18 @@ N_RELEASED = "n, the number of training examples (the sampling rate B / n and th
 TIMES_RELEASED = "the run's timings (steps per second, runtime: they grow with the private batches' sizes)"
 
 
+SIZES_RELEASED = ("the private batches' sizes, through public data of their size (a forward on generated data of "
+                  "len(x) rows, as a DCGAN's torch.randn(batch_size, nz)): each step's public term, exact and "
+                  "unclipped, is a function of that count")
+"""What a run releases where a public forward has as many rows as the private batch (``Session._follow``)."""
+
+
+def _rows(args: tuple, kwargs: dict) -> int | None:
+    """The rows of a call's first tensor argument (None without one)."""
+    first = next((t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim() > 0), None)
+    return None if first is None else first.shape[0]
+
+
 def epoch_steps(data_loader: DataLoader) -> int:
     """The steps of one epoch as Opacus, Lightning and Hugging Face count them: ``len(data_loader)`` of the
     user's loader over its dataset (``clipbias.sampling.epoch_steps``)."""
@@ -213,6 +225,8 @@ class Session:
         with its graph, whose gradient the loop's backward adds to the update exactly (``rowtrace._backward``)."""
         chunk = pending.chunk
         if rowtrace.forward_kind(*traced, chunk, pending.data) == "public":
+            if SIZES_RELEASED not in self.released and _rows(args, kwargs) in (chunk.size, len(pending.indices)):
+                self.released = (*self.released, SIZES_RELEASED)
             return rowtrace.public_output(self.guarded(fn, *args, **kwargs), chunk)
         record = torch.is_grad_enabled()  # a no_grad pass (a "teacher" forward) is not the step's, but guarded
         with torch.no_grad():

@@ -29,9 +29,8 @@ from torch.utils.data import DataLoader
 from ..engine import DPEngine
 from ..errors import ConfigError
 from ..privacy import PrivacyReport
-from .opacus import loss_function
 from .options import DPOptions, EpsilonLog, check_trainable
-from .session import (N_RELEASED, TIMES_RELEASED, DPOptimizer, Session, epoch_steps, physical_chunks,
+from .session import (N_RELEASED, TIMES_RELEASED, DPOptimizer, Session, epoch_steps, loss_function, physical_chunks,
                       poisson_loader)
 
 __all__ = ["DPCallback", "DPLightningDataModule"]

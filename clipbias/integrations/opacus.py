@@ -25,7 +25,6 @@ guarantees holds here unchanged, and ``privacy_report()`` says what the epsilon 
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import re
@@ -35,18 +34,18 @@ from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.utils.data import DataLoader
 
 from .. import algorithms, privacy
 from ..engine import DPEngine
 from ..engine.drawn import TRANSFORMED_CAVEAT  # noqa: F401  (the caveat's text: the engine's report carries it)
 from ..errors import ClipbiasError, ConfigError
-from ..grads.rows import cross_entropy, output_gradient
 from ..privacy import PrivacyReport
 from .options import ACCOUNTANTS, default_delta, engine_config
 from .opacus_accountant import Accountant
-from .session import N_RELEASED, DPOptimizer, Session, epoch_steps, physical_chunks, poisson_loader
+from .session import (N_RELEASED, DPOptimizer, Session, epoch_steps, loss_function, physical_chunks,
+                      poisson_loader)
 
 OPACUS_WORDS = ((re.compile(r"(?<![\w.])loss_fn(?!\w)"), "criterion"), (re.compile(r"`AlgoConfig\.clip`"),
                 "`max_grad_norm`"), (re.compile(r"`epsilon`"), "`target_epsilon`"))
@@ -458,44 +457,6 @@ def check_options(*, batch_first: bool, loss_reduction: str, poisson_sampling: b
     if grad_sample_mode not in ("hooks", "ghost", "functorch", "ew"):
         raise ConfigError(f"grad_sample_mode must be hooks, ghost, functorch or ew (all run clipbias's own "
                           f"per-example gradients; grad_path= chooses them), got {grad_sample_mode!r}")
-
-
-def loss_function(criterion: Callable | None, follow: bool = False) -> Callable:
-    """The engine's per-example loss: with ``follow`` (no ``criterion``), the loss the training loop computes,
-    through the gradient its ``loss.backward()`` leaves in the outputs (``output_gradient``); for ``criterion``:
-    Opacus's default ``nn.CrossEntropyLoss()`` is the
-    engine's own cross-entropy; a loss module with ``reduction`` is evaluated with ``reduction="none"`` and
-    each example's losses averaged over its other dimensions (tokens, pixels); an elementwise loss
-    (``ELEMENTWISE``: BCE, MSE, L1, ...) takes the loader's targets in the output's shape and dtype where they
-    hold one value per output element (``y.float().unsqueeze(1)``, what a loop writes for a ``[b, 1]`` logit:
-    torch would refuse them, or broadcast ``[b]`` against ``[b, 1]`` to ``[b, b]`` in silence); any other
-    callable is evaluated one example at a time."""
-    if follow:
-        return output_gradient
-    if criterion is None or (type(criterion) is nn.CrossEntropyLoss and criterion.weight is None
-                             and criterion.ignore_index == -100 and criterion.label_smoothing == 0):
-        return cross_entropy
-    if not callable(criterion):
-        raise ConfigError(f"criterion must be callable (a loss module or function), got {type(criterion).__name__}")
-    if isinstance(criterion, nn.Module) and hasattr(criterion, "reduction"):
-        per_element = copy.copy(criterion)
-        per_element.reduction = "none"
-
-        elementwise = isinstance(criterion, ELEMENTWISE)
-
-        def per_example(out: Tensor, y: Tensor) -> Tensor:
-            if elementwise and isinstance(out, Tensor) and isinstance(y, Tensor) and y.shape != out.shape \
-                    and y.numel() == out.numel():
-                y = y.reshape(out.shape).to(out.dtype)
-            loss = per_element(out, y)
-            return loss.reshape(loss.shape[0], -1).mean(1) if loss.dim() > 1 else loss
-        per_example.batched = True  # takes the whole batch (``_criterion_gradient``)
-        return per_example
-    return criterion
-
-
-ELEMENTWISE = (nn.BCEWithLogitsLoss, nn.BCELoss, nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss)
-"""Losses of one target per output element (``loss_function`` gives them the targets in the output's shape)."""
 
 
 class DPModule(nn.Module):

@@ -20,6 +20,7 @@ optimizer's ``step``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from collections.abc import Mapping
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from ..data import batch
@@ -72,6 +73,44 @@ def _rows(args: tuple, kwargs: dict) -> int | None:
     """The rows of a call's first tensor argument (None without one)."""
     first = next((t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim() > 0), None)
     return None if first is None else first.shape[0]
+
+
+def loss_function(criterion: Callable | None, follow: bool = False) -> Callable:
+    """The engine's per-example loss: with ``follow`` (no ``criterion``), the loss the training loop computes,
+    through the gradient its ``loss.backward()`` leaves in the outputs (``output_gradient``); for ``criterion``:
+    Opacus's default ``nn.CrossEntropyLoss()`` is the
+    engine's own cross-entropy; a loss module with ``reduction`` is evaluated with ``reduction="none"`` and
+    each example's losses averaged over its other dimensions (tokens, pixels); an elementwise loss
+    (``ELEMENTWISE``: BCE, MSE, L1, ...) takes the loader's targets in the output's shape and dtype where they
+    hold one value per output element (``y.float().unsqueeze(1)``, what a loop writes for a ``[b, 1]`` logit:
+    torch would refuse them, or broadcast ``[b]`` against ``[b, 1]`` to ``[b, b]`` in silence); any other
+    callable is evaluated one example at a time."""
+    if follow:
+        return output_gradient
+    if criterion is None or (type(criterion) is nn.CrossEntropyLoss and criterion.weight is None
+                             and criterion.ignore_index == -100 and criterion.label_smoothing == 0):
+        return cross_entropy
+    if not callable(criterion):
+        raise ConfigError(f"criterion must be callable (a loss module or function), got {type(criterion).__name__}")
+    if isinstance(criterion, nn.Module) and hasattr(criterion, "reduction"):
+        per_element = copy.copy(criterion)
+        per_element.reduction = "none"
+
+        elementwise = isinstance(criterion, ELEMENTWISE)
+
+        def per_example(out: Tensor, y: Tensor) -> Tensor:
+            if elementwise and isinstance(out, Tensor) and isinstance(y, Tensor) and y.shape != out.shape \
+                    and y.numel() == out.numel():
+                y = y.reshape(out.shape).to(out.dtype)
+            loss = per_element(out, y)
+            return loss.reshape(loss.shape[0], -1).mean(1) if loss.dim() > 1 else loss
+        per_example.batched = True  # takes the whole batch (``_criterion_gradient``)
+        return per_example
+    return criterion
+
+
+ELEMENTWISE = (nn.BCEWithLogitsLoss, nn.BCELoss, nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss)
+"""Losses of one target per output element (``loss_function`` gives them the targets in the output's shape)."""
 
 
 def epoch_steps(data_loader: DataLoader) -> int:

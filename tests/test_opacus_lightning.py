@@ -143,7 +143,7 @@ def test_dp_lightning_data_module_marks_the_train_loader_and_passes_the_others_t
     train = dm.train_dataloader()
     assert isinstance(train, DPDataLoader) and len(train) == math.ceil(N / B) and len(train.dataset) == N
     with pytest.raises(ConfigError, match="marked for private training"):
-        iter(train)
+        next(iter(train))
     assert len(dm.test_dataloader().dataset) == 120
     with pytest.raises(ConfigError, match="LightningDataModule"):
         DPLightningDataModule(object())

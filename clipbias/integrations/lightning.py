@@ -30,8 +30,7 @@ from ..engine import DPEngine
 from ..errors import ConfigError
 from ..privacy import PrivacyReport
 from .options import DPOptions, EpsilonLog, check_trainable
-from .session import (N_RELEASED, TIMES_RELEASED, DPOptimizer, Session, epoch_steps, loss_function, physical_chunks,
-                      poisson_loader)
+from .session import N_RELEASED, TIMES_RELEASED, DPDataLoader, DPOptimizer, Session, loss_function
 
 __all__ = ["DPCallback", "DPLightningDataModule"]
 
@@ -280,9 +279,9 @@ class _PrivateSource:
         self.original, self.callback = original, callback
         self.instance, self.name = original.instance, original.name
 
-    def dataloader(self) -> "PoissonBatches":
+    def dataloader(self) -> DPDataLoader:
         data = self.original.dataloader()
-        data = getattr(data, "original", data) if type(data).__name__ == "DPDataLoader" else data
+        data = data.original if isinstance(data, DPDataLoader) else data  # (``DPLightningDataModule``'s)
         if not isinstance(data, DataLoader):
             raise ConfigError(f"DPCallback needs one torch DataLoader(dataset, batch_size=B) as the train dataloader, "
                               f"got {type(data).__name__}: its dataset is drawn in Poisson batches of expected size B")
@@ -293,34 +292,15 @@ class _PrivateSource:
         if old is not None and (len(old.dataset) != len(data.dataset) or old.batch_size != data.batch_size):
             raise ConfigError("the train dataloader changed its dataset size or batch size during the run")
         self.callback.data = data
-        return PoissonBatches(self.callback, data)
+        loader = DPDataLoader(None, data, session_of=lambda: self.callback.session)
+        loader.worker_init_fn = None  # (Lightning may set one; the workers' seeds come from the run's secret key)
+        return loader
 
     def is_defined(self) -> bool:
         return self.original.is_defined()
 
     def is_module(self) -> bool:
         return self.original.is_module()
-
-
-class PoissonBatches:
-    """The private train loader Lightning iterates: one epoch is ``len()`` of your DataLoader, ceil(n / B)
-    (``clipbias.sampling.epoch_steps``), secret Poisson batches of
-    your DataLoader's dataset, collated by its ``collate_fn``."""
-
-    worker_init_fn = None  # (Lightning may set one; the workers' seeds come from the run's secret key)
-
-    def __init__(self, callback: DPCallback, data: DataLoader) -> None:
-        self.callback, self.data, self.dataset = callback, data, data.dataset
-        self.batch_size = data.batch_size
-
-    def __len__(self) -> int:
-        return epoch_steps(self.data)
-
-    def __iter__(self):
-        session = self.callback.session
-        if session is None:
-            raise ConfigError("DPCallback: the private loader was iterated before training started")
-        yield from session.batches(poisson_loader(session.engine, self.data), len(self), physical_chunks(None))
 
 
 def follow(pl_module: L.LightningModule, session: Session) -> None:
@@ -409,7 +389,6 @@ class DPLightningDataModule:
         self.datamodule.teardown(stage)
 
     def train_dataloader(self):
-        from .opacus import DPDataLoader
         return DPDataLoader.marked(self.datamodule.train_dataloader())
 
     def val_dataloader(self):

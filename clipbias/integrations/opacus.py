@@ -44,8 +44,7 @@ from ..errors import ClipbiasError, ConfigError
 from ..privacy import PrivacyReport
 from .options import ACCOUNTANTS, default_delta, engine_config
 from .opacus_accountant import Accountant
-from .session import (N_RELEASED, DPOptimizer, Session, epoch_steps, loss_function, physical_chunks,
-                      poisson_loader)
+from .session import N_RELEASED, DPDataLoader, DPOptimizer, Session, epoch_steps, loss_function
 
 OPACUS_WORDS = ((re.compile(r"(?<![\w.])loss_fn(?!\w)"), "criterion"), (re.compile(r"`AlgoConfig\.clip`"),
                 "`max_grad_norm`"), (re.compile(r"`epsilon`"), "`target_epsilon`"))
@@ -498,58 +497,6 @@ class DPModule(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["_module"], name)
-
-
-class DPDataLoader:
-    """Secret Poisson batches of your DataLoader's dataset, with its ``collate_fn``, workers and pinning:
-    each example joins each step independently with probability B / n (B: your ``batch_size``); an empty
-    batch (zero rows, your collate's structure) is a noise-only step. ``len()`` is the steps of one epoch as
-    Opacus counts them, ``len()`` of your DataLoader: ceil(n / B), n // B with ``drop_last=True``
-    (``epoch_steps``); an epoch yields that many batches (fewer at the end of ``make_private_with_epsilon``'s
-    plan, which is ``epochs * len()`` steps). Yields what your ``collate_fn`` returns, as your DataLoader did."""
-
-    def __init__(self, session: Session, data_loader: DataLoader) -> None:
-        self.session, self.engine, self.original = session, session.engine, data_loader
-        self.dataset, self.batch_size = data_loader.dataset, data_loader.batch_size
-        self.physical_batch_size: int | None = None
-        self.steps_per_epoch = epoch_steps(data_loader)
-        self.loader = poisson_loader(self.engine, data_loader)
-
-    @classmethod
-    def marked(cls, data_loader: DataLoader) -> "DPDataLoader":
-        """Your DataLoader marked for private training, its batches to be drawn by the step that takes it
-        (``DPLightningDataModule``'s train loader: the ``DPCallback`` that ``make_private`` adds draws them);
-        iterated on its own it refuses."""
-        loader = cls.__new__(cls)
-        loader.session = loader.engine = loader.loader = None
-        loader.original, loader.dataset, loader.batch_size = data_loader, data_loader.dataset, data_loader.batch_size
-        loader.physical_batch_size, loader.steps_per_epoch = None, epoch_steps(data_loader)
-        return loader
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
-
-    @property
-    def batch_sampler(self):
-        """The engine's secret Poisson sampler (Opacus's ``DPDataLoader.batch_sampler`` is its Poisson sampler;
-        scripts print it): ``PoissonSampler``."""
-        return self.engine.sampler
-
-    def __iter__(self):
-        engine = self.engine
-        if engine is None:
-            raise ConfigError("this data loader is marked for private training (DPLightningDataModule): its "
-                              "batches are drawn by the DPCallback that make_private adds to the Trainer; pass the "
-                              "data module to trainer.fit")
-        if engine.steps_taken >= engine.total_steps:  # a pass would yield no batch: say why
-            raise ConfigError(
-                f"the {engine.total_steps} steps make_private_with_epsilon planned (epochs x len(data_loader)) are "
-                f"all taken, and target_epsilon covers no more (the noise was calibrated for them): this pass over "
-                f"the data loader would yield no batch. To train longer, plan it from the start: a new PrivacyEngine "
-                f"and make_private_with_epsilon(..., epochs=more) (the noise is then calibrated for the longer run), "
-                f"or make_private(noise_multiplier=...), which has no planned end (get_epsilon accounts the steps "
-                f"taken). A new training that starts from these trained weights adds its epsilon to this one's")
-        return self.session.batches(self.loader, len(self), physical_chunks(self.physical_batch_size))
 
 
 UNSTEPPED = ("the private data loader's batch was used in a forward pass but optimizer.step() was not called before "

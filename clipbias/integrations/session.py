@@ -69,10 +69,13 @@ SIZES_RELEASED = ("the private batches' sizes, through public data of their size
 """What a run releases where a public forward has as many rows as the private batch (``Session._follow``)."""
 
 
-def _rows(args: tuple, kwargs: dict) -> int | None:
-    """The rows of a call's first tensor argument (None without one)."""
+def _sizes_named(released: tuple, args: tuple, kwargs: dict, sizes: tuple) -> tuple:
+    """``released`` with ``SIZES_RELEASED`` where a public call's first tensor argument has one of the private
+    batch's ``sizes`` of rows (its chunk's, its own)."""
     first = next((t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim() > 0), None)
-    return None if first is None else first.shape[0]
+    if SIZES_RELEASED in released or first is None or first.shape[0] not in sizes:
+        return released
+    return (*released, SIZES_RELEASED)
 
 
 def loss_function(criterion: Callable | None, follow: bool = False) -> Callable:
@@ -264,8 +267,7 @@ class Session:
         with its graph, whose gradient the loop's backward adds to the update exactly (``rowtrace._backward``)."""
         chunk = pending.chunk
         if rowtrace.forward_kind(*traced, chunk, pending.data) == "public":
-            if SIZES_RELEASED not in self.released and _rows(args, kwargs) in (chunk.size, len(pending.indices)):
-                self.released = (*self.released, SIZES_RELEASED)
+            self.released = _sizes_named(self.released, args, kwargs, (chunk.size, len(pending.indices)))
             return rowtrace.public_output(self.guarded(fn, *args, **kwargs), chunk)
         record = torch.is_grad_enabled()  # a no_grad pass (a "teacher" forward) is not the step's, but guarded
         with torch.no_grad():
@@ -275,19 +277,7 @@ class Session:
         pending.inputs.append((args, kwargs))
         pending.call_chunks.append(len(pending.chunk_rows) - 1)
         leaves: list = []
-
-        def hand(t: Tensor):
-            if t.is_floating_point() and t.dim() > 0 and t.shape[0] == chunk.size:
-                leaf, handed = rowtrace.private_leaf(t, chunk)
-                leaves.append(leaf)
-                return handed
-            if t.is_floating_point():
-                raise ConfigError(f"the model returned a floating tensor of shape {tuple(t.shape)}, not one row per "
-                                  f"example of the batch's {chunk.size}: the step trains the loss your loop computes "
-                                  f"from each example's outputs; return per-example outputs, or pass `criterion=` "
-                                  f"to train that loss instead")
-            return rowtrace.rows_output(t, chunk)
-        handed = batch.map_tensors(hand, out)
+        handed = batch.map_tensors(lambda t: _private_leaf(t, chunk, leaves), out)
         pending.outputs.append(leaves)
         return handed
 
@@ -474,6 +464,81 @@ class Session:
         self.engine.load_state_dict(state)
 
 
+class DPDataLoader:
+    """Secret Poisson batches of your DataLoader's dataset, with its ``collate_fn``, workers and pinning:
+    each example joins each step independently with probability B / n (B: your ``batch_size``); an empty
+    batch (zero rows, your collate's structure) is a noise-only step. ``len()`` is the steps of one epoch as
+    Opacus, Lightning and Hugging Face count them, ``len()`` of your DataLoader: ceil(n / B), n // B with
+    ``drop_last=True`` (``epoch_steps``); an epoch yields that many batches (fewer at the end of a planned run:
+    ``make_private_with_epsilon``'s ``epochs * len()`` steps). Yields what your ``collate_fn`` returns, as your
+    DataLoader did, split in chunks of at most ``physical_batch_size`` rows (``BatchMemoryManager``). The
+    Opacus interface returns it from ``make_private``; Lightning's ``DPCallback`` hands it to the Trainer as the
+    train loader (its session read at each pass: ``session_of``); ``marked`` is one with no session yet."""
+
+    def __init__(self, session: Session | None, data_loader: DataLoader,
+                 session_of: Callable[[], Session | None] | None = None) -> None:
+        self._session, self._session_of, self.original = session, session_of, data_loader
+        self.dataset, self.batch_size = data_loader.dataset, data_loader.batch_size
+        self.physical_batch_size: int | None = None
+        self.steps_per_epoch = epoch_steps(data_loader)
+        self._loader: tuple | None = None  # (engine, its PoissonLoader of the dataset)
+
+    @classmethod
+    def marked(cls, data_loader: DataLoader) -> "DPDataLoader":
+        """Your DataLoader marked for private training, its batches to be drawn by the step that takes it
+        (``DPLightningDataModule``'s train loader: the ``DPCallback`` that ``make_private`` adds draws them);
+        iterated on its own it refuses."""
+        return cls(None, data_loader)
+
+    @property
+    def session(self) -> Session | None:
+        return self._session_of() if self._session_of is not None else self._session
+
+    @property
+    def engine(self) -> DPEngine | None:
+        return self.session.engine if self.session is not None else None
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    @property
+    def batch_sampler(self):
+        """The engine's secret Poisson sampler (Opacus's ``DPDataLoader.batch_sampler`` is its Poisson sampler;
+        scripts print it): ``PoissonSampler``."""
+        return self.engine.sampler if self.engine is not None else None
+
+    def __iter__(self):
+        if self._session_of is not None:  # (Lightning's: the session is read at the first batch)
+            return self._at_first_batch()
+        return self._batches(self._session)
+
+    def _at_first_batch(self) -> Iterator:
+        yield from self._batches(self.session)
+
+    def _batches(self, session: Session | None) -> Iterator:
+        if session is None:  # (refused at the first batch: Lightning checks that a loader is iterable)
+            return _no_session()
+        engine = session.engine
+        if engine.steps_taken >= engine.total_steps:  # a pass would yield no batch: say why
+            raise ConfigError(
+                f"the {engine.total_steps} steps make_private_with_epsilon planned (epochs x len(data_loader)) are "
+                f"all taken, and target_epsilon covers no more (the noise was calibrated for them): this pass over "
+                f"the data loader would yield no batch. To train longer, plan it from the start: a new PrivacyEngine "
+                f"and make_private_with_epsilon(..., epochs=more) (the noise is then calibrated for the longer run), "
+                f"or make_private(noise_multiplier=...), which has no planned end (get_epsilon accounts the steps "
+                f"taken). A new training that starts from these trained weights adds its epsilon to this one's")
+        if self._loader is None or self._loader[0] is not engine:
+            self._loader = (engine, poisson_loader(engine, self.original))
+        return session.batches(self._loader[1], len(self), physical_chunks(self.physical_batch_size))
+
+
+def _no_session() -> Iterator:
+    raise ConfigError("this data loader is marked for private training, and no private training has started with "
+                      "it: DPLightningDataModule's train loader is drawn by the DPCallback that make_private adds to "
+                      "the Trainer (pass the data module to trainer.fit)")
+    yield  # (a generator: the error comes at the first batch)
+
+
 class DPOptimizer(torch.optim.Optimizer):
     """Your optimizer, made private: ``step()`` runs ``closure`` (if given) and then the private step on the
     batch the private loader drew (``Session.step``), which ends in your optimizer's own ``step`` on the private
@@ -573,6 +638,22 @@ class Deferred(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.original.load_state_dict(state_dict)
+
+
+def _private_leaf(t: Tensor, chunk: Any, leaves: list) -> Any:
+    """An output of the step's forward as the loop gets it: a floating tensor of one row per example of the
+    chunk as a traced leaf (kept in ``leaves``: its gradient is what the step trains), other tensors traced as
+    values of the rows; a floating tensor of another row count is refused."""
+    if t.is_floating_point() and t.dim() > 0 and t.shape[0] == chunk.size:
+        leaf, handed = rowtrace.private_leaf(t, chunk)
+        leaves.append(leaf)
+        return handed
+    if t.is_floating_point():
+        raise ConfigError(f"the model returned a floating tensor of shape {tuple(t.shape)}, not one row per "
+                          f"example of the batch's {chunk.size}: the step trains the loss your loop computes "
+                          f"from each example's outputs; return per-example outputs, or pass `criterion=` "
+                          f"to train that loss instead")
+    return rowtrace.rows_output(t, chunk)
 
 
 def _settings(optimizer: Any) -> list[dict]:

@@ -248,6 +248,13 @@ def _print(t: Tensor | None) -> tuple | None:
         return ("unreadable", id(t), type(t))
 
 
+def fingerprint(t: Tensor) -> tuple | None:
+    """A tensor's fingerprint as the guard takes a parameter's: object, version counter (every in-place write bumps
+    it), storage, offset, shape, dtype and strides (the integrations' optimizer-state check,
+    ``clipbias.integrations.session.OptimizerWatch``)."""
+    return _print(t)
+
+
 class _Values:
     """A tensor attribute's fingerprint: its shape, dtype and values (a copy), compared bit for bit."""
 

@@ -39,9 +39,15 @@ call on a traced tensor whose result holds no tensor, but its shape) is recorded
 backward after it is not proved (``_unproven``): the loss, or whether and which loss reaches the backward, may
 depend on the value read; so is a step whose batch or outputs changed through an alias (fingerprints), whose
 loss has a custom ``autograd.Function``, or that called the model on other data not declared public
-(``public``): torch lets a copy of the batch escape without a read (``torch.tensor(x)``, dlpack,
-``_make_subclass``). Such a step is released, counted and reported uncertified, with the reason. A call on
-an alias or an exact copy of the batch's rows is the private forward.
+(``public``): torch lets a copy of the batch escape without a read (``torch.tensor(x)``,
+``torch.asarray(x, copy=True)``, ``torch.nested``, dlpack, ``_make_subclass``), also into declared public data
+combined with it (``UNDECLARED``). Such a step is released, counted and reported uncertified, with the reason.
+A call on an alias or an exact copy of the batch's rows is the private forward.
+
+Between steps: a model call on a batch already stepped on returns its rows (``outputs_of``); an in-place
+write of a value of such a batch into a parameter is refused before it runs (``_refuse_state_write``), and
+parameters that move after the loop first computed with such a value make the next step unproven
+(``Run.touched``, ``Run.moved``).
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ from ..data import batch
 from ..errors import ConfigError
 
 ROWS, ONE, SUM, PUBLIC, MIXED = "rows", "one", "sum", "public", "mixed"
+UNDECLARED = "public data combined with a tensor not declared public"
+"""The ``why`` of a ``PUBLIC`` label computed with a plain tensor that requires no grad (``forward_kind``)."""
 
 
 class Rows:
@@ -86,10 +94,46 @@ class Rows:
 class Run:
     """What the chunks of one training share: whether a value of a batch was read out of torch after its step
     (``read_after_step``). Such a value may feed a later step's public term, which reaches the update unclipped:
-    a later step with a public part is then not proved (``clipbias.integrations.session.Session.follow``)."""
+    a later step with a public part is then not proved (``clipbias.integrations.session.Session.follow``).
+    ``model``: the model trained, whose parameters a value of a batch may not be written into after its step
+    (``_refuse_state_write``; before it, and for buffers between steps, the state guard refuses); ``since``: its
+    parameters' fingerprints when the loop first computed with a value of a batch already stepped on, after the
+    last step (``touched``): parameters that move after that are not proved post-processing (``moved``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: torch.nn.Module | None = None) -> None:
         self.read_after_step: str | None = None
+        self.model = model
+        self.since: list | None = None
+
+    def touched(self) -> None:
+        """The loop computed with a value of a batch after its step: fingerprint the parameters now (once a
+        window between two steps)."""
+        if self.since is None and self.model is not None:
+            self.since = _param_prints(self.model)
+
+    def moved(self) -> bool:
+        """Whether a parameter was written since ``touched`` (cleared: the next window starts with the step)."""
+        since, self.since = self.since, None
+        return since is not None and _param_prints(self.model) != since
+
+    def state_storages(self) -> set[int]:
+        """The storages of the model's parameters."""
+        if self.model is None:
+            return set()
+        with torch._C.DisableTorchFunctionSubclass():
+            return {_storage_of(t) for t in self.model.parameters()} - {None}
+
+
+def _param_prints(model: torch.nn.Module) -> list:
+    with torch._C.DisableTorchFunctionSubclass():
+        return [(id(p), p._version, _storage_of(p), p.storage_offset(), tuple(p.shape)) for p in model.parameters()]
+
+
+def _storage_of(t: Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _fingerprint(t: Tensor) -> tuple:
@@ -128,6 +172,10 @@ class Traced(Tensor):
         if name == "__get__":  # an attribute: .shape, .dtype, .data, .T, .grad ...
             name = getattr(getattr(func, "__self__", None), "__name__", "__get__")
         found = [t._label for t in _traced(args, kwargs)]
+        _after_step(found)
+        if _writes(name, kwargs) and any(lab.kind != PUBLIC and lab.rows is not None and lab.rows.stepped
+                                         for lab in found):
+            _refuse_state_write(name, args, kwargs, found)
         if name in ("backward", "grad") and func in (Tensor.backward, torch.autograd.backward, torch.autograd.grad):
             return _backward(func, args, kwargs, found)
         if name in HOOKS and any(lab.kind != PUBLIC for lab in found):
@@ -147,12 +195,13 @@ class Traced(Tensor):
             _escape(found, name, args)
             if not _holds_tensor(out):
                 return out
-        if name in LIKE and not _traced(args[1:], kwargs) or name in ESCAPES:
-            return out
+        if name in LIKE and not _traced(args[1:], kwargs) or name in ESCAPES:  # (a public tensor's shape: public)
+            return wrap(out, Label(PUBLIC, None)) if name in LIKE and all(lab.kind == PUBLIC for lab in found) \
+                and isinstance(out, Tensor) else out
         label = _label(name, args, kwargs, found, out)
         if label.rows is None:  # (a combination that is refused keeps its chunk: a read of it is the chunk's)
             label = Label(label.kind, next((lab.rows for lab in found if lab.rows is not None), None), label.why)
-        if name.endswith("_") and not name.startswith("__") or name in ("__setitem__", "copy_") or "out" in kwargs:
+        if _writes(name, kwargs):
             _written(name, args, kwargs, label)
         return wrap(out, label)
 
@@ -160,8 +209,51 @@ class Traced(Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return wrap(self.as_subclass(Tensor).clone(), self._label)
 
-    def __reduce_ex__(self, proto):  # pickled (a DataLoader worker, torch.save): a plain tensor
-        return self.as_subclass(Tensor).__reduce_ex__(proto)
+    def __copy__(self):  # (``copy.copy``: a copy, it stays traced)
+        with torch._C.DisableTorchFunctionSubclass():
+            return wrap(self.as_subclass(Tensor).clone(), self._label)
+
+    def __reduce_ex__(self, proto):  # pickled (torch.save, a pickle): a plain tensor, its values read out of torch
+        _escape([self._label], "__reduce_ex__", ())
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(Tensor).__reduce_ex__(proto)
+
+
+def _writes(name: str, kwargs: dict) -> bool:
+    """An in-place operation (its first argument, or ``out=``, written)."""
+    return name.endswith("_") and not name.startswith("__") or name in ("__setitem__", "copy_", "set_") \
+        or "out" in kwargs
+
+
+def _after_step(found: list[Label]) -> None:
+    """The loop computes with a value of a batch whose step was taken (``Run.touched``)."""
+    for lab in found:
+        if lab.rows is not None and lab.rows.stepped and lab.rows.run is not None and lab.kind != PUBLIC:
+            lab.rows.run.touched()
+            return
+
+
+def _refuse_state_write(name: str, args, kwargs, found: list[Label]) -> None:
+    """Refuse, before it runs, an in-place write of a value computed from a batch already stepped on into the
+    model's parameters (``m.bias.sub_(x.abs().amax())`` after ``optimizer.step()``, which the state guard leaves
+    to post-processing): released with the model, unclipped and without noise (22,572 times the bound,
+    certified, before)."""
+    target = kwargs.get("out", args[0] if args else None)
+    targets = [t for t in (target if isinstance(target, (tuple, list)) else [target])
+               if isinstance(t, Tensor) and not isinstance(t, Traced)]
+    run = next((lab.rows.run for lab in found if lab.rows is not None and lab.rows.run is not None), None)
+    if not targets or run is None:
+        return
+    state = run.state_storages()
+    with torch._C.DisableTorchFunctionSubclass():
+        if not any(_storage_of(t) in state for t in targets):
+            return
+    raise ConfigError(
+        f"an in-place `{name}` after optimizer.step() would write a value computed from the private batch into the "
+        f"model's parameters: the model is released, and such a write reaches it unclipped and without noise (the "
+        f"DP guarantee covers only the noisy update). Only the private step may change the parameters from the data; "
+        f"post-processing between steps (weight clipping, renormalising) must use constants and the parameters "
+        f"alone")
 
 
 def _holds_tensor(out: Any) -> bool:
@@ -244,7 +336,7 @@ ESCAPES = frozenset("""numpy tolist __array__ __dlpack__ data_ptr untyped_storag
 __array_wrap__ as_subclass""".split())
 """Operations that take a tensor's values out of torch, where the labels cannot follow them (``Rows.escaped``)."""
 
-READS = ESCAPES | frozenset("item __float__ __int__ __index__ __bool__ __complex__".split())
+READS = ESCAPES | frozenset("item __float__ __int__ __index__ __bool__ __complex__ apply_ map_ map2_".split())
 """Reading values of the private step out of torch (``_escape``): before the backward, the loss or the control
 flow that reaches the backward may depend on them, which the labels cannot follow."""
 
@@ -328,8 +420,10 @@ def _label(name: str, args, kwargs, found: list[Label], out: Any) -> Label:
     if name == "__setitem__":
         return _setitem_label(args, found)
     private = [lab for lab in found if lab.private]
-    if not private:
-        return Label(PUBLIC, found[0].rows)
+    if not private:  # (combined with a tensor not declared public, a copy of the batch may hide in it: ``UNDECLARED``)
+        undeclared = any(not t.requires_grad for t in _plain_tensors(args, kwargs))
+        why = UNDECLARED if undeclared else next((lab.why for lab in found if lab.why), "")
+        return Label(PUBLIC, found[0].rows, why)
     rows = private[0].rows
     if any(lab.rows is not rows for lab in private):
         return mixed(f"`{name}` combines tensors of two different batches")
@@ -709,6 +803,8 @@ def forward_kind(args, kwargs, rows: Rows, drawn: Any) -> str:
     traced = [t for t in _traced(args, kwargs) if t._label.private or t._label.kind == MIXED]
     if traced:
         bad = next((t._label.why for t in traced if t._label.kind == MIXED), None)
+        if any(t._label.rows is not None and t._label.rows.stepped for t in traced):  # (kept from an earlier step)
+            bad = "a value of a batch already stepped on, or the model's outputs on it, in a later step"
         if bad is None and all(t._label.kind == ROWS and t._label.rows is rows and t.dim() > 0
                                and t.shape[0] == rows.size for t in traced):
             return "private"
@@ -728,6 +824,10 @@ def forward_kind(args, kwargs, rows: Rows, drawn: Any) -> str:
         elif undeclared:
             rows.unproven = ("a forward on data not declared public (clipbias.public(tensor)); it is taken as public, "
                              "but a copy of the batch made out of clipbias's sight would be too")
+        elif any(t._label.why == UNDECLARED for t in declared):
+            rows.unproven = ("a forward on public data combined with a tensor not declared public (clipbias.public"
+                             "(tensor)); a copy of the batch made out of clipbias's sight (torch.asarray(x, copy=True), "
+                             "torch.tensor(x)) would be such a tensor")
     return "public"
 
 
@@ -780,6 +880,21 @@ def private_leaf(out: Tensor, rows: Rows) -> Tensor:
 
 def public_output(out: Any, rows: Rows) -> Any:
     return batch.map_tensors(lambda t: wrap(t, Label(PUBLIC, rows)), out)
+
+
+def outputs_of(out: Any, args, kwargs) -> Any:
+    """A model call's outputs outside the private step (no batch pending, or eval mode) labelled by the private
+    tensors it read: rows of their chunk (a call on a batch already stepped on, ``h = model(xb)`` after
+    ``optimizer.step()``, gives values of that batch, which the rules then keep out of later steps), combining
+    examples where its inputs were not one chunk's rows as drawn; as they are where it read nothing private."""
+    private = [t._label for t in _traced(args, kwargs) if t._label.kind != PUBLIC]
+    if not private:
+        return out
+    rows = private[0].rows
+    if rows is not None and all(lab.kind == ROWS and lab.rows is rows for lab in private):
+        return rows_output(out, rows)
+    return batch.map_tensors(lambda t: wrap(t, Label(MIXED, rows, "an output of the model on a tensor computed "
+                                                     "from a private batch, not its rows as drawn")), out)
 
 
 def rows_output(out: Any, rows: Rows) -> Any:

@@ -11,7 +11,8 @@ are framework glue around one ``Session``:
   loss the loop computes. Without a ``criterion`` (``follows``) that gradient is what the step trains
   (``rowtrace`` proves it per example); with one, the step differentiates ``criterion`` and says so where the
   loop's loss differs (``check_loss``).
-* ``Session.step`` takes the private step on the pending batch (``DPEngine.step``); ``DPOptimizer`` is the
+* ``Session.step`` takes the private step on the pending batch (``DPEngine.step``), at the optimizer's settings
+  and state as the batch was drawn and as the last step left them (``OptimizerWatch``); ``DPOptimizer`` is the
   user's optimizer with that step; ``report``, ``state_dict`` and ``load_state_dict`` are the run's.
 
 Each adapter decides only where these are called from: its loader's ``__iter__``, its model's forward, its
@@ -20,6 +21,7 @@ optimizer's ``step``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import warnings
@@ -32,11 +34,12 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from ..data import batch
-from ..engine import DPEngine, accounting
-from ..engine.checks import class_indices
+from ..engine import DPEngine, accounting, guard
+from ..engine.checks import class_indices, padding_refusal
 from ..errors import ClipbiasError, ConfigError
 from ..grads.rows import cross_entropy, output_gradient
 from ..privacy import PrivacyReport, check_delta
+from ..randomness import forward
 from ..sampling.loader import PoissonLoader, TensorData, split
 from ..sampling.poisson import epoch_steps as sampling_epoch_steps
 from . import rowtrace
@@ -167,6 +170,12 @@ LOSS_WARNING = ("the loss your training loop computes is not `criterion`'s: its 
                 "or pass that loss as `criterion`: a loss module with `reduction` (evaluated per example), or a "
                 "function of (outputs, targets) that returns one loss per example")
 
+PARAMETERS_MOVED = (
+    "the model's parameters changed between steps after the loop computed with a value of an earlier batch (a "
+    "parameter written from it, `p.data = ...` or through a value read out of torch, reaches the released model "
+    "unclipped); post-processing such as weight clipping is proved when it comes before any use of the batch's "
+    "values after optimizer.step()")
+
 UNPROVEN_WARNING = (
     "this step's loss could not be proved a sum of per-example terms: {}. The run is no longer certified "
     "(privacy_report() says why). To keep the guarantee, read values (loss.item(), accuracy) after "
@@ -192,12 +201,12 @@ class Session:
                  eager: bool | None = None) -> None:
         self.engine, self.unstepped, self.released = engine, unstepped, released
         self.pending: Pending | None = None
-        self.run = rowtrace.Run()  # reads of a batch after its step (``follows``)
+        self.run = rowtrace.Run(engine.state_guard.model)  # reads of a batch after its step (``follows``)
         self.anchor = torch.zeros((), requires_grad=True)
         self.eager = eager  # whether the forward may take the step (criterion; None: its first forward decides)
         self.loss_checks = 0  # steps whose loop's loss was held against criterion's (``check_loss``)
         self.stepping = False  # inside ``DPEngine.step`` (``engine_step``)
-        self.settings: list | None = None  # the optimizer's settings when the pending batch was drawn
+        self.watch = OptimizerWatch(engine.optimizer)  # its settings and state as drawn and stepped
 
     @property
     def follows(self) -> bool:
@@ -218,7 +227,7 @@ class Session:
                 check(data)
             parts = chunks(data)
             self.pending = pending = Pending(idx, data, len(parts))
-            self.settings = _settings(self.engine.optimizer)  # (the step is taken at these: ``engine_step``)
+            self.watch.drawn()  # (the step is taken at these settings and this state: ``engine_step``)
             for chunk in parts:
                 pending.yielded += 1
                 if self.follows:  # traced rows (``rowtrace``), a ``Rows`` per chunk; a value read out of an
@@ -245,9 +254,9 @@ class Session:
             args, kwargs, traced = rowtrace.plain(args), rowtrace.plain(kwargs), (args, kwargs)
         if self.follows and pending is not None and not training and rowtrace.reads_rows(*traced):
             with torch.no_grad():  # (eval mode on the private rows: values for metrics, no gradient to hide)
-                return rowtrace.rows_output(self.guarded(fn, *args, **kwargs), pending.chunk)
-        if pending is None or not training:
-            return fn(*args, **kwargs)
+                return rowtrace.outputs_of(self.guarded(fn, *args, **kwargs), *traced)
+        if pending is None or not training:  # (on a batch already stepped on: its rows, a read of them is one)
+            return rowtrace.outputs_of(fn(*args, **kwargs), *traced) if self.follows else fn(*args, **kwargs)
         if self.follows:
             return self._follow(fn, pending, args, kwargs, traced)
         record = torch.is_grad_enabled()  # a no_grad pass (a "teacher" forward) is not the step's, but guarded
@@ -270,7 +279,7 @@ class Session:
             self.released = _sizes_named(self.released, args, kwargs, (chunk.size, len(pending.indices)))
             return rowtrace.public_output(self.guarded(fn, *args, **kwargs), chunk)
         record = torch.is_grad_enabled()  # a no_grad pass (a "teacher" forward) is not the step's, but guarded
-        with torch.no_grad():
+        with torch.no_grad(), keyed_rows(self.engine, pending, (args, kwargs)):  # (the step's own dropout masks)
             out = self.guarded(fn, *args, **kwargs)
         if not record:
             return rowtrace.rows_output(out, chunk)
@@ -333,22 +342,17 @@ class Session:
         self.engine_step(x, y, pending.indices, keep_outputs=keep_outputs)
 
     def engine_step(self, *args, **kwargs) -> Any:
-        """``DPEngine.step``, at the optimizer's settings of the moment the batch was drawn (refused otherwise:
-        a learning rate set from a value of the batch, 0 at a spike, would release which batches held an
-        outlier); the model's forward inside it is the engine's own (``call`` passes it through)."""
-        now = _settings(self.engine.optimizer)
-        if self.settings is not None and now != self.settings:
-            changed = sorted({k for a, b in zip(now, self.settings) for k in a if a.get(k) != b.get(k)})
-            raise ConfigError(f"the optimizer's {', '.join(changed) or 'param_groups'} changed after the private data "
-                              f"loader drew this batch and before its step: a setting chosen after the batch was seen "
-                              f"may depend on its values (a learning rate of 0 when the loss spikes releases which "
-                              f"batches held an outlier). Set it before the batch is drawn (at the top of the epoch), "
-                              f"or with a learning-rate scheduler stepped after optimizer.step()")
-        self.stepping = True
+        """``DPEngine.step``, at the optimizer's settings and state of the moment the batch was drawn, and at the
+        state the last step left (``OptimizerWatch``: refused otherwise); the model's forward inside it is the
+        engine's own (``call`` passes it through)."""
+        self.watch.check()
+        self.stepping, taken = True, self.engine.steps_taken
         try:
             return self.engine.step(*args, **kwargs)
         finally:
             self.stepping = False
+            if self.engine.steps_taken != taken:  # (the optimizer's own step on the update wrote its state)
+                self.watch.stepped()
 
     def recorded(self, pending: Pending) -> tuple:
         """The logical batch's model inputs (as recorded) and targets (the loader's, or a ``labels`` keyword)."""
@@ -433,6 +437,8 @@ class Session:
         for chunk in pending.chunk_rows:  # a read after the backward, before this step, may steer the step
             if chunk.unproven is None and chunk.escaped is not None:
                 chunk.unproven = chunk.escaped + " before optimizer.step()"
+        if self.run.moved():  # (parameters written after the loop computed with a value of an earlier batch)
+            pending.chunk_rows[0].unproven = pending.chunk_rows[0].unproven or PARAMETERS_MOVED
         if self.run.read_after_step is not None and any(p is not None and bool(p.any()) for p in public):
             pending.chunk_rows[0].unproven = pending.chunk_rows[0].unproven or (
                 f"a public term after {self.run.read_after_step} (it may carry that batch into the update unclipped)")
@@ -453,6 +459,7 @@ class Session:
         """The guarantee after the steps taken, at ``delta`` (default: the run's)."""
         if delta is not None:
             check_delta(delta)
+        unstepped(self)  # (a batch handed out and not stepped on counts as passed over, closed or not)
         report = accounting.report(self.engine, self.engine.steps_taken, delta)  # (one accountant run, the caveats)
         return dataclasses.replace(report, released=(*report.released, *self.released))
 
@@ -462,6 +469,7 @@ class Session:
 
     def load_state_dict(self, state: dict) -> None:
         self.engine.load_state_dict(state)
+        self.watch.after = None  # (the optimizer's state loaded: the next draw takes it as it is)
 
 
 class DPDataLoader:
@@ -595,6 +603,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.original_optimizer.load_state_dict(state_dict)
+        self.session.watch.after = None  # (loaded, not written from a batch: the next draw takes it as it is)
 
     def add_param_group(self, param_group: dict) -> None:
         raise ConfigError("add_param_group after the training was made private: the private update covers the "
@@ -658,11 +667,127 @@ def _private_leaf(t: Tensor, chunk: Any, leaves: list) -> Any:
 
 def _settings(optimizer: Any) -> list[dict]:
     """The optimizer's settings: every ``param_groups`` entry as plain values, the parameters by identity (a
-    parameter moved into a group of learning rate 0 is a change)."""
+    parameter moved into a group of learning rate 0 is a change), any other value a deep copy (a list such as
+    Rprop's ``step_sizes`` edited in place is a change)."""
     def plain(v: Any) -> Any:
-        return [id(p) for p in v] if isinstance(v, list) and all(isinstance(p, Tensor) for p in v) else \
-            v.detach().cpu().tolist() if isinstance(v, Tensor) else v
+        if isinstance(v, list) and v and all(isinstance(p, Tensor) for p in v):
+            return [id(p) for p in v]
+        if isinstance(v, Tensor):
+            return v.detach().cpu().tolist()
+        try:
+            return copy.deepcopy(v)
+        except Exception:  # (an object that cannot be copied: by identity, as before)
+            return v
     return [{k: plain(v) for k, v in g.items()} for g in optimizer.param_groups]
+
+
+def _state_print(optimizer: Any) -> dict:
+    """The optimizer's state (``optimizer.state``: momentum buffers, Adam's moments and step counts) as a
+    fingerprint: per parameter (by identity) and entry, a tensor's object, version counter, storage and layout
+    (every in-place write bumps the counter: ``buf.mul_``, ``copy_``, ``fill_``), any other value a deep copy."""
+    out, state = {}, getattr(optimizer, "state", None)
+    for p, entries in list(state.items() if isinstance(state, Mapping) else ()):
+        items = entries.items() if isinstance(entries, Mapping) else [(None, entries)]
+        for k, v in list(items):
+            out[(id(p), repr(k))] = _value_print(v)
+    return out
+
+
+def _value_print(v: Any) -> Any:
+    if isinstance(v, Tensor):
+        return guard.fingerprint(v)
+    if isinstance(v, (tuple, list)):
+        return (type(v), tuple(_value_print(e) for e in v))
+    if isinstance(v, Mapping):
+        return (type(v), tuple((repr(k), _value_print(e)) for k, e in v.items()))
+    try:
+        return (type(v), copy.deepcopy(v))
+    except Exception:
+        return (type(v), id(v))
+
+
+class OptimizerWatch:
+    """The optimizer's settings (``param_groups``) and state (``optimizer.state``) as the private loader drew the
+    pending batch (``drawn``), and its state as the last private step left it (``stepped``: the optimizer's own
+    step on the noisy update is the only writer of its state). ``check``, before each step, refuses a step taken
+    at other settings or another state: a learning rate, or a momentum buffer or Adam moment, written from a
+    value of a batch, between its draw and its step or between steps, reaches the next updates unclipped and
+    without noise (a red team moved the released weights by 2.3e4 to 2.4e6 times the bound so, certified)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+        self.settings: list | None = None  # the settings when the pending batch was drawn
+        self.state: dict | None = None  # the state when the pending batch was drawn
+        self.after: dict | None = None  # the state when the last step ended (None: none yet, or loaded since)
+
+    def drawn(self) -> None:
+        self.settings, self.state = _settings(self.optimizer), _state_print(self.optimizer)
+
+    def stepped(self) -> None:
+        self.after = _state_print(self.optimizer)
+
+    def check(self) -> None:
+        """Refuse a step at settings or a state other than those of the draw (and of the last step's end)."""
+        now = _settings(self.optimizer)
+        if self.settings is not None and not _same(now, self.settings):
+            changed = sorted({k for a, b in zip(now, self.settings) for k in a if not _same(a.get(k), b.get(k))})
+            raise ConfigError(f"the optimizer's {', '.join(changed) or 'param_groups'} changed after the private data "
+                              f"loader drew this batch and before its step: a setting chosen after the batch was seen "
+                              f"may depend on its values (a learning rate of 0 when the loss spikes releases which "
+                              f"batches held an outlier). Set it before the batch is drawn (at the top of the epoch), "
+                              f"or with a learning-rate scheduler stepped after optimizer.step()")
+        state = _state_print(self.optimizer)
+        windows = (("after the last private step and before this batch was drawn", self.after, self.state),
+                   ("after the private data loader drew this batch and before its step", self.state, state))
+        for when, before, later in windows:
+            if before is None or later is None or _same(before, later):
+                continue
+            names = sorted({k for _, k in before.keys() ^ later.keys()} | {k for (i, k), v in later.items()
+                                                                             if not _same(before.get((i, k), v), v)})
+            raise ConfigError(
+                f"the optimizer's state ({', '.join(n.strip(chr(39)) for n in names[:4]) or 'its entries'}) changed "
+                f"{when}: only the optimizer's own step on the private update may write it. A momentum buffer or an "
+                f"Adam moment written from the batch (or chosen on it) reaches every later update unclipped and "
+                f"without noise. Leave optimizer.state to optimizer.step(); to reset it, do so before training, or "
+                f"load a saved state with optimizer.load_state_dict. This run's optimizer now holds the written state: "
+                f"its later steps are refused until such a state is loaded")
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # (values whose == is not a truth value: compared by their text)
+        return repr(a) == repr(b)
+
+
+@contextlib.contextmanager
+def keyed_rows(engine: DPEngine, pending: Pending, call: tuple) -> Iterator[None]:
+    """The loop's forward on the rows of the pending batch's last chunk under the step's keyed randomness
+    (``randomness.forward``: the engine's key and step, the chunk's example indices): its dropout masks are the
+    ones the step's own forward draws for those examples, per example, and any other draw (or a public
+    generator moved) is refused. The gradient the loop leaves in these outputs is what the step trains: drawn
+    from torch's global generator by batch position, example i's term would depend on which others were drawn
+    (2.7 to 11 times the add/remove bound, certified, before)."""
+    start = sum(c.size for c in pending.chunk_rows[:-1])
+    ids = pending.indices[start:start + pending.chunk.size]
+    try:
+        x = _as_batch(call)
+    except ConfigError:  # (refused at the step, with the reason)
+        x = None
+    device = engine.params[0].device
+    with forward.keyed(engine.key, engine.steps_taken, device, engine._dropout_layouts, padding_refusal(x)), \
+            forward.examples(ids), forward.one_pass():
+        yield
+
+
+def unstepped(session: Session) -> None:
+    """A batch the private loader handed out and no step used, at the time of a report, counts as passed over
+    (``PoissonSampler.abandon``), as it does once the loader is closed: a loop that keeps its iterator alive
+    (``it = iter(loader); xb = next(it); ... break``) has looked at it, and whether it stopped may depend on
+    it. A step that uses it later settles it (not passed over)."""
+    pending, sampler = session.pending, getattr(session.engine, "sampler", None)
+    if pending is not None and not pending.stepped and sampler is not None and sampler.last is not None:
+        sampler.abandon()
 
 
 def _criterion_gradient(loss_fn: Callable, out: Tensor, y: Any) -> Tensor:

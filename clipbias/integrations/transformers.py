@@ -470,6 +470,7 @@ class DPTrainer(transformers.Trainer):
         if pending.seen < pending.chunks:  # an earlier chunk of the logical batch: the step comes at its last
             return torch.zeros((), device=self.args.device)
         session.pending = None
+        session.watch.check()  # (the optimizer's settings and state as the batch was drawn: ``OptimizerWatch``)
         model.train()
         x, y = self._split_labels(pending.data)
         x, y = self._prepare_input(x), self._prepare_input(y)

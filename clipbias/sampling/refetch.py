@@ -150,26 +150,56 @@ def probe(engine: Any, model: Any, x: Any, indices: Tensor | None, guarded: Call
     step whose batch the check saw; the forwards under ``guarded`` (the state guard: they may not write the
     model either)."""
     seen = engine.__dict__.pop("padding_probe", None)
-    if seen is None or indices is None or not isinstance(x, Mapping):
+    if seen is None or indices is None:
         return
     idx, j, alone = seen
     if not torch.equal(idx, indices.detach().cpu()) or j >= len(idx):
         return
     alone = alone[0] if isinstance(alone, (tuple, list)) else alone
-    if not isinstance(alone, Mapping) or any(k not in alone for k in x):
+    if not isinstance(alone, Mapping):
         return
     device = next(iter(engine.params)).device
-    one = {k: alone[k].to(device) if isinstance(alone[k], Tensor) else alone[k] for k in x}
-    row = {k: v[j:j + 1] if isinstance(v, Tensor) and v.dim() > 0 else v for k, v in x.items()}
+    if isinstance(x, Mapping):
+        if any(k not in alone for k in x):
+            return
+        one = {k: alone[k].to(device) if isinstance(alone[k], Tensor) else alone[k] for k in x}
+        row = {k: v[j:j + 1] if isinstance(v, Tensor) and v.dim() > 0 else v for k, v in x.items()}
+        call_one, call_row = (lambda: model(**one)), (lambda: model(**row))
+    else:  # a positional call on the dict's entries (``model(inputs["input_ids"])``): each matched to its entry
+        args = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+        one = _positional(args, alone, j, device)
+        if one is None:  # (not matched: the padding the model reads is not known to be ignored)
+            note(engine, "padding")
+            return
+        row = tuple(v[j:j + 1] if isinstance(v, Tensor) and v.dim() > 0 else v for v in args)
+        call_one, call_row = (lambda: model(*one)), (lambda: model(*row))
     was = model.training
     try:
         model.eval()
         with torch.no_grad():
-            a, b = guarded(lambda: model(**one)), guarded(lambda: model(**row))
+            a, b = guarded(call_one), guarded(call_row)
     finally:
         model.train(was)
     if not _same_extent(a, b):
         note(engine, "reads padding")
+
+
+def _positional(args: tuple, alone: Mapping, j: int, device: Any) -> tuple | None:
+    """The example collated alone as the positional call's arguments: each tensor argument (row ``j`` of the
+    batch, padded) matched to the entry of ``alone`` whose values it holds on that entry's extent; None where
+    one matches none."""
+    out = []
+    for v in args:
+        if not isinstance(v, Tensor) or v.dim() == 0:
+            out.append(v)
+            continue
+        match = next((t for t in alone.values() if isinstance(t, Tensor) and t.dim() == v.dim() and t.shape[0] == 1
+                      and t.dtype == v.dtype and all(m <= n for m, n in zip(t.shape[1:], v.shape[1:]))
+                      and _equal(t[0], v[j][tuple(slice(0, m) for m in t.shape[1:])])), None)
+        if match is None:
+            return None
+        out.append(match.to(device))
+    return tuple(out)
 
 
 def _same_extent(a: Any, b: Any) -> bool:

@@ -400,6 +400,12 @@ def child(cfg: dict) -> None:
             _outplace_activations()
         lib = f"opacus {opacus.__version__} from {Path(opacus.__file__).parent}"
     init = PrivacyEngine.__init__
+    if cfg.get("clipbias_options") and cfg["lib"] == "clipbias":
+        make = PrivacyEngine.make_private
+
+        def make_private(self, *a, **k):  # (``--clipbias-options``: keywords added to every make_private)
+            return make(self, *a, **{**k, **cfg["clipbias_options"]})
+        PrivacyEngine.make_private = make_private
 
     def recorded_init(self, *a, **k):
         engines.append(self)
@@ -476,7 +482,8 @@ def run_one(name: str, ex: Example, lib: str, repo: Path, args, scratch: Path) -
     if args.epochs and "--epochs" in argv:
         argv[argv.index("--epochs") + 1] = str(args.epochs)
     cfg = {"lib": lib, "script": str(repo / ex.script), "argv": argv, "delta": ex.delta, "n_train": n_train,
-           "n_test": n_test, "outplace": args.opacus_outplace, "lightning_1x": name == "mnist_lightning"}
+           "n_test": n_test, "outplace": args.opacus_outplace, "lightning_1x": name == "mnist_lightning",
+           "clipbias_options": dict(_option(o) for o in args.clipbias_options.split(",") if o)}
     env = {**os.environ, **ex.env, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     with open(out / "stdout.txt", "w") as so, open(out / "stderr.txt", "w") as se:
@@ -498,6 +505,17 @@ def run_one(name: str, ex: Example, lib: str, repo: Path, args, scratch: Path) -
         res["epsilon"] = _last(rf"ε = {_NUM}", text, lambda m: float(m[0]))
     res.update(example=name, lib=lib, metric=METRICS[ex.metric](text), process_s=total, dir=str(out))
     return res
+
+
+def _option(text: str) -> tuple:
+    """``k=v`` as ``(k, v)``, ``v`` a bool, an int, a float or the string."""
+    k, _, v = text.partition("=")
+    for parse in (lambda s: {"True": True, "False": False}[s], int, float):
+        try:
+            return k.strip(), parse(v.strip())
+        except (KeyError, ValueError):
+            pass
+    return k.strip(), v.strip()
 
 
 def _last_error(text: str) -> str | None:
@@ -553,6 +571,9 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=300, help="seconds per run")
     p.add_argument("--epochs", type=int, default=0,
                    help="epochs for the examples that take --epochs (0: each example's default above)")
+    p.add_argument("--clipbias-options", default="",
+                   help="clipbias arm: keywords added to make_private, e.g. public_clip=True (comma-separated k=v; "
+                        "values True/False/numbers); the script is otherwise unchanged")
     p.add_argument("--opacus-outplace", action="store_true",
                    help="Opacus arm: build nn.ReLU/nn.LeakyReLU out of place (Opacus 1.6's hooks fail on torch 2.13 "
                         "after an in-place activation, as in the dcgan example; the values are the same)")

@@ -522,3 +522,48 @@ def test_public_data_of_the_private_batchs_size_names_that_count_as_released(siz
     report = pe.privacy_report()
     assert report.certified
     assert (SIZES_RELEASED in report.released) == sized
+
+
+def test_public_clip_trains_each_generated_rows_gradient_clipped():
+    """``make_private(..., public_clip=True)``: the fake term of a DCGAN's discriminator step reaches the update as
+    the mean of its rows' gradients (each row's gradient of its own loss) clipped to ``max_grad_norm``: with the
+    same key, the weights with ``errD_real + errD_fake`` minus those with ``errD_real`` alone are ``-lr`` times
+    that mean, computed row by row with autograd at the starting weights."""
+    torch.manual_seed(1)
+    fake = torch.randn(B, D) * 4
+    bce = nn.BCEWithLogitsLoss()
+
+    def run(with_fake: bool):
+        pe, m, model, opt, loader = _make(lr=0.3, public_clip=True)
+        start = {n: p.detach().clone() for n, p in m.named_parameters()}
+        xb, _ = next(iter(loader))
+        opt.zero_grad()
+        err = bce(model(xb)[:, 0], torch.ones(len(xb)))
+        if with_fake:
+            out = model(clipbias.public(fake))
+            assert rowtrace.label_of(out).kind == rowtrace.PUBLIC
+            err = err + bce(out[:, 0], torch.zeros(B))
+        err.backward()
+        opt.step()
+        return start, [p.detach().clone() for p in m.parameters()], m
+
+    start, both, m = run(True)
+    _, real_only, _ = run(False)
+    clip, ref, clipped = 0.5, [torch.zeros_like(t) for t in start.values()], 0
+    for j in range(B):
+        params = {n: t.clone().requires_grad_() for n, t in start.items()}
+        gj = torch.autograd.grad(bce(torch.func.functional_call(m, params, (fake[j:j + 1],))[:, 0], torch.zeros(1)),
+                                 list(params.values()))
+        f = min(1.0, clip / float(torch.sqrt(sum(g.pow(2).sum() for g in gj))))
+        clipped += f < 1
+        ref = [r + f * g / B for r, g in zip(ref, gj)]
+    assert 0 < clipped  # (some rows are clipped: the test tells clipped from exact)
+    for a, b, r in zip(both, real_only, ref):
+        torch.testing.assert_close(a - b, -0.3 * r, rtol=1e-4, atol=1e-6)
+
+
+def test_public_clip_is_refused_with_criterion_and_takes_a_bool():
+    with pytest.raises(ConfigError, match="public_clip"):
+        _make(criterion=nn.CrossEntropyLoss(), public_clip=True)
+    with pytest.raises(ConfigError, match="public_clip must be True or False"):
+        _make(public_clip=1.0)

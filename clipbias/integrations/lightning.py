@@ -335,7 +335,10 @@ def make_private_lightning(privacy_engine: Any, module: Any, data_loader: Any, *
         raise ConfigError(f"make_private_with_epsilon(epochs={epochs}) but the Trainer runs max_epochs="
                           f"{trainer.max_epochs}: the noise is calibrated for the Trainer's planned steps; give "
                           f"epochs={trainer.max_epochs} (or change max_epochs)")
-    own = ("max_physical_batch",)
+    if extra.get("public_clip"):
+        raise ConfigError("public_clip is make_private's for your own training loop; DPCallback trains a "
+                          "LightningModule's training_step, whose forwards on other data keep their exact gradient")
+    own = ("max_physical_batch", "public_clip")
     options = {k: v for k, v in extra.items() if k not in own and k != "delta"}
     callback = DPCallback(noise_multiplier=noise_multiplier, target_epsilon=epsilon,
                           target_delta=delta if delta is not None else extra.get("delta"),

@@ -170,7 +170,10 @@ class PrivacyEngine:
                 ``dice_accounting``, ``bands`` and ``bands_strategy`` (``"taylor"`` or ``"optimized"``:
                 banded noise's coefficients, ``DPEngine``'s; ``"blt"``: BLT noise in ``bands`` classes;
                 ``"optimized"`` and ``"blt"`` need the run's length: ``make_private_with_epsilon``),
-                ``settings`` (the algorithm's settings, ``AlgoConfig.extra``), ``ef_clip``, ``delta`` (for
+                ``settings`` (the algorithm's settings, ``AlgoConfig.extra``), ``ef_clip``, ``public_clip``
+                (True: a forward on data the loader did not draw, such as a DCGAN's generated batch, trains each of
+                its rows' gradients clipped to ``max_grad_norm`` and averaged, as the private rows' are, instead of
+                its exact gradient; no privacy cost either way; default False), ``delta`` (for
                 the engine's own report; default ``min(1e-5, 1 / (10 n))``, every integration's),
                 ``max_physical_batch``, ``noise_seed`` (a reproducible run: reported uncertified, as ``DPEngine``'s), ``autocast`` (``torch.bfloat16`` or
                 ``torch.float16``: the engine's forward and backward under ``torch.autocast``, norms and sums
@@ -260,7 +263,7 @@ class PrivacyEngine:
             raise ConfigError("data_loader has no batch_size (a batch_sampler was given): the expected Poisson "
                               "batch size is read from DataLoader(dataset, batch_size=B)")
         unknown = set(extra) - {"algorithm", "grad_path", "dice_accounting", "bands", "bands_strategy", "settings",
-                                "ef_clip", "delta",
+                                "ef_clip", "delta", "public_clip",
                                 "max_physical_batch", "noise_seed", "autocast", "loss_scale"}
         if unknown:
             raise ConfigError(f"make_private got unexpected keyword(s) {sorted(unknown)}")
@@ -287,7 +290,13 @@ class PrivacyEngine:
                                max_physical_batch=extra.get("max_physical_batch", 512),
                                noise_seed=extra.get("noise_seed"), autocast=extra.get("autocast"),
                                loss_scale=extra.get("loss_scale"))
-        self._session_ = Session(self.engine, unstepped=UNSTEPPED, released=(
+        public_clip = extra.get("public_clip", False)
+        if not isinstance(public_clip, bool) or (public_clip and not follow):
+            raise ConfigError(f"public_clip must be True or False, got {public_clip!r}" if not isinstance(
+                public_clip, bool) else "public_clip clips the rows of your loop's public forwards; with criterion= "
+                "the step differentiates criterion on the private batch alone: leave one of them out")
+        self._session_ = Session(self.engine, unstepped=UNSTEPPED, public_clip=max_grad_norm if public_clip else None,
+                                 released=(
             "what your loop reads from the private batches and prints, logs or keeps (loss.item(), accuracy): "
             "statistics of the private data without noise", N_RELEASED))
         self.module = DPModule(module, self.session)

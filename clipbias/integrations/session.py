@@ -43,6 +43,7 @@ from ..randomness import forward
 from ..sampling.loader import PoissonLoader, TensorData, split
 from ..sampling.poisson import epoch_steps as sampling_epoch_steps
 from . import rowtrace
+from .public_rows import clipped_rows
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Pending:
     chunk: "rowtrace.Rows | None" = None  # the chunk yielded last, traced (the loop's own loss: ``follows``)
     chunk_rows: list = field(default_factory=list)  # every chunk's ``Rows``, in order
     call_chunks: list = field(default_factory=list)  # the chunk (its number) of each recorded call (``follow``)
+    public_calls: list = field(default_factory=list)  # ((args, kwargs), output leaves) of public calls (``public_clip``)
 
 
 N_RELEASED = "n, the number of training examples (the sampling rate B / n and the steps per epoch derive from it)"
@@ -70,6 +72,36 @@ SIZES_RELEASED = ("the private batches' sizes, through public data of their size
                   "len(x) rows, as a DCGAN's torch.randn(batch_size, nz)): each step's public term, exact and "
                   "unclipped, is a function of that count")
 """What a run releases where a public forward has as many rows as the private batch (``Session._follow``)."""
+
+
+def _public_rows_call(session: "Session", fn: Callable, pending: Pending, args: tuple, kwargs: dict) -> Any:
+    """A public call under ``public_clip``: run without a graph (under the state guard), its floating outputs
+    handed as leaves labelled public; the step clips each row's gradient (``_with_clipped_rows``)."""
+    with torch.no_grad():
+        out = session.guarded(fn, *args, **kwargs)
+    leaves: list = []
+
+    def leaf(t: Tensor) -> Tensor:
+        if not t.is_floating_point():
+            return t
+        leaves.append(t.detach().requires_grad_())
+        return leaves[-1]
+    handed = batch.map_tensors(leaf, out)
+    pending.public_calls.append(((args, kwargs), leaves))
+    return rowtrace.public_output(handed, pending.chunk)
+
+
+def _with_clipped_rows(session: "Session", pending: Pending, public: list) -> list:
+    """``public`` plus, for each public call under ``public_clip``, the mean of its rows' gradients of the
+    loop's loss, each clipped to ``public_clip`` (``public_rows.clipped_rows``)."""
+    for rec, leaves in pending.public_calls:
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+        if not leaves or not any(t.grad is not None for t in leaves):
+            continue
+        part = clipped_rows(session.engine.model, _as_batch(rec), grads[0] if len(grads) == 1 else tuple(grads),
+                            session.public_clip)
+        public = [q if p is None else p + q.to(p.dtype) for p, q in zip(public, part)]
+    return public
 
 
 def _sizes_named(released: tuple, args: tuple, kwargs: dict, sizes: tuple) -> tuple:
@@ -195,11 +227,13 @@ class Session:
         released: What the framework releases beside the model outside the mechanism (``PrivacyReport.released``).
         eager: False where the forward may never take the step (a framework whose training step runs under the
             state guard: the step's own update would read as a write).
+        public_clip: Where given, a public forward's gradient is each of its rows' clipped to this norm and
+            averaged (``public_rows``), instead of its exact gradient.
     """
 
     def __init__(self, engine: DPEngine, unstepped: str | None = None, released: tuple[str, ...] = (),
-                 eager: bool | None = None) -> None:
-        self.engine, self.unstepped, self.released = engine, unstepped, released
+                 eager: bool | None = None, public_clip: float | None = None) -> None:
+        self.engine, self.unstepped, self.released, self.public_clip = engine, unstepped, released, public_clip
         self.pending: Pending | None = None
         self.run = rowtrace.Run(engine.state_guard.model)  # reads of a batch after its step (``follows``)
         self.anchor = torch.zeros((), requires_grad=True)
@@ -277,6 +311,8 @@ class Session:
         chunk = pending.chunk
         if rowtrace.forward_kind(*traced, chunk, pending.data) == "public":
             self.released = _sizes_named(self.released, args, kwargs, (chunk.size, len(pending.indices)))
+            if self.public_clip is not None and torch.is_grad_enabled():
+                return _public_rows_call(self, fn, pending, args, kwargs)
             return rowtrace.public_output(self.guarded(fn, *args, **kwargs), chunk)
         record = torch.is_grad_enabled()  # a no_grad pass (a "teacher" forward) is not the step's, but guarded
         with torch.no_grad(), keyed_rows(self.engine, pending, (args, kwargs)):  # (the step's own dropout masks)
@@ -429,6 +465,7 @@ class Session:
                 gs.append(_stacked(g_views, "outputs"))
                 xs.append(_stacked([_as_batch(pending.inputs[k]) for k in calls], "inputs"))
             public = [p if q is None else q if p is None else p + q for p, q in zip(public, chunk.public)]
+        public = _with_clipped_rows(self, pending, public)
         x = batch.cat(xs)
         if batch.size(x) != len(pending.indices):
             raise ConfigError(f"the model was called on {batch.size(x)} examples, but the private data loader's batch "

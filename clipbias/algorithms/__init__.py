@@ -18,6 +18,7 @@ from . import batchclip
 from . import adaptive
 from . import kalman_filter  # DiSK
 from . import compose as _compose  # noqa: F401  (registers the compositions, last)
+from . import bands  # noqa: F401  (registers the noise strategies, bands.NOISE_STRATEGIES)
 from ..config import Setting
 from .augment import AugmentedGradients, CropFlip
 from .base import ALGORITHMS, Algorithm, Parts, clip_or_normalize, get, make_optimizer, register

@@ -31,9 +31,6 @@ from scipy.signal import lfilter
 from ..errors import ConfigError
 from .band_taylor import coefficients
 
-STRATEGIES = ("taylor", "optimized", "blt")  # blt: clipbias.algorithms.blt
-
-
 def workload(steps: int, momentum: float = 0.0) -> np.ndarray:
     """The first column of the Toeplitz workload of SGD with momentum: ``sum_{j <= k} momentum^j``."""
     return np.cumsum(momentum ** np.arange(steps, dtype=np.float64))

@@ -21,10 +21,11 @@ disjoint, and each such block is one Gaussian release of sensitivity C / B at th
 subsampled Gaussian at rate b q composed ceil(T / b) times (``AccountingSpec.bands``). b = 1 is the
 plain noise stage.
 
-Coefficients (``bands_strategy``): ``taylor``, the first b Taylor coefficients of ``((1 - x)(1 - beta
-x))^(-1/2)`` (the square root of the workload of SGD with momentum beta, the run's momentum), scaled to
-unit norm; or ``optimized``, the unit-norm coefficients that minimise the expected total squared error
-of the T iterates, ``||A C^{-1}||_F^2`` (``band_strategy``). Either is private with the same proof.
+Coefficients (``bands_strategy``: a ``NoiseStrategy`` of ``NOISE_STRATEGIES``): ``taylor``, the first b
+Taylor coefficients of ``((1 - x)(1 - beta x))^(-1/2)`` (the square root of the workload of SGD with
+momentum beta, the run's momentum), scaled to unit norm; or ``optimized``, the unit-norm coefficients
+that minimise the expected total squared error of the T iterates, ``||A C^{-1}||_F^2``
+(``band_strategy``). Either is private with the same proof.
 """
 
 from __future__ import annotations
@@ -34,36 +35,107 @@ from dataclasses import replace
 from .. import distributed
 from ..errors import ConfigError
 from ..privacy import AccountingSpec
+from ..registry import Registry
 from ..step import GaussianNoise
 from .band_taylor import coefficients
 
 
-def check_strategy(strategy: str) -> None:
-    """Refuse a ``bands_strategy`` that is not one of ``band_strategy.STRATEGIES``."""
-    from .band_strategy import STRATEGIES
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"`bands_strategy` must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+class NoiseStrategy:
+    """One way of shaping the noise across steps: a value of ``bands_strategy`` (``NOISE_STRATEGIES``, looked up
+    by ``noise_strategy``). It carries its constraints: ``min_bands`` (the participation classes it needs),
+    ``needs_steps`` (whether its shape depends on the run's length), ``amplified`` (whether its accounting
+    takes amplification by sampling: the banded accounting, ``privacy.Banded``, does; BLT's, ``privacy.BLTStrategy``,
+    does not), and gives the noise's ``shape`` (coefficients, or a ``blt.BLT``) for a run."""
+
+    name = ""
+    min_bands = 1
+    needs_steps = False
+    amplified = True
+    optimised = False  # the shape is optimised for the run's workload
+    accounted_by_shape = False  # the accounting reads the shape (its sensitivity), not only the number of bands
+
+    def check(self, bands: int) -> None:
+        """Refuse ``bands`` participation classes the strategy cannot use."""
+
+    def optimize(self, bands: int, steps: int, momentum: float):
+        raise NotImplementedError
+
+    def warning(self, bands: int, sample_rate: float) -> str | None:
+        """What to say about ``bands`` classes at ``sample_rate``, or None."""
+        return None
+
+    def shape(self, bands: int, momentum: float = 0.0, steps: float | None = None):
+        """The noise's coefficients (or BLT strategy) for ``bands`` bands, shaped for SGD with ``momentum`` over
+        ``steps`` steps; with torchrun, rank 0's (every rank then bands with the same bits)."""
+        self.check(bands)
+        if not self.needs_steps or bands == 1:
+            return coefficients(bands, momentum)
+        coefficients(bands, momentum)  # refuses a momentum outside [0, 1)
+        if not (isinstance(steps, int) and steps >= 1):
+            raise ConfigError(f"bands_strategy={self.name!r} shapes the noise for the run's length: give epochs or "
+                              f"steps (got steps={steps!r})")
+        return distributed.from_rank0(lambda: self.optimize(bands, steps, momentum))
+
+    def __repr__(self) -> str:
+        return f"NoiseStrategy({self.name!r})"
 
 
-def band_coefficients(bands: int, momentum: float = 0.0, strategy: str = "taylor",
-                      steps: float | None = None) -> tuple[float, ...]:
-    """The coefficients of ``strategy`` (``taylor`` or ``optimized``, which needs the run's finite number of
-    ``steps``); with torchrun, rank 0's (every rank then bands with the same bits)."""
-    from .band_strategy import optimized
-    from .blt import optimized as blt_optimized
-    check_strategy(strategy)
-    if strategy == "blt" and bands == 1:
-        raise ConfigError("bands_strategy='blt' needs `bands` >= 2 participation classes: it claims no amplification "
-                          "by sampling, so give bands = floor(1 / sample rate) (every example in one step per epoch)")
-    if strategy == "taylor" or bands == 1:
-        return coefficients(bands, momentum)
-    coefficients(bands, momentum)  # refuses a momentum outside [0, 1)
-    if not (isinstance(steps, int) and steps >= 1):
-        raise ConfigError(f"bands_strategy={strategy!r} shapes the noise for the run's length: give epochs or steps "
-                          f"(got steps={steps!r})")
-    if strategy == "blt":
-        return distributed.from_rank0(lambda: blt_optimized(steps, bands, momentum))
-    return distributed.from_rank0(lambda: optimized(bands, steps, momentum))
+class TaylorBands(NoiseStrategy):
+    """The first b Taylor coefficients of the workload's square root (the default; one band: independent noise)."""
+
+    name = "taylor"
+
+
+class OptimizedBands(NoiseStrategy):
+    """Unit-norm banded coefficients optimised for the run's workload (``band_strategy``): the banded accounting."""
+
+    name, needs_steps, optimised = "optimized", True, True
+
+    def optimize(self, bands, steps, momentum):
+        from .band_strategy import optimized
+        return optimized(bands, steps, momentum)
+
+
+class BLTBands(NoiseStrategy):
+    """BLT noise (``blt``) in b >= 2 classes, accounted without amplification."""
+
+    name, min_bands, needs_steps, amplified, optimised, accounted_by_shape = "blt", 2, True, False, True, True
+
+    def check(self, bands):
+        if bands < self.min_bands:
+            raise ConfigError("bands_strategy='blt' needs `bands` >= 2 participation classes: it claims no "
+                              "amplification by sampling, so give bands = floor(1 / sample rate) (every example "
+                              "in one step per epoch)")
+
+    def optimize(self, bands, steps, momentum):
+        from .blt import optimized
+        return optimized(steps, bands, momentum)
+
+    def warning(self, bands, sample_rate):
+        return blt_classes_warning(bands, sample_rate)
+
+
+NOISE_STRATEGIES: Registry[NoiseStrategy] = Registry("a noise strategy", "bands_strategy")
+TAYLOR = NOISE_STRATEGIES.register(TaylorBands())
+OPTIMIZED = NOISE_STRATEGIES.register(OptimizedBands())
+BLT_NOISE = NOISE_STRATEGIES.register(BLTBands())
+
+
+def noise_strategy(spelling: str | NoiseStrategy) -> NoiseStrategy:
+    """The strategy a ``bands_strategy`` spelling names (a ``NoiseStrategy`` is itself), else a ConfigError."""
+    return spelling if isinstance(spelling, NoiseStrategy) else NOISE_STRATEGIES.lookup(spelling)
+
+
+def check_strategy(strategy: str | NoiseStrategy) -> NoiseStrategy:
+    """The ``NoiseStrategy`` of a ``bands_strategy``, or a ConfigError that lists ``NOISE_STRATEGIES``."""
+    return noise_strategy(strategy)
+
+
+def band_coefficients(bands: int, momentum: float = 0.0, strategy: str | NoiseStrategy = TAYLOR,
+                      steps: float | None = None):
+    """The coefficients of ``strategy`` (``taylor``, ``optimized`` or ``blt``, which need the run's finite number
+    of ``steps``): ``NoiseStrategy.shape``."""
+    return noise_strategy(strategy).shape(bands, momentum, steps)
 
 
 def blt_classes_warning(bands: int, sample_rate: float) -> str | None:

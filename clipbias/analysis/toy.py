@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .. import algorithms
+from .. import algorithms, privacy
 from ..config import AlgoConfig
 from ..engine.core import DPEngine, run_steps
 from ..errors import ClipbiasError, ConfigError
@@ -92,10 +92,15 @@ class Settings:
     x0: float | None = None           # start (broadcast to every coordinate); None: the problem's
     seed: int = 0
     delta: float = 1e-5
-    dice_accounting: str = "sound"
+    dice_accounting: str = privacy.DEFAULT_DICE_ACCOUNTING
     momentum: float = 0.0
     optimizer: str | None = None
     extra: dict = field(default_factory=dict)
+
+    @property
+    def basis(self) -> privacy.DiceBasis:
+        """The error-feedback basis the setting names (a ConfigError for an unknown one)."""
+        return privacy.dice.basis(self.dice_accounting)
 
 
 # ----------------------------------------------------------------------------- losses
@@ -321,7 +326,7 @@ def run(problem: str, algo: str, settings: Settings | None = None, instance: Ins
     batch = float(n) if s.batch_size is None else float(s.batch_size)
     engine = DPEngine(model, algo, n=n, batch_size=batch, steps=s.steps, delta=s.delta,
                       noise_multiplier=s.noise_multiplier if a.private else None,
-                      dice_accounting=s.dice_accounting, config=cfg, loss_fn=inst.loss_fn,
+                      dice_accounting=s.basis, config=cfg, loss_fn=inst.loss_fn,
                       max_physical_batch=max(n, 1),
                       noise_seed=s.seed)  # toy problems are deterministic research runs
     x = inst.data.float()
@@ -357,8 +362,8 @@ def run(problem: str, algo: str, settings: Settings | None = None, instance: Ins
         priv = engine.privacy().to_dict()
     except ClipbiasError as e:  # report, never invent, a guarantee
         priv = {"epsilon": None, "error": str(e)}
-    if a.private and a.accounting == "dice" and engine.spec.dice is not None:
-        priv["note"] = (f"DiceSGD accounted with dice_accounting={s.dice_accounting!r} at feedback ratio "
+    if engine.mechanism.takes_basis and engine.spec.dice is not None:
+        priv["note"] = (f"DiceSGD accounted with dice_accounting={engine.mechanism.basis.name!r} at feedback ratio "
                         f"r = B C2 / C1 = {engine.spec.dice.ratio:g}: the sound cost grows with r")
     settings_out = {**asdict(s), "problem": problem, "algo": algo, "n": n, "d": d,
                     "x0": inst.x0.tolist() if d > 1 else float(inst.x0[0]),

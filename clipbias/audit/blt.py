@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..algorithms.bands import BLT_NOISE
 from ..algorithms.blt import BLT
 from ..config import AlgoConfig
 from ..engine import DPEngine
@@ -94,7 +95,7 @@ def engine_for(audit: BLTAudit) -> DPEngine:
     model = nn.Linear(1, 1, bias=False)
     return DPEngine(model, "dpsgd", n=audit.classes, batch_size=1, steps=audit.steps,
                     noise_multiplier=audit.noise_multiplier, delta=audit.delta, bands=audit.classes,
-                    bands_strategy="blt", config=AlgoConfig(lr=1.0, clip=1.0, momentum=audit.momentum))
+                    bands_strategy=BLT_NOISE, config=AlgoConfig(lr=1.0, clip=1.0, momentum=audit.momentum))
 
 
 def dense(blt: BLT, steps: int) -> np.ndarray:

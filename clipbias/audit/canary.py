@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .. import algorithms, privacy
-from ..algorithms.bands import coefficients
+from ..algorithms.bands import NoiseStrategy, coefficients, noise_strategy
 from ..config import AlgoConfig
 from ..errors import ConfigError
 from ..privacy.report import check_delta, check_positive, check_rate, check_steps
@@ -97,13 +97,23 @@ class CanaryAudit:
         if self.band_class is not None and not (isinstance(self.band_class, int) and 0 <= self.band_class < self.bands):
             raise ConfigError(f"`band_class` must be a whole number in [0, `bands`) = [0, {self.bands}), "
                               f"got {self.band_class!r}")
-        from ..algorithms.bands import check_strategy
-        check_strategy(self.bands_strategy)
-        if self.bands_strategy == "blt" and self.bands < 2:
-            raise ConfigError("`bands_strategy='blt'` needs `bands` >= 2 participation classes")
+        self.basis  # noqa: B018  (checked here, where the setting enters)
+        if self.bands < self.strategy.min_bands:
+            raise ConfigError(f"`bands_strategy={self.strategy.name!r}` needs `bands` >= {self.strategy.min_bands} "
+                              f"participation classes")
         if self.bands > 1 and self.anti_norm is not None:
             raise ConfigError("`CanaryAudit.anti_norm` drives hidden state across steps; the bandable algorithms have none: "
                               "audit banded noise without it")
+
+    @property
+    def basis(self) -> privacy.DiceBasis:
+        """The error-feedback basis whose claim is tested (``dice_accounting``, checked when made)."""
+        return privacy.dice.basis(self.dice_accounting)
+
+    @property
+    def strategy(self) -> NoiseStrategy:
+        """The ``algorithms.bands.NoiseStrategy`` of ``bands_strategy`` (a ConfigError for an unknown one)."""
+        return noise_strategy(self.bands_strategy)
 
     def algo_config(self) -> AlgoConfig:
         cfg = AlgoConfig(lr=1.0, clip=self.clip, ef_clip=self.ef_clip, grad_bound=self.grad_bound,
@@ -278,14 +288,14 @@ def claim(audit: CanaryAudit) -> privacy.PrivacyReport:
     algo = algorithms.get(audit.algo)
     z = audit.claim_noise_multiplier or audit.noise_multiplier
     spec = algo.spec(audit.algo_config(), audit.sample_rate, z, audit.batch_size, audit.bands)
-    return privacy.account(spec, audit.steps, audit.delta, "pld", audit.dice_accounting)
+    return privacy.account(spec, audit.steps, audit.delta, "pld", audit.basis)
 
 
 def canary_audit(audit: CanaryAudit, *, progress: bool = False) -> dict:
     """Run the canary audit and compare with the claim. Returns the JSON-able result."""
-    if audit.bands_strategy != "taylor":
+    if audit.strategy.optimised:
         raise ConfigError(f"the canary audit simulates banded noise with the Taylor coefficients, not "
-                          f"`bands_strategy='{audit.bands_strategy}'`: audit BLT noise with clipbias.audit.blt.blt_audit "
+                          f"`bands_strategy='{audit.strategy.name}'`: audit BLT noise with clipbias.audit.blt.blt_audit "
                           f"(or the white-box one-run audit)")
     rep = claim(audit)
     null = simulate(audit, False, progress=progress)

@@ -64,6 +64,12 @@ class OneRunAudit:
             raise ConfigError(f"`canaries` must be an integer >= 20, got {self.canaries!r}")
         if not (isinstance(self.steps, int) and self.steps >= 1):
             raise ConfigError(f"`steps` must be an integer >= 1, got {self.steps!r}")
+        self.basis  # noqa: B018  (checked here, where the setting enters)
+
+    @property
+    def basis(self) -> privacy.DiceBasis:
+        """The error-feedback basis whose claim is tested (``dice_accounting``, checked when made)."""
+        return privacy.dice.basis(self.dice_accounting)
 
 
 class CanaryGradients:
@@ -113,7 +119,7 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
     x_all, y_all = torch.cat([splits.x_train, c["x"]]), torch.cat([splits.y_train, c["y"]])
     batch = float(len(y_all)) if a.batch_size is None else a.batch_size
     engine = DPEngine(model, a.algo, n=len(y_all), batch_size=batch, steps=a.steps,
-                      noise_multiplier=a.noise_multiplier, delta=a.delta, dice_accounting=a.dice_accounting,
+                      noise_multiplier=a.noise_multiplier, delta=a.delta, dice_accounting=a.basis,
                       config=algo_cfg, grads=c["grads"], grad_path=a.grad_path, bands=a.bands)
     layout = engine.rows.layout
     theta0 = torch.cat([p.detach().flatten() for p in layout.params(model)]).clone()
@@ -140,7 +146,7 @@ def one_run_audit(a: OneRunAudit, *, progress: bool = False, splits=None) -> dic
     best = _estimates(scores, inside, a)
     spec = algo.spec(engine.config, engine.sample_rate, a.claim_noise_multiplier or a.noise_multiplier,
                      engine.expected_batch_size, a.bands)
-    rep = privacy.account(spec, a.steps, a.delta, "pld", a.dice_accounting)
+    rep = privacy.account(spec, a.steps, a.delta, "pld", a.basis)
     m = a.canaries
     return {**best, "epsilon_claimed": rep.epsilon, "certified": rep.certified, "basis": rep.basis,
             "refuted": best["epsilon_lower_bound"] > rep.epsilon, "confidence": a.confidence,

@@ -27,6 +27,7 @@ from .. import algorithms, privacy
 from ..config import AlgoConfig
 from ..errors import ConfigError
 from ..sampling.poisson import band_rate
+from ..step import BLTNoise
 from .canary import CanaryAudit, banded_statistic, gradient_signs, step_llr
 from .estimators import one_run_estimate
 
@@ -93,7 +94,7 @@ def white_box_one_run(audit: CanaryAudit, canaries: int = 1000) -> dict:
     engine = DPEngine(model, audit.algo, n=len(ids), batch_size=batch, steps=audit.steps,
                       noise_multiplier=audit.noise_multiplier, delta=audit.delta, config=cfg,
                       loss_fn=lambda out, y: signs[step[0]] * out.sum(), noise_seed=audit.seed, grad_path="rows",
-                      bands=audit.bands, bands_strategy=audit.bands_strategy)
+                      bands=audit.bands, bands_strategy=audit.strategy)
     tap = _Tap(engine.pipeline)
 
     def after(e, losses) -> None:
@@ -106,7 +107,7 @@ def white_box_one_run(audit: CanaryAudit, canaries: int = 1000) -> dict:
     fdp = one_run_estimate(scores[inside.numpy()], scores[~inside.numpy()], method="one-run-fdp", **kw)
     spec = algo.spec(engine.config, engine.sample_rate, audit.claim_noise_multiplier or audit.noise_multiplier,
                      engine.expected_batch_size, audit.bands, engine.noise_shape)
-    rep = privacy.account(spec, audit.steps, audit.delta, "pld", audit.dice_accounting)
+    rep = privacy.account(spec, audit.steps, audit.delta, "pld", audit.basis)
     return {"epsilon_lower_bound": plain["epsilon_lower_bound"], "epsilon_lower_bound_fdp": fdp["epsilon_lower_bound"],
             "epsilon_claimed": rep.epsilon, "certified": rep.certified, "basis": rep.basis,
             "refuted": plain["epsilon_lower_bound"] > rep.epsilon, "confidence": audit.confidence,
@@ -125,7 +126,7 @@ def _scores(audit: CanaryAudit, tap: _Tap, signs: np.ndarray, pipeline) -> np.nd
     if audit.bands > 1:
         if len(set(tap.stds)) != 1 or len(set(tap.bounds)) != 1:
             raise ConfigError(f"`bands={audit.bands}`: the white-box audit scores a fixed noise std and bound")
-        if audit.bands_strategy == "blt":
+        if isinstance(pipeline.noise, BLTNoise):
             from .blt import blt_statistic
             return blt_statistic(u, signs, pipeline.noise.blt, tap.stds[0], tap.bounds[0] / pipeline.divisor).numpy()
         return banded_statistic(audit.statistic, u, signs, pipeline.noise.coefs, tap.stds[0],

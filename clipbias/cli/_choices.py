@@ -31,12 +31,14 @@ FILE = "choices.json"  # in files.cache_directory(): {digest of the source: the 
 _KEEP = 8  # digests kept (checkouts or versions that share the cache folder)
 _PACKAGE = Path(__file__).resolve().parent.parent
 KEYS = ("algorithms", "settings", "models", "bandable", "public", "datasets", "accountants", "dice_accounting",
-        "default_dice_accounting", "default_ef_ratio", "toy_problems", "audit_statistics", "audit_schedules")
+        "default_dice_accounting", "default_ef_ratio", "bands_strategies", "default_bands_strategy",
+        "shape_accounted_strategies", "toy_problems", "audit_statistics", "audit_schedules")
 
 
 def live() -> dict:
     """The values from the modules that define them (imports torch)."""
     from .. import algorithms, models
+    from ..algorithms.bands import NOISE_STRATEGIES, TAYLOR
     from ..analysis import toy
     from ..audit.canary import SCHEDULES, STATISTICS
     from ..config import boolean
@@ -55,7 +57,10 @@ def live() -> dict:
             "public": [a.name for a in algorithms.ALGORITHMS.values() if a.needs_public],
             "datasets": list(DATASETS), "accountants": list(ACCOUNTANTS),
             "dice_accounting": list(DICE_ACCOUNTING), "default_dice_accounting": DEFAULT_DICE_ACCOUNTING,
-            "default_ef_ratio": DEFAULT_EF_RATIO, "toy_problems": list(toy.PROBLEMS),
+            "default_ef_ratio": DEFAULT_EF_RATIO, "bands_strategies": list(NOISE_STRATEGIES),
+            "default_bands_strategy": TAYLOR.name,
+            "shape_accounted_strategies": [s.name for s in NOISE_STRATEGIES.values() if s.accounted_by_shape],
+            "toy_problems": list(toy.PROBLEMS),
             "audit_statistics": list(STATISTICS), "audit_schedules": list(SCHEDULES)}
 
 

@@ -29,7 +29,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bands", type=int, default=1, metavar="b",
                    help="dpsgd with b-banded noise (train --bands): the subsampled Gaussian at rate b*q for "
                         "ceil(T/b) steps (default 1)")
-    p.add_argument("--bands-strategy", choices=("taylor", "optimized", "blt"), default="taylor",
+    p.add_argument("--bands-strategy", choices=c["bands_strategies"], default=c["default_bands_strategy"],
                    help="taylor and optimized (train --bands-strategy) share the banded accounting; blt: BLT noise "
                         "in b classes (train --bands b --bands-strategy blt), the Gaussian mechanism at the "
                         "strategy's sensitivity, normalised to 1 at these T steps (no amplification)")
@@ -64,19 +64,17 @@ def _spec(args: argparse.Namespace, z: float) -> AccountingSpec:
     warn(delta_warning(args.delta, args.dataset_size))
     if args.algo == "dpsgd":
         plain = AccountingSpec("gaussian", q, z, "per-example L2 sensitivity C (clip)")
-        if args.bands == 1 and args.bands_strategy != "blt":  # banded_spec(plain, 1) is plain itself
-            return plain  # and the accounting imports no torch (1.5 s of a 3 s calibration's process)
-        from ..algorithms.bands import banded_spec
+        if args.bands == 1 and args.bands_strategy not in current()["shape_accounted_strategies"]:
+            return plain  # banded_spec(plain, 1), and the accounting imports no torch (1.5 s of a 3 s calibration)
+        from ..algorithms.bands import banded_spec, noise_strategy
         from ..sampling.poisson import check_bands
+        strategy = noise_strategy(args.bands_strategy)
         check_bands(args.bands, q)
-        shape = None
-        if args.bands_strategy == "blt":
-            from ..algorithms.bands import band_coefficients
-            # the strategy is normalised to sensitivity 1 at T steps: the epsilon after T steps is the same
-            # for any momentum it is shaped for
-            shape = band_coefficients(args.bands, 0.0, "blt", args.steps)
+        # a strategy that its accounting reads (BLT) is normalised to sensitivity 1 at T steps: the epsilon after T
+        # steps is the same for any momentum it is shaped for; the banded accounting reads only the bands
+        shape = strategy.shape(args.bands, 0.0, args.steps) if strategy.accounted_by_shape else None
         return banded_spec(plain, args.bands, shape)
-    if args.bands != 1 or args.bands_strategy != "taylor":
+    if args.bands != 1 or args.bands_strategy != current()["default_bands_strategy"]:
         raise ConfigError("--bands and --bands-strategy apply to --algo dpsgd (banded and BLT noise are not "
                           "accounted for DiceSGD)")
     check_positive(args.clip, "clip")

@@ -11,7 +11,8 @@ from ._common import emit
 
 def _canary(args: argparse.Namespace) -> dict:
     from .. import audit
-    if args.bands_strategy == "blt" and args.mode == "canary":
+    from ..algorithms.bands import noise_strategy
+    if noise_strategy(args.bands_strategy).accounted_by_shape and args.mode == "canary":
         from ..audit.blt import BLTAudit, blt_audit
         if args.algo != "dpsgd":
             raise ConfigError("--bands-strategy blt in the canary mode audits the noise stage through dpsgd's engine "
@@ -37,13 +38,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.band_class is not None and args.mode != "canary":
         raise ConfigError(f"--band-class fixes the canary's class in the canary mode; in --mode {args.mode} the "
                           f"engine's sampler draws every canary's class (leave --band-class out)")
-    if args.bands_strategy != "taylor" and args.mode == "one-run":
-        raise ConfigError(f"--bands-strategy {args.bands_strategy}: audit it with --mode canary (blt) or one-run-ideal")
-    if args.bands_strategy == "optimized":
-        raise ConfigError("--bands-strategy optimized has the Taylor coefficients' accounting: audit --bands with the "
-                          "default strategy")
+    from ..algorithms.bands import noise_strategy
+    strategy = noise_strategy(args.bands_strategy)
+    if strategy.optimised and args.mode == "one-run":
+        raise ConfigError(f"--bands-strategy {strategy.name}: audit it with --mode canary (blt) or one-run-ideal")
+    if strategy.optimised and not strategy.accounted_by_shape:
+        raise ConfigError(f"--bands-strategy {strategy.name} has the Taylor coefficients' accounting: audit --bands "
+                          f"with the default strategy")
     if args.mode in ("canary", "one-run-ideal"):
-        if args.batch_size is None and not (args.bands_strategy == "blt" and args.mode == "canary"):
+        if args.batch_size is None and not (strategy.accounted_by_shape and args.mode == "canary"):
             raise ConfigError("--batch-size B (the expected batch size, the update's normaliser) is required")
         res = _canary(args)
     else:
@@ -137,7 +140,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="banded correlated noise with b bands and cyclic Poisson participation, as in `clipbias "
                         "train --bands` (default 1: independent noise); the coefficients are shaped for --momentum; "
                         "the adversary scores the releases y = C u recovered from the updates")
-    p.add_argument("--bands-strategy", choices=("taylor", "optimized", "blt"), default="taylor",
+    p.add_argument("--bands-strategy", choices=current()["bands_strategies"], default=current()["default_bands_strategy"],
                    help="with --bands: blt audits BLT noise in b classes (train --bands-strategy blt): canary mode, "
                         "the noise stage with the canary at every step of its class (--band-class, default 0; "
                         "--trials runs per world); one-run-ideal, the engine with the canaries' classes unknown "

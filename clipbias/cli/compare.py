@@ -54,12 +54,15 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         except ValueError:
             raise ConfigError(f"--algos {spec}: bands=B takes a whole number, e.g. {name}:bands=4") from None
         if strategy:
-            if strategy not in ("taylor", "optimized", "blt"):
-                raise ConfigError(f"--algos {spec}: bands=B:STRATEGY takes taylor, optimized or blt, e.g. "
+            from ..algorithms.bands import NOISE_STRATEGIES
+            if strategy not in NOISE_STRATEGIES:
+                *first, last = NOISE_STRATEGIES
+                raise ConfigError(f"--algos {spec}: bands=B:STRATEGY takes {', '.join(first)} or {last}, e.g. "
                                   f"{name}:bands=4:optimized")
             over["bands_strategy"] = strategy
     elif acc:
-        if algo.accounting != "dice":
+        from ..privacy import MECHANISMS
+        if not MECHANISMS[algo.accounting].takes_basis:
             raise ConfigError(f"--algos {spec}: ':{acc}' (DiceSGD accounting) applies only to DiceSGD "
                               f"algorithms")
         try:
@@ -302,7 +305,7 @@ def train_command(c: dict) -> str:
             parts.append(f"{flag} {v:g}" if isinstance(v, float) else f"{flag} {v}")
     if c.get("bands", 1) != 1:
         parts.append(f"--bands {c['bands']}")
-        if c.get("bands_strategy", "taylor") != "taylor":
+        if c.get("bands_strategy", current()["default_bands_strategy"]) != current()["default_bands_strategy"]:
             parts.append(f"--bands-strategy {c['bands_strategy']}")
     flags = {st["key"]: st for st in current()["settings"]}
     for key, v in sorted((c.get("extra") or {}).items()):

@@ -78,7 +78,7 @@ def _add_privacy_flags(p: argparse.ArgumentParser, d: dict) -> None:
                         "with the b-1 before it so that accumulated updates carry less of it; accounted as the "
                         "subsampled Gaussian at rate b*q for ceil(T/b) steps (docs/privacy.md). Needs b*q <= 1; "
                         f"{', '.join(c['bandable'])} (and each with --kalman). Default 1: independent noise")
-    g.add_argument("--bands-strategy", choices=("taylor", "optimized", "blt"), default="taylor",
+    g.add_argument("--bands-strategy", choices=c["bands_strategies"], default=c["default_bands_strategy"],
                    help="the coefficients of --bands: taylor (default; the truncated square root of the momentum "
                         "workload) or optimized (the banded Toeplitz strategy of least total squared error of the "
                         "iterates for this run's steps and momentum, computed in well under a second and cached; "
@@ -200,7 +200,7 @@ def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
               max_physical_batch=args.max_physical_batch, grad_path=args.grad_path, validation=args.validation,
               subset=args.subset, data_dir=args.data_dir, data_path=args.data_path,
               public_source=args.public_source, extra=extra, ema=getattr(args, "ema", None),
-              bands=getattr(args, "bands", 1), bands_strategy=getattr(args, "bands_strategy", "taylor"))
+              bands=getattr(args, "bands", 1), bands_strategy=getattr(args, "bands_strategy", TrainConfig.bands_strategy))
     kw.update(overrides)
     return TrainConfig(**kw)
 

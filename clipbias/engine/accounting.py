@@ -19,8 +19,8 @@ from .drawn import same_inputs, transformed_caveat
 
 
 def noise_multiplier_for(engine: Any, epsilon: float | None, noise_multiplier: float | None) -> float:
-    """The given noise multiplier, or the one calibrated to ``epsilon`` for all the engine's steps (0 for a
-    non-private algorithm)."""
+    """The given noise multiplier, or the one calibrated to ``epsilon`` for all the steps of ``engine`` (a
+    ``StepPlan``; 0 for a non-private algorithm), by the plan's error-feedback basis."""
     if not engine.algo.private:
         return 0.0
     if noise_multiplier is not None:
@@ -32,7 +32,7 @@ def noise_multiplier_for(engine: Any, epsilon: float | None, noise_multiplier: f
                             engine.noise_shape)
     # in a process group rank 0 calibrates and every rank takes its answer (and its error, if any)
     z = distributed.from_rank0(lambda: privacy.calibrate(spec, epsilon, engine.delta, engine.total_steps,
-                                                         engine.accountant, engine.dice_accounting))
+                                                         engine.accountant, engine.basis))
     why = no_signal(z, epsilon, engine.expected_batch_size, engine.total_steps)
     if why:
         warnings.warn(why, NoSignalWarning, stacklevel=4)  # (the caller of DPEngine, through make_plan)
@@ -68,7 +68,7 @@ def report(engine: Any, steps: int, delta: float | None = None) -> PrivacyReport
     """The engine's guarantee after ``steps`` steps (at ``delta``, default the run's), with the caveats of the run
     (``DPEngine.privacy``): the accountant runs once."""
     rep = privacy.account(engine.spec, steps, engine.delta if delta is None else delta, engine.accountant,
-                          engine.dice_accounting)
+                          engine.plan.basis)
     if engine.algo.private and engine.key.reproducible:
         rep = rep.with_caveat(SEEDED_CAVEAT)
     if engine.algo.private and engine.undrawn_steps:

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from .. import algorithms
 from ..errors import ConfigError, ResumeMismatchError
-from ..privacy import dice
+from ..privacy import MECHANISMS, dice
 from .checks import optimizer_mismatch
 
 TORCH_GENERATORS = ("cannot resume: this checkpoint comes from a clipbias version whose batches and noise came from "
@@ -157,7 +157,7 @@ def dice_accounting_renamed(ckpt: dict) -> None:
     REFUTED basis, what this version reports for that accounting (and what its export releases)."""
     cfg = ckpt["config"]
     if cfg.get("dice_accounting") not in dice.RENAMED or cfg.get("algo") not in algorithms.ALGORITHMS or \
-            algorithms.get(cfg["algo"]).accounting != "dice":
+            not MECHANISMS.lookup(algorithms.get(cfg["algo"]).accounting).takes_basis:
         return
     cfg["dice_accounting"] = dice.RENAMED[cfg["dice_accounting"]]
     refuted = dice.REFUTED.format(basis=cfg["dice_accounting"])

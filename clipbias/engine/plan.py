@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import algorithms, privacy
-from ..algorithms.bands import band_coefficients, blt_classes_warning, check_strategy
+from ..algorithms.bands import NoiseStrategy, noise_strategy
 from ..config import AlgoConfig
 from ..errors import ConfigError
 from ..sampling.poisson import check_bands
@@ -57,9 +57,12 @@ class StepPlan:
         total_steps: The planned steps (``math.inf``: an open-ended run, accounted as steps are taken).
         delta: The run's delta.
         accountant: The registered accountant's name.
-        dice_accounting: Error feedback's accounting basis (``privacy.DEFAULT_DICE_ACCOUNTING``).
+        mechanism: What accounts the releases (``privacy.Mechanism``: the subsampled Gaussian, error feedback with
+            its basis, or none), from the algorithm's accounting kind and ``basis``.
+        basis: Error feedback's accounting basis as given (``privacy.dice.BASES``; recorded in the settings of
+            every run, used by error feedback's mechanism).
         bands: Participation classes of banded or BLT noise (1: independent noise).
-        bands_strategy: ``"taylor"``, ``"optimized"`` or ``"blt"``.
+        strategy: The noise's strategy across steps (``algorithms.bands.NoiseStrategy``: taylor, optimized, blt).
         noise_shape: The noise's band coefficients, or the BLT strategy.
         noise_multiplier: z, given or calibrated to ``target_epsilon`` for ``total_steps``.
         target_epsilon: The epsilon the noise was calibrated to, or None.
@@ -75,9 +78,10 @@ class StepPlan:
     total_steps: float
     delta: float
     accountant: str
-    dice_accounting: str
+    mechanism: privacy.Mechanism
+    basis: privacy.DiceBasis
     bands: int
-    bands_strategy: str
+    strategy: NoiseStrategy
     noise_shape: Any
     noise_multiplier: float = 0.0
     target_epsilon: float | None = None
@@ -86,6 +90,16 @@ class StepPlan:
     @property
     def algo(self) -> algorithms.Algorithm:
         return algorithms.get(self.algorithm)
+
+    @property
+    def dice_accounting(self) -> str:
+        """The spelling of ``basis`` (the ``dice_accounting`` setting)."""
+        return self.basis.name
+
+    @property
+    def bands_strategy(self) -> str:
+        """The spelling of ``strategy`` (the ``bands_strategy`` setting)."""
+        return self.strategy.name
 
     @property
     def settings(self) -> PrivacySettings:
@@ -116,11 +130,12 @@ class StepPlan:
 
 def make_plan(algorithm: str, config: AlgoConfig, *, n: int, batch_size: float, epochs: int | None,
               steps: int | None, epsilon: float | None, delta: float, noise_multiplier: float | None,
-              accountant: str, dice_accounting: str, bands: int, sample_rate: float | None,
-              bands_strategy: str) -> StepPlan:
+              accountant: str, dice_accounting: str | privacy.DiceBasis, bands: int,
+              sample_rate: float | None, bands_strategy: str | NoiseStrategy) -> StepPlan:
     """The run's ``StepPlan`` from ``DPEngine``'s settings (``n`` and ``config`` already checked against the
-    model): every setting checked, the band coefficients (or BLT strategy) chosen for the planned steps, then
-    the noise multiplier given or calibrated to ``epsilon``."""
+    model): every setting checked (the spellings ``dice_accounting`` and ``bands_strategy`` turned into their
+    typed objects, which pass as they are), the band coefficients (or BLT strategy) chosen for the planned steps,
+    then the noise multiplier given or calibrated to ``epsilon``."""
     algo = algorithms.get(algorithm)
     config = algo.with_defaults(config, batch_size)
     if epsilon is not None and noise_multiplier is not None:
@@ -131,15 +146,15 @@ def make_plan(algorithm: str, config: AlgoConfig, *, n: int, batch_size: float, 
     q = B / n if sample_rate is None else check_rate(sample_rate)
     check_bands(bands, q)
     algo.check_bands(bands)
-    check_strategy(bands_strategy)
+    basis, strategy = privacy.dice.basis(dice_accounting), noise_strategy(bands_strategy)
     steps_per_epoch = max(1, round(n / B) if sample_rate is None else round(1 / sample_rate))
     total = planned_steps(epochs, steps, steps_per_epoch, open_ended=noise_multiplier is not None)
     # the noise's coefficients (or BLT strategy: the accounting reads it), before the noise is calibrated
-    shape = band_coefficients(bands, algo.workload_momentum(config), bands_strategy, total)
-    if bands_strategy == "blt" and (why := blt_classes_warning(bands, q)):
+    shape = strategy.shape(bands, algo.workload_momentum(config), total)
+    if why := strategy.warning(bands, q):
         warnings.warn(why, stacklevel=3)
-    plan = StepPlan(algo.name, config, n, B, q, steps_per_epoch, total, delta, accountant, dice_accounting, bands,
-                    bands_strategy, shape, target_epsilon=epsilon)
+    plan = StepPlan(algo.name, config, n, B, q, steps_per_epoch, total, delta, accountant,
+                    privacy.mechanism(algo.accounting, basis), basis, bands, strategy, shape, target_epsilon=epsilon)
     z = noise_multiplier_for(plan, epsilon, noise_multiplier)
     return dataclasses.replace(plan, noise_multiplier=z, spec=algo.spec(config, q, z, B, bands, shape))
 

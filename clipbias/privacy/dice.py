@@ -30,11 +30,11 @@ import numpy as np
 from dp_accounting import dp_event
 
 from ..errors import ConfigError, PrivacyAccountingError
+from ..registry import Registry
 from . import gaussian, pld, search
 from .report import (PrivacyReport, check_accountant, check_delta, check_epsilon, check_positive, check_rate,
                      check_steps)
 
-DICE_ACCOUNTING = ("sound", "conservative", "paper", "authors")
 DEFAULT_DICE_ACCOUNTING = "sound"
 RENAMED = {"certified": "paper"}  # old name -> new name (the old default was the refuted bound)
 DEFAULT_EF_RATIO = 0.01  # default feedback ratio r = B C2 / C1 (docs/algorithms/dicesgd.md, "Defaults")
@@ -50,16 +50,9 @@ PAPER_MIN_NOISE = 8.0  # the paper's Lemma A.11 needs z / 2 >= 4: its bound neve
 _SOUND_PLD_MAX_SHIFT = 5.0  # feedback shift 2r/z above which the sound bound uses the conservative GDP formula
 
 
-def check_basis(method: str) -> str:
-    """The DiceSGD accounting basis, or a ConfigError that names the valid ones."""
-    if method in RENAMED:
-        raise ConfigError(
-            f"`dice_accounting` {method!r} was renamed {RENAMED[method]!r}: it is the paper's Theorem 3.8, "
-            f"which a canary attack refutes (docs/privacy.md), so it is no longer certified nor the default. "
-            f"Use 'sound' (the default, proven) or 'paper' to reproduce the paper's numbers.")
-    if method not in DICE_ACCOUNTING:
-        raise ConfigError(f"`dice_accounting` must be one of {', '.join(DICE_ACCOUNTING)}, got {method!r}")
-    return method
+def check_basis(method: str | DiceBasis) -> str:
+    """The name of the DiceSGD accounting basis ``method`` spells, or a ConfigError that names the valid ones."""
+    return basis(method).name
 
 
 def default_ef_clip(clip: float, batch_size: float, ratio: float = DEFAULT_EF_RATIO) -> float:
@@ -260,6 +253,113 @@ def authors_epsilon(p: DiceParams, z: float, delta: float, accountant: str = "pl
 REFUTED = ("REFUTED by a canary attack on the hidden feedback buffer (epsilon >= 6.76 where the paper's bound "
            "states 1.63; >= 7.63 where the authors' protocol states 2; docs/privacy.md, `clipbias audit --algo "
            "dice --dice-accounting {basis}`): NOT a guarantee")
+
+
+# ---------------------------------------------------------------- the bases as typed objects
+@dataclass(frozen=True)
+class DiceBasis:
+    """One basis DiceSGD's error feedback is accounted by (``BASES``, looked up by ``basis``): its report,
+    its calibration and its dp-accounting event. ``certified``: whether its epsilon is a proven upper bound
+    (False for the refuted ones, kept to reproduce the paper). Subclasses give ``report`` and ``calibrate``."""
+
+    name: str
+    certified: bool = True
+
+    def report(self, p: DiceParams, z: float, delta: float, accountant: str) -> PrivacyReport:
+        raise NotImplementedError
+
+    def calibrate(self, target: float, delta: float, p: DiceParams, accountant: str) -> float:
+        """Smallest z whose epsilon is <= the target (inputs validated by ``calibrate``)."""
+        raise NotImplementedError
+
+    def event(self, p: DiceParams, z: float) -> dp_event.DpEvent:
+        """The T-step dp-accounting event; a basis that is an algorithm-specific formula has none."""
+        return dp_event.UnsupportedDpEvent()
+
+    def check_claims(self, certifiable: bool, why: str) -> None:
+        """Refuse an algorithm the basis does not even claim (only the paper's bound claims less than all)."""
+
+
+class Sound(DiceBasis):
+    """Our proof (module docstring): a mixture of Gaussians per step, composed by the PLD accountant."""
+
+    def report(self, p, z, delta, accountant):
+        r = p.ratio
+        basis = BASIS["sound"].format(r=r)
+        if p.sample_rate < 1 and 2 * r / z > _SOUND_PLD_MAX_SHIFT:
+            basis += (f"; here the feedback shift 2r/z = {2 * r / z:.3g} > {_SOUND_PLD_MAX_SHIFT:g} noise stds "
+                      f"per step, so the dominating Gaussian N(2r+1, z^2) is composed exactly (GDP) instead")
+        return PrivacyReport(sound_epsilon(p, z, delta), delta, "pld", basis, True, z)
+
+    def calibrate(self, target, delta, p, accountant):
+        return _calibrate_sound(target, delta, p, _conservative_z(target, delta, p))
+
+    def event(self, p, z):
+        return sound_event(p, z)
+
+
+class Conservative(DiceBasis):
+    """The sound argument without the mixture: T adaptive Gaussians (never below ``sound``)."""
+
+    def report(self, p, z, delta, accountant):
+        return PrivacyReport(conservative_epsilon(p, z, delta), delta, "pld",
+                             BASIS["conservative"].format(r=p.ratio), True, z)
+
+    def calibrate(self, target, delta, p, accountant):
+        return _conservative_z(target, delta, p)
+
+
+class Paper(DiceBasis):
+    """The paper's Theorem 3.8, refuted: reproduction only."""
+
+    def report(self, p, z, delta, accountant):
+        eps, alpha = paper_epsilon(p, z, delta)
+        return PrivacyReport(eps, delta, "dice-paper-rdp", BASIS["paper"].format(alpha=alpha), False, z)
+
+    def calibrate(self, target, delta, p, accountant):
+        return _calibrate_paper(target, delta, p)
+
+    def check_claims(self, certifiable, why):
+        if not certifiable:
+            raise PrivacyAccountingError(f"the paper's DiceSGD bound does not even claim this algorithm: "
+                                         f"{why}. Use `dice_accounting='sound'` (the default).")
+
+
+class Authors(DiceBasis):
+    """The authors' experimental protocol, refuted: DPSGD's multiplier inflated by sqrt(1 + 2 r)."""
+
+    def report(self, p, z, delta, accountant):
+        return PrivacyReport(authors_epsilon(p, z, delta, accountant), delta, accountant,
+                             BASIS["authors"].format(r=p.ratio, accountant=accountant), False, z)
+
+    def calibrate(self, target, delta, p, accountant):
+        return gaussian._calibrate(target, delta, p.sample_rate, p.steps, accountant) * authors_factor(p)
+
+
+class _Bases(Registry):
+    def lookup(self, name):
+        """A renamed spelling is refused with its new name; an unknown one lists the bases."""
+        if isinstance(name, str) and name in RENAMED:
+            raise ConfigError(
+                f"`{self.parameter}` {name!r} was renamed {RENAMED[name]!r}: it is the paper's Theorem 3.8, "
+                f"which a canary attack refutes (docs/privacy.md), so it is no longer certified nor the default. "
+                f"Use 'sound' (the default, proven) or 'paper' to reproduce the paper's numbers.")
+        return super().lookup(name)
+
+
+BASES: Registry[DiceBasis] = _Bases("a DiceSGD accounting basis", "dice_accounting")
+SOUND = BASES.register(Sound("sound"))
+CONSERVATIVE = BASES.register(Conservative("conservative"))
+PAPER = BASES.register(Paper("paper", certified=False))
+AUTHORS = BASES.register(Authors("authors", certified=False))
+DICE_ACCOUNTING = tuple(BASES)  # the spellings of ``dice_accounting``
+
+
+def basis(spelling: str | DiceBasis) -> DiceBasis:
+    """The basis a ``dice_accounting`` spelling names (a ``DiceBasis`` is itself), else a ConfigError."""
+    return spelling if isinstance(spelling, DiceBasis) else BASES.lookup(spelling)
+
+
 BASIS = {
     "sound": "DiceSGD error feedback, sound bound (clipbias docs/privacy.md): per step the mixture "
              "(1-q) N(2r, z^2) + q N(2r+1, z^2) vs N(0, z^2) in units of C1/B, r = B C2/C1 = {r:.4g}, "
@@ -274,43 +374,27 @@ BASIS = {
 }
 
 
-def report(p: DiceParams, z: float, delta: float, method: str = DEFAULT_DICE_ACCOUNTING,
+def report(p: DiceParams, z: float, delta: float, method: str | DiceBasis = DEFAULT_DICE_ACCOUNTING,
            accountant: str = "pld") -> PrivacyReport:
-    check_basis(method)
-    r = p.ratio
-    if method == "sound":
-        basis = BASIS["sound"].format(r=r)
-        if p.sample_rate < 1 and 2 * r / z > _SOUND_PLD_MAX_SHIFT:
-            basis += (f"; here the feedback shift 2r/z = {2 * r / z:.3g} > {_SOUND_PLD_MAX_SHIFT:g} noise stds "
-                      f"per step, so the dominating Gaussian N(2r+1, z^2) is composed exactly (GDP) instead")
-        return PrivacyReport(sound_epsilon(p, z, delta), delta, "pld", basis, True, z)
-    if method == "conservative":
-        return PrivacyReport(conservative_epsilon(p, z, delta), delta, "pld",
-                             BASIS["conservative"].format(r=r), True, z)
-    if method == "paper":
-        eps, alpha = paper_epsilon(p, z, delta)
-        return PrivacyReport(eps, delta, "dice-paper-rdp", BASIS["paper"].format(alpha=alpha), False, z)
-    return PrivacyReport(authors_epsilon(p, z, delta, accountant), delta, accountant,
-                         BASIS["authors"].format(r=r, accountant=accountant), False, z)
+    """The report of ``method`` (a ``dice_accounting`` spelling or a ``DiceBasis``)."""
+    return basis(method).report(p, z, delta, accountant)
 
 
 @functools.lru_cache(maxsize=256)
-def calibrate(target_epsilon: float, delta: float, p: DiceParams, method: str = DEFAULT_DICE_ACCOUNTING,
+def calibrate(target_epsilon: float, delta: float, p: DiceParams, method: str | DiceBasis = DEFAULT_DICE_ACCOUNTING,
               accountant: str = "pld") -> float:
     """Smallest z (0.1% tolerance) whose DiceSGD epsilon under ``method`` is <= the target (cached
     in-process: a pure function of its arguments)."""
     check_epsilon(target_epsilon)
     check_delta(delta)
-    check_basis(method)
+    b = basis(method)
     check_accountant(accountant)  # the inputs are valid from here on (DiceParams checks its own)
-    if method == "authors":
-        return gaussian._calibrate(target_epsilon, delta, p.sample_rate, p.steps, accountant) * authors_factor(p)
-    z_cons = gaussian._calibrate(target_epsilon, delta, 1.0, p.steps, "pld") * (1 + 2 * p.ratio)
-    if method == "conservative":
-        return z_cons
-    if method == "sound":
-        return _calibrate_sound(target_epsilon, delta, p, z_cons)
-    return _calibrate_paper(target_epsilon, delta, p)
+    return b.calibrate(target_epsilon, delta, p, accountant)
+
+
+def _conservative_z(target: float, delta: float, p: DiceParams) -> float:
+    """The conservative bound's z: DPSGD's at rate 1 times (1 + 2 r)."""
+    return gaussian._calibrate(target, delta, 1.0, p.steps, "pld") * (1 + 2 * p.ratio)
 
 
 def _calibrate_sound(target: float, delta: float, p: DiceParams, z_cons: float) -> float:

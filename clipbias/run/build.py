@@ -56,11 +56,11 @@ def build_run(cfg: TrainConfig, splits: Splits, key: SecretKey | None = None) ->
     engine = DPEngine(model, cfg.algo, n=splits.n, batch_size=cfg.batch_size, epochs=cfg.epochs,
                       epsilon=cfg.epsilon if algo.private else None,
                       noise_multiplier=cfg.noise_multiplier if algo.private else None,
-                      delta=cfg.delta, accountant=cfg.accountant, dice_accounting=cfg.dice_accounting,
+                      delta=cfg.delta, accountant=cfg.accountant, dice_accounting=cfg.basis,
                       config=algo_cfg, max_physical_batch=cfg.max_physical_batch,
                       noise_seed=key if key is not None else cfg.key_seed, grad_path=cfg.grad_path,
                       bands=cfg.bands, sample_rate=public_rate(cfg, splits),
-                      bands_strategy=cfg.bands_strategy)
+                      bands_strategy=cfg.strategy)
     ema = WeightAverage(model, cfg.ema) if cfg.ema is not None else None
     return Run(cfg, splits, model, engine, algo, dev, predict, ema)
 

@@ -85,6 +85,17 @@ class TrainConfig:
         return algorithms.get(self.algo).private
 
     @property
+    def basis(self) -> privacy.DiceBasis:
+        """The error-feedback accounting basis the setting names (checked when the config was made)."""
+        return privacy.dice.basis(self.dice_accounting)
+
+    @property
+    def strategy(self):
+        """The ``algorithms.bands.NoiseStrategy`` the setting names (checked when the config was made)."""
+        from ..algorithms.bands import noise_strategy
+        return noise_strategy(self.bands_strategy)
+
+    @property
     def key_seed(self) -> int | None:
         """The seed of the run's secret key: ``noise_seed``, else ``seed`` with ``reproducible_noise``,
         else None (a fresh key from the OS CSPRNG)."""
@@ -208,7 +219,7 @@ def default_out(cfg: TrainConfig) -> str:
 
 def _check_bands(bands: int, algo: str, strategy: str) -> None:
     """``--bands``: a whole number >= 1, more than 1 only for the algorithms banded noise is accounted for;
-    ``--bands-strategy``: one of ``band_strategy.STRATEGIES``."""
+    ``--bands-strategy``: one of ``bands.NOISE_STRATEGIES``."""
     from ..algorithms.bands import check_strategy
     check_int(bands, "bands", 1)
     check_strategy(strategy)

@@ -128,7 +128,7 @@ def header(run, cfg: TrainConfig, resumed_at_epoch: int | None) -> dict:
         "resumed_at_epoch": resumed_at_epoch, "device": str(run.device),
         "gradients": engine.grad_path_note, "world_size": engine.world_size,
     }
-    if run.algo.accounting == "dice" and engine.spec.dice is not None:
+    if engine.mechanism.takes_basis and engine.spec.dice is not None:  # error feedback: its ratio and clip
         h["ef_ratio_r"] = engine.spec.dice.ratio
         h["ef_clip"] = engine.spec.dice.ef_clip
     return h

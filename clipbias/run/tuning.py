@@ -22,6 +22,7 @@ import torch
 from .. import algorithms
 from ..algorithms.bands import check_strategy
 from ..errors import ClipbiasError, ConfigError
+from .. import privacy
 from ..privacy import tuning
 from ..privacy.report import check_epsilon, check_positive
 from ..randomness import Purpose, SecretKey, poisson_indices, snapped_gaussian, stream, uint64s
@@ -58,8 +59,10 @@ class TuneConfig:
                               "to it)")
         check_epsilon(self.base.epsilon)
         algo = algorithms.get(self.base.algo)
-        if not algo.private or algo.accounting != "gaussian":
-            covered = ", ".join(n for n, a in algorithms.ALGORITHMS.items() if a.private and a.accounting == "gaussian")
+        def gaussian(a: algorithms.Algorithm) -> bool:  # accounted as the subsampled Gaussian
+            return isinstance(privacy.MECHANISMS.lookup(a.accounting), privacy.SubsampledGaussian)
+        if not algo.private or not gaussian(algo):
+            covered = ", ".join(n for n, a in algorithms.ALGORITHMS.items() if a.private and gaussian(a))
             raise ConfigError(f"tune accounts the trials with Renyi DP, which covers the Gaussian-accounted "
                               f"algorithms ({covered}); `algo='{self.base.algo}'` "
                               f"is {'not private' if not algo.private else 'accounted by the DiceSGD mixture'}")
@@ -78,9 +81,7 @@ class TuneConfig:
             if isinstance(b, bool) or not isinstance(b, int) or b < 1:
                 raise ConfigError(f"`bands_choices` must hold whole numbers >= 1, got {self.bands_choices!r}")
             algo.check_bands(b)
-        for s in self.strategy_choices:
-            check_strategy(s)
-        if "blt" in (*self.strategy_choices, self.base.bands_strategy):
+        if any(check_strategy(s).accounted_by_shape for s in (*self.strategy_choices, self.base.bands_strategy)):
             raise ConfigError("tune searches banded noise (`bands_strategy` taylor or optimized), not BLT noise: a BLT "
                               "trial's noise multiplier depends on its strategy, which the tuning's one calibration "
                               "does not cover")

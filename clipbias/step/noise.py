@@ -45,7 +45,7 @@ class GaussianNoise(Stage):
         if not isinstance(key, SecretKey):
             raise ConfigError(f"GaussianNoise needs a clipbias.randomness.SecretKey, got {type(key).__name__}")
         self.std, self.key, self.coefs = float(std), key, tuple(float(c) for c in coefs)
-        self.strategy = strategy  # the name of the coefficients' strategy (algorithms.band_strategy.STRATEGIES)
+        self.strategy = strategy  # the coefficients' strategy's name, the state's tag (algorithms.bands.NOISE_STRATEGIES)
         self.per_bound = per_bound
         self.draws = 0
         self.inputs: list[Tensor] = []   # v_{t-1}, v_{t-2}, ... (at most b - 1)

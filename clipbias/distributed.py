@@ -133,18 +133,21 @@ def merge_owned(buf: Tensor | None, seen: Tensor | None, n: int) -> tuple[Tensor
     return whole, flags > 0
 
 
-def reduce_step(proc: Tensor, ref: Tensor | None, losses: Tensor,
-                failure: ClipbiasError | None) -> tuple[Tensor, Tensor | None, float, int, ClipbiasError | None]:
+def reduce_step(proc: Tensor, ref: Tensor | None, losses: Tensor, failure: ClipbiasError | None,
+                reduced: bool = False) -> tuple[Tensor, Tensor | None, float, int, ClipbiasError | None]:
     """ONE all-reduce of ``[processed sum, reference sum, loss sum, count, failed]``: every rank gets
     the global sums and learns whether any rank failed; then (only on failure) the first failing
-    rank's error is shared, so every rank raises the same error and rolls back."""
+    rank's error is shared, so every rank raises the same error and rolls back. ``reduced``: the sums
+    are already this rank's slice of the global sums (a fully_shard model's, ``engine.sharded``):
+    only ``[loss sum, count, failed]`` is all-reduced and the sums are returned as they are."""
     import torch.distributed as dist
-    d = proc.numel()
+    d = 0 if reduced else proc.numel()
     tail = torch.cat([losses.sum().reshape(1).to(proc),  # on the sums' device: nccl reduces CUDA tensors
                       proc.new_tensor([float(len(losses)), 1.0 if failure is not None else 0.0])])
-    buf = torch.cat([proc, ref if ref is not None else proc.new_zeros(0), tail])
+    buf = tail if reduced else torch.cat([proc, ref if ref is not None else proc.new_zeros(0), tail])
     dist.all_reduce(buf, op=dist.ReduceOp.SUM)
-    proc, ref = buf[:d], (buf[d:2 * d] if ref is not None else None)
+    if not reduced:
+        proc, ref = buf[:d], (buf[d:2 * d] if ref is not None else None)
     loss_sum, count, failed = float(buf[-3]), int(round(float(buf[-2]))), float(buf[-1]) > 0
     if failed:
         failure = _shared_failure(failure)
@@ -285,15 +288,16 @@ def refuse_sharded_path(why: str) -> None:
 
 @contextlib.contextmanager
 def unsharded(model: torch.nn.Module):
-    """The whole of a ``fully_shard`` model gathered on every rank for one private step, then sharded again.
+    """The whole of a ``fully_shard`` model gathered on every rank for one private step's sums, then sharded again.
 
     Inside, every unit's parameters are registered unsharded (plain tensors, all-gathered once on entry:
-    a collective, every rank enters), forward and backward do not reshard them, and FSDP reduces no
-    gradient: the step differentiates with ``torch.autograd.grad``, the per-example norms and clipped sums
-    are those of the unwrapped model, and the ranks, which run different numbers of forward and backward
-    passes on their shares, issue no collective inside. On exit (also on an error) FSDP's settings are
-    restored and the parameters are sharded again (the gathered copies freed). Identity for a model
-    without ``fully_shard`` units."""
+    a collective, every rank enters, one all-gather per unit in the same order), and every unit is a plain
+    module again (``plain``: FSDP's class and forward hooks set aside), so the forward and backward run the
+    unwrapped model and issue no collective: the ranks, which run different numbers of forward and backward
+    passes on their shares, stay in step. The per-example norms and clipped sums are those of the unwrapped
+    model, and the fast path's structural proof (``grads.separable``) sees the model it runs. On exit (also
+    on an error) FSDP's class, hooks and settings are restored and the parameters are sharded again (the
+    gathered copies freed). Identity for a model without ``fully_shard`` units."""
     groups = _fsdp_groups(model)
     if not groups:
         yield
@@ -309,7 +313,8 @@ def unsharded(model: torch.nn.Module):
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.unshard()
-        yield
+        with plain(model):
+            yield
     except BaseException:
         model.reset_iter_state()  # a forward or backward cut short: FSDP's per-iteration state cleared
         raise
@@ -320,11 +325,48 @@ def unsharded(model: torch.nn.Module):
             g.reshard()
 
 
-def shard_like(param: Tensor, full: Tensor) -> Tensor:
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
+
+@contextlib.contextmanager
+def plain(model: torch.nn.Module):
+    """Every ``fully_shard`` unit of ``model`` (its parameters gathered: ``unsharded``) as the module it wraps: its
+    class the original one (``FSDPSequential`` -> ``nn.Sequential``) and the forward pre-hook and hook FSDP
+    registered on it removed (other hooks stay); restored on exit. Inside, the units run their own forward on the
+    gathered parameters and nothing of FSDP runs (no collective, no resharding, nothing written to ``.grad``)."""
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    saved = []
+    for m in units:
+        state = m._get_fsdp_state()
+        ours = {h.id for h in (getattr(state, "_pre_forward_hook_handle", None),
+                               getattr(state, "_post_forward_hook_handle", None)) if h is not None}
+        hooks = {k: dict(getattr(m, k)) for k in _HOOK_DICTS if hasattr(m, k)}
+        base = next(c for c in type(m).__bases__ if not issubclass(c, FSDPModule))
+        saved.append((m, type(m), hooks))
+        for k in hooks:
+            for i in ours:
+                getattr(m, k).pop(i, None)
+        m.__class__ = base
+    try:
+        yield
+    finally:
+        for m, cls, hooks in saved:
+            m.__class__ = cls
+            for k, before in hooks.items():
+                getattr(m, k).clear()
+                getattr(m, k).update(before)
+
+
+def shard_like(param: Tensor, full: Tensor, local: bool = False) -> Tensor:
     """``full`` (the whole update of ``param``, identical on every rank) as ``param`` holds it: this rank's
     slice as a DTensor of ``param``'s mesh and placements (no communication), or ``full`` itself for a
-    plain tensor."""
+    plain tensor. ``local``: ``full`` is already this rank's slice (``param.to_local()``'s shape), wrapped as is."""
     from torch.distributed.tensor import DTensor, distribute_tensor
     if not isinstance(param, DTensor):
         return full
+    if local:
+        return DTensor.from_local(full.view(param.to_local().shape), param.device_mesh, param.placements,
+                                  run_check=False, shape=param.shape, stride=param.stride())
     return distribute_tensor(full.contiguous(), param.device_mesh, param.placements, src_data_rank=None)

@@ -298,14 +298,14 @@ def _sharded_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), block, torch.nn.Linear(9, 3)).double()
 
 
-def _sharded_run(model: torch.nn.Module) -> tuple:
+def _sharded_run(model: torch.nn.Module, algo: str = "dpsgd") -> tuple:
     """dpsgd with SGD momentum (RDP accounting: quick), 2 steps in micro-batches of 4 (the ranks run different numbers
     of forward and backward passes), then a step whose batch holds a NaN example (refused everywhere, nothing
     updated), then that batch without it. Returns (engine, the refusal's message, weights before it, after it)."""
     from clipbias.config import AlgoConfig
     from clipbias.engine.core import DPEngine, run_steps
     x, y = torch.randn(60, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1)), torch.arange(60) % 3
-    eng = DPEngine(model, "dpsgd", n=60, batch_size=20, steps=3, noise_multiplier=1.0, noise_seed=5,
+    eng = DPEngine(model, algo, n=60, batch_size=20, steps=3, noise_multiplier=1.0, noise_seed=5,
                    accountant="rdp", max_physical_batch=4, config=AlgoConfig(lr=0.5, clip=1.0, momentum=0.9))
     run_steps(eng, x, y, 2)
     whole = lambda: [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in model.parameters()]
@@ -323,16 +323,59 @@ def _sharded_run(model: torch.nn.Module) -> tuple:
     return eng, msg, before, after
 
 
+_COLLECTIVES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_gather", "all_gather_object",
+                "broadcast", "broadcast_object_list", "reduce_scatter_single", "reduce_scatter_tensor", "barrier")
+
+
+def _counted(run):
+    """``run()``'s result, with the calls of every torch.distributed collective it made, by name, and the rounds of
+    the sharded sums this rank padded with zeros (fewer micro-batches than another rank, or a failed one)."""
+    import torch.distributed as dist
+
+    from clipbias.engine.sharded import ShardedSums
+    calls: dict[str, int] = {}
+    padded = [0]
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+    pad = ShardedSums.pad
+
+    def counting(name, fn):
+        def call(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return call
+
+    def padding(self):
+        padded[0] += self.total * len(self.order) - self.calls
+        return pad(self)
+    try:
+        for name, fn in saved.items():
+            setattr(dist, name, counting(name, fn))
+        ShardedSums.pad = padding
+        return run(), calls, padded[0]
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+        ShardedSums.pad = pad
+
+
 def _sharded_rank(rank: int, result: str) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
     model = _sharded_model()
     fully_shard(model[2])
     fully_shard(model)
-    eng, msg, before, after = _sharded_run(model)
+    (eng, msg, before, after), calls, padded = _counted(lambda: _sharded_run(model))
     local = {n: (isinstance(p, DTensor), tuple(p.to_local().shape),
                  tuple(eng.optimizer.state[p]["momentum_buffer"].to_local().shape))
              for n, p in model.named_parameters()}
+    held = sum(t.to_local().numel() for p in model.parameters() for t in (p, eng.optimizer.state[p]["momentum_buffer"]))
+    whole = _sharded_model()
+    fully_shard(whole[2])
+    fully_shard(whole)
+    dice = _sharded_run(whole, "dice")[0]  # error feedback: the sums and update whole on every rank
+    sums = {"local_dim": eng._sharded.local_dim, "acc": eng._sharded.acc.numel(), "dim": eng.rows.layout.dim,
+            "held": held, "dice": dice._sharded is None, "dice_w": [p.full_tensor() for p in whole.parameters()],
+            "dice_note": dice.grad_path_note}
     refused = {}
     for name, kw, shard in [("rows", {"grad_path": "rows"}, "all"), ("p-avg", {"algo": "p-avg"}, "all"),
                             ("no root", {}, "block"), ("cast", {}, "cast"), ("layer", {}, "layer")]:
@@ -349,7 +392,8 @@ def _sharded_rank(rank: int, result: str) -> None:
             refused[name] = str(e)
     torch.save({"w": [p.full_tensor() for p in model.parameters()], "epsilon": eng.privacy().epsilon, "msg": msg,
                 "unchanged": all(torch.equal(a, b) for a, b in zip(before, after)), "local": local,
-                "refused": refused, "steps": eng.steps_taken}, f"{result}.{rank}")
+                "refused": refused, "steps": eng.steps_taken, "calls": calls, "padded": padded, "sums": sums},
+               f"{result}.{rank}")
 
 
 def test_fully_shard_gives_the_single_process_run(ranks):
@@ -379,3 +423,39 @@ def test_fully_shard_gives_the_single_process_run(ranks):
         assert "not itself a fully_shard module" in got["no root"]
         assert "MixedPrecisionPolicy" in got["cast"]
         assert "applied to the layer '0' (Linear) itself" in got["layer"]
+
+
+def test_sharded_sums_keep_every_rank_in_step_and_shard_the_step(ranks):
+    """The sharded step (dpsgd: the sums, noise and update sharded, engine/sharded.py): every rank issues the same
+    collectives, as many of each, though the ranks ran different numbers of micro-batches (one padded rounds with
+    zeros) and one failed a step; each rank holds its slice of the processed sum and about half of the parameters
+    and momentum. dice (error feedback) keeps the whole sums and still gives the one-process weights."""
+    torch.set_num_threads(1)
+    got = [torch.load(ranks / f"fsdp.{r}") for r in range(2)]
+    assert got[0]["calls"] == got[1]["calls"] and got[0]["calls"]["all_reduce"] > 10
+    assert got[0]["padded"] + got[1]["padded"] > 0  # the shares' micro-batch counts differed in some step
+    d = _sharded_model()
+    whole = sum(p.numel() for p in d.parameters())
+    assert sum(g["sums"]["local_dim"] for g in got) == whole == got[0]["sums"]["dim"]
+    for g in got:
+        assert g["sums"]["acc"] == g["sums"]["local_dim"] < 0.65 * whole  # the processed sum: this rank's slice
+        assert g["sums"]["held"] < 0.65 * 2 * whole  # parameters and momentum: its shards (7 and 9 rows: 4 + 3, 5 + 4)
+    assert all(g["sums"]["dice"] and "sums and update whole on every rank" in g["sums"]["dice_note"] for g in got)
+    _sharded_run(d, "dice")
+    for g in got:
+        assert max(float((a - b).detach().abs().max()) for a, b in zip(g["sums"]["dice_w"], d.parameters())) <= 1e-12
+
+
+def test_a_ranks_noise_is_its_coordinates_of_the_one_process_draw():
+    """``sharded.normals_at``: the normals of coordinates start .. stop of a noise draw, the whole draw's at those
+    positions (across a chunk boundary of the stream, from inside a chunk, and at its start)."""
+    from clipbias.engine.sharded import _CHUNK, normals_at
+    from clipbias.randomness import Purpose, SecretKey
+    from clipbias.randomness.draws import normals
+    key = SecretKey.of(7)
+    whole = normals(key, Purpose.NOISE, 3, 0, _CHUNK + 1000)
+    for start, stop in [(_CHUNK - 5, _CHUNK + 7), (11, 40), (0, 3), (_CHUNK, _CHUNK + 1000)]:
+        got = torch.empty(stop - start, dtype=torch.float64)
+        for off, z in normals_at(key, 3, start, stop, "cpu"):
+            got[off:off + len(z)] = z
+        assert torch.equal(got, whole[start:stop])

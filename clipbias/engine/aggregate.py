@@ -163,11 +163,12 @@ def step_sums(engine, x: Batch, y: Batch, indices: Tensor | None):
     source = output_source(engine)
     if source is not None:
         source.keep_output = engine._outputs is not None
+    agg = engine._aggregate if getattr(engine, "_sharded", None) is None else engine._sharded  # (engine.sharded)
     try:
         for start in range(0, batch.size(x), engine.max_physical_batch):
             sl = slice(start, start + engine.max_physical_batch)
             with forward.examples(indices[sl] if indices is not None else None):
-                p, r, loss, norms = guarded(lambda xs, ys: engine._aggregate(xs, ys, scale, need_ref),
+                p, r, loss, norms = guarded(lambda xs, ys: agg(xs, ys, scale, need_ref),
                                             batch.take(x, sl), batch.take(y, sl), engine.rows.layout.dim)
             check_finite_norms(norms, indices[sl] if indices is not None else None)
             if engine._outputs is not None and len(loss):
@@ -205,7 +206,18 @@ def engine_aggregate(engine, grad_path: str, own_rows: bool, model: nn.Module, l
     if type(agg) is not BookKeeping:
         distributed.refuse_sharded_path(f"{engine.algo.name} evaluates gradients at points other than the "
                                         f"current parameters")
-    return agg, note + "; fully_shard: the parameters gathered whole for the step, the update applied per shard"
+    # --- fully_shard: sums, noise and update sharded where the release is coordinate-wise (engine/sharded.py)
+    from . import sharded
+    why = sharded.applies(engine, agg)
+    if why is None:
+        engine._sharded = sharded.ShardedSums(engine, agg)
+        if engine.pipeline.noise is not None:
+            engine.pipeline.noise.prefetch = False  # each rank draws its own coordinates' normals (ShardedSums.finish)
+        return agg, note + "; fully_shard: the parameters gathered whole for the sums, which are all-reduced layer by " \
+            "layer into each rank's slice; each rank adds its coordinates' noise and updates its shards"
+    # ---
+    return agg, note + f"; fully_shard: the parameters gathered whole for the step, the update applied per shard " \
+        f"(sums and update whole on every rank: {why})"
 
 
 def attempt_sums(engine, x: Batch, y: Batch, indices: Tensor | None, keep_outputs: bool, views: bool = False) -> tuple:
@@ -230,7 +242,8 @@ def _attempt_sums(engine, x: Batch, y: Batch, indices: Tensor | None, keep_outpu
     dev, dt = engine.params[0].device, engine.params[0].dtype  # a float64 model sums in float64
     while True:  # once more only where grad_path="auto" takes its other path (fall_back)
         ref_sum = torch.zeros(d, device=dev, dtype=dt) if engine.pipeline.error_feedback is not None else None
-        proc_sum = torch.zeros(d, device=dev, dtype=dt)
+        proc_sum = torch.zeros(d, device=dev, dtype=dt) if getattr(engine, "_sharded", None) is None \
+            else engine._sharded.zeros(dt, dev)  # (fully_shard: this rank's slice, engine/sharded.py)
         losses, failure = [], None
         # vmap refusing the model: auto's other path, while it has one (else one example at a time)
         set_unvectorizable(engine, "refuse" if engine._other_path is not None else "loop")
@@ -239,7 +252,7 @@ def _attempt_sums(engine, x: Batch, y: Batch, indices: Tensor | None, keep_outpu
             # under autocast=, the model's forwards in 16 bits
             with forward.keyed(engine.key, engine.steps_taken, dev, engine._dropout_layouts, padding_refusal(x),
                                listen), \
-                    _gathered(engine), \
+                    _gathered(engine, x), \
                     precision.mixed(_mixed(engine, dev)):
                 for r, p, loss in step_sums(engine, x, y, indices):
                     if ref_sum is not None:
@@ -303,9 +316,11 @@ def set_unvectorizable(engine, what: str) -> None:
         grads.unvectorizable = what
 
 
-def _gathered(engine):
+def _gathered(engine, x: Batch):
     """The step's sums over the whole model: a fully_shard model gathered on every rank
-    (``distributed.unsharded``), any other as it is."""
+    (``distributed.unsharded``; with its sums sharded, ``ShardedSums.gathered``), any other as it is."""
+    if getattr(engine, "_sharded", None) is not None:
+        return engine._sharded.gathered(batch.size(x))
     return distributed.unsharded(engine.model) if engine.sharded else contextlib.nullcontext()
 
 
@@ -341,7 +356,13 @@ def drop_staged(engine) -> None:
 def apply_update(engine, update: Tensor, public: list | None = None) -> None:
     """The released update (plus ``public``: a gradient of no private example, added as it is) as the parameters'
     gradients, then the base optimizer's step; the gradients are cleared whatever happens."""
+    local = getattr(engine, "_sharded", None) is not None  # the update is this rank's slice (engine/sharded.py)
     try:
+        if local:
+            for param, u in zip(engine.params, engine._sharded.unflatten(update, public)):
+                param.grad = distributed.shard_like(param, u.to(param.dtype), local=True)
+            engine.optimizer.step()
+            return
         for i, (param, u) in enumerate(zip(engine.params, engine.rows.layout.unflatten(update))):
             if public is not None and public[i] is not None:
                 u = u + public[i].to(u.device, u.dtype).reshape(u.shape)

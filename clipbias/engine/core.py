@@ -21,6 +21,7 @@ from .. import distributed
 from ..data.batch import Batch
 from ..config import AlgoConfig
 from ..errors import ConfigError
+from ..algorithms.bands import NoiseStrategy
 from ..grads.fast import BookKeeping, rule_kind
 from ..grads.rows import LossFn, PerSampleGradients, RowSource, as_row_source, cross_entropy
 from ..sampling.loader import PoissonLoader
@@ -29,6 +30,7 @@ from ..randomness import SecretKey
 from ..sampling.poisson import PoissonSampler
 from . import accounting, state as saved
 from .accounting import SEEDED_CAVEAT  # noqa: F401  (SEEDED_CAVEAT: engine's API)
+from .sum_precision import apply_sum_precision
 from .aggregate import apply_update, attempt_sums, auto_other_path, drop_staged, engine_aggregate, output_source
 from .guard import StateGuard
 from .checks import check_arguments, check_distributed, check_mixed, check_step
@@ -99,6 +101,9 @@ class DPEngine:
             ``prefetch.DEFAULT``, whose docstring gives the measurements: slower on the 2-core CPU measured). The
             same release bit for bit either way; drawing ahead holds one float64 vector of the update's size (8
             bytes a coordinate), reused from step to step.
+        sum_precision: ``"float64"`` (default) or ``"float32"``: the fast path's ghost-layer clipped sums from
+            per-example float32 gradients, with the sensitivity ``C (1 + 2^-10)`` their proven rounding allows
+            and the noise scaled to it (``engine.sum_delta``; docs/privacy.md, "Float32 clipped sums").
 
     Raises:
         ConfigError: both ``epsilon`` and ``noise_multiplier``, or neither for a private algorithm; neither
@@ -119,13 +124,14 @@ class DPEngine:
     def __init__(self, model: nn.Module, algorithm: str, *, n: int, batch_size: float,
                  epochs: int | None = None, steps: int | None = None, epsilon: float | None = None,
                  delta: float = 1e-5, noise_multiplier: float | None = None, accountant: str = "pld",
-                 dice_accounting: str = privacy.DEFAULT_DICE_ACCOUNTING, config: AlgoConfig | None = None,
+                 dice_accounting: str | privacy.DiceBasis = privacy.DEFAULT_DICE_ACCOUNTING,
+                 config: AlgoConfig | None = None,
                  loss_fn: LossFn = cross_entropy, max_physical_batch: int = 512,
                  noise_seed: int | SecretKey | None = None, grads: RowSource | PerSampleGradients | None = None,
                  grad_path: str = "auto", bands: int = 1, optimizer: torch.optim.Optimizer | None = None,
                  sample_rate: float | None = None, autocast: torch.dtype | str | None = None,
-                 loss_scale: float | None = None, bands_strategy: str = "taylor",
-                 noise_prefetch: bool | None = None) -> None:
+                 loss_scale: float | None = None, bands_strategy: str | NoiseStrategy = "taylor",
+                 noise_prefetch: bool | None = None, sum_precision: str = "float64") -> None:
         self.autocast = check_mixed(autocast, loss_scale, grads)  # (dtype, loss scale) or None
         self.undrawn_steps = 0  # steps whose batch the engine's sampler did not draw (``privacy`` caveat)
         self.transformed_steps = 0  # steps on a batch other than the one the loader drew (``drawn``)
@@ -158,12 +164,13 @@ class DPEngine:
         self.rows.key = self.key
         self.params = self.rows.layout.params(model)
         self.pipeline = self.algo.pipeline(self.config, self.expected_batch_size, z, self.key, self.noise_shape,
-                                           bands_strategy)
+                                           self.plan.strategy.name)  # (the noise stage's state records the name)
         set_prefetch(self.pipeline, noise_prefetch)
         self.optimizer = check_base_optimizer(optimizer, self.params, self.rows.layout.names) or \
             algorithms.make_optimizer(self.config.optimizer or self.algo.optimizer, self.params, self.config)
         self.sampler = PoissonSampler(n, self.sample_rate, self.key, self.plan.steps_per_epoch, bands)
         self.max_physical_batch = max_physical_batch
+        self._sharded = None  # fully_shard with sums sharded: set by engine_aggregate (engine/sharded.py)
         self._aggregate, self.grad_path_note = engine_aggregate(self, grad_path, own_rows, model, loss_fn,
                                                                 max_physical_batch)
         self.grad_path = grad_path
@@ -172,6 +179,8 @@ class DPEngine:
         self.world_size = check_distributed(self.algo.name, self.rows, self.pipeline)
         self.grad_path_fallback: str | None = None  # grad_path="auto"'s fall-back, once it has happened
         self._other_path = auto_other_path(self, grad_path)  # taken if the chosen path refuses the first step
+        # sum_precision (issue 58 item 3; engine/sum_precision.py): "float32" ghost-layer sums, noise scaled to C (1 + delta)
+        apply_sum_precision(self, sum_precision)
         self.steps_taken, self.last_loss = 0, (0.0, 0)
         self.last_outputs, self._outputs = None, None  # step(keep_outputs=True)
 
@@ -182,9 +191,11 @@ class DPEngine:
     total_steps = property(lambda self: self.plan.total_steps)
     delta = property(lambda self: self.plan.delta)
     accountant = property(lambda self: self.plan.accountant)
-    dice_accounting = property(lambda self: self.plan.dice_accounting)
+    dice_accounting = property(lambda self: self.plan.dice_accounting)  # the settings' spellings
     bands = property(lambda self: self.plan.bands)
     bands_strategy = property(lambda self: self.plan.bands_strategy)
+    mechanism = property(lambda self: self.plan.mechanism)  # typed: privacy.Mechanism
+    strategy = property(lambda self: self.plan.strategy)  # typed: algorithms.bands.NoiseStrategy
     noise_shape = property(lambda self: self.plan.noise_shape)
     noise_multiplier = property(lambda self: self.plan.noise_multiplier)
     spec = property(lambda self: self.plan.spec)
@@ -265,13 +276,14 @@ class DPEngine:
         if self._outputs:
             self.last_outputs = batch.cat(self._outputs)
         if self.world_size > 1:  # the one all-reduce of the step: global sums, and did any rank fail
-            proc_sum, ref_sum, loss_sum, count, failure = distributed.reduce_step(proc_sum, ref_sum, mine, failure)
+            proc_sum, ref_sum, loss_sum, count, failure = distributed.reduce_step(
+                proc_sum, ref_sum, mine, failure, reduced=self._sharded is not None)  # (fully_shard: engine/sharded.py)
             self.last_loss = (loss_sum, count)
         if failure is not None:  # every stage drops what it staged, on every rank
             drop_staged(self)
             raise failure
         try:
-            update = self.pipeline.finish(proc_sum, ref_sum)
+            update = (self._sharded or self.pipeline).finish(proc_sum, ref_sum)  # (fully_shard: engine/sharded.py)
         except BaseException:
             drop_staged(self)
             raise

@@ -69,6 +69,7 @@ from . import separable
 from .fast_checks import MIN_PROBE_NORM, MIXED_RTOL, PROBES, RuntimeChecks, _trainable  # noqa: F401  (the API's names)
 from .fast_losses import PerExampleLosses
 from .layers import RULES, LayerGrads
+from .layers.linear import float32_sum_route
 from .layers.tied import tie_cross, why_not_tied
 from .rows import LossFn, ParamLayout, check_model, cross_entropy
 
@@ -213,6 +214,14 @@ class BookKeeping(RuntimeChecks, PerExampleLosses):
     """``(clipped sum, reference sum, losses, norms)`` of a batch for a norm-scaling stage. Its run-time checks
     (``grads.fast_checks``) and per-example losses (``grads.fast_losses``) are inherited."""
 
+    sum_precision = "float64"
+    """``precision.SUM_PRECISIONS``: "float32" sums the ghost layers the proof covers from per-example float32
+    gradients (``layers.linear.float32_sum_route``); the engine sets it with the noise scaled to match
+    (``DPEngine(sum_precision=...)``). Each call records ``last_sum_routes`` ({layer index: "float32" |
+    "float64"} over the ghost layers) and ``last_sum_delta`` (the micro-batch's proven inflation, 0 in float64)."""
+    last_sum_routes: dict = {}
+    last_sum_delta = 0.0
+
     def __init__(self, model: nn.Module, loss_fn: LossFn = cross_entropy) -> None:
         check_model(model)
         reason = why_unsupported(model)
@@ -265,6 +274,10 @@ class BookKeeping(RuntimeChecks, PerExampleLosses):
             return torch.zeros(0), None, losses, norms
         two = [reference or bool(cheap and cheap[j]) for j in range(len(rules))]
         S = torch.stack([scale(norms)] + ([torch.ones_like(norms)] if any(two) else []))
+        # sum_precision="float32": the ghost layers the float32 route's proof covers sum per-example float32
+        # gradients (layers.linear.float32_sum_route; sensitivity C (1 + delta), docs/privacy.md)
+        self.last_sum_routes, self.last_sum_delta = float32_sum_route(rules, _bound_of(scale)) \
+            if self.sum_precision == "float32" else ({}, 0.0)
         with full_float32():  # TF32 would round the rows to 2^-11 before the clip factors meet them
             pieces = [r.sums(S if t else S[:1]) for r, t in zip(rules, two)]
         proc = self._assemble([[t[0] for t in lp] for lp in pieces])
@@ -299,7 +312,8 @@ class BookKeeping(RuntimeChecks, PerExampleLosses):
         self._loss_alone = True  # _losses_alone: the summed loss_fn's gradient taken one example at a time
         with full_float32():  # the batch and the probes in the same (full) float32 arithmetic
             try:
-                with separable.watch(self.model, known=self.layers) as inputs:  # frozen layers' inputs too
+                # the step's aten program (decided before separable's hooks exist), frozen layers' inputs too
+                with self._graph_watch(x, y) as program, separable.watch(self.model, known=self.layers) as inputs:
                     losses, acts, grads = self._backward(x, y, params=self._unformed_params if reference else None,
                                                          keep=self.keep_output)
                 for m in self.layers:  # the trainable layers' inputs, as the hooks of the backward took them
@@ -321,7 +335,8 @@ class BookKeeping(RuntimeChecks, PerExampleLosses):
             # example at a time (a loss_fn returning per-example losses may combine them), needs no probe
             own_loss = self.loss_fn is cross_entropy or getattr(self.loss_fn, "per_example", False) \
                 or self._vector_loss is False and self._loss_alone
-            proven = own_loss and not stochastic and separable.proven(self.model, inputs, batch.leaves(y))
+            proven = not stochastic and (own_loss and separable.proven(self.model, inputs, batch.leaves(y))
+                                         or self._graph_proven(program, x, y, own_loss))
             if bool(torch.isfinite(sq).all()) and not proven:
                 self._check_examples(rules, sq, x, y, params, rng if stochastic else None)
         ref = None
@@ -430,6 +445,14 @@ class BookKeeping(RuntimeChecks, PerExampleLosses):
             if parts[s] is not None:
                 parts[s] = parts[s].to(self.layers[e].weight.dtype)
         return parts
+
+
+def _bound_of(scale: Callable) -> float | None:
+    """The per-example bound C of the stage whose ``scale`` it is (``s_i ||g_i|| <= C``: a clip's ``c``, a
+    normalisation's ``bound``), or None where ``scale`` is not a stage's method."""
+    stage = getattr(scale, "__self__", None)
+    c = getattr(stage, "c", getattr(stage, "bound", None))
+    return float(c) if isinstance(c, (int, float)) and not isinstance(c, bool) else None
 
 
 def _edge(t: Tensor):

@@ -5,6 +5,7 @@ layer (exact, structural), and the secret probe that random examples' attributed
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -15,9 +16,10 @@ from ..data import batch
 from ..data.batch import Batch
 from ..errors import ConfigError, PathRefusal
 from ..randomness import forward
-from . import precision
+from . import precision, proof, separable
 from .layers import RULES
 from .precision import row_norms
+from .rows import cross_entropy
 
 PROBES = 4
 """Examples probed per step (deterministic forward)."""
@@ -95,6 +97,70 @@ class RuntimeChecks:
             raise ConfigError(f"grad_path=\"fast\": a {type(m).__name__} layer receives a {acts[m].dim()}-D input, "
                               f"which it reads as one example without a batch dimension: its rows are not one per "
                               f"example. Give it a {_batched_dims(m, 0)}-D input, or use grad_path=\"rows\"")
+
+    @contextlib.contextmanager
+    def _graph_watch(self, x: Batch, y: Batch):
+        """Records the step's forward for the graph proof (``grads.proof``), its loss too where that is one
+        plain call (cross-entropy, a ``per_example`` loss or one found to return per-example losses), and
+        yields the program; yields None where the proof is not tried: a model per-example by its structure
+        (``grads.separable``: no probe either way), a model that is itself a trainable layer, a 16-bit
+        forward (autocast: the probe's float64 comparison also bounds the 16-bit rounding), or after
+        ``proof.GIVE_UP`` steps in a row not proven (retried every ``proof.RETRY`` steps)."""
+        proofs = self.__dict__.get("_proofs")
+        if proofs is None:
+            proofs = self._proofs = proof.Proofs()
+        if not proof.ENABLED or self.model in self.layers or precision.active_mixed() is not None \
+                or separable.why_not(self.model) is None or not proofs.recording():
+            yield None
+            return
+        cover = self.loss_fn is cross_entropy or getattr(self.loss_fn, "per_example", False) or \
+            self._vector_loss is True
+        labels = batch.leaves(y) if cover else []
+        with proof.watch(self.model, self.layers, batch.size(x), labels, until_loss=cover) as prog:
+            if cover:  # the recording ends with the losses (the backward is not recorded)
+                losses = self._losses
+
+                def ended(out, yy, b):
+                    got = losses(out, yy, b)
+                    prog.end(got)
+                    return got
+                self._losses = ended
+            try:
+                yield prog
+            finally:
+                self.__dict__.pop("_losses", None)
+
+    def _graph_proven(self, program: proof.Program | None, x: Batch, y: Batch, own_loss: bool) -> bool:
+        """Whether the step's recorded program proves that no operation lets examples see each other (then the
+        probe is skipped): the loss recorded with it, or one example's at a time by construction
+        (``own_loss``); the labels plain tensors (a subclass's ``__torch_function__`` would run inside the
+        loss). A step whose forward drew random numbers never gets here (``BookKeeping._rules``)."""
+        if program is None:
+            return False
+        if not all(type(t) is Tensor for t in batch.leaves(y)):
+            self._proofs.refuse("the labels are a tensor subclass")
+            return False
+        if program.losses is None and not own_loss:
+            self._proofs.refuse("the loss returns per-example losses that were not recorded (its first step)")
+            return False
+        return self._proofs.proven(program, lambda: self._record_alone(x, y, program))
+
+    def _record_alone(self, x: Batch, y: Batch, step: proof.Program) -> proof.Program:
+        """The first example's forward (and loss, where the step's was recorded) as a batch of one, recorded: the
+        program the probe would run for it, which the proof compares with the batch's."""
+        taken: dict = {}  # a tensor both input and label (a language model's ids) taken once, as in the step
+        xi, yi = (batch.tree_map(lambda t: taken.setdefault(id(t), t[:1]), v) for v in (x, y))
+        loss = step.losses is not None
+        with proof.watch(self.model, self.layers, 1, batch.leaves(yi) if loss else [], until_loss=loss,
+                         shared=step.shared) as prog, \
+                torch.enable_grad(), precision.forward_autocast():
+            try:
+                out = batch.call(self.model, xi)
+                if loss:
+                    prog.end(self._losses(out, yi, 1))
+            except Exception as err:  # noqa: BLE001  (a model that cannot run one example alone: the probe decides)
+                prog.why = f"the model cannot run one example alone: {type(err).__name__}: {err}"
+        return prog
 
     def _check_examples(self, rules: list, sq: Tensor, x: Batch, y: Batch, params: list, rng: tuple | None) -> None:
         """Every step, secret random examples' gradients as the per-layer rules attribute them must

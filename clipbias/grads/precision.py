@@ -246,3 +246,80 @@ def exact32(t: Tensor, scale: float = 1.0) -> Tensor:
     if t.dtype in HALF:
         t = t.float()
     return t if scale == 1.0 or not t.is_floating_point() else t / scale
+
+
+# ---------------------------------------------------------------------------- float32 clipped sums (issue 58)
+
+SUM_PRECISIONS = ("float64", "float32")
+"""``sum_precision``: how the fast path computes the clipped sums of its ghost-norm layers. "float64" (the
+default): one float64 product over the (example, position) pairs, rounded once. "float32": every example's
+weight gradient formed in float32 (a batched product, a block of examples at a time) and the examples' pieces
+summed in float32, at the price of a sensitivity ``C (1 + SUM32_DELTA)`` that the noise is scaled to
+(``float32_sum_route``; the proof: docs/privacy.md, "Float32 clipped sums")."""
+
+SUM32_DELTA = 2.0 ** -10
+"""The sensitivity inflation a run with ``sum_precision="float32"`` accounts for: every example's released
+contribution has norm at most ``C (1 + SUM32_DELTA)`` (9.8e-4; its noise std is ``z C (1 + SUM32_DELTA)``).
+A ghost layer whose shapes would need more (``sum32_rho``) keeps its float64 sum in that micro-batch."""
+
+SUM32_ETA = 2.0 ** -30
+"""The share of ``SUM32_DELTA`` left to underflow (absolute rounding errors below float32's normal range):
+an example's factor is capped at ``SUM32_ETA C / A`` (``A``: ``sum32_abs`` over the float32 layers), a cap
+that binds only for a clip below ~1e-23 or a gradient norm below ~1e-23 under normalisation."""
+
+_TINY32 = 2.0 ** -126
+_U32, _U64 = 2.0 ** -24, 2.0 ** -53
+
+
+def ghost_coef(L: int, k: int, o: int, u: float) -> float:
+    """The ghost norm's rounding coefficient ``gamma_k + gamma_o + gamma_k gamma_o + 2 gamma64_{L^2+1}``
+    (``layers.linear.ghost_norm_bound`` adds ``2 coef U_i^2`` to its bound), ``u`` the Grams' unit roundoff."""
+    gk, go = gamma(k, u), gamma(o, u)
+    return gk + go + gk * go + 2 * gamma(L * L + 1, _U64)
+
+
+def sum32_rho(L: int, k: int, o: int) -> float:
+    """The relative rounding of a ghost layer's float32 per-example gradients, against the clip: forming
+    ``G_i = sum_l y_l x_l^T`` (L positions, any order, FMA or not) errs by at most ``gamma_L U_i`` in Frobenius
+    norm (``U_i = sum_l |x_l||y_l|``), and the layer's ghost bound is at least ``2 coef U_i^2``, so the error is
+    at most ``gamma_L / sqrt(2 coef)`` times the example's bound norm; ``2^-63`` more for subnormal inputs read
+    as zero (covered by the bound's ``2^-126`` term). Infinite where ``gamma_L`` has no bound."""
+    if L * _U32 >= 0.5:
+        return math.inf
+    return gamma(L, _U32) / math.sqrt(2 * ghost_coef(L, k, o, _U32)) + 2.0 ** -63
+
+
+def sum32_abs(L: int, k: int, o: int) -> float:
+    """The absolute rounding of one example's float32 gradient of a ghost layer from results below float32's
+    normal range (flushed to zero, or subnormal): at most ``2^-126`` per product and per addition, ``2 L`` of
+    them per entry, grown by ``1 + gamma_L``, over ``o k`` entries (Frobenius norm)."""
+    return 2 * L * (1 + gamma(L, _U32)) * _TINY32 * math.sqrt(o * k)
+
+
+def sum32_delta(rho: float, eta: float = SUM32_ETA) -> float:
+    """The inflation ``delta`` with ``||contribution|| <= C (1 + delta)`` for a step whose float32 layers have
+    relative rounding at most ``rho`` (``sum32_rho``) and absolute rounding at most ``eta C`` (the factor
+    cap): the exact contribution ``<= C``, plus ``rho C``, plus ``eta C``, all times ``1 + 2^-24 + 2^-50`` for
+    the rounding of the factor itself (its float64 division, then its float32 cast)."""
+    return (1 + _U32 + 2.0 ** -50) * (1 + rho + eta) - 1
+
+
+SUM32_RHO_MAX = (1 + SUM32_DELTA) / (1 + _U32 + 2.0 ** -50) - 1 - SUM32_ETA
+"""The largest ``sum32_rho`` of a layer on the float32 route: ``sum32_delta(SUM32_RHO_MAX) = SUM32_DELTA``
+(up to the float64 rounding of this expression, 1e-19)."""
+
+
+def sum32_residual(m: int, block: int = 8) -> float:
+    """How far, relative to ``C (1 + delta)``, the float32 route's sum across a micro-batch of ``m`` examples can
+    move beyond example i's own piece: each of ``D``'s and ``D'``'s releases is within ``gamma_c`` (a float32 sum
+    of at most ``c = min(m, block)`` pieces, ``layers.linear.SUM32_BLOCK_EXAMPLES``), ``gamma64_m`` (the blocks
+    added in float64) and ``u`` (rounded once to float32) of the sum of at most m pieces' norms, so at most
+    ``2 m (gamma_c + gamma64_m + u)``: 1.1e-5 at m = 8, 5.5e-4 at m = 512 (the float64 route: ``2 m u``)."""
+    return 2 * m * (gamma(min(m, block), _U32) + gamma(m, _U64) + _U32)
+
+
+def check_sum_precision(p: str) -> str:
+    """``p`` if it is one of ``SUM_PRECISIONS``, else a ConfigError."""
+    if p not in SUM_PRECISIONS:
+        raise ConfigError(f"sum_precision must be one of {', '.join(SUM_PRECISIONS)}, got {p!r}")
+    return p

@@ -17,18 +17,32 @@ they sum. ``Matrix`` is the rule's arithmetic, shared with the convolutions (``l
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
 from torch import Tensor, nn
 
 from .. import rms
-from ..precision import full_float32, sq_norms, unit_roundoff
+from ..precision import SUM32_ETA, SUM32_RHO_MAX, full_float32, ghost_coef, sq_norms, sum32_abs, sum32_delta, \
+    sum32_rho, unit_roundoff
 from ..precision import gamma as _gamma
 from .base import Rule, register, stacked, weight_and_bias_only
 
 WIDE_BLOCK_BYTES = 64 * 2**20
 """The float64 sums of a ghost layer convert this much of its output gradients at a time."""
+
+SUM32_BLOCK_BYTES = 64 * 2**20
+"""The float32 route of a ghost layer's sums (``Matrix._f32_sums``) forms at most this many bytes of
+per-example gradients at a time (a block of examples, or of one example's output rows)."""
+
+SUM32_BLOCK_EXAMPLES = 8
+"""... and sums at most this many examples' pieces in float32 (``precision.sum32_residual``)."""
+
+SUM32_OVERFLOW = 2.0 ** 100
+"""On the float32 route an example whose ``U_i = sum_l |a_l||g_l|`` in a layer reaches this (its float32
+gradient could overflow) contributes nothing to that layer's sum: a decision on its own values (no real
+activation times gradient comes near 1e30; the float64 route sums it)."""
 
 CACHED_BLOCK_BYTES = 2 * 2**20
 """A one-position layer's float64 squared norms and sums convert this much of its inputs at a time:
@@ -62,8 +76,7 @@ def ghost_norm_bound(a: Tensor, g: Tensor) -> Tensor:
     na, ng = torch.linalg.vector_norm(a, dim=2).double(), torch.linalg.vector_norm(g, dim=2).double()
     grow = (1 + _gamma(k + 2, u)) * (1 + _gamma(o + 2, u)) * (1 + _gamma(L + 1, 2.0 ** -53))
     U, sa, sg = (na * ng).sum(1) * grow, na.sum(1) * grow, ng.sum(1) * grow
-    gk, go = _gamma(k, u), _gamma(o, u)
-    coef = gk + go + gk * go + 2 * _gamma(L * L + 1, 2.0 ** -53)
+    coef = ghost_coef(L, k, o, u)  # (the float32 sums' route reads the same coefficient: sum32_rho)
     tiny = 2.0 ** -1022 if a.dtype == torch.float64 else 2.0 ** -126  # bfloat16 has float32's range
     return sq.clamp_min(0) + 2 * (coef * U.square() + tiny * (k * sg.square() + o * sa.square()))
 
@@ -108,6 +121,7 @@ class Matrix:
                 sq = ghost_norm_bound(a, g)
         self.a, self.g = a, g
         self.tied = False  # a weight shared with an Embedding: its sums in float64 (fast._rules_of, layers.tied)
+        self.sum32: float | None = None  # the float32 route's factor cap where it sums this layer (float32_sum_route)
         self.sq = (sq * self.w) + (sq_norms(g.sum(1)) if self.bias else 0)
 
     @staticmethod
@@ -145,6 +159,8 @@ class Matrix:
                 out.append(S.double() @ self.pe.flatten(1).double())
             elif self.pe is not None:
                 out.append(S.to(dt) @ self.pe.flatten(1))
+            elif self.ghost and self.sum32 is not None:  # sum_precision="float32" (float32_sum_route)
+                out.append(self._f32_sums(S))
             elif self.ghost:  # float64: see the class docstring
                 out.append(stacked([self._wide_sum(s) for s in S]))
             else:  # L = 1: one product per example, in float64 and rounded once: in float32 a_ij s_i could
@@ -188,6 +204,36 @@ class Matrix:
             out[j:j + step] = g[:, j:j + step].t().double() @ sa  # rounded once, on assignment
         return out.reshape(-1)
 
+    def _f32_sums(self, S: Tensor) -> Tensor:
+        """``[n, numel]``: ``sum_i S[j, i] T_i`` with ``T_i`` example i's weight gradient formed in float32 (a
+        batched product over its L positions alone, ``SUM32_BLOCK_BYTES`` at a time) and the examples' pieces
+        summed in float32, ``SUM32_BLOCK_EXAMPLES`` at a time, the blocks' sums in float64 and rounded once
+        (``sum_precision="float32"``; the proof: docs/privacy.md, "Float32 clipped sums").
+        Row 0's factors are capped at ``self.sum32`` (``float32_sum_route``: the underflow share of delta), and an
+        example whose ``U_i`` reaches ``SUM32_OVERFLOW`` contributes nothing here (its piece could overflow)."""
+        b = self.a.shape[0]
+        x, y = (self.a, self.g) if self.t else (self.g, self.a)  # G_i = x_i^T y_i, laid out as the weight
+        S32 = S.to(torch.float32, copy=True)  # (the caller's S stays as it is)
+        S32[0] = S32[0].clamp(max=self.sum32)
+        U = (torch.linalg.vector_norm(self.a, dim=2).double() * torch.linalg.vector_norm(self.g, dim=2).double()).sum(1)
+        big = ~(U < SUM32_OVERFLOW)  # (NaN too: such an example's norm is not finite, and the step stops)
+        if bool(big.any()):
+            x = x.masked_fill(big.view(-1, 1, 1), 0.0)
+            S32[:, big] = 0.0
+        xt = x.transpose(1, 2).contiguous()  # [b, rows, L]
+        rows, cols, n = xt.shape[1], y.shape[2], len(S)
+        per = rows * cols * x.element_size()  # one example's gradient
+        step = max(1, min(SUM32_BLOCK_EXAMPLES, SUM32_BLOCK_BYTES // per))
+        rstep = rows if per <= SUM32_BLOCK_BYTES else max(1, SUM32_BLOCK_BYTES // (cols * x.element_size()))
+        # one block of examples: its float32 sum is the release; several: their float32 sums added in float64
+        # and rounded once (the sum across examples then rounds within SUM32_BLOCK_EXAMPLES pieces at a time)
+        out = x.new_zeros(n, rows, cols, dtype=torch.float32 if b <= step else torch.float64)
+        for i in range(0, b, step):  # per example in float32, then summed over the block's examples in float32
+            for r in range(0, rows, rstep):
+                T = torch.bmm(xt[i:i + step, r:r + rstep], y[i:i + step])  # [c, rt, cols]: T_i, one per example
+                out[:, r:r + rstep] += (S32[:, i:i + step] @ T.flatten(1)).view(n, -1, cols)
+        return out.reshape(n, -1).to(x.dtype)
+
     def one(self, i: int) -> list[Tensor]:
         """Example i's gradient, one flat tensor per parameter."""
         w = self.pe[i] if self.pe is not None else self.a[i].t() @ self.g[i] if self.t else self.g[i].t() @ self.a[i]
@@ -225,6 +271,40 @@ def _wide_sq(a: Tensor) -> Tensor:
     step = max(1, CACHED_BLOCK_BYTES // (8 * k))
     return torch.cat([a[i:i + step].double().square().sum(1) for i in range(0, b, step)])
 
+
+
+def float32_sum_route(rules: list, bound: float | None) -> tuple[dict[int, str], float]:
+    """``sum_precision="float32"`` for one micro-batch: ``({index: "float32" | "float64"}, delta)`` over the ghost
+    layers among ``rules`` (each ``Matrix`` there gets ``sum32`` set, its factor cap, or None), ``delta`` the
+    step's proven inflation (``precision.sum32_delta``, at most ``SUM32_DELTA``; 0 where no layer takes float32).
+
+    A ghost layer takes float32 where its weight's sum is its own (not a tied weight's: those stay float64,
+    ``layers.tied``), its rows are float32 and ``sum32_rho`` of its shapes is at most ``SUM32_RHO_MAX``: decided
+    from the shapes and ``bound`` alone (the per-example bound C of the step's clip or normalisation), never from
+    the values. Without a finite positive ``bound`` every layer keeps float64. The factor cap ``SUM32_ETA bound / A``
+    (``A``: ``sum32_abs`` over the float32 layers, combined in quadrature) bounds the underflow share."""
+    routes, rhos, absolute = {}, [], []
+    for j, r in enumerate(rules):
+        if isinstance(r, Matrix):
+            r.sum32 = None
+        if not isinstance(r, Matrix) or not r.ghost or not r.w:
+            continue
+        _, L, k = r.a.shape
+        o = r.g.shape[2]
+        rho = sum32_rho(L, k, o)
+        ok = bound is not None and math.isfinite(bound) and bound > 0 and not r.tied \
+            and r.a.dtype == torch.float32 and r.g.dtype == torch.float32 and rho <= SUM32_RHO_MAX
+        routes[j] = "float32" if ok else "float64"
+        if ok:
+            rhos.append(rho)
+            absolute.append(sum32_abs(L, k, o))
+    if not rhos:
+        return routes, 0.0
+    cap = SUM32_ETA * bound / math.sqrt(sum(v * v for v in absolute))
+    for j, route in routes.items():
+        if route == "float32":
+            rules[j].sum32 = cap
+    return routes, sum32_delta(max(rhos))
 
 
 class Transposed(Matrix):

@@ -47,3 +47,29 @@ def test_the_engine_executes_its_plan():
     x, y = torch.randn(50, 3), torch.randint(0, 2, (50,))
     engine.step(x, y, torch.arange(50))  # (indices the sampler did not draw: uncertified, but it runs)
     assert engine.steps_taken == 1
+
+
+def test_the_plan_holds_the_gradient_path_and_its_reason_as_data():
+    """``engine.plan.path`` (``PathChoice``): which path the step's sums take and why, the header's words made
+    from it (``grad_path_note``)."""
+    import torch.nn as nn
+
+    from clipbias.engine import DPEngine
+    from clipbias.engine.plan import PathChoice
+
+    class Mixer(nn.Module):  # (not in the structural proof: the fast path rests on run-time checks)
+        def forward(self, x):
+            return x
+
+    mlp = nn.Sequential(nn.Linear(20, 16), nn.Tanh(), nn.Linear(16, 4))
+    e = DPEngine(mlp, "dpsgd", n=256, batch_size=32, noise_multiplier=1.0, grad_path="fast")
+    assert e.plan.path == PathChoice("fast", "fast", checked="structure")
+    assert e.grad_path_note == e.plan.path.note and e.grad_path_note.startswith("fast (per-layer norms")
+    e = DPEngine(nn.Sequential(nn.Linear(20, 4), Mixer()), "dpsgd", n=256, batch_size=32, noise_multiplier=1.0,
+                 grad_path="fast")
+    assert e.plan.path.checked == "runtime" and "run-time checks" in e.grad_path_note
+    e = DPEngine(nn.Sequential(nn.Linear(20, 4)), "disk", n=256, batch_size=32, noise_multiplier=1.0, grad_path="rows")
+    assert e.plan.path.path == "sums" and e.plan.path.two_point and "at two points" in e.grad_path_note
+    e = DPEngine(nn.Sequential(nn.Linear(20, 4)), "dpsgd", n=256, batch_size=32, noise_multiplier=1.0,
+                 grad_path="fast", sum_precision="float32")
+    assert e.plan.path.sum_precision == "float32" and e.grad_path_note.endswith("the noise scaled to it)")

@@ -7,6 +7,7 @@ fall-back to the other path at the first step (``attempt_sums``, ``fall_back``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 
@@ -26,6 +27,7 @@ from ..step import Pipeline, StepContext, scales_by_norm
 from ..grads.two_point import TwoPointRows
 from ..sampling import refetch
 from .checks import padding_refusal
+from .plan import PathChoice
 
 AUTO_ROWS_BYTES = 2**30
 """``grad_path="auto"`` takes the fast path when one micro-batch of float32 rows would exceed this. Measured on
@@ -36,7 +38,7 @@ resnet20-gn at B = 512 (0.55 GB) 1.29 s and 1.32 s."""
 
 def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: LossFn, algo, pipeline: Pipeline,
                      rows: RowSource, max_physical_batch: int, expected_batch_size: float, per_example: bool = False):
-    """(the aggregate of a norm-scaling step or None, what the header says): the book-keeping fast
+    """(the aggregate of a norm-scaling step or None, the ``PathChoice``: which path and why): the book-keeping fast
     path (``grads.fast.BookKeeping``: no rows), the rows summed per parameter (``grads.ParamSums``),
     or None (rows through the pipeline: stages that need rows). ``grad_path`` rows | fast | auto:
     auto takes the fast path where it applies and either one micro-batch of rows would exceed
@@ -48,19 +50,17 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
     two = isinstance(rows, TwoPointRows) and isinstance(rows.base, PerExampleRows) and \
         isinstance(rows.base.grads, FuncGradients)  # DiSK on per-example gradients: both points, then as usual
     if two:
-        agg, note = choose_aggregate(grad_path, own_rows, model, loss_fn, algo, pipeline, rows.base, max_physical_batch,
-                                     expected_batch_size, per_example=True)
+        agg, choice = choose_aggregate(grad_path, own_rows, model, loss_fn, algo, pipeline, rows.base,
+                                       max_physical_batch, expected_batch_size, per_example=True)
         if agg is None:
-            return None, note
+            return None, choice
         if isinstance(agg, BookKeeping) and agg.ties:  # no bound on the tied uses' cross terms between the points
             why = "DiSK's two points with tied weights (an Embedding sharing its weight with a Linear)"
             if grad_path == "fast":
                 raise ConfigError(f"`grad_path='fast'` is not available: {why}; use `grad_path='auto'` or "
                                   f"`grad_path='rows'`")
-            agg, note = ParamSums(rows.base.grads), f"rows (per-example gradients, torch.func, summed per parameter; " \
-                f"the fast path does not apply: {why})"
-        return TwoPoint(agg, rows), note.replace("per-example gradients", "DiSK: per-example gradients at two points", 1) \
-            .replace("fast (", "fast (DiSK: at two points; ", 1)
+            agg, choice = ParamSums(rows.base.grads), PathChoice("sums", grad_path, why_not_fast=why)
+        return TwoPoint(agg, rows), dataclasses.replace(choice, two_point=True)
     why = ("a gradient backend was given" if not own_rows else
            f"--algo {algo.name} computes its own rows" if algo.source is not None and not per_example else
            "--grad-bound clips the rows first" if p.reference else
@@ -72,26 +72,23 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
             rows.layout.dim * 4
         if why is None and (grad_path == "fast" or grad_path == "auto" and (rows_bytes > AUTO_ROWS_BYTES
                                                                            or fast_wins(model, loss_fn, rows_bytes))):
-            return BookKeeping(model, loss_fn), "fast (per-layer norms and book-keeping sums, no rows; " + (
-                "rows per example by the model's structure, checked every step; a loss_fn returning per-example "
-                "losses is probed" if separable.why_not(model) is None
-                else "per-example sensitivity rests on run-time checks of the model") + ", docs/results.md)"
+            return BookKeeping(model, loss_fn), PathChoice(
+                "fast", grad_path, checked="structure" if separable.why_not(model) is None else "runtime")
         if grad_path != "fast" and isinstance(rows, PerExampleRows) and \
                 isinstance(rows.grads, FuncGradients):
-            return ParamSums(rows.grads), "rows (per-example gradients, torch.func, summed per parameter" + (
-                f"; the fast path does not apply: {why})" if grad_path == "auto" and why else ")")
+            return ParamSums(rows.grads), PathChoice("sums", grad_path,
+                                                     why_not_fast=why if grad_path == "auto" and why else None)
     if grad_path == "fast":
         err = ConfigError(f"`grad_path='fast'` is not available: {why}; use `grad_path='auto'` or `grad_path='rows'`")
         err.why = why  # the reason alone (a model sharded with fully_shard has no other path to suggest)
         raise err
-    return None, "rows (per-example gradients, torch.func)" + (f"; the fast path does not apply: {why}"
-                                                                if grad_path == "auto" and why else "")
+    return None, PathChoice("rows", grad_path, why_not_fast=why if grad_path == "auto" and why else None)
 
 
 def other_path(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: LossFn, algo, pipeline: Pipeline,
                rows: RowSource, max_physical_batch: int, expected_batch_size: float, chosen):
     """Under ``grad_path="auto"``, the path not ``chosen`` as ``choose_aggregate`` builds it, ``(aggregate,
-    note)``, or None where it does not apply: the rows path (per-parameter rows) for the fast path,
+    PathChoice)``, or None where it does not apply: the rows path (per-parameter rows) for the fast path,
     the fast path for a norm-scaling step on the rows path whose model it takes."""
     if grad_path != "auto":
         return None
@@ -188,7 +185,7 @@ def output_source(engine):
 
 def engine_aggregate(engine, grad_path: str, own_rows: bool, model: nn.Module, loss_fn: LossFn,
                      max_physical_batch: int):
-    """``choose_aggregate``'s (aggregate, note) for ``engine``; a model sharded with fully_shard takes the fast
+    """``choose_aggregate``'s (aggregate, PathChoice) for ``engine``; a model sharded with fully_shard takes the fast
     path (``auto`` means ``fast``) or is refused (``distributed.refuse_sharded_path``)."""
     if not engine.sharded:
         return choose_aggregate(grad_path, own_rows, model, loss_fn, engine.algo, engine.pipeline, engine.rows,
@@ -196,7 +193,7 @@ def engine_aggregate(engine, grad_path: str, own_rows: bool, model: nn.Module, l
     if grad_path == "rows":
         distributed.refuse_sharded_path("`grad_path='rows'` was asked for")
     try:
-        agg, note = choose_aggregate("fast" if grad_path == "auto" else grad_path, own_rows, model, loss_fn,
+        agg, choice = choose_aggregate("fast" if grad_path == "auto" else grad_path, own_rows, model, loss_fn,
                                      engine.algo, engine.pipeline, engine.rows, max_physical_batch,
                                      engine.expected_batch_size)
     except ConfigError as e:
@@ -213,11 +210,12 @@ def engine_aggregate(engine, grad_path: str, own_rows: bool, model: nn.Module, l
         engine._sharded = sharded.ShardedSums(engine, agg)
         if engine.pipeline.noise is not None:
             engine.pipeline.noise.prefetch = False  # each rank draws its own coordinates' normals (ShardedSums.finish)
-        return agg, note + "; fully_shard: the parameters gathered whole for the sums, which are all-reduced layer by " \
-            "layer into each rank's slice; each rank adds its coordinates' noise and updates its shards"
+        return agg, dataclasses.replace(choice, sharded=(
+            "the parameters gathered whole for the sums, which are all-reduced layer by layer into each rank's "
+            "slice; each rank adds its coordinates' noise and updates its shards"))
     # ---
-    return agg, note + f"; fully_shard: the parameters gathered whole for the step, the update applied per shard " \
-        f"(sums and update whole on every rank: {why})"
+    return agg, dataclasses.replace(choice, sharded=f"the parameters gathered whole for the step, the update "
+                                                    f"applied per shard (sums and update whole on every rank: {why})")
 
 
 def attempt_sums(engine, x: Batch, y: Batch, indices: Tensor | None, keep_outputs: bool, views: bool = False) -> tuple:
@@ -284,7 +282,7 @@ def fall_back(engine, err: PathRefusal) -> bool:
     engine.rows.rollback()  # not drop_staged: the batch stays this step's (with bands too)
     engine.pipeline.rollback()
     before = path_name(engine)
-    engine._aggregate, note = engine._other_path
+    engine._aggregate, choice = engine._other_path
     engine._other_path = None
     if path_name(engine) == "fast":  # should it refuse too: the rows path, one example at a time
         engine._other_path = other_path("auto", engine.own_rows, engine.model, engine.loss_fn, engine.algo,
@@ -293,8 +291,8 @@ def fall_back(engine, err: PathRefusal) -> bool:
     reason, now = str(err).split(". ")[0], path_name(engine)
     engine.grad_path_fallback = (f"{engine.grad_path_fallback}; then " if engine.grad_path_fallback else "") + \
         f"{before} -> {now}: {reason}"
-    engine.grad_path_note = f"{note}; grad_path='auto' took it at the first step, where the {before} path " \
-                            f"refused the model ({reason})"
+    engine.plan = engine.plan.with_path(dataclasses.replace(
+        choice, fallback=f"{before} path refused the model ({reason})", sum_precision=engine.sum_precision))
     warnings.warn(f"grad_path='auto': the {before} path refused the model at the first step ({reason}); "
                   f"nothing had changed, and the step runs on the {now} path, which the run "
                   f"keeps (engine.grad_path_fallback). Pass grad_path='{now}' to choose it "

@@ -171,15 +171,15 @@ class DPEngine:
         self.sampler = PoissonSampler(n, self.sample_rate, self.key, self.plan.steps_per_epoch, bands)
         self.max_physical_batch = max_physical_batch
         self._sharded = None  # fully_shard with sums sharded: set by engine_aggregate (engine/sharded.py)
-        self._aggregate, self.grad_path_note = engine_aggregate(self, grad_path, own_rows, model, loss_fn,
-                                                                max_physical_batch)
+        self._aggregate, path = engine_aggregate(self, grad_path, own_rows, model, loss_fn, max_physical_batch)
+        self.plan = self.plan.with_path(path)  # which gradient path, and why (``PathChoice``)
         self.grad_path = grad_path
         self._views_path = None  # (aggregate, rows) of the steps with several views of each example (``views``)
         self.own_rows = own_rows  # a given backend may read labels its own way (the audit's canaries: y < 0)
         self.world_size = check_distributed(self.algo.name, self.rows, self.pipeline)
         self.grad_path_fallback: str | None = None  # grad_path="auto"'s fall-back, once it has happened
         self._other_path = auto_other_path(self, grad_path)  # taken if the chosen path refuses the first step
-        # sum_precision (issue 58 item 3; engine/sum_precision.py): "float32" ghost-layer sums, noise scaled to C (1 + delta)
+        # sum_precision (engine/sum_precision.py): "float32" ghost-layer sums, the noise scaled to C (1 + delta)
         apply_sum_precision(self, sum_precision)
         self.steps_taken, self.last_loss = 0, (0.0, 0)
         self.last_outputs, self._outputs = None, None  # step(keep_outputs=True)
@@ -194,6 +194,7 @@ class DPEngine:
     dice_accounting = property(lambda self: self.plan.dice_accounting)  # the settings' spellings
     bands = property(lambda self: self.plan.bands)
     bands_strategy = property(lambda self: self.plan.bands_strategy)
+    grad_path_note = property(lambda self: self.plan.path.note)  # the header's words for ``plan.path``
     mechanism = property(lambda self: self.plan.mechanism)  # typed: privacy.Mechanism
     strategy = property(lambda self: self.plan.strategy)  # typed: algorithms.bands.NoiseStrategy
     noise_shape = property(lambda self: self.plan.noise_shape)

@@ -43,6 +43,56 @@ class PrivacySettings:
 
 
 @dataclass(frozen=True)
+class PathChoice:
+    """The gradient path the step's sums take, and why, as data (``StepPlan.path``; chosen from the model by
+    ``engine.aggregate.choose_aggregate``, changed by ``grad_path="auto"``'s fall-back at the first step).
+
+    Attributes:
+        path: ``"fast"`` (per-layer norms and book-keeping sums, no rows), ``"sums"`` (per-example rows summed
+            per parameter) or ``"rows"`` (rows through the algorithm's stages).
+        requested: ``grad_path`` as given: ``"auto"``, ``"fast"`` or ``"rows"``.
+        why_not_fast: Why the fast path does not apply, where ``auto`` chose another path for that reason.
+        checked: The fast path's per-example proof: ``"structure"`` (rows per example by the model's structure,
+            checked every step) or ``"runtime"`` (run-time checks of the model).
+        two_point: DiSK: per-example gradients at two points.
+        sharded: How a fully_shard model's sums and update are laid out (None: not sharded).
+        fallback: ``auto``'s change at the first step: the path that refused the model, and why.
+        sum_precision: The fast path's ghost-layer sums: ``"float64"`` or ``"float32"``.
+    """
+
+    path: str
+    requested: str
+    why_not_fast: str | None = None
+    checked: str | None = None
+    two_point: bool = False
+    sharded: str | None = None
+    fallback: str | None = None
+    sum_precision: str = "float64"
+
+    @property
+    def note(self) -> str:
+        """What the run's header says of it."""
+        why = f"; the fast path does not apply: {self.why_not_fast}" if self.why_not_fast else ""
+        if self.path == "fast":
+            note = ("fast (DiSK: at two points; " if self.two_point else "fast (") + \
+                "per-layer norms and book-keeping sums, no rows; " + (
+                    "rows per example by the model's structure, checked every step; a loss_fn returning per-example "
+                    "losses is probed" if self.checked == "structure"
+                    else "per-example sensitivity rests on run-time checks of the model") + ", docs/results.md)"
+        else:
+            grads = "DiSK: per-example gradients at two points" if self.two_point else "per-example gradients"
+            note = f"rows ({grads}, torch.func, summed per parameter{why})" if self.path == "sums" else \
+                f"rows ({grads}, torch.func){why}"
+        if self.sharded:
+            note += f"; fully_shard: {self.sharded}"
+        if self.fallback:
+            note += f"; grad_path='auto' took it at the first step, where the {self.fallback}"
+        if self.sum_precision == "float32":
+            note += "; ghost-layer sums in float32 (sensitivity C (1 + 2^-10), the noise scaled to it)"
+        return note
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """What a run does at every step, fixed before the first (``make_plan``; frozen: a resumed BLT run replaces
     its strategy, ``dataclasses.replace``).
@@ -67,6 +117,8 @@ class StepPlan:
         noise_multiplier: z, given or calibrated to ``target_epsilon`` for ``total_steps``.
         target_epsilon: The epsilon the noise was calibrated to, or None.
         spec: The accounting spec (the mechanism's sensitivity and event, ``privacy.AccountingSpec``).
+        path: The gradient path chosen from the model (``PathChoice``; None until the engine has chosen it; not
+            compared: plans of the same settings are equal whatever the model).
     """
 
     algorithm: str
@@ -86,6 +138,7 @@ class StepPlan:
     noise_multiplier: float = 0.0
     target_epsilon: float | None = None
     spec: Any = None
+    path: PathChoice | None = dataclasses.field(default=None, compare=False)  # (from the model: ``with_path``)
 
     @property
     def algo(self) -> algorithms.Algorithm:
@@ -109,6 +162,10 @@ class StepPlan:
                                self.delta, self.accountant, self.dice_accounting, c.clip, c.ef_clip, c.grad_bound,
                                c.gamma, self.target_epsilon, tuple(sorted((k, canon(v)) for k, v in c.extra.items())),
                                self.bands)
+
+    def with_path(self, path: PathChoice) -> "StepPlan":
+        """The plan with the gradient path chosen from the model (or changed at the first step)."""
+        return dataclasses.replace(self, path=path)
 
     def with_strategy(self, noise_shape: Any) -> "StepPlan":
         """The plan with another noise strategy (a resumed BLT run's saved one), accounted with it."""

@@ -9,6 +9,8 @@ the setting only adds that noise (the rows are summed as always)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..grads.fast import BookKeeping
 from ..grads.precision import SUM32_DELTA, check_sum_precision
 
@@ -30,6 +32,5 @@ def apply_sum_precision(engine, sum_precision: str) -> float:
         if getattr(noise, "per_bound", None) is not None:
             noise.per_bound *= 1 + SUM32_DELTA
     engine.sum_delta = SUM32_DELTA
-    engine.grad_path_note = f"{engine.grad_path_note}; ghost-layer sums in float32 (sensitivity C (1 + 2^-10), " \
-                            f"the noise scaled to it)"
+    engine.plan = engine.plan.with_path(dataclasses.replace(engine.plan.path, sum_precision=sum_precision))
     return SUM32_DELTA

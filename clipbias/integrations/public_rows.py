@@ -3,7 +3,10 @@
 private rows' are. It depends on no private example, so it costs no privacy either way; clipped, it keeps the
 balance between a loss's private and public terms that clipping the private term alone upsets (the DCGAN's
 ``errD_real + errD_fake``: Opacus clips each position's two gradients together, which keeps it too; with the
-public term exact, early training follows it: docs/results.md, "Opacus's own examples")."""
+public term exact, early training follows it: docs/results.md, "Opacus's own examples"). The rows' gradients
+are computed again from the call's inputs (``torch.func``): a model that draws dropout in a public call gets
+fresh masks there, so its clipped rows are those of another draw than the outputs the loop saw (public either
+way)."""
 
 from __future__ import annotations
 

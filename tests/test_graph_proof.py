@@ -73,9 +73,10 @@ class BatchAttention(nn.Module):
 
 
 class Counted(nn.Module):
-    """Reads a global counter: from its fourth call on, it subtracts the batch mean."""
+    """Reads a global switch (a counter a model could keep): once it is on, it subtracts the batch mean."""
 
     calls = 0
+    mixing = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -84,7 +85,7 @@ class Counted(nn.Module):
     def forward(self, x):
         Counted.calls += 1
         h = self.fc1(x)
-        if Counted.calls >= 4:
+        if Counted.mixing:
             h = h - h.mean(0)
         return self.fc2(h)
 
@@ -218,10 +219,11 @@ def test_the_probe_passes_on_every_proven_model_and_is_skipped_with_the_same_res
         y = x["input_ids"] if lm_like else torch.randint(0, LABELS[name], (4,))
         bk = BookKeeping(model, loss) if loss is not None else BookKeeping(model)
         calls = _probes(bk, monkeypatch)
-        for _ in range(2):  # a loss_fn's first step learns that it returns per-example losses (probed)
-            proven = bk(x, y, _scale, False)
-        assert bk._proofs.last is None and len(calls) == (0 if loss is None else 1)
+        for _ in range(2):  # a loss_fn's first step learns that it returns per-example losses (probed), and a
+            bk(x, y, _scale, False)  # program proven anew keeps the probe on its first step
         before = len(calls)
+        proven = bk(x, y, _scale, False)  # a program proven before: the probe skipped
+        assert bk._proofs.last is None and len(calls) == before
         monkeypatch.setattr(proof, "GIVE_UP", 0)  # no recording: the probe runs, and passes
         monkeypatch.setattr(proof, "RETRY", 10**9)
         probed = bk(x, y, _scale, False)
@@ -232,15 +234,16 @@ def test_the_probe_passes_on_every_proven_model_and_is_skipped_with_the_same_res
 
 
 def test_a_counter_that_turns_mixing_on_is_caught_by_the_probe_when_the_program_changes():
-    """Steps 1 and 2 run a per-example program (proven, no probe; the first proof runs the model once more, for an
-    example alone); step 3's program subtracts the batch mean: it is a different program, not proven, and the
-    probe refuses it."""
-    Counted.calls = 0
+    """Steps 1 and 2 run a per-example program (proven; its first step keeps the probe, and the first proof runs
+    the model once more, for an example alone); step 3's program subtracts the batch mean: it is a different
+    program, not proven, and the probe refuses it."""
+    Counted.calls, Counted.mixing = 0, False
     x, y = _xy()
     bk = BookKeeping(Counted())
     for _ in range(2):
         bk(x, y, _scale, False)
         assert bk._proofs.last is None
+    Counted.mixing = True
     with pytest.raises(PathRefusal, match="lets examples see each other"):
         bk(x, y, _scale, False)
     assert "reduces over the batch dimension" in bk._proofs.last
@@ -273,15 +276,18 @@ def test_the_proof_is_cached_per_program_and_redone_when_the_program_changes(mon
     y = torch.tensor([0, 1, 1, 0])
     for _ in range(3):
         bk(tokens(4, 8, [8] * 4), y, _scale, False)
-    assert (bk._proofs.analysed, bk._proofs.hits, len(calls)) == (1, 1, 1)
-    bk(tokens(4, 6, [6] * 4), y, _scale, False)  # another sequence length: another program
-    assert (bk._proofs.analysed, len(calls)) == (2, 1) and bk._proofs.last is None
+    # (the loss's first step and the program's first proven step keep the probe; the third is looked up)
+    assert (bk._proofs.analysed, bk._proofs.hits, len(calls)) == (1, 1, 2)
+    bk(tokens(4, 6, [6] * 4), y, _scale, False)  # another sequence length: another program, probed once
+    assert (bk._proofs.analysed, len(calls)) == (2, 3) and bk._proofs.last is None
+    bk(tokens(4, 6, [6] * 4), y, _scale, False)
+    assert len(calls) == 3
     model.train()  # dropout draws: the step keeps its probe
     bk(tokens(4, 8, [8] * 4), y, _scale, False)
-    assert len(calls) == 2
+    assert len(calls) == 4
     model.eval()
     bk(tokens(4, 8, [8] * 4), y, _scale, False)
-    assert len(calls) == 2 and bk._proofs.last is None
+    assert len(calls) == 4 and bk._proofs.last is None
     model.classifier = nn.Sequential(nn.Linear(32, 8), nn.Tanh(), nn.Linear(8, 2))  # a module replaced
     bk = BookKeeping(model, classify)
     for _ in range(2):

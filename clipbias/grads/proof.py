@@ -63,6 +63,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import BackwardCFunction
 from torch.overrides import handle_torch_function, has_torch_function_unary
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -247,6 +248,7 @@ def watch(model: nn.Module, layers: list[nn.Module], b: int, labels: list[Tensor
         state["out"] = True
         if out is not None:
             prog.outputs = [state["rec"].source(t) for t in _tensors(out)]
+            prog.why = prog.why or _custom_backward(_tensors(out))
         prog.layers = [tuple(s) for s in state["seen"]]
         if not until_loss:
             close()
@@ -256,6 +258,7 @@ def watch(model: nn.Module, layers: list[nn.Module], b: int, labels: list[Tensor
             return
         if losses is not None:
             prog.losses = state["rec"].source(losses)
+            prog.why = prog.why or _custom_backward([losses])
         _finish(state)
         if (random.getstate(), np.random.get_state()[1].tobytes()) != state["rng"]:
             prog.why = prog.why or "the forward draws from Python's or numpy's generator"
@@ -272,6 +275,24 @@ def watch(model: nn.Module, layers: list[nn.Module], b: int, labels: list[Tensor
         if "rec" in state and not prog.done:  # the forward raised inside, or the loss was not reached
             _finish(state)
             prog.why = "the forward (or the loss) did not return"
+
+
+def _custom_backward(roots: list) -> str | None:
+    """Why the graph behind ``roots`` has a backward the recording does not see: a custom
+    ``autograd.Function``'s node (``BackwardCFunction``, however it was applied: ``_FunctionBase.apply`` gets
+    past the watched ``Function.apply``); else None. Hooks registered on a graph's nodes cannot be listed from
+    Python: the first step of every new program keeps the probe for them (``Proofs.proven``)."""
+    seen: set = set()
+    todo = [t.grad_fn for t in roots if isinstance(t, Tensor) and t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, BackwardCFunction):
+            return f"a custom autograd.Function ({type(node).__name__}) in the step's graph: its backward is not recorded"
+        todo.extend(n for n, _ in node.next_functions)
+    return None
 
 
 def _finish(state: dict) -> None:
@@ -1310,10 +1331,22 @@ logaddexp logaddexp2 logical_and logical_not logical_or logical_xor logit lt mas
 nan_to_num ne neg negative nextafter polygamma positive pow rad2deg reciprocal relu relu6 remainder
 round rsqrt rsub selu sgn sigmoid sign signbit silu sin sinc sinh softplus softshrink sqrt square sub
 tan tanh threshold trunc true_divide where xlogy _to_copy to _conj resolve_conj resolve_neg
-tril triu special_erfcx zero""".split()
-"""Each output element a function of the same element of every (broadcast) input (tril/triu: of its position)."""
+special_erfcx zero""".split()
+"""Each output element a function of the same element of every (broadcast) input."""
+
+
+def _triangular(op: _Op) -> list:
+    """``tril``/``triu``: each element kept or zeroed by its position in the last two dimensions; a batch
+    dimension among them would make a row depend on its position in the batch (row i keeps i + 1 elements)."""
+    src = op.args[0]
+    s = op.st(src)
+    if s is not None and s[0] >= len(op.shape(src)) - 2:
+        raise _NotProven(f"{op.func._schema.name} over the batch dimension (each row by its position in the batch)")
+    return [s] * len(op.meta)
+
 
 _RULES: dict[str, Callable[[_Op], list]] = {k: _pointwise for k in _POINTWISE}
+_RULES.update(tril=_triangular, triu=_triangular)
 _RULES.update({
     "view": _view, "_unsafe_view": _view, "reshape": _view, "_reshape_alias": _view, "view_as": _view,
     "expand": _expand, "expand_as": _expand, "permute": _permute, "transpose": _transpose, "t": _transpose,
@@ -1416,10 +1449,14 @@ class Proofs:
                 self.cache[key] = why
                 while len(self.cache) > CACHED:
                     self.cache.pop(next(iter(self.cache)))
+            fresh = not hit
         self.last = why
         self.failures = 0 if why is None else self.failures + 1
         self.skipped = 0 if why is None else self.skipped
-        return why is None
+        # a program proven just now keeps the probe on this step: what the recording cannot see (a read of the
+        # batch through torch._C under DisableTorchFunction, a custom backward through _FunctionBase.apply or a
+        # node hook) then meets the probe on the first step of every new program; a steady program skips it
+        return why is None and not fresh
 
 
 def prove(model: nn.Module, x, layers: list[nn.Module] | None = None) -> str | None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
@@ -87,7 +88,10 @@ def _public_rows_call(session: "Session", fn: Callable, pending: Pending, args: 
         leaves.append(t.detach().requires_grad_())
         return leaves[-1]
     handed = batch.map_tensors(leaf, out)
-    pending.public_calls.append(((args, kwargs), leaves))
+    # a copy of the inputs as the call saw them: the rows' gradients are computed from it at the step, and a
+    # loop could write private rows into the public tensor in between (a red team moved the update 128x so)
+    seen = pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, (args, kwargs))
+    pending.public_calls.append((seen, leaves))
     return rowtrace.public_output(handed, pending.chunk)
 
 

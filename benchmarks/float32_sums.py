@@ -1,4 +1,4 @@
-"""``sum_precision="float32"`` against the default float64 (issue 58, item 3): the proven inflation ``delta`` of
+"""``sum_precision="float32"`` against the default float64: the proven inflation ``delta`` of
 the sensitivity on real shapes, and the time of the fast path's clipped sums (every rule's ``sums``, the phase the
 route changes), float64 and float32 interleaved in one process, medians over ``--rounds``.
 

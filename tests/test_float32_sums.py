@@ -1,4 +1,4 @@
-"""``sum_precision="float32"`` (issue 58, item 3): the fast path's ghost-layer clipped sums from per-example
+"""``sum_precision="float32"``: the fast path's ghost-layer clipped sums from per-example
 float32 gradients, with the sensitivity ``C (1 + delta)`` their proven rounding allows (docs/privacy.md,
 "Float32 clipped sums").
 

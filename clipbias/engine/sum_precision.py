@@ -1,4 +1,4 @@
-"""``DPEngine(sum_precision=...)``: the precision of the fast path's ghost-layer clipped sums (issue 58, item 3).
+"""``DPEngine(sum_precision=...)``: the precision of the fast path's ghost-layer clipped sums.
 
 "float64" (the default) changes nothing. "float32" sets the fast path's ``BookKeeping.sum_precision`` (the chosen
 aggregate's and ``grad_path="auto"``'s other one) and scales the noise to the inflated sensitivity

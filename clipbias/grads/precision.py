@@ -248,7 +248,7 @@ def exact32(t: Tensor, scale: float = 1.0) -> Tensor:
     return t if scale == 1.0 or not t.is_floating_point() else t / scale
 
 
-# ---------------------------------------------------------------------------- float32 clipped sums (issue 58)
+# ---------------------------------------------------------------------------- float32 clipped sums
 
 SUM_PRECISIONS = ("float64", "float32")
 """``sum_precision``: how the fast path computes the clipped sums of its ghost-norm layers. "float64" (the

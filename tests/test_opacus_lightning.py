@@ -149,3 +149,40 @@ def test_dp_lightning_data_module_marks_the_train_loader_and_passes_the_others_t
         DPLightningDataModule(object())
     with pytest.raises(ConfigError, match="generator"):
         DPLightningDataModule(Data(), generator=torch.Generator())
+
+
+def test_a_resumed_fit_accounts_the_steps_before_the_checkpoint(tmp_path):
+    """``trainer.fit(..., ckpt_path=)`` of the Opacus pattern: Lightning restores the callbacks' states before
+    ``configure_optimizers`` adds the DPCallback, which then loads its own from the checkpoint (a resumed run
+    counted from 0 was certified at 5 of its 10 steps); a checkpoint without that state is refused."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    pl, Data, Lit = _classes("lightning")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = Lit()
+        pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)]).fit(first, DPLightningDataModule(Data()))
+        resumed = Lit()
+        _trainer(pl).fit(resumed, DPLightningDataModule(Data()), ckpt_path=str(tmp_path / "last.ckpt"))
+        assert resumed.privacy_engine.steps == EPOCHS * math.ceil(N / B)
+        plain = Lit(dp=False)
+        pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   callbacks=[ModelCheckpoint(dirpath=tmp_path / "plain", save_last=True)]).fit(plain, Data())
+        with pytest.raises(ConfigError, match="holds no DPCallback state"):
+            _trainer(pl, callbacks=[DPCallback(noise_multiplier=1.0, max_grad_norm=1.0)]).fit(
+                Lit(dp=False), Data(), ckpt_path=str(tmp_path / "plain" / "last.ckpt"))
+
+
+def test_validation_on_training_examples_through_a_subset_or_new_tensors_is_refused():
+    """Validating on the training data through ``Subset(train, ...)`` or a new ``TensorDataset`` over the same
+    tensors logged the training examples' loss without noise, certified; a held-out part of the same tensors
+    (disjoint memory) or a disjoint ``random_split`` part is validation data."""
+    from torch.utils.data import Subset
+
+    from clipbias.integrations.lightning import _shares_examples
+    train = TensorDataset(_X[:N], _Y[:N])
+    assert _shares_examples(Subset(train, range(10)), train)
+    assert _shares_examples(TensorDataset(_X[:20], _Y[:20]), train)
+    assert not _shares_examples(TensorDataset(_X[N:], _Y[N:]), train)
+    a, b = torch.utils.data.random_split(train, [N // 2, N - N // 2], generator=torch.Generator().manual_seed(0))
+    assert not _shares_examples(b, a) and _shares_examples(Subset(a, [0]), a)

@@ -103,6 +103,12 @@ class DPCallback(L.Callback):
         if len(optimizers) != 1:
             raise ConfigError(f"DPCallback trains with one optimizer; configure_optimizers returned {len(optimizers)}")
         optimizer = optimizers[0]
+        if self._state is None and trainer.global_step > 0:
+            raise ConfigError(f"DPCallback: this fit resumes at step {trainer.global_step} (ckpt_path=), and the "
+                              f"checkpoint holds no DPCallback state: the private steps before it could not be "
+                              f"accounted. Resume from a checkpoint a private run saved (its DPCallback state inside), "
+                              f"or load the weights into the module and fit without ckpt_path (a new run, accounted "
+                              f"from 0; its epsilon adds to any earlier run's on the same data)")
         if self.engine is not None:
             raise ConfigError(f"this DPCallback has accounted {self.engine.steps_taken} steps of a run: to continue "
                               f"that run pass ckpt_path= to fit (a new DPCallback loads its state); a new "
@@ -233,7 +239,7 @@ def check_validation_data(train: DataLoader | None, trainer: L.Trainer) -> None:
         return
     val = getattr(getattr(trainer.fit_loop.epoch_loop.val_loop, "_data_source", None), "instance", None)
     for loader in _loaders([trainer.val_dataloaders, val]):
-        if loader is train or getattr(loader, "dataset", None) is train.dataset:
+        if loader is train or _shares_examples(getattr(loader, "dataset", None), train.dataset):
             raise ConfigError(
                 "DPCallback: the validation dataloader is the train DataLoader (or a DataLoader of its dataset): "
                 "validation metrics (val loss, accuracy, ...) are statistics of the private training data computed "
@@ -241,6 +247,41 @@ def check_validation_data(train: DataLoader | None, trainer: L.Trainer) -> None:
                 "held-out split (val_dataloaders= or val_dataloader() over another dataset, e.g. from "
                 "torch.utils.data.random_split), or pass limit_val_batches=0; metrics of the training data must stay "
                 "as private as the data")
+
+
+def _shares_examples(val: Any, train: Any) -> bool:
+    """Whether the dataset ``val`` may hold examples of ``train``: the same dataset, Subsets of one dataset whose
+    indices meet (``random_split``'s disjoint parts do not), or TensorDatasets over overlapping memory (a new
+    ``TensorDataset(X[:n])`` over the training tensors)."""
+    if val is None:
+        return False
+    (vb, vi), (tb, ti) = _base(val), _base(train)
+    if vb is tb:
+        return vi is None or ti is None or not vi.isdisjoint(ti)
+    vt, tt = getattr(vb, "tensors", None), getattr(tb, "tensors", None)
+    if not vt or not tt:
+        return False
+    (a0, a1), (b0, b1) = _span(vt[0]), _span(tt[0])
+    return a0 < b1 and b0 < a1
+
+
+def _base(ds: Any) -> tuple:
+    """``ds`` unwrapped from ``Subset``s: (the dataset below, the set of its indices ``ds`` holds, None: all)."""
+    idx = None
+    while type(ds).__name__ == "Subset" and hasattr(ds, "indices") and hasattr(ds, "dataset"):
+        here = [int(i) for i in ds.indices]
+        idx = set(here) if idx is None else {here[i] for i in idx}
+        ds = ds.dataset
+    return ds, idx
+
+
+def _span(t: Any) -> tuple:
+    """The bytes of memory a tensor's elements lie in: (first, one past the last)."""
+    if t.numel() == 0:
+        return 0, 0
+    start = t.data_ptr()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
+    return start, start + (last + 1) * t.element_size()
 
 
 def _loaders(x: Any) -> list:
@@ -345,6 +386,10 @@ def make_private_lightning(privacy_engine: Any, module: Any, data_loader: Any, *
                           max_grad_norm=max_grad_norm, criterion=criterion, accountant=accountant,
                           max_physical_batch=extra.get("max_physical_batch", 512), **options)
     callback.given = data_loader
+    loaded = getattr(getattr(trainer, "_checkpoint_connector", None), "_loaded_checkpoint", None) or {}
+    state = loaded.get("callbacks", {}).get(callback.state_key)  # (a resumed fit: Lightning restored the
+    if state is not None:                                         # callbacks before configure_optimizers)
+        callback.load_state_dict(state)
     earlier = getattr(privacy_engine, "lightning", None)
     trainer.callbacks[:] = [c for c in trainer.callbacks if c is not earlier] + [callback]
     callback.setup(trainer, module, "fit")  # (Lightning's setup hooks ran before configure_optimizers)

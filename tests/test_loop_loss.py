@@ -115,6 +115,25 @@ def test_a_loss_that_couples_examples_is_refused_before_its_backward(loss, why):
     assert pe.steps == 0 and all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
 
 
+def _discriminator_step(fake, with_fake: bool, **kw):
+    """One step of a DCGAN's discriminator loop, ``errD_real (+ errD_fake on clipbias.public(fake))``, under the
+    fixed test key (the same batch and noise in every call): the weights before and after, and the model."""
+    bce = nn.BCEWithLogitsLoss()
+    pe, m, model, opt, loader = _make(lr=0.3, **kw)
+    start = {n: p.detach().clone() for n, p in m.named_parameters()}
+    xb, _ = next(iter(loader))
+    opt.zero_grad()
+    err = bce(model(xb)[:, 0], torch.ones(len(xb)))
+    if with_fake:
+        out = model(clipbias.public(fake))
+        assert rowtrace.label_of(out).kind == rowtrace.PUBLIC
+        err = err + bce(out[:, 0], torch.zeros(len(fake)))
+    err.backward()
+    opt.step()
+    assert pe.steps == 1 and len(pe.privacy_report().caveats) == 1  # (the seed's: reproducible, uncertified)
+    return start, [p.detach().clone() for p in m.parameters()], m
+
+
 def test_a_forward_on_generated_data_is_public_and_its_gradient_exact():
     """A DCGAN's discriminator step: ``D(real)`` on the private batch, ``D(fake.detach())`` on generated images.
     The fake term's gradient reaches the update exactly: with the same key (same batches and noise), the
@@ -123,25 +142,8 @@ def test_a_forward_on_generated_data_is_public_and_its_gradient_exact():
     torch.manual_seed(1)
     fake = torch.randn(B, D)
     bce = nn.BCEWithLogitsLoss()
-
-    def run(with_fake: bool):
-        pe, m, model, opt, loader = _make(lr=0.3)
-        start = {n: p.detach().clone() for n, p in m.named_parameters()}
-        it = iter(loader)
-        xb, _ = next(it)
-        opt.zero_grad()
-        err = bce(model(xb)[:, 0], torch.ones(len(xb)))
-        if with_fake:
-            out = model(clipbias.public(fake))
-            assert rowtrace.label_of(out).kind == rowtrace.PUBLIC
-            err = err + bce(out[:, 0], torch.zeros(B))
-        err.backward()
-        opt.step()
-        assert pe.steps == 1 and len(pe.privacy_report().caveats) == 1  # (the seed's: reproducible, uncertified)
-        return start, [p.detach().clone() for p in m.parameters()], m
-
-    start, both, m = run(True)
-    _, real_only, _ = run(False)
+    start, both, m = _discriminator_step(fake, True)
+    _, real_only, _ = _discriminator_step(fake, False)
     params = {n: t.clone().requires_grad_() for n, t in start.items()}
     g = torch.autograd.grad(bce(torch.func.functional_call(m, params, (fake,))[:, 0], torch.zeros(B)),
                             list(params.values()))
@@ -532,23 +534,8 @@ def test_public_clip_trains_each_generated_rows_gradient_clipped():
     torch.manual_seed(1)
     fake = torch.randn(B, D) * 4
     bce = nn.BCEWithLogitsLoss()
-
-    def run(with_fake: bool):
-        pe, m, model, opt, loader = _make(lr=0.3, public_clip=True)
-        start = {n: p.detach().clone() for n, p in m.named_parameters()}
-        xb, _ = next(iter(loader))
-        opt.zero_grad()
-        err = bce(model(xb)[:, 0], torch.ones(len(xb)))
-        if with_fake:
-            out = model(clipbias.public(fake))
-            assert rowtrace.label_of(out).kind == rowtrace.PUBLIC
-            err = err + bce(out[:, 0], torch.zeros(B))
-        err.backward()
-        opt.step()
-        return start, [p.detach().clone() for p in m.parameters()], m
-
-    start, both, m = run(True)
-    _, real_only, _ = run(False)
+    start, both, m = _discriminator_step(fake, True, public_clip=True)
+    _, real_only, _ = _discriminator_step(fake, False, public_clip=True)
     clip, ref, clipped = 0.5, [torch.zeros_like(t) for t in start.values()], 0
     for j in range(B):
         params = {n: t.clone().requires_grad_() for n, t in start.items()}

@@ -58,7 +58,8 @@ class NoiseStrategy:
         """Refuse ``bands`` participation classes the strategy cannot use."""
 
     def optimize(self, bands: int, steps: int, momentum: float):
-        raise NotImplementedError
+        """The shape optimised for the run (the strategies with ``needs_steps``; ``shape`` calls it only there)."""
+        raise ConfigError(f"bands_strategy={self.name!r} has no shape to optimise for the run's length")
 
     def warning(self, bands: int, sample_rate: float) -> str | None:
         """What to say about ``bands`` classes at ``sample_rate``, or None."""

@@ -22,6 +22,7 @@ multiplier relative to one example's clipped contribution, exactly as in DPSGD-G
 
 from __future__ import annotations
 
+import abc
 import functools
 import math
 from dataclasses import dataclass
@@ -257,7 +258,7 @@ REFUTED = ("REFUTED by a canary attack on the hidden feedback buffer (epsilon >=
 
 # ---------------------------------------------------------------- the bases as typed objects
 @dataclass(frozen=True)
-class DiceBasis:
+class DiceBasis(abc.ABC):
     """One basis DiceSGD's error feedback is accounted by (``BASES``, looked up by ``basis``): its report,
     its calibration and its dp-accounting event. ``certified``: whether its epsilon is a proven upper bound
     (False for the refuted ones, kept to reproduce the paper). Subclasses give ``report`` and ``calibrate``."""
@@ -265,12 +266,13 @@ class DiceBasis:
     name: str
     certified: bool = True
 
+    @abc.abstractmethod
     def report(self, p: DiceParams, z: float, delta: float, accountant: str) -> PrivacyReport:
-        raise NotImplementedError
+        """The privacy statement of the run ``p`` at noise multiplier ``z``."""
 
+    @abc.abstractmethod
     def calibrate(self, target: float, delta: float, p: DiceParams, accountant: str) -> float:
         """Smallest z whose epsilon is <= the target (inputs validated by ``calibrate``)."""
-        raise NotImplementedError
 
     def event(self, p: DiceParams, z: float) -> dp_event.DpEvent:
         """The T-step dp-accounting event; a basis that is an algorithm-specific formula has none."""

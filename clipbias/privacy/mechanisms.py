@@ -9,6 +9,7 @@ The user-facing spellings (``kind``, ``dice_accounting``) are looked up in the r
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import asdict, dataclass, field, replace
 
@@ -104,7 +105,7 @@ class BLTStrategy:
 
 
 # ---------------------------------------------------------------- the mechanisms
-class Mechanism:
+class Mechanism(abc.ABC):
     """How one kind of release is accounted (``MECHANISMS``, by ``AccountingSpec.kind``). ``event``, ``report`` and
     ``calibrate`` take validated inputs (``privacy.account`` and ``privacy.calibrate`` check them once)."""
 
@@ -129,14 +130,17 @@ class Mechanism:
         """Refuse a spec whose noise this mechanism cannot calibrate."""
         self.check(spec)
 
+    @abc.abstractmethod
     def event(self, spec: AccountingSpec, steps: int) -> dp_event.DpEvent:
-        raise NotImplementedError
+        """The dp-accounting event of ``steps`` releases."""
 
+    @abc.abstractmethod
     def report(self, spec: AccountingSpec, steps: int, delta: float, accountant: str) -> PrivacyReport:
-        raise NotImplementedError
+        """The privacy statement after ``steps`` releases."""
 
+    @abc.abstractmethod
     def calibrate(self, spec: AccountingSpec, epsilon: float, delta: float, steps: int, accountant: str) -> float:
-        raise NotImplementedError
+        """The smallest noise multiplier whose ``steps`` releases end at ``epsilon`` or below."""
 
 
 class NonPrivate(Mechanism):
@@ -153,6 +157,9 @@ class NonPrivate(Mechanism):
     def report(self, spec, steps, delta, accountant):
         return PrivacyReport(math.inf, delta, "none", "non-private (no noise): no DP guarantee", False,
                              spec.noise_multiplier)
+
+    def calibrate(self, spec, epsilon, delta, steps, accountant):
+        self.check_calibration(spec)  # (refuses: no noise to calibrate)
 
 
 class SubsampledGaussian(Mechanism):

@@ -136,14 +136,14 @@ def _discriminator_step(fake, with_fake: bool, **kw):
 
 def test_a_forward_on_generated_data_is_public_and_its_gradient_exact():
     """A DCGAN's discriminator step: ``D(real)`` on the private batch, ``D(fake.detach())`` on generated images.
-    The fake term's gradient reaches the update exactly: with the same key (same batches and noise), the
-    weights after one step with ``errD_real + errD_fake`` minus those with ``errD_real`` alone are ``-lr`` times
-    the fake term's gradient computed by autograd at the starting weights."""
+    With ``public_clip=False`` the fake term's gradient reaches the update exactly: with the same key (same
+    batches and noise), the weights after one step with ``errD_real + errD_fake`` minus those with ``errD_real``
+    alone are ``-lr`` times the fake term's gradient computed by autograd at the starting weights."""
     torch.manual_seed(1)
     fake = torch.randn(B, D)
     bce = nn.BCEWithLogitsLoss()
-    start, both, m = _discriminator_step(fake, True)
-    _, real_only, _ = _discriminator_step(fake, False)
+    start, both, m = _discriminator_step(fake, True, public_clip=False)
+    _, real_only, _ = _discriminator_step(fake, False, public_clip=False)
     params = {n: t.clone().requires_grad_() for n, t in start.items()}
     g = torch.autograd.grad(bce(torch.func.functional_call(m, params, (fake,))[:, 0], torch.zeros(B)),
                             list(params.values()))
@@ -527,14 +527,15 @@ def test_public_data_of_the_private_batchs_size_names_that_count_as_released(siz
 
 
 def test_public_clip_trains_each_generated_rows_gradient_clipped():
-    """``make_private(..., public_clip=True)``: the fake term of a DCGAN's discriminator step reaches the update as
+    """``make_private`` by default (``public_clip=True``, as Opacus clips every row through the wrapped module): the
+    fake term of a DCGAN's discriminator step reaches the update as
     the mean of its rows' gradients (each row's gradient of its own loss) clipped to ``max_grad_norm``: with the
     same key, the weights with ``errD_real + errD_fake`` minus those with ``errD_real`` alone are ``-lr`` times
     that mean, computed row by row with autograd at the starting weights."""
     torch.manual_seed(1)
     fake = torch.randn(B, D) * 4
     bce = nn.BCEWithLogitsLoss()
-    start, both, m = _discriminator_step(fake, True, public_clip=True)
+    start, both, m = _discriminator_step(fake, True)
     _, real_only, _ = _discriminator_step(fake, False, public_clip=True)
     clip, ref, clipped = 0.5, [torch.zeros_like(t) for t in start.values()], 0
     for j in range(B):

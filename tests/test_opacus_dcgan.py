@@ -1,8 +1,9 @@
 """Opacus's DCGAN example's training loop (examples/dcgan.py: the discriminator on the private batch, then on
 ``netG(noise).detach()``, ``errD = errD_real + errD_fake``, one backward, the generator's step through
 ``netD(fake)``), on small offline images with only the import changed: the fake term trains the
-discriminator (it is a public forward: exact, unclipped) and the discriminator tells real images from
-generated ones (D(x) above D(G(z))). The example reads ``D_x = output.mean().item()`` before the backward and
+discriminator (a public forward: no privacy cost; its rows clipped as the private rows are, the Opacus
+interface's default ``public_clip=True``) and the discriminator tells real images from generated ones (D(x)
+above D(G(z))). The example reads ``D_x = output.mean().item()`` before the backward and
 calls ``netD`` on an undeclared batch: those steps are not proved (the loss could depend on the value read;
 the generated batch is not declared public) and the run says so; with the read moved after
 ``optimizerD.step()`` and ``netD(clipbias.public(fake.detach()))`` it is certified."""

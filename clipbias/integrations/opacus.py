@@ -171,9 +171,11 @@ class PrivacyEngine:
                 banded noise's coefficients, ``DPEngine``'s; ``"blt"``: BLT noise in ``bands`` classes;
                 ``"optimized"`` and ``"blt"`` need the run's length: ``make_private_with_epsilon``),
                 ``settings`` (the algorithm's settings, ``AlgoConfig.extra``), ``ef_clip``, ``public_clip``
-                (True: a forward on data the loader did not draw, such as a DCGAN's generated batch, trains each of
-                its rows' gradients clipped to ``max_grad_norm`` and averaged, as the private rows' are, instead of
-                its exact gradient; no privacy cost either way; default False), ``delta`` (for
+                (True, the default where the step follows your loop's loss, as Opacus does: a forward on data the
+                loader did not draw, such as a DCGAN's generated batch, trains each of its rows' gradients clipped
+                to ``max_grad_norm`` and averaged, as the private rows' are; False: its exact gradient, the rule
+                of clipbias's other interfaces; no privacy cost either way; with ``criterion=`` no public forward
+                is trained, and True is refused), ``delta`` (for
                 the engine's own report; default ``min(1e-5, 1 / (10 n))``, every integration's),
                 ``max_physical_batch``, ``noise_seed`` (a reproducible run: reported uncertified, as ``DPEngine``'s), ``autocast`` (``torch.bfloat16`` or
                 ``torch.float16``: the engine's forward and backward under ``torch.autocast``, norms and sums
@@ -290,7 +292,9 @@ class PrivacyEngine:
                                max_physical_batch=extra.get("max_physical_batch", 512),
                                noise_seed=extra.get("noise_seed"), autocast=extra.get("autocast"),
                                loss_scale=extra.get("loss_scale"))
-        public_clip = extra.get("public_clip", False)
+        # Opacus clips every row that passes through the wrapped module, generated rows included: so does this
+        # interface by default where it follows the loop (``public_clip=False``: the exact public term)
+        public_clip = follow if extra.get("public_clip") is None else extra["public_clip"]
         if not isinstance(public_clip, bool) or (public_clip and not follow):
             raise ConfigError(f"public_clip must be True or False, got {public_clip!r}" if not isinstance(
                 public_clip, bool) else "public_clip clips the rows of your loop's public forwards; with criterion= "

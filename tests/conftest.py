@@ -92,3 +92,14 @@ def two_ranks(request, tmp_path_factory) -> Path:
             mp.spawn(ranks.run, args=(2, (_free_port(), _free_port()), str(out), modules), nprocs=2, join=True)
             (out / "done").touch()
     return out
+
+
+@pytest.fixture(autouse=True)
+def _no_spot_probes():
+    """The graph proof's secret spot probes (``clipbias.grads.proof.SPOT``: one proven step in 16 keeps its probe)
+    off, so that tests counting probes are exact; ``tests/test_guard_round9.py`` turns them on. (Not through
+    ``monkeypatch``: a test's ``monkeypatch.undo()`` would turn them back on.)"""
+    from clipbias.grads import proof
+    saved, proof.SPOT = proof.SPOT, 0
+    yield
+    proof.SPOT = saved

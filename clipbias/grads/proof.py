@@ -49,12 +49,18 @@ attributed gradient is its own, which is what the probe compares (to its roundin
 what this sees: C++ code reading tensor memory around torch's operators, operations run in another
 thread during the forward, a model whose batch-of-one computation changes later while its batch program
 does not (the example alone is recorded when a program is first proven), and a function of the batch
-size equal at b and 1. A forward that draws random numbers (dropout in training) or runs under
-autocast keeps the probe (``RuntimeChecks._graph_watch``)."""
+size equal at b and 1. A forward under autocast, or one that draws random numbers other than the engine's
+keyed dropout, keeps the probe (``RuntimeChecks._graph_watch``). **Keyed dropout** (the engine's step:
+``clipbias.randomness.forward``) is proven: each mask is told to the recording as it is made
+(``forward.observing``), before any operation reads it, and is a source of the batch, ``("k", call, p)``, one
+row per example: row r is drawn from example r's own keystream (the key, the step, the call and its index
+alone), which is what its masks are run alone; the example alone is recorded under its own masks
+(``forward.only``), so the call numbers and rates must match too."""
 
 from __future__ import annotations
 
 import random
+import secrets
 import sys
 import weakref
 from contextlib import contextmanager
@@ -68,6 +74,7 @@ from torch.overrides import handle_torch_function, has_torch_function_unary
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..randomness import forward
 from .layers import RULES
 
 _saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks  # (pack, unpack) or None
@@ -82,6 +89,14 @@ GIVE_UP = 3
 """Consecutive steps not proven after which a step is recorded only every ``RETRY`` steps (the probe stays)."""
 
 RETRY = 50
+
+SPOT = 16
+"""A step whose program was proven before keeps its probe anyway with probability ``1 / SPOT`` (a secret draw from
+the OS CSPRNG; 0: never): a model that computes otherwise than its recorded program only on the steps it expects
+to go unprobed, through memory the recording cannot see (a numpy view of a buffer kept from before, C++ code), is
+met by the probe on a secret share of its steps (``Proofs.proven``; docs/privacy.md, "The graph proof")."""
+
+_SPOT_RNG = secrets.SystemRandom()
 
 SMALL = 64
 """Tensors from outside the forward with at most this many elements are compared by value."""
@@ -238,8 +253,10 @@ def watch(model: nn.Module, layers: list[nn.Module], b: int, labels: list[Tensor
         glob = nn.modules.module
         if any(getattr(glob, h, None) for h in _GLOBAL_HOOKS):  # they run before the model's own hooks
             prog.why = "a global module hook is registered"
+        masks = forward.observing(lambda t, call, p: rec._set(t, ("k", call, p)))  # keyed dropout: the batch's
         state.update(rec=rec, seen=seen, hooks=_layer_hooks(layers, rec, seen, shared), reads=_watch_python(prog),
-                     rng=(random.getstate(), np.random.get_state()[1].tobytes()))
+                     rng=(random.getstate(), np.random.get_state()[1].tobytes()), masks=masks)
+        masks.__enter__()
         rec.__enter__()
 
     def stop(m: nn.Module, args: tuple, kwargs: dict, out) -> None:
@@ -300,6 +317,7 @@ def _finish(state: dict) -> None:
     if "rec" in state and not state.get("exited"):
         state["exited"] = True
         state["rec"].__exit__(None, None, None)
+        state["masks"].__exit__(None, None, None)
         for h in state["hooks"]:
             h.remove()
         state["reads"]()
@@ -502,6 +520,11 @@ def analyze(prog: Program, alone: Program | None) -> str | None:
     status: dict[tuple, object] = {}  # source -> None (batch-free) | (d, k) | "all" | "any"
     for k in range(len(prog.inputs)):
         status[("i", k)] = (0, 1)
+    for src, shape in prog.shapes.items():  # keyed dropout masks: row r is example r's alone (``forward._keep``)
+        if src[0] == "k":
+            if not shape or shape[0] != b:
+                return "a keyed dropout mask whose rows are not the batch's examples"
+            status[src] = (0, 1)
     seeds = {}
     for j, (a, out) in enumerate(prog.layers):
         if a is None or out is None or a == "twice":
@@ -1409,7 +1432,7 @@ class Proofs:
         self.skipped = 0
         self.unjudged = False  # a program was recorded and not judged (its step kept the probe)
         self.last: str | None = None  # why the last judged step was not proven, or None
-        self.hits = self.analysed = 0
+        self.hits = self.analysed = self.spot = 0  # (spot: proven steps that kept the probe by ``SPOT``)
 
     def recording(self) -> bool:
         """Whether to record this step's forward (once per step)."""
@@ -1455,7 +1478,11 @@ class Proofs:
         self.skipped = 0 if why is None else self.skipped
         # a program proven just now keeps the probe on this step: what the recording cannot see (a read of the
         # batch through torch._C under DisableTorchFunction, a custom backward through _FunctionBase.apply or a
-        # node hook) then meets the probe on the first step of every new program; a steady program skips it
+        # node hook) then meets the probe on the first step of every new program; a steady program skips it but
+        # on a secret share of its steps (``SPOT``: a model that leaks only where it expects no probe)
+        if why is None and not fresh and SPOT and _SPOT_RNG.randrange(SPOT) == 0:
+            self.spot += 1
+            return False
         return why is None and not fresh
 
 

@@ -207,16 +207,25 @@ class Traced(Tensor):
 
     def __deepcopy__(self, memo):  # (a copy, not a read: it stays traced)
         with torch._C.DisableTorchFunctionSubclass():
-            return wrap(self.as_subclass(Tensor).clone(), self._label)
+            return wrap(_plain(self).clone(), self._label)
 
     def __copy__(self):  # (``copy.copy``: a copy, it stays traced)
         with torch._C.DisableTorchFunctionSubclass():
-            return wrap(self.as_subclass(Tensor).clone(), self._label)
+            return wrap(_plain(self).clone(), self._label)
+
+    def as_subclass(self, cls):  # (``Tensor.as_subclass`` never reaches ``__torch_function__``): an untraced copy
+        _escape([self._label], "as_subclass", (self,))
+        return torch._C.TensorBase.as_subclass(self, cls)
 
     def __reduce_ex__(self, proto):  # pickled (torch.save, a pickle): a plain tensor, its values read out of torch
         _escape([self._label], "__reduce_ex__", ())
         with torch._C.DisableTorchFunctionSubclass():
-            return self.as_subclass(Tensor).__reduce_ex__(proto)
+            return _plain(self).__reduce_ex__(proto)
+
+
+def _plain(t: Tensor) -> Tensor:
+    """``t`` as a plain tensor, for clipbias's own use (not a read: ``Traced.as_subclass`` is the loop's)."""
+    return torch._C.TensorBase.as_subclass(t, Tensor)
 
 
 def _writes(name: str, kwargs: dict) -> bool:
@@ -263,7 +272,7 @@ def _holds_tensor(out: Any) -> bool:
 def wrap(out: Any, label: Label) -> Any:
     """``out``'s tensors as ``Traced`` with ``label`` (tuples, lists and torch's named tuples kept)."""
     if isinstance(out, Tensor):
-        t = out.as_subclass(Traced) if type(out) is not Traced else out
+        t = torch._C.TensorBase.as_subclass(out, Traced) if type(out) is not Traced else out
         t._label = label
         return t
     if isinstance(out, tuple) and hasattr(out, "_fields") or type(out).__module__ == "torch.return_types":
@@ -279,7 +288,7 @@ def plain(x: Any) -> Any:
         if not isinstance(t, Traced):
             return t
         with torch._C.DisableTorchFunctionSubclass():
-            return t.as_subclass(Tensor)
+            return _plain(t)
     return batch.map_tensors(unwrap, x)
 
 

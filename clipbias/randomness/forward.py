@@ -139,7 +139,11 @@ class KeyedForward(TorchFunctionMode):
             first[i] = r
             _gather(stream(self.key, Purpose.FORWARD_CALL, field, i, nbytes).view("<u4") < threshold, per_example,
                     pairs, keep[r])
-        return torch.from_numpy(keep).view(len(ids), *per_example).to(device)
+        made = torch.from_numpy(keep)
+        seen = getattr(_local, "observer", None)
+        if seen is not None:  # the graph proof's recording: row r is example ids[r]'s alone (``observing``)
+            seen(made, call, float(p))
+        return made.view(len(ids), *per_example).to(device)
 
     def _check_layout(self, call: int, per_example: tuple[int, ...]) -> None:
         """Refuse a dropout call whose fixed dimensions (``fixed``) differ from those of the same call at
@@ -470,6 +474,20 @@ def keyed(key: SecretKey, step: int, device: torch.device | str = "cpu", layouts
     finally:
         _local.mode = None
     check_generators(before, device)
+
+
+@contextlib.contextmanager
+def observing(observer) -> Iterator[None]:
+    """Inside, ``observer(mask, call, p)`` is told of each keyed mask as it is made, before any operation reads
+    it: ``mask`` the ``[rows, prod(per_example)]`` bool tensor whose row r is example ``ids[r]``'s mask of keyed
+    call ``call`` (a function of the key, the step, the call and that example alone), ``p`` its rate. The graph
+    proof (``clipbias.grads.proof.watch``) takes such a mask as an input of the batch, one row per example."""
+    saved = getattr(_local, "observer", None)
+    _local.observer = observer
+    try:
+        yield
+    finally:
+        _local.observer = saved
 
 
 @contextlib.contextmanager

@@ -179,7 +179,7 @@ def test_validation_on_training_examples_through_a_subset_or_new_tensors_is_refu
     (disjoint memory) or a disjoint ``random_split`` part is validation data."""
     from torch.utils.data import Subset
 
-    from clipbias.integrations.lightning import _shares_examples
+    from clipbias.integrations.refusals import _shares_examples
     train = TensorDataset(_X[:N], _Y[:N])
     assert _shares_examples(Subset(train, range(10)), train)
     assert _shares_examples(TensorDataset(_X[:20], _Y[:20]), train)

@@ -29,12 +29,13 @@ from torch.utils.data import DataLoader
 from ..engine import DPEngine
 from ..errors import ConfigError
 from ..privacy import PrivacyReport
-from .options import DPOptions, EpsilonLog, check_trainable
-from .session import N_RELEASED, TIMES_RELEASED, DPDataLoader, DPOptimizer, Session, loss_function
+from .losses import loss_function
+from .options import DPOptions, check_count
+from .refusals import check_given_loader, check_loader, check_monitors, check_trainer, check_validation_data
+from .released import LIGHTNING_RELEASED
+from .session import DPDataLoader, DPOptimizer, Session
 
 __all__ = ["DPCallback", "DPLightningDataModule"]
-
-FLOAT_PRECISIONS = ("32-true", "64-true", "32", "64")
 
 
 class DPCallback(L.Callback):
@@ -72,15 +73,13 @@ class DPCallback(L.Callback):
         self.options = DPOptions(noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
                                  target_delta=target_delta, max_grad_norm=max_grad_norm, **options)
         self.options.check()
-        if isinstance(max_physical_batch, bool) or not isinstance(max_physical_batch, int) or max_physical_batch < 1:
-            raise ConfigError(f"max_physical_batch must be an integer >= 1, got {max_physical_batch!r}")
+        check_count("max_physical_batch", max_physical_batch)
         self.loss_fn = loss_function(criterion, follow=criterion is None)
         self.max_physical_batch = max_physical_batch
         self.engine: DPEngine | None = None
         self.session: Session | None = None
         self.data: DataLoader | None = None       # your train DataLoader (its dataset, batch size, collate_fn)
         self._state: dict | None = None           # a checkpoint's private state, loaded once the engine exists
-        self._epsilon = EpsilonLog()
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -113,23 +112,15 @@ class DPCallback(L.Callback):
             raise ConfigError(f"this DPCallback has accounted {self.engine.steps_taken} steps of a run: to continue "
                               f"that run pass ckpt_path= to fit (a new DPCallback loads its state); a new "
                               f"DPCallback starts a new run, accounted on its own")
-        check_trainable(pl_module)
-        given = getattr(self, "given", None)  # (the data loader make_private was given: the Opacus pattern)
-        if given is not None and (len(given.dataset), given.batch_size) != (len(self.data.dataset),
-                                                                           self.data.batch_size):
-            raise ConfigError(f"make_private was given a data_loader of {len(given.dataset)} examples in batches of "
-                              f"{given.batch_size}, the Trainer trains on {len(self.data.dataset)} in batches of "
-                              f"{self.data.batch_size}: pass the Trainer's train dataloader to make_private")
+        check_given_loader(getattr(self, "given", None), self.data)  # (make_private's: ``opacus_lightning``)
         n, B = len(self.data.dataset), self.data.batch_size
         self.engine = self.options.engine(pl_module, optimizer, n=n, batch_size=B, steps=planned_steps(trainer),
                                           loss_fn=self.loss_fn, max_physical_batch=self.max_physical_batch)
         if self._state is not None:
             self.engine.load_state_dict(self._state)
             self._state = None
-        self.session = Session(self.engine, released=(
-            "what training_step logs (self.log of the loss or accuracy on the private batches) and keeps "
-            "(training_step_outputs): statistics of the private data without noise", TIMES_RELEASED, N_RELEASED),
-            eager=False)  # (the step comes after training_step, whose closure runs under the state guard)
+        # (eager=False: the step comes after training_step, whose closure runs under the state guard)
+        self.session = Session(self.engine, released=LIGHTNING_RELEASED, eager=False)
         follow(pl_module, self.session)
         trainer.strategy.optimizers = [DPOptimizer(optimizer, self.session, guard_closure=True)]
 
@@ -144,11 +135,10 @@ class DPCallback(L.Callback):
         check_monitors(trainer)
         last = batch_idx + 1 >= trainer.num_training_batches
         if self.engine is not None and (trainer.global_step % trainer.log_every_n_steps == 0 or last):
-            epsilon = self._epsilon(self.engine)
+            epsilon = self.session.epsilon()
             pl_module.log("epsilon", epsilon, on_step=True, on_epoch=False, prog_bar=True)
             if last:
                 log_epoch_end(trainer, epsilon)
-
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit" and "forward" in vars(pl_module):
@@ -182,117 +172,6 @@ class DPCallback(L.Callback):
             self._state = state_dict["engine"]
 
 
-def check_trainer(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-    """Refuse, with the reason, what the private step cannot run soundly."""
-    if str(trainer.precision) not in FLOAT_PRECISIONS:
-        raise ConfigError(f"precision={trainer.precision!r} would put the sums of clipped per-example gradients in "
-                          f"16 bits (16-bit sums: rounding can exceed the clip bound the accounting rests on); use "
-                          f"Trainer(precision='32-true') and DPCallback(autocast='bfloat16') (or 'float16'): the "
-                          f"engine then runs the forward and backward in 16 bits and keeps the norms and sums in float32")
-    if trainer.world_size > 1 or trainer.num_devices > 1:
-        raise ConfigError(f"DPCallback runs in one process on one device (devices={trainer.num_devices}, world size "
-                          f"{trainer.world_size}): the engine draws one batch and one noise per step; use devices=1")
-    if trainer.accumulate_grad_batches != 1:
-        raise ConfigError("accumulate_grad_batches: each optimizer step is one Poisson batch of expected size "
-                          "B = the DataLoader's batch_size; set batch_size to B and bound memory with "
-                          "DPCallback(max_physical_batch=...)")
-    if trainer.gradient_clip_val:
-        raise ConfigError("gradient_clip_val clips the batch gradient; DP clips each example's gradient to "
-                          "DPCallback(max_grad_norm=...). Leave gradient_clip_val unset")
-    if trainer.overfit_batches:
-        raise ConfigError("overfit_batches trains on a fixed subset; the guarantee needs secret Poisson batches of "
-                          "the whole dataset")
-    if not pl_module.automatic_optimization:
-        raise ConfigError("DPCallback runs with automatic optimization (training_step returns the loss); manual "
-                          "optimization (self.automatic_optimization = False) is not supported")
-
-
-def check_monitors(trainer: L.Trainer) -> None:
-    """Refuse a learning-rate scheduler (``ReduceLROnPlateau``'s ``monitor``) or a callback (``EarlyStopping``,
-    ``ModelCheckpoint``) that watches a metric logged from the training steps: the metric is a statistic of the
-    private batches with no noise, and the schedule, the stopping step or the checkpoint chosen by it shape the
-    released model (a canary moved the learning rate from 0.5 to 0.05 at step 3, certified). Checked after each
-    training batch, when the training loop's logged names are known (``name``, ``name_step``, ``name_epoch``)."""
-    results = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_results", None)
-    if results is None:
-        return
-    logged = {k.split(".", 1)[1] for k in list(results.keys()) if "." in k}
-    logged |= {n + suffix for n in logged for suffix in ("_step", "_epoch")}
-    logged -= {"epsilon", "epsilon_step", "epsilon_epoch"}  # (DPCallback's own: a function of the step count)
-    watched = [(f"the learning-rate scheduler's ({type(c.scheduler).__name__}) monitor", c.monitor)
-               for c in trainer.lr_scheduler_configs if getattr(c, "monitor", None)]
-    watched += [(f"{type(cb).__name__}(monitor=...)", cb.monitor) for cb in trainer.callbacks
-                if isinstance(getattr(cb, "monitor", None), str)]
-    for who, name in watched:
-        if name in logged:
-            raise ConfigError(f"DPCallback: {who} watches '{name}', which training_step logs from the private "
-                              f"batches: a statistic of the private data without noise would decide the learning "
-                              f"rate, the stopping step or the kept checkpoint, and so the released model. Monitor a "
-                              f"metric of validation_step on held-out data instead (or 'epsilon')")
-
-
-def check_validation_data(train: DataLoader | None, trainer: L.Trainer) -> None:
-    """Refuse validation on the training data (the train DataLoader itself, or a DataLoader of its dataset):
-    its metrics are statistics of the private training data computed without noise, and Lightning logs
-    them: they would be released outside the guarantee."""
-    if train is None:
-        return
-    val = getattr(getattr(trainer.fit_loop.epoch_loop.val_loop, "_data_source", None), "instance", None)
-    for loader in _loaders([trainer.val_dataloaders, val]):
-        if loader is train or _shares_examples(getattr(loader, "dataset", None), train.dataset):
-            raise ConfigError(
-                "DPCallback: the validation dataloader is the train DataLoader (or a DataLoader of its dataset): "
-                "validation metrics (val loss, accuracy, ...) are statistics of the private training data computed "
-                "without noise, and Lightning logs them, released outside the privacy guarantee. Validate on a "
-                "held-out split (val_dataloaders= or val_dataloader() over another dataset, e.g. from "
-                "torch.utils.data.random_split), or pass limit_val_batches=0; metrics of the training data must stay "
-                "as private as the data")
-
-
-def _shares_examples(val: Any, train: Any) -> bool:
-    """Whether the dataset ``val`` may hold examples of ``train``: the same dataset, Subsets of one dataset whose
-    indices meet (``random_split``'s disjoint parts do not), or TensorDatasets over overlapping memory (a new
-    ``TensorDataset(X[:n])`` over the training tensors)."""
-    if val is None:
-        return False
-    (vb, vi), (tb, ti) = _base(val), _base(train)
-    if vb is tb:
-        return vi is None or ti is None or not vi.isdisjoint(ti)
-    vt, tt = getattr(vb, "tensors", None), getattr(tb, "tensors", None)
-    if not vt or not tt:
-        return False
-    (a0, a1), (b0, b1) = _span(vt[0]), _span(tt[0])
-    return a0 < b1 and b0 < a1
-
-
-def _base(ds: Any) -> tuple:
-    """``ds`` unwrapped from ``Subset``s: (the dataset below, the set of its indices ``ds`` holds, None: all)."""
-    idx = None
-    while type(ds).__name__ == "Subset" and hasattr(ds, "indices") and hasattr(ds, "dataset"):
-        here = [int(i) for i in ds.indices]
-        idx = set(here) if idx is None else {here[i] for i in idx}
-        ds = ds.dataset
-    return ds, idx
-
-
-def _span(t: Any) -> tuple:
-    """The bytes of memory a tensor's elements lie in: (first, one past the last)."""
-    if t.numel() == 0:
-        return 0, 0
-    start = t.data_ptr()
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
-    return start, start + (last + 1) * t.element_size()
-
-
-def _loaders(x: Any) -> list:
-    """The DataLoaders in ``x`` (one, or lists, tuples and dicts of them)."""
-    if isinstance(x, dict):
-        x = list(x.values())
-    if isinstance(x, (list, tuple)):
-        return [loader for v in x for loader in _loaders(v)]
-    return [x] if isinstance(x, DataLoader) else []
-
-
 def log_epoch_end(trainer: L.Trainer, epsilon: float) -> None:
     """Epsilon to the loggers at the epoch's last batch: Lightning writes a step's ``self.log`` values to the
     loggers only every ``log_every_n_steps`` steps, so where that step is not one of them the value is written
@@ -323,12 +202,8 @@ class _PrivateSource:
     def dataloader(self) -> DPDataLoader:
         data = self.original.dataloader()
         data = data.original if isinstance(data, DPDataLoader) else data  # (``DPLightningDataModule``'s)
-        if not isinstance(data, DataLoader):
-            raise ConfigError(f"DPCallback needs one torch DataLoader(dataset, batch_size=B) as the train dataloader, "
-                              f"got {type(data).__name__}: its dataset is drawn in Poisson batches of expected size B")
-        if data.batch_size is None:
-            raise ConfigError("the train DataLoader has no batch_size (a batch_sampler was given): the expected "
-                              "Poisson batch size is read from DataLoader(dataset, batch_size=B)")
+        check_loader(data, "the train DataLoader", "DPCallback needs one torch DataLoader(dataset, batch_size=B) as "
+                     "the train dataloader, got {}: its dataset is drawn in Poisson batches of expected size B")
         old = self.callback.data
         if old is not None and (len(old.dataset) != len(data.dataset) or old.batch_size != data.batch_size):
             raise ConfigError("the train dataloader changed its dataset size or batch size during the run")
@@ -353,47 +228,6 @@ def follow(pl_module: L.LightningModule, session: Session) -> None:
     def private_forward(*args, **kwargs):
         return session.call(forward, pl_module.training, args, kwargs)
     pl_module.forward = private_forward
-
-
-# ---------------------------------------------------------------------- Opacus's Lightning pattern
-def make_private_lightning(privacy_engine: Any, module: Any, data_loader: Any, *, criterion: Callable | None,
-                           max_grad_norm: float, noise_multiplier: float | None, epsilon: float | None,
-                           delta: float | None, epochs: int | None, accountant: str, extra: dict) -> DPCallback:
-    """Opacus's mnist_lightning pattern: ``privacy_engine.make_private(module=self, ...)`` in the
-    LightningModule's ``configure_optimizers``. Lightning calls the module and iterates its own train loader,
-    so the private step is this ``DPCallback``, added to the module's Trainer (in place of the one an earlier
-    ``make_private`` of the same ``PrivacyEngine`` added) with the settings ``make_private`` was given: the
-    Trainer's train loader is drawn in secret Poisson batches, the optimizer ``configure_optimizers`` returns
-    is made private, the loss ``training_step`` returns is trained. The ``PrivacyEngine`` reads its epsilon and
-    report from it."""
-    trainer = getattr(module, "_trainer", None)
-    if trainer is None:
-        raise ConfigError("make_private on a LightningModule without a Trainer: call it in configure_optimizers "
-                          "(Opacus's mnist_lightning pattern), where the Trainer is attached, or add "
-                          "`callbacks=[DPCallback(noise_multiplier=..., max_grad_norm=...)]` to your Trainer "
-                          "(from clipbias.integrations.lightning import DPCallback)")
-    if epochs is not None and trainer.max_epochs != epochs:
-        raise ConfigError(f"make_private_with_epsilon(epochs={epochs}) but the Trainer runs max_epochs="
-                          f"{trainer.max_epochs}: the noise is calibrated for the Trainer's planned steps; give "
-                          f"epochs={trainer.max_epochs} (or change max_epochs)")
-    if extra.get("public_clip"):
-        raise ConfigError("public_clip is make_private's for your own training loop; DPCallback trains a "
-                          "LightningModule's training_step, whose forwards on other data keep their exact gradient")
-    own = ("max_physical_batch", "public_clip")
-    options = {k: v for k, v in extra.items() if k not in own and k != "delta"}
-    callback = DPCallback(noise_multiplier=noise_multiplier, target_epsilon=epsilon,
-                          target_delta=delta if delta is not None else extra.get("delta"),
-                          max_grad_norm=max_grad_norm, criterion=criterion, accountant=accountant,
-                          max_physical_batch=extra.get("max_physical_batch", 512), **options)
-    callback.given = data_loader
-    loaded = getattr(getattr(trainer, "_checkpoint_connector", None), "_loaded_checkpoint", None) or {}
-    state = loaded.get("callbacks", {}).get(callback.state_key)  # (a resumed fit: Lightning restored the
-    if state is not None:                                         # callbacks before configure_optimizers)
-        callback.load_state_dict(state)
-    earlier = getattr(privacy_engine, "lightning", None)
-    trainer.callbacks[:] = [c for c in trainer.callbacks if c is not earlier] + [callback]
-    callback.setup(trainer, module, "fit")  # (Lightning's setup hooks ran before configure_optimizers)
-    return callback
 
 
 class DPLightningDataModule:

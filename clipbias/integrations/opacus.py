@@ -25,68 +25,26 @@ guarantees holds here unchanged, and ``privacy_report()`` says what the epsilon 
 
 from __future__ import annotations
 
-import functools
-import math
-import re
 import warnings
 from collections.abc import Mapping
-from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import algorithms, privacy
 from ..engine import DPEngine
 from ..engine.drawn import TRANSFORMED_CAVEAT  # noqa: F401  (the caveat's text: the engine's report carries it)
-from ..errors import ClipbiasError, ConfigError
+from ..errors import ConfigError
 from ..privacy import PrivacyReport
-from .options import ACCOUNTANTS, default_delta, engine_config
+from .losses import loss_function
 from .opacus_accountant import Accountant
-from .session import N_RELEASED, DPDataLoader, DPOptimizer, Session, epoch_steps, loss_function
-
-OPACUS_WORDS = ((re.compile(r"(?<![\w.])loss_fn(?!\w)"), "criterion"), (re.compile(r"`AlgoConfig\.clip`"),
-                "`max_grad_norm`"), (re.compile(r"`epsilon`"), "`target_epsilon`"))
-"""The engine's parameter names that reach an Opacus user, as the Opacus interface spells them (the CLI's
-``clipbias/cli/_flags.py`` does the same for its flags): ``loss_fn`` is ``criterion``, the clip
-``max_grad_norm``, ``epsilon`` ``target_epsilon``."""
-
-
-def speak_opacus(message: str) -> str:
-    """``message`` with the engine's parameter names replaced by the Opacus interface's (``OPACUS_WORDS``)."""
-    for pattern, word in OPACUS_WORDS:
-        message = pattern.sub(word, message)
-    return message
-
-
-@contextmanager
-def speaking_opacus():
-    """A ``ClipbiasError`` raised inside, re-raised (same type, same traceback) with ``speak_opacus``'s message."""
-    try:
-        yield
-    except ClipbiasError as e:
-        if e.args and isinstance(e.args[0], str):
-            e.args = (speak_opacus(e.args[0]), *e.args[1:])
-        raise
-
-
-def _speaks_opacus(fn: Callable) -> Callable:
-    """``fn`` (an entry point of the Opacus interface) under ``speaking_opacus``."""
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        with speaking_opacus():
-            return fn(*args, **kwargs)
-    return wrapped
-
-
-class _OpacusEngine(DPEngine):
-    """The ``DPEngine`` of a ``PrivacyEngine``: its step (taken by ``optimizer.step()`` or by the model's
-    forward) raises errors that name the Opacus interface's arguments (``speaking_opacus``)."""
-
-    def step(self, *args, **kwargs):
-        with speaking_opacus():
-            return super().step(*args, **kwargs)
+from .options import (DPOptions, check_accountant, check_count, check_opacus_keywords, check_positive,
+                      opacus_settings, resolve_public_clip)
+from .refusals import check_loader, check_opacus_options
+from .released import LOOP_RELEASED
+from .session import DPDataLoader, DPOptimizer, Session, epoch_steps
+from .wording import OpacusEngine, speak_opacus, speaks_opacus  # noqa: F401  (speak_opacus: the interface's words)
 
 
 class PrivacyEngine:
@@ -109,10 +67,7 @@ class PrivacyEngine:
     """
 
     def __init__(self, accountant: str = "prv", secure_mode: bool = False) -> None:
-        if accountant not in ACCOUNTANTS:
-            raise ConfigError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got {accountant!r}"
-                              + ("; gdp is a central-limit approximation, not an upper bound on epsilon"
-                                 if accountant == "gdp" else ""))
+        check_accountant(accountant, why=True)
         self.accountant_name, self.secure_mode = accountant, secure_mode
         self.accountant = Accountant(self, accountant)  # Opacus's ``privacy_engine.accountant`` surface
         self._engine_: DPEngine | None = None
@@ -132,7 +87,7 @@ class PrivacyEngine:
         return self.lightning.session if self.lightning is not None else self._session_
 
     # ------------------------------------------------------------------ making a training private
-    @_speaks_opacus
+    @speaks_opacus
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
                      noise_multiplier: float, max_grad_norm: float, criterion: Callable | None = None,
                      batch_first: bool = True, loss_reduction: str = "mean", poisson_sampling: bool = True,
@@ -197,7 +152,7 @@ class PrivacyEngine:
                                        noise_generator=noise_generator, grad_sample_mode=grad_sample_mode),
                           extra=clipbias_options)
 
-    @_speaks_opacus
+    @speaks_opacus
     def make_private_with_epsilon(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
                                   data_loader: DataLoader, target_epsilon: float, target_delta: float, epochs: int,
                                   max_grad_norm: float, criterion: Callable | None = None, batch_first: bool = True,
@@ -230,8 +185,7 @@ class PrivacyEngine:
         Raises:
             ConfigError: as ``make_private``; ``epochs`` not an integer >= 1.
         """
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ConfigError(f"epochs must be an integer >= 1, got {epochs!r}")
+        check_count("epochs", epochs)
         return self._make(module, optimizer, data_loader, criterion, max_grad_norm, epsilon=target_epsilon,
                           delta=target_delta, epochs=epochs,
                           options=dict(batch_first=batch_first, loss_reduction=loss_reduction,
@@ -245,64 +199,37 @@ class PrivacyEngine:
         if self.engine is not None:
             raise ConfigError("this PrivacyEngine already made a training private: use one PrivacyEngine per "
                               "training (its accountant counts that training's steps)")
-        check_options(**options)
-        for name, value in (("max_grad_norm", max_grad_norm), ("noise_multiplier", noise_multiplier),
-                            ("target_epsilon", epsilon)):
-            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                          and math.isfinite(value) and value > 0):
-                raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
+        check_opacus_options(**options)
+        check_positive((("max_grad_norm", max_grad_norm), ("noise_multiplier", noise_multiplier),
+                        ("target_epsilon", epsilon)), "a positive finite number")
         if delta is not None and not (isinstance(delta, float) and 0 < delta < 1):
             raise ConfigError(f"target_delta must be a float in (0, 1), got {delta!r}")
         module, optimizer, data_loader = _unwrapped(module, optimizer, data_loader)
         if not isinstance(module, nn.Module):
             raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if any(k.__name__ == "LightningModule" for k in type(module).__mro__):
-            return self._make_lightning(module, optimizer, data_loader, criterion, max_grad_norm, options, extra,
-                                        noise_multiplier=noise_multiplier, epsilon=epsilon, delta=delta, epochs=epochs)
-        if not isinstance(data_loader, DataLoader):
-            raise ConfigError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
-        if data_loader.batch_size is None:
-            raise ConfigError("data_loader has no batch_size (a batch_sampler was given): the expected Poisson "
-                              "batch size is read from DataLoader(dataset, batch_size=B)")
-        unknown = set(extra) - {"algorithm", "grad_path", "dice_accounting", "bands", "bands_strategy", "settings",
-                                "ef_clip", "delta", "public_clip",
-                                "max_physical_batch", "noise_seed", "autocast", "loss_scale"}
-        if unknown:
-            raise ConfigError(f"make_private got unexpected keyword(s) {sorted(unknown)}")
-        algorithm = extra.get("algorithm", "dpsgd")
-        algo = algorithms.get(algorithm)
-        if algo.needs_public:
-            raise ConfigError(f"algorithm={algorithm!r} needs public features beside the private data; it runs from "
-                              f"`TrainConfig` (`public_size`) or the clipbias CLI, not through make_private")
+        settings = opacus_settings(extra, noise_multiplier=noise_multiplier, epsilon=epsilon, delta=delta,
+                                   max_grad_norm=max_grad_norm, accountant=self.accountant_name)
+        if any(k.__name__ == "LightningModule" for k in type(module).__mro__):  # Opacus's Lightning pattern
+            from .opacus_lightning import make_private_lightning
+            self.lightning, remove = make_private_lightning(
+                self.lightning, module, data_loader, settings, criterion=criterion, epochs=epochs,
+                ghost=options["grad_sample_mode"] == "ghost", extra=extra)
+            self.module = DPModule(module, remove=remove)
+            return self.module, optimizer, data_loader
+        check_loader(data_loader, "data_loader", "data_loader must be a torch.utils.data.DataLoader, got {}")
+        check_opacus_keywords(extra)
         n, B = len(data_loader.dataset), data_loader.batch_size
-        config = engine_config(optimizer, max_grad_norm, extra.get("ef_clip"), extra.get("settings"))
         # the plan (``make_private_with_epsilon``): ``epochs`` epochs of ``len(data_loader)`` steps, Opacus's count
-        steps = None if epochs is None else epochs * epoch_steps(data_loader)
+        steps = None if epochs is None else epochs * epoch_steps(n, B, data_loader.drop_last)
         # without ``criterion`` the step trains the loss the loop computes (``rowtrace``); Opacus's ghost mode
         # computes its loss with the criterion it returns
         follow = criterion is None and options["grad_sample_mode"] != "ghost"
-        self._engine_ = _OpacusEngine(module, algorithm, n=n, batch_size=B, steps=steps, epsilon=epsilon,
-                               noise_multiplier=noise_multiplier,
-                               delta=delta if delta is not None else extra.get("delta", default_delta(n)),
-                               accountant=ACCOUNTANTS[self.accountant_name],
-                               dice_accounting=extra.get("dice_accounting", privacy.DEFAULT_DICE_ACCOUNTING),
-                               config=config, loss_fn=loss_function(criterion, follow), optimizer=optimizer,
-                               grad_path=extra.get("grad_path", "auto"), bands=extra.get("bands", 1),
-                               bands_strategy=extra.get("bands_strategy", "taylor"),
-                               max_physical_batch=extra.get("max_physical_batch", 512),
-                               noise_seed=extra.get("noise_seed"), autocast=extra.get("autocast"),
-                               loss_scale=extra.get("loss_scale"))
-        # Opacus clips every row that passes through the wrapped module, generated rows included: so does this
-        # interface by default where it follows the loop (``public_clip=False``: the exact public term)
-        public_clip = follow if extra.get("public_clip") is None else extra["public_clip"]
-        if not isinstance(public_clip, bool) or (public_clip and not follow):
-            raise ConfigError(f"public_clip must be True or False, got {public_clip!r}" if not isinstance(
-                public_clip, bool) else "public_clip clips the rows of your loop's public forwards; with criterion= "
-                "the step differentiates criterion on the private batch alone: leave one of them out")
-        self._session_ = Session(self.engine, unstepped=UNSTEPPED, public_clip=max_grad_norm if public_clip else None,
-                                 released=(
-            "what your loop reads from the private batches and prints, logs or keeps (loss.item(), accuracy): "
-            "statistics of the private data without noise", N_RELEASED))
+        self._engine_ = DPOptions(**settings).build(module, optimizer, n=n, batch_size=B, steps=steps,
+                                                    loss_fn=loss_function(criterion, follow),
+                                                    max_physical_batch=extra.get("max_physical_batch", 512),
+                                                    engine_class=OpacusEngine)
+        clip = max_grad_norm if resolve_public_clip(extra, follow) else None
+        self._session_ = Session(self.engine, unstepped=UNSTEPPED, public_clip=clip, released=LOOP_RELEASED)
         self.module = DPModule(module, self.session)
         self.data_loader = DPDataLoader(self.session, data_loader)
         self.optimizer = DPOptimizer(optimizer, self.session)
@@ -310,30 +237,8 @@ class PrivacyEngine:
             return self.module, self.optimizer, criterion or nn.CrossEntropyLoss(), self.data_loader
         return self.module, self.optimizer, self.data_loader
 
-    def _make_lightning(self, module, optimizer, data_loader, criterion, max_grad_norm, options, extra, *,
-                        noise_multiplier, epsilon, delta, epochs) -> tuple:
-        """Opacus's Lightning pattern (``make_private(module=self, ...)`` in ``configure_optimizers``): a
-        ``DPCallback`` on the module's Trainer takes the private steps (``make_private_lightning``); the
-        optimizer and data loader are returned as given (the callback makes the Trainer's private), the module
-        as a handle whose ``remove_hooks()`` takes the callback off the Trainer."""
-        from .lightning import make_private_lightning
-        if options["grad_sample_mode"] == "ghost":
-            raise ConfigError("grad_sample_mode='ghost' returns a criterion for your loop; in the Lightning pattern "
-                              "training_step's loss is trained: leave grad_sample_mode at 'hooks'")
-        if self.lightning is not None and self.lightning.engine is not None:
-            raise ConfigError("this PrivacyEngine's Lightning training has taken private steps: use one "
-                              "PrivacyEngine per training")
-        self.lightning = make_private_lightning(
-            self, module, data_loader, criterion=criterion, max_grad_norm=max_grad_norm,
-            noise_multiplier=noise_multiplier, epsilon=epsilon, delta=delta, epochs=epochs,
-            accountant=ACCOUNTANTS[self.accountant_name], extra=extra)
-        callback, trainer = self.lightning, module._trainer
-        self.module = DPModule(module, remove=lambda: trainer.callbacks.remove(callback)
-                               if callback in trainer.callbacks else None)
-        return self.module, optimizer, data_loader
-
     # ------------------------------------------------------------------ privacy
-    @_speaks_opacus
+    @speaks_opacus
     def get_epsilon(self, delta: float) -> float:
         """Epsilon after the steps taken so far.
 
@@ -345,7 +250,7 @@ class PrivacyEngine:
         """
         return self.privacy_report(delta).epsilon
 
-    @_speaks_opacus
+    @speaks_opacus
     def privacy_report(self, delta: float | None = None) -> PrivacyReport:
         """The full statement after the steps taken so far.
 
@@ -378,7 +283,7 @@ class PrivacyEngine:
         release it. Save the model's ``state_dict`` beside it."""
         return {"engine": self._engine().state_dict(), "transformed_steps": self.optimizer.transformed_steps}
 
-    @_speaks_opacus
+    @speaks_opacus
     def load_state_dict(self, state: dict) -> None:
         """Continue a training from ``state_dict()`` (in a new process: a fresh ``make_private`` with the same
         settings, then this); the batches, noise and updates continue exactly.
@@ -447,30 +352,6 @@ def _unwrapped(module: Any, optimizer: Any, data_loader: Any) -> tuple:
             data_loader.original if isinstance(data_loader, DPDataLoader) else data_loader)
 
 
-def check_options(*, batch_first: bool, loss_reduction: str, poisson_sampling: bool, clipping: str,
-                  noise_generator: Any, grad_sample_mode: str) -> None:
-    """Refuse the Opacus options clipbias does not offer, each with the reason."""
-    if not poisson_sampling:
-        raise ConfigError("poisson_sampling=False: clipbias's accounting assumes secret Poisson sampling (the "
-                          "subsampled-Gaussian bounds do not hold for shuffled fixed-size batches); leave it True")
-    if clipping != "flat":
-        raise ConfigError(f"clipping={clipping!r}: clipbias clips the whole per-example gradient ('flat'); for "
-                          f"adaptive clipping pass algorithm='adaptive'")
-    if noise_generator is not None:
-        raise ConfigError("noise_generator: clipbias draws all noise from ChaCha20 under the run's secret 256-bit "
-                          "key; a torch generator (seeded from at most 64 bits) would make the noise recoverable")
-    if not batch_first:
-        raise ConfigError("batch_first=False: every input tensor must hold one example per row of its first "
-                          "dimension")
-    if loss_reduction != "mean":
-        raise ConfigError(f"loss_reduction={loss_reduction!r}: clipbias divides the noisy sum of clipped gradients "
-                          f"by the expected batch size, as Opacus's 'mean'; with 'sum', multiply the learning rate "
-                          f"by the batch size instead")
-    if grad_sample_mode not in ("hooks", "ghost", "functorch", "ew"):
-        raise ConfigError(f"grad_sample_mode must be hooks, ghost, functorch or ew (all run clipbias's own "
-                          f"per-example gradients; grad_path= chooses them), got {grad_sample_mode!r}")
-
-
 class DPModule(nn.Module):
     """Your module, made private (``_module``, as Opacus's ``GradSampleModule``). In training, on the rows of a
     batch of the private data loader, its forward is the loop's call of the run's ``Session``
@@ -535,9 +416,7 @@ class BatchMemoryManager:
     def __init__(self, *, data_loader: DPDataLoader, max_physical_batch_size: int, optimizer: DPOptimizer) -> None:
         if not isinstance(data_loader, DPDataLoader) or not isinstance(optimizer, DPOptimizer):
             raise ConfigError("BatchMemoryManager takes the data loader and optimizer that make_private returned")
-        if isinstance(max_physical_batch_size, bool) or not isinstance(max_physical_batch_size, int) \
-                or max_physical_batch_size < 1:
-            raise ConfigError(f"max_physical_batch_size must be an integer >= 1, got {max_physical_batch_size!r}")
+        check_count("max_physical_batch_size", max_physical_batch_size)
         self.data_loader, self.size, self.optimizer = data_loader, max_physical_batch_size, optimizer
 
     def __enter__(self) -> DPDataLoader:

@@ -1,7 +1,8 @@
-"""The differential-privacy settings shared by the Hugging Face and Lightning integrations, and the one
-way both turn them into a ``DPEngine`` over the user's model and optimizer.
+"""The differential-privacy settings of every integration (``DPOptions``: ``DPArguments``, ``DPCallback``, and
+``make_private``'s arguments and clipbias keywords, ``opacus_settings``), their checks, and the one way all three
+turn them into a ``DPEngine`` over the user's model and optimizer (``DPOptions.build``).
 
-Both integrations hand the engine the user's own optimizer (``DPEngine(optimizer=...)``), so learning-rate
+Every integration hands the engine the user's own optimizer (``DPEngine(optimizer=...)``), so learning-rate
 schedulers, weight-decay groups and the optimizer's checkpoint stay the framework's; the engine draws the
 batches (its secret Poisson sampler), computes and clips the per-example gradients, adds the noise and
 accounts every step.
@@ -10,9 +11,9 @@ accounts every step.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -143,15 +144,10 @@ class DPOptions:
             raise ConfigError("give exactly one of target_epsilon (the noise is calibrated to it) and "
                               f"noise_multiplier; got target_epsilon={self.target_epsilon!r}, "
                               f"noise_multiplier={self.noise_multiplier!r}")
-        for name in ("target_epsilon", "noise_multiplier", "max_grad_norm"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or value <= 0):
-                raise ConfigError(f"{name} must be a positive number, got {value!r}")
+        check_positive((name, getattr(self, name)) for name in ("target_epsilon", "noise_multiplier", "max_grad_norm"))
         if self.target_delta is not None:
             privacy.check_delta(self.target_delta, "target_delta")
-        if self.accountant not in ACCOUNTANTS:
-            raise ConfigError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got {self.accountant!r}")
+        check_accountant(self.accountant)
         if self.algorithm not in algorithms.ALGORITHMS:
             raise ConfigError(f"algorithm {self.algorithm!r} is not a clipbias algorithm; choose one of "
                               f"{', '.join(algorithms.ALGORITHMS)}")
@@ -197,37 +193,103 @@ class DPOptions:
             The ``DPEngine``, its noise calibrated where ``target_epsilon`` was given.
 
         Raises:
-            ConfigError: what ``check`` refuses; ``target_epsilon`` without ``steps``; an optimizer that is
-                not a ``torch.optim.Optimizer``.
+            ConfigError: a model without a trainable parameter; what ``check`` refuses; ``target_epsilon``
+                without ``steps``; an optimizer that is not a ``torch.optim.Optimizer``.
         """
+        check_trainable(model)
         self.check()
         if self.target_epsilon is not None and not steps:
             raise ConfigError("target_epsilon needs the number of steps in advance (epochs or max_steps)")
         _base_kind(optimizer)  # refuses anything but a torch optimizer, naming it
+        return self.build(model, optimizer, n=n, batch_size=batch_size, steps=steps, loss_fn=loss_fn,
+                          max_physical_batch=max_physical_batch, stepped=stepped)
+
+    def build(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, n: int, batch_size: float,
+              steps: int | None, loss_fn: Callable, max_physical_batch: int,
+              stepped: torch.optim.Optimizer | None = None, engine_class: type = DPEngine) -> DPEngine:
+        """The ``DPEngine`` of these settings, with the arguments of ``engine``, as they are: ``engine`` checks
+        them first; the Opacus interface checks ``make_private``'s arguments in its own words and builds its
+        engine (``engine_class``, whose errors speak Opacus's names) here.
+
+        Returns:
+            The ``engine_class`` over ``model``, its delta ``delta(n)`` and its planned ``steps`` only where the
+            noise is calibrated to ``target_epsilon``.
+        """
         config = engine_config(optimizer, self.max_grad_norm, self.ef_clip, self.settings)
-        return DPEngine(model, self.algorithm, n=n, batch_size=batch_size,
-                        steps=steps if self.target_epsilon is not None else None,
-                        epsilon=self.target_epsilon, noise_multiplier=self.noise_multiplier, delta=self.delta(n),
-                        accountant=ACCOUNTANTS[self.accountant], dice_accounting=self.dice_accounting,
-                        config=config, loss_fn=loss_fn, optimizer=stepped or optimizer, grad_path=self.grad_path,
-                        bands=self.bands, bands_strategy=self.bands_strategy, max_physical_batch=max_physical_batch,
-                        noise_seed=self.noise_seed,
-                        autocast=self.autocast, loss_scale=self.loss_scale)
-
-
-class EpsilonLog:
-    """Epsilon after the steps taken so far, computed once per step count (an accountant call costs
-    ~0.2 s)."""
-
-    def __init__(self) -> None:
-        self._at: tuple[int, float] | None = None
-
-    def __call__(self, engine: DPEngine) -> float:
-        if self._at is None or self._at[0] != engine.steps_taken:
-            self._at = (engine.steps_taken, engine.privacy().epsilon)
-        return self._at[1]
+        return engine_class(model, self.algorithm, n=n, batch_size=batch_size,
+                            steps=steps if self.target_epsilon is not None else None,
+                            epsilon=self.target_epsilon, noise_multiplier=self.noise_multiplier, delta=self.delta(n),
+                            accountant=ACCOUNTANTS[self.accountant], dice_accounting=self.dice_accounting,
+                            config=config, loss_fn=loss_fn, optimizer=stepped or optimizer, grad_path=self.grad_path,
+                            bands=self.bands, bands_strategy=self.bands_strategy,
+                            max_physical_batch=max_physical_batch, noise_seed=self.noise_seed,
+                            autocast=self.autocast, loss_scale=self.loss_scale)
 
 
 def check_trainable(model: nn.Module) -> None:
+    """Refuse a model with no trainable parameter."""
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError("the model has no trainable parameter (requires_grad=True): nothing to train")
+
+
+def check_positive(named: Iterable[tuple[str, Any]], what: str = "a positive number") -> None:
+    """Refuse a value (of ``(name, value)`` pairs; None: not given) that is not a positive finite number."""
+    for name, value in named:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise ConfigError(f"{name} must be {what}, got {value!r}")
+
+
+def check_count(name: str, value: Any) -> None:
+    """Refuse a count (``epochs``, ``max_physical_batch``, ...) that is not an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def check_accountant(name: str, why: bool = False) -> None:
+    """Refuse an accountant ``ACCOUNTANTS`` does not name (``why``: saying why ``gdp`` is none of them)."""
+    if name not in ACCOUNTANTS:
+        raise ConfigError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got {name!r}"
+                          + ("; gdp is a central-limit approximation, not an upper bound on epsilon"
+                             if why and name == "gdp" else ""))
+
+
+# ---------------------------------------------------------------------- make_private's (the Opacus interface)
+OPACUS_OWN = ("delta", "public_clip", "max_physical_batch")
+"""``make_private``'s clipbias keywords that are not ``DPOptions`` settings: ``delta`` is ``target_delta``."""
+
+OPACUS_KEYWORDS = frozenset(f.name for f in fields(DPOptions)) - {
+    "target_epsilon", "noise_multiplier", "target_delta", "max_grad_norm", "accountant"} | set(OPACUS_OWN)
+"""The clipbias keywords ``make_private`` takes (``**clipbias_options``)."""
+
+
+def opacus_settings(extra: dict, *, noise_multiplier: float | None, epsilon: float | None, delta: float | None,
+                    max_grad_norm: float, accountant: str) -> dict:
+    """The ``DPOptions`` keywords of a ``make_private`` call: its arguments and its clipbias keywords (``extra``;
+    ``delta`` where ``target_delta`` is not given), the accountant by the registered name that serves it."""
+    return dict(noise_multiplier=noise_multiplier, target_epsilon=epsilon, max_grad_norm=max_grad_norm,
+                target_delta=delta if delta is not None else extra.get("delta"), accountant=ACCOUNTANTS[accountant],
+                **{k: v for k, v in extra.items() if k not in OPACUS_OWN})
+
+
+def check_opacus_keywords(extra: dict) -> None:
+    """Refuse a clipbias keyword ``make_private`` does not take, and an algorithm that needs public features."""
+    unknown = set(extra) - OPACUS_KEYWORDS
+    if unknown:
+        raise ConfigError(f"make_private got unexpected keyword(s) {sorted(unknown)}")
+    algorithm = extra.get("algorithm", "dpsgd")
+    if algorithms.get(algorithm).needs_public:
+        raise ConfigError(f"algorithm={algorithm!r} needs public features beside the private data; it runs from "
+                          f"`TrainConfig` (`public_size`) or the clipbias CLI, not through make_private")
+
+
+def resolve_public_clip(extra: dict, follow: bool) -> bool:
+    """``make_private``'s ``public_clip``: by default True where the step follows the loop's loss (``follow``),
+    as Opacus clips every row that passes through the wrapped module, generated rows included (False: the
+    public term exact); refused where a ``criterion`` is differentiated instead."""
+    clip = follow if extra.get("public_clip") is None else extra["public_clip"]
+    if not isinstance(clip, bool) or (clip and not follow):
+        raise ConfigError(f"public_clip must be True or False, got {clip!r}" if not isinstance(clip, bool) else
+                          "public_clip clips the rows of your loop's public forwards; with criterion= the step "
+                          "differentiates criterion on the private batch alone: leave one of them out")
+    return clip

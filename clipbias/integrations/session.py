@@ -13,10 +13,13 @@ are framework glue around one ``Session``:
   loop's loss differs (``check_loss``).
 * ``Session.step`` takes the private step on the pending batch (``DPEngine.step``), at the optimizer's settings
   and state as the batch was drawn and as the last step left them (``OptimizerWatch``); ``DPOptimizer`` is the
-  user's optimizer with that step; ``report``, ``state_dict`` and ``load_state_dict`` are the run's.
+  user's optimizer with that step; ``report``, ``epsilon`` (``EpsilonLog``), ``state_dict`` and
+  ``load_state_dict`` are the run's. ``epoch_steps`` is every adapter's count of an epoch's steps.
 
 Each adapter decides only where these are called from: its loader's ``__iter__``, its model's forward, its
-optimizer's ``step``.
+optimizer's ``step``. Beside the session, shared by the adapters too: ``options`` (the settings, their checks
+and the one way to the ``DPEngine``), ``losses`` (per-example losses), ``refusals`` (the framework settings the
+step cannot run soundly), ``released`` (what each adapter releases outside the mechanism).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from ..data import batch
@@ -45,6 +48,7 @@ from ..sampling.loader import PoissonLoader, TensorData, split
 from ..sampling.poisson import epoch_steps as sampling_epoch_steps
 from . import rowtrace
 from .public_rows import clipped_rows
+from .released import SIZES_RELEASED
 
 
 @dataclass
@@ -63,16 +67,6 @@ class Pending:
     chunk_rows: list = field(default_factory=list)  # every chunk's ``Rows``, in order
     call_chunks: list = field(default_factory=list)  # the chunk (its number) of each recorded call (``follow``)
     public_calls: list = field(default_factory=list)  # ((args, kwargs), output leaves) of public calls (``public_clip``)
-
-
-N_RELEASED = "n, the number of training examples (the sampling rate B / n and the steps per epoch derive from it)"
-TIMES_RELEASED = "the run's timings (steps per second, runtime: they grow with the private batches' sizes)"
-
-
-SIZES_RELEASED = ("the private batches' sizes, through public data of their size (a forward on generated data of "
-                  "len(x) rows, as a DCGAN's torch.randn(batch_size, nz)): each step's public term, exact and "
-                  "unclipped, is a function of that count")
-"""What a run releases where a public forward has as many rows as the private batch (``Session._follow``)."""
 
 
 def _public_rows_call(session: "Session", fn: Callable, pending: Pending, args: tuple, kwargs: dict) -> Any:
@@ -117,48 +111,11 @@ def _sizes_named(released: tuple, args: tuple, kwargs: dict, sizes: tuple) -> tu
     return (*released, SIZES_RELEASED)
 
 
-def loss_function(criterion: Callable | None, follow: bool = False) -> Callable:
-    """The engine's per-example loss: with ``follow`` (no ``criterion``), the loss the training loop computes,
-    through the gradient its ``loss.backward()`` leaves in the outputs (``output_gradient``); for ``criterion``:
-    Opacus's default ``nn.CrossEntropyLoss()`` is the
-    engine's own cross-entropy; a loss module with ``reduction`` is evaluated with ``reduction="none"`` and
-    each example's losses averaged over its other dimensions (tokens, pixels); an elementwise loss
-    (``ELEMENTWISE``: BCE, MSE, L1, ...) takes the loader's targets in the output's shape and dtype where they
-    hold one value per output element (``y.float().unsqueeze(1)``, what a loop writes for a ``[b, 1]`` logit:
-    torch would refuse them, or broadcast ``[b]`` against ``[b, 1]`` to ``[b, b]`` in silence); any other
-    callable is evaluated one example at a time."""
-    if follow:
-        return output_gradient
-    if criterion is None or (type(criterion) is nn.CrossEntropyLoss and criterion.weight is None
-                             and criterion.ignore_index == -100 and criterion.label_smoothing == 0):
-        return cross_entropy
-    if not callable(criterion):
-        raise ConfigError(f"criterion must be callable (a loss module or function), got {type(criterion).__name__}")
-    if isinstance(criterion, nn.Module) and hasattr(criterion, "reduction"):
-        per_element = copy.copy(criterion)
-        per_element.reduction = "none"
-
-        elementwise = isinstance(criterion, ELEMENTWISE)
-
-        def per_example(out: Tensor, y: Tensor) -> Tensor:
-            if elementwise and isinstance(out, Tensor) and isinstance(y, Tensor) and y.shape != out.shape \
-                    and y.numel() == out.numel():
-                y = y.reshape(out.shape).to(out.dtype)
-            loss = per_element(out, y)
-            return loss.reshape(loss.shape[0], -1).mean(1) if loss.dim() > 1 else loss
-        per_example.batched = True  # takes the whole batch (``_criterion_gradient``)
-        return per_example
-    return criterion
-
-
-ELEMENTWISE = (nn.BCEWithLogitsLoss, nn.BCELoss, nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss)
-"""Losses of one target per output element (``loss_function`` gives them the targets in the output's shape)."""
-
-
-def epoch_steps(data_loader: DataLoader) -> int:
-    """The steps of one epoch as Opacus, Lightning and Hugging Face count them: ``len(data_loader)`` of the
-    user's loader over its dataset (``clipbias.sampling.epoch_steps``)."""
-    return sampling_epoch_steps(len(data_loader.dataset), data_loader.batch_size, data_loader.drop_last)
+def epoch_steps(n: int, batch_size: int, drop_last: bool = False) -> int:
+    """The steps of one epoch of ``n`` examples in (expected) batches of ``batch_size``, as Opacus, Lightning and
+    Hugging Face count them, every adapter's one count: ``len()`` of the user's ``DataLoader(dataset,
+    batch_size, drop_last=...)``, ceil(n / B), or n // B with ``drop_last`` (``clipbias.sampling.epoch_steps``)."""
+    return sampling_epoch_steps(n, batch_size, drop_last)
 
 
 def poisson_loader(engine: DPEngine, data_loader: DataLoader) -> PoissonLoader:
@@ -245,6 +202,7 @@ class Session:
         self.loss_checks = 0  # steps whose loop's loss was held against criterion's (``check_loss``)
         self.stepping = False  # inside ``DPEngine.step`` (``engine_step``)
         self.watch = OptimizerWatch(engine.optimizer)  # its settings and state as drawn and stepped
+        self.epsilon = EpsilonLog(engine)  # ``epsilon()``: the run's epsilon so far, as the adapters log it
 
     @property
     def follows(self) -> bool:
@@ -529,7 +487,7 @@ class DPDataLoader:
         self._session, self._session_of, self.original = session, session_of, data_loader
         self.dataset, self.batch_size = data_loader.dataset, data_loader.batch_size
         self.physical_batch_size: int | None = None
-        self.steps_per_epoch = epoch_steps(data_loader)
+        self.steps_per_epoch = epoch_steps(len(self.dataset), self.batch_size, data_loader.drop_last)
         self._loader: tuple | None = None  # (engine, its PoissonLoader of the dataset)
 
     @classmethod
@@ -819,6 +777,33 @@ def keyed_rows(engine: DPEngine, pending: Pending, call: tuple) -> Iterator[None
     with forward.keyed(engine.key, engine.steps_taken, device, engine._dropout_layouts, padding_refusal(x)), \
             forward.examples(ids), forward.one_pass():
         yield
+
+
+class EpsilonLog:
+    """Epsilon after the steps taken so far at the run's delta (``Session.epsilon()``, what the adapters log),
+    computed once per step count (an accountant call costs ~0.2 s)."""
+
+    def __init__(self, engine: DPEngine) -> None:
+        self.engine, self._at = engine, None
+
+    def __call__(self) -> float:
+        if self._at is None or self._at[0] != self.engine.steps_taken:
+            self._at = (self.engine.steps_taken, self.engine.privacy().epsilon)
+        return self._at[1]
+
+
+def chunk_taken(session: Session) -> Pending | None:
+    """A framework's training step took the next chunk of the session's pending batch (Hugging Face's
+    accumulation micro-steps, whose chunks the Trainer fetches ahead of them): None before the batch's last
+    chunk; at it, the batch, no longer pending, for the step, the optimizer's settings and state checked as drawn
+    (``OptimizerWatch``). The caller refuses a step without a pending batch."""
+    pending = session.pending
+    pending.seen += 1
+    if pending.seen < pending.chunks:  # an earlier chunk of the logical batch: the step comes at its last
+        return None
+    session.pending = None
+    session.watch.check()
+    return pending
 
 
 def unstepped(session: Session) -> None:

@@ -39,9 +39,11 @@ from ..errors import ConfigError
 from ..privacy import PrivacyReport
 from ..randomness.example import example_generator
 from ..sampling.loader import PoissonLoader
-from ..sampling.poisson import epoch_steps as sampling_epoch_steps
-from .options import DPOptions, EpsilonLog, check_trainable
-from .session import N_RELEASED, TIMES_RELEASED, Deferred, Session, exact_chunks, is_mapping
+from .losses import causal_lm_loss, resolve_loss, sequence_classification_loss
+from .options import DPOptions
+from .refusals import check_eval_data, check_map_style, check_training_args
+from .released import TRAINER_RELEASED
+from .session import Deferred, Session, chunk_taken, epoch_steps, exact_chunks, is_mapping
 
 __all__ = ["DPArguments", "DPTrainer", "PerExampleIds", "causal_lm_loss", "keyed_collator",
            "sequence_classification_loss"]
@@ -64,135 +66,6 @@ class DPArguments(DPOptions):
     """
 
     per_example_loss: str | Callable = "auto"
-
-
-def _logits(out: Any) -> Tensor:
-    if isinstance(out, Tensor):
-        return out
-    if isinstance(out, Mapping) or hasattr(out, "logits"):
-        return out["logits"] if isinstance(out, Mapping) else out.logits
-    return out[0]
-
-
-def sequence_classification_loss(num_labels: int, label_smoothing: float = 0.0, config: Any = None) -> Callable:
-    """Per-example loss of a ``*ForSequenceClassification`` model, as the model computes its batch loss
-    (HF's ``problem_type`` rule): mean squared error for one label, cross-entropy for integer labels,
-    binary cross-entropy with logits (mean over labels) for float multi-labels.
-
-    Args:
-        num_labels: The model's ``config.num_labels`` (1: regression).
-        label_smoothing: Cross-entropy's label smoothing (``TrainingArguments.label_smoothing_factor``).
-        config: The model's config: its ``problem_type``, where set, decides instead of the rule (read at
-            each call, as the model reads it).
-
-    Returns:
-        A function ``(model output, labels) -> per-example losses [b]``. Labels the rule's loss cannot take
-            are refused when it is called (``ConfigError``), with the rule that applied and what to pass.
-    """
-    def loss(out: Any, labels: Tensor) -> Tensor:
-        logits = _logits(out)
-        problem, rule = _problem_type(num_labels, labels, config)
-        _check_labels(problem, rule, logits, labels)
-        if problem == "regression":
-            per = (logits.reshape(len(logits), -1) - labels.reshape(len(labels), -1).to(logits.dtype)) ** 2
-            return per.mean(dim=-1)
-        if problem == "single_label_classification":
-            return nn.functional.cross_entropy(logits.reshape(len(logits), -1), labels.reshape(-1).long(),
-                                               reduction="none", label_smoothing=label_smoothing)
-        per = nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none")
-        return per.reshape(len(per), -1).mean(dim=-1)
-    return loss
-
-
-PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
-"""Hugging Face's ``config.problem_type`` values for ``*ForSequenceClassification``."""
-
-
-def _problem_type(num_labels: int, labels: Tensor, config: Any) -> tuple[str, str]:
-    """(the problem type, the rule that chose it, in words): the model's ``config.problem_type`` where set, else
-    Hugging Face's rule (regression for ``num_labels == 1``, single-label classification for integer labels,
-    multi-label classification otherwise)."""
-    given = getattr(config, "problem_type", None)
-    if given is not None:
-        if given not in PROBLEM_TYPES:
-            raise ConfigError(f"the model's config.problem_type is {given!r}; Hugging Face's sequence classification "
-                              f"takes one of {', '.join(map(repr, PROBLEM_TYPES))} (or None: chosen from num_labels "
-                              f"and the labels' dtype)")
-        return given, f"the model's config.problem_type is {given!r}"
-    integer = not (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool)
-    if num_labels == 1:
-        return "regression", "config.problem_type is unset and num_labels == 1, so Hugging Face's rule makes it regression"
-    kind = "single_label_classification" if integer else "multi_label_classification"
-    return kind, (f"config.problem_type is unset, num_labels == {num_labels} and the labels are {labels.dtype}, so "
-                  f"Hugging Face's rule makes it {kind}")
-
-
-def _check_labels(problem: str, rule: str, logits: Tensor, labels: Tensor) -> None:
-    """Refuse labels that ``problem``'s loss cannot take (a raw torch error otherwise, or a loss of another kind
-    than meant), saying which rule applied and what to pass. Shapes are said per batch (``[batch, ...]``)."""
-    def shape(t: Tensor) -> str:
-        return "[" + ", ".join(["batch", *map(str, t.shape[1:])]) + "]"
-    fix = ("Pass integer class ids (torch.long, one per example, shape [batch]) for single-label classification, "
-           f"one float per class per example (shape {shape(logits)}) for multi-label classification, or set "
-           f"model.config.problem_type to one of {', '.join(map(repr, PROBLEM_TYPES))} before training")
-    n_out = math.prod(logits.shape[1:])
-    if problem == "single_label_classification":
-        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-            raise ConfigError(f"DPTrainer: {rule}, which takes integer class ids (cross-entropy), but the labels are "
-                              f"{labels.dtype}. {fix}")
-        if math.prod(labels.shape[1:]) != 1:
-            raise ConfigError(f"DPTrainer: {rule}, which takes one integer class id per example (shape [batch]), "
-                              f"got labels of shape {shape(labels)}. {fix}")
-    elif problem == "multi_label_classification":
-        if tuple(labels.shape[1:]) != tuple(logits.shape[1:]):
-            raise ConfigError(f"DPTrainer: {rule} (binary cross-entropy), which takes one float per class per "
-                              f"example (labels of shape {shape(logits)}), got labels of shape {shape(labels)} "
-                              f"({labels.dtype}). {fix}")
-    elif math.prod(labels.shape[1:]) != n_out or labels.is_complex():
-        raise ConfigError(f"DPTrainer: {rule} (squared error), which takes one float per output per example (labels "
-                          f"of shape {shape(logits)}), got labels of shape {shape(labels)} ({labels.dtype}). {fix}")
-
-
-def causal_lm_loss(out: Any, labels: Tensor) -> Tensor:
-    """Per-example causal-LM loss: cross-entropy of ``logits[:, t]`` predicting ``labels[:, t + 1]``,
-    averaged over each example's target tokens. The mean over a batch of one is the model's own loss.
-
-    Args:
-        out: The model's output (its ``logits``, or a logits tensor).
-        labels: Token ids ``[b, T]``; -100 is ignored.
-
-    Returns:
-        The per-example losses ``[b]`` (0 for an example without any target token).
-    """
-    logits = _logits(out)
-    tok = nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=IGNORE,
-                                      reduction="none")
-    count = (labels[:, 1:] != IGNORE).sum(dim=1)
-    return tok.sum(dim=1) / count.clamp(min=1).to(tok.dtype)
-
-
-def resolve_loss(choice: str | Callable, model: nn.Module, label_smoothing: float) -> Callable:
-    """The engine's per-example loss for ``DPArguments.per_example_loss``."""
-    if callable(choice):
-        return choice
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    name = type(base).__name__
-    if choice == "auto":
-        choice = ("sequence_classification" if name.endswith("ForSequenceClassification") else
-                  "causal_lm" if name.endswith(("ForCausalLM", "LMHeadModel")) else None)
-        if choice is None:
-            raise ConfigError(f"DPArguments(per_example_loss='auto') knows *ForSequenceClassification and causal "
-                              f"LMs (*ForCausalLM, *LMHeadModel), not {name}: pass per_example_loss=f with "
-                              f"f(model output, labels) -> the per-example losses, shape [batch]")
-    if choice == "sequence_classification":
-        return sequence_classification_loss(int(getattr(base.config, "num_labels", 2)), label_smoothing,
-                                            base.config)
-    if choice == "causal_lm":
-        if label_smoothing:
-            raise ConfigError("label_smoothing_factor with per_example_loss='causal_lm' is not supported; set it to 0")
-        return causal_lm_loss
-    raise ConfigError(f"per_example_loss must be 'auto', 'sequence_classification', 'causal_lm' or a function, "
-                      f"got {choice!r}")
 
 
 class PerExampleIds:
@@ -277,11 +150,10 @@ class PoissonChunks:
     yielded as exactly ``chunks`` (= gradient_accumulation_steps) slices (``Session.batches``), so that the
     Trainer's accumulation loop takes one optimizer step per logical batch. ``len()`` counts chunks."""
 
-    def __init__(self, trainer: "DPTrainer", dataset: Any, collate_fn: Callable, chunks: int,
-                 batch_size: float) -> None:
-        self.trainer, self.dataset, self.collate_fn, self.chunks = trainer, dataset, collate_fn, chunks
-        self.batch_size = batch_size
-        self.steps_per_epoch = sampling_epoch_steps(len(dataset), round(batch_size), trainer.args.dataloader_drop_last)
+    def __init__(self, trainer: "DPTrainer", dataset: Any, collate_fn: Callable) -> None:
+        self.trainer, self.dataset, self.collate_fn = trainer, dataset, collate_fn
+        self.chunks, self.batch_size = trainer.args.gradient_accumulation_steps, trainer.expected_batch_size
+        self.steps_per_epoch = trainer.steps_per_epoch
 
     def __len__(self) -> int:
         return self.steps_per_epoch * self.chunks
@@ -295,52 +167,6 @@ class PoissonChunks:
                                num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
                                prefetch_factor=args.dataloader_prefetch_factor, device="cpu")
         yield from session.batches(loader, self.steps_per_epoch, exact_chunks(self.chunks), check=is_mapping)
-
-
-def check_training_args(args: Any) -> None:
-    """Refuse, with the reason, what ``DPTrainer`` cannot run soundly."""
-    if args is None:
-        return
-    if getattr(args, "fp16", False) or getattr(args, "bf16", False):
-        raise ConfigError("fp16/bf16 would run Hugging Face's autocast around the whole step, and with it 16-bit sums "
-                          "of clipped per-example gradients (rounding can exceed the clip bound the accounting rests "
-                          "on); set fp16=False and bf16=False and pass "
-                          "DPArguments(autocast=\"bfloat16\") (or \"float16\"): the engine then runs the forward "
-                          "and backward in 16 bits and keeps the norms and sums in float32")
-    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None) or getattr(args, "parallelism_config", None):
-        raise ConfigError("DPTrainer runs in one process on one device: DeepSpeed, FSDP and parallelism_config "
-                          "shard or reduce gradients outside the engine, which computes, clips and noises them")
-    if args.world_size > 1 or args.n_gpu > 1:
-        raise ConfigError(f"DPTrainer runs in one process on one device (world size {args.world_size}, "
-                          f"{args.n_gpu} GPUs visible to DataParallel): restrict it to one device, e.g. "
-                          f"CUDA_VISIBLE_DEVICES=0 without torchrun/accelerate launch")
-    strategy = "group_by_length" if getattr(args, "group_by_length", False) else \
-        getattr(args, "train_sampling_strategy", "random")
-    if strategy != "random":
-        raise ConfigError(f"train_sampling_strategy={strategy!r} would let Hugging Face's sampler "
-                          f"choose the batches; the privacy guarantee needs the engine's secret Poisson batches: "
-                          f"leave it at 'random' (which DPTrainer replaces by Poisson sampling)")
-    tokens = getattr(args, "include_num_input_tokens_seen", "no")
-    if tokens not in ("no", False, None):
-        raise ConfigError(f"include_num_input_tokens_seen={tokens!r} logs the exact number of tokens in each private "
-                          f"batch (a membership test: one long example shows in the count), outside the privacy "
-                          f"guarantee; leave it at 'no'")
-    if getattr(args, "auto_find_batch_size", False):
-        raise ConfigError("auto_find_batch_size would change the expected batch size B during the run, and with it "
-                          "the sampling rate the accounting assumes: set per_device_train_batch_size yourself")
-
-
-def check_eval_data(train: Any, evaluated: Any) -> None:
-    """Refuse an evaluation on the training set (the same dataset object, alone or in a dict of eval sets):
-    its metrics are statistics of the private training data, computed outside the private step without
-    noise, and the Trainer logs them (to every ``report_to``): they would be released outside the guarantee."""
-    sets = evaluated.values() if isinstance(evaluated, Mapping) else [evaluated]
-    if train is not None and any(d is train for d in sets):
-        raise ConfigError("DPTrainer: eval_dataset is the train_dataset: its metrics (loss, accuracy, ...) are "
-                          "statistics of the private training data computed without noise, and the Trainer logs "
-                          "them, released outside the privacy guarantee. Evaluate on a held-out split (e.g. "
-                          "train_test_split) or pass eval_dataset=None; metrics of the training data must stay as "
-                          "private as the data")
 
 
 def show_on_bar(handler: Any, epsilon: float) -> None:
@@ -392,20 +218,21 @@ class DPTrainer(transformers.Trainer):
         if kwargs.get("compute_loss_func") is not None or overridden:
             raise ConfigError("compute_loss / compute_loss_func give the batch's mean loss; the engine needs each "
                               "example's loss: pass DPArguments(per_example_loss=f), f(outputs, labels) -> [batch]")
-        data = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
-        if data is not None and (isinstance(data, torch.utils.data.IterableDataset) or not hasattr(data, "__len__")):
-            raise ConfigError("train_dataset must be a map-style dataset (len and indexing): secret Poisson sampling "
-                              "draws each of the n examples independently, which a stream cannot offer")
+        check_map_style(kwargs.get("train_dataset", args[3] if len(args) > 3 else None))
         super().__init__(*args, **kwargs)
         check_training_args(self.args)
         self.dp_args, self.dp_engine, self.dp_session = dp_args, None, None
-        self._dp_epsilon = EpsilonLog()
 
     # ------------------------------------------------------------------ the private batches and step
     @property
     def expected_batch_size(self) -> int:
         """B = per_device_train_batch_size * gradient_accumulation_steps."""
         return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """The optimizer steps of one epoch, as the Trainer's ``len(dataloader)`` counts them (``epoch_steps``)."""
+        return epoch_steps(len(self.train_dataset), self.expected_batch_size, self.args.dataloader_drop_last)
 
     def get_train_dataloader(self) -> PoissonChunks:
         if self.train_dataset is None:
@@ -417,16 +244,14 @@ class DPTrainer(transformers.Trainer):
                 dataset = self._remove_unused_columns(dataset, description="Training")
             else:
                 collator = self._get_collator_with_removed_columns(collator, description="Training")
-        return PoissonChunks(self, dataset, collator, self.args.gradient_accumulation_steps, self.expected_batch_size)
+        return PoissonChunks(self, dataset, collator)
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
         """Your optimizer (from ``TrainingArguments`` or ``optimizers=``), and the engine that feeds it."""
         optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
         if self.dp_engine is None:
             self.dp_engine = self._build_engine(optimizer)
-            self.dp_session = Session(self.dp_engine, released=(
-                "the training loss the Trainer logs (each private batch's mean example loss, no noise)",
-                TIMES_RELEASED, N_RELEASED))
+            self.dp_session = Session(self.dp_engine, released=TRAINER_RELEASED)
         elif self.dp_engine.optimizer.original is not getattr(optimizer, "optimizer", optimizer):  # (accelerate's)
             raise ConfigError("DPTrainer: the optimizer changed after the private engine was built; one DPTrainer "
                               "trains one run")
@@ -434,9 +259,8 @@ class DPTrainer(transformers.Trainer):
 
     def _build_engine(self, optimizer: torch.optim.Optimizer) -> DPEngine:
         args, n, B = self.args, len(self.train_dataset), self.expected_batch_size
-        check_trainable(self.model)
-        steps_per_epoch = sampling_epoch_steps(n, round(B), args.dataloader_drop_last)  # the Trainer's len(dataloader)
-        steps = args.max_steps if args.max_steps > 0 else max(1, math.ceil(args.num_train_epochs * steps_per_epoch))
+        epochs = args.num_train_epochs
+        steps = args.max_steps if args.max_steps > 0 else max(1, math.ceil(epochs * self.steps_per_epoch))
         loss = resolve_loss(self.dp_args.per_example_loss, self.model, args.label_smoothing_factor)
         engine = self.dp_args.engine(self.model, optimizer, n=n, batch_size=B, steps=steps, loss_fn=loss,
                                      max_physical_batch=args.per_device_train_batch_size, stepped=Deferred(optimizer))
@@ -461,16 +285,12 @@ class DPTrainer(transformers.Trainer):
         Raises:
             ConfigError: a batch that the private data loader did not draw (train with ``trainer.train()``).
         """
-        session = self.dp_session
-        pending = session.pending if session is not None else None
-        if pending is None:
+        if self.dp_session is None or self.dp_session.pending is None:
             raise ConfigError("DPTrainer.training_step got a batch that its private data loader did not draw: "
                               "train with trainer.train(), whose batches come from get_train_dataloader()")
-        pending.seen += 1  # (the Trainer fetches a step's chunks before its first training_step: count the calls)
-        if pending.seen < pending.chunks:  # an earlier chunk of the logical batch: the step comes at its last
+        pending = chunk_taken(self.dp_session)  # (the Trainer fetches a step's chunks before its first training_step)
+        if pending is None:  # an earlier chunk of the logical batch: the step comes at its last
             return torch.zeros((), device=self.args.device)
-        session.pending = None
-        session.watch.check()  # (the optimizer's settings and state as the batch was drawn: ``OptimizerWatch``)
         model.train()
         x, y = self._split_labels(pending.data)
         x, y = self._prepare_input(x), self._prepare_input(y)
@@ -539,7 +359,7 @@ class DPTrainer(transformers.Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.dp_engine is not None and ("loss" in logs or "train_loss" in logs):
-            logs["epsilon"] = self._dp_epsilon(self.dp_engine)
+            logs["epsilon"] = self.dp_session.epsilon()
             show_on_bar(self.callback_handler, logs["epsilon"])
         super().log(logs, start_time)
 

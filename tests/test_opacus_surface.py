@@ -408,3 +408,12 @@ def test_make_private_on_a_lightning_module_without_a_trainer_says_where_to_call
         PrivacyEngine().make_private(module=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
                                      data_loader=DataLoader(TensorDataset(x, y), batch_size=B),
                                      noise_multiplier=1.0, max_grad_norm=1.0)
+
+
+def test_an_optimizer_that_is_not_one_is_refused_in_the_interfaces_words():
+    x, y = _data()
+    model = nn.Linear(D, K)
+    with pytest.raises(ConfigError, match="optimizer must be a torch.optim.Optimizer, got list"):
+        PrivacyEngine().make_private(module=model, optimizer=list(model.parameters()),
+                                     data_loader=DataLoader(TensorDataset(x, y), batch_size=B), noise_multiplier=1.0,
+                                     max_grad_norm=1.0)

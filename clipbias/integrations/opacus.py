@@ -216,6 +216,8 @@ class PrivacyEngine:
                 ghost=options["grad_sample_mode"] == "ghost", extra=extra)
             self.module = DPModule(module, remove=remove)
             return self.module, optimizer, data_loader
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         check_loader(data_loader, "data_loader", "data_loader must be a torch.utils.data.DataLoader, got {}")
         check_opacus_keywords(extra)
         n, B = len(data_loader.dataset), data_loader.batch_size

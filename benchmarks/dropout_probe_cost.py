@@ -35,7 +35,7 @@ def _copies_only(self, rules, sq, x, y, params, rng):
     from clipbias.grads import fast_checks
     if rng is None:
         return type(self)._check_examples(self, rules, sq, x, y, params, rng)
-    i = self._check_rng.randrange(len(y))
+    i = self.checks.rng.randrange(len(y))
     mine = self._ordered([r.one(i) for r in rules])
     if not fast_checks._close(mine, self._counterfactual(x, y, i, rng), params, 1e-4):
         raise PathRefusal("fast", fast_checks._MIXING.format(i=i, alone="among copies of itself"))

@@ -154,8 +154,8 @@ _PHASES = {  # label -> (module, attribute path) of the library functions timed 
     "check of the step's arguments": ("clipbias.engine.core", "check_step"),
     "finite-norm checks": ("clipbias.engine.core", "check_finite_norms"),
     "model check": ("clipbias.grads.fast", "check_model"),
-    "graph check": ("clipbias.grads.fast", "BookKeeping._check_graph"),
-    "per-example losses": ("clipbias.grads.fast", "BookKeeping._losses"),
+    "graph check": ("clipbias.grads.fast_checks", "RuntimeChecks.check_graph"),
+    "per-example losses": ("clipbias.grads.fast_losses", "PerExampleLosses.__call__"),
     "ghost plan": ("clipbias.grads.fast", "ghost_plan"),
     "clipped sums": ("clipbias.grads.layers.linear", "Matrix.sums"),
 }

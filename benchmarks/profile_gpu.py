@@ -25,7 +25,7 @@ def wrap(obj, name, key):
     setattr(obj, name, g)
 for o, n in [(fast.BookKeeping, "_check_examples"), (fast.BookKeeping, "_backward"), (fast.BookKeeping, "_rules"),
              (fast.BookKeeping, "__call__"), (fast, "_rule"), (fast.BookKeeping, "_agree_in_float64"),
-             (fast.BookKeeping, "_own"), (fast.BookKeeping, "_check_graph"), (fast, "_close"), (DPEngine, "step")]:
+             (fast.BookKeeping, "_own"), (fast.RuntimeChecks, "check_graph"), (fast, "_close"), (DPEngine, "step")]:
     wrap(o, n, n)
 def case(name):
     torch.manual_seed(0)

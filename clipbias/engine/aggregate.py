@@ -1,8 +1,9 @@
-"""Which aggregate computes a step's sums: the book-keeping fast path (no rows), the rows summed per
-parameter, or the rows through the pipeline (stages that need rows); ``grad_path="rows" | "fast" | "auto"``
-(a fully_shard model's: ``engine_aggregate``); and the step's sums through it, micro-batch by micro-batch
-(``step_sums``), under the keyed forward, the gathered model and autocast, with ``grad_path="auto"``'s
-fall-back to the other path at the first step (``attempt_sums``, ``fall_back``)."""
+"""Which gradient path (``grads.path.GradPath``) computes a step's sums: the book-keeping fast path (no rows), the
+rows summed per parameter, or the rows through the pipeline (stages that need rows); ``grad_path="rows" | "fast" |
+"auto"`` (a fully_shard model's: ``engine_aggregate``; auto's fall-back: a ``grads.path.FallBack``,
+``with_fall_back``); and the step's sums through it (``step_sums``: the path's ``sums``), under the keyed
+forward, the gathered model and autocast, with ``grad_path="auto"``'s fall-back to the other path at the first
+step (``attempt_sums``, ``fall_back``). The engine asks the path, never its class."""
 
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ from .. import distributed
 from ..errors import ClipbiasError, ConfigError, PathRefusal
 from ..grads import fast, precision, separable
 from ..grads.fast import BookKeeping, why_unsupported
-from ..grads.rows import (FuncGradients, LossFn, ParamSums, PerExampleRows, RowSource, check_finite,
-                          check_finite_norms, cross_entropy, guarded)
+from ..grads.path import FallBack, GradPath, StepBatch, refusal_name
+from ..grads.rows import FuncGradients, LossFn, ParamSums, PerExampleRows, RowSource, RowsPath, cross_entropy
 from ..randomness import forward
-from ..step import Pipeline, StepContext, scales_by_norm
-from ..grads.two_point import TwoPointRows
+from ..step import Pipeline, scales_by_norm
+from ..grads.two_point import TwoPoint, TwoPointRows
 from ..sampling import refetch
 from .checks import padding_refusal
 from .plan import PathChoice
@@ -38,9 +39,9 @@ resnet20-gn at B = 512 (0.55 GB) 1.29 s and 1.32 s."""
 
 def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: LossFn, algo, pipeline: Pipeline,
                      rows: RowSource, max_physical_batch: int, expected_batch_size: float, per_example: bool = False):
-    """(the aggregate of a norm-scaling step or None, the ``PathChoice``: which path and why): the book-keeping fast
-    path (``grads.fast.BookKeeping``: no rows), the rows summed per parameter (``grads.ParamSums``),
-    or None (rows through the pipeline: stages that need rows). ``grad_path`` rows | fast | auto:
+    """(the ``GradPath``, the ``PathChoice``: which path and why): the book-keeping fast path
+    (``grads.fast.BookKeeping``: no rows), the rows summed per parameter (``grads.ParamSums``),
+    or the rows through the pipeline (``grads.rows.RowsPath``: stages that need rows). ``grad_path`` rows | fast | auto:
     auto takes the fast path where it applies and either one micro-batch of rows would exceed
     ``AUTO_ROWS_BYTES`` or ``fast_wins``; elsewhere the rows path (the faster of the two for
     convolutional models on the CPU where the fast path would take the ghost norm: docs/results.md)."""
@@ -52,9 +53,9 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
     if two:
         agg, choice = choose_aggregate(grad_path, own_rows, model, loss_fn, algo, pipeline, rows.base,
                                        max_physical_batch, expected_batch_size, per_example=True)
-        if agg is None:
-            return None, choice
-        if isinstance(agg, BookKeeping) and agg.ties:  # no bound on the tied uses' cross terms between the points
+        if agg.kind == "rows":
+            return agg, choice
+        if agg.kind == "fast" and agg.book_keeping().ties:  # no bound on the tied uses' cross terms between the points
             why = "DiSK's two points with tied weights (an Embedding sharing its weight with a Linear)"
             if grad_path == "fast":
                 raise ConfigError(f"`grad_path='fast'` is not available: {why}; use `grad_path='auto'` or "
@@ -82,19 +83,19 @@ def choose_aggregate(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: 
         err = ConfigError(f"`grad_path='fast'` is not available: {why}; use `grad_path='auto'` or `grad_path='rows'`")
         err.why = why  # the reason alone (a model sharded with fully_shard has no other path to suggest)
         raise err
-    return None, PathChoice("rows", grad_path, why_not_fast=why if grad_path == "auto" and why else None)
+    return RowsPath(), PathChoice("rows", grad_path, why_not_fast=why if grad_path == "auto" and why else None)
 
 
 def other_path(grad_path: str, own_rows: bool, model: nn.Module, loss_fn: LossFn, algo, pipeline: Pipeline,
                rows: RowSource, max_physical_batch: int, expected_batch_size: float, chosen):
-    """Under ``grad_path="auto"``, the path not ``chosen`` as ``choose_aggregate`` builds it, ``(aggregate,
+    """Under ``grad_path="auto"``, the path not ``chosen`` as ``choose_aggregate`` builds it, ``(GradPath,
     PathChoice)``, or None where it does not apply: the rows path (per-parameter rows) for the fast path,
     the fast path for a norm-scaling step on the rows path whose model it takes."""
     if grad_path != "auto":
         return None
-    if isinstance(getattr(chosen, "inner", chosen), BookKeeping):
+    if chosen.kind == "fast":
         other = "rows"
-    elif isinstance(getattr(chosen, "inner", chosen), ParamSums) and why_unsupported(model) is None:
+    elif chosen.kind == "sums" and why_unsupported(model) is None:
         other = "fast"
     else:
         return None
@@ -124,68 +125,24 @@ def fast_wins(model: nn.Module, loss_fn: LossFn = cross_entropy, rows_bytes: flo
     return not conv or device == {"cuda"} or device == {"cpu"} and rows_bytes <= fast.FORMED_BYTES
 
 
-class TwoPoint:
-    """Rows at two points ``c g(x_t + gamma d_t) + (1 - c) g(x_t)`` (``grads.two_point.TwoPointRows``: DiSK's) through a
-    norm-scaling aggregate (``ParamSums`` or ``BookKeeping``): it stages the step's iterate and gives the
-    aggregate the extrapolated point (None at the first step or c = 0: x_t alone). ``begin()`` once per
-    step, before its micro-batches (also an empty step's: the iterate is staged all the same)."""
-
-    def __init__(self, inner, rows: TwoPointRows) -> None:
-        self.inner, self.rows, self.point = inner, rows, None
-
-    def begin(self) -> None:
-        self.point = self.rows.begin()
-
-    def __call__(self, x, y, scale, reference: bool):
-        if self.point is None:
-            return self.inner(x, y, scale, reference)
-        point = self.point
-        return self.inner(x, y, scale, reference, at=(lambda: self.rows.at(point), self.rows.c))
-
-
 def step_sums(engine, x: Batch, y: Batch, indices: Tensor | None):
-    """(reference sum, processed sum, losses) of ``engine``'s step per physical micro-batch, through the rows
-    or a norm-scaling aggregate (``choose_aggregate``); the finiteness of every example's gradient is checked
-    on its norm either way. With ``engine._outputs`` a list, the batch's outputs are appended to it."""
-    if engine._aggregate is None:
-        for g, loss, idx in engine.rows.iter_rows(x, y, indices, engine.steps_taken, engine.max_physical_batch):
-            norms = check_finite(g, idx)
-            r, p = engine.pipeline.rows(g, StepContext(idx, engine.steps_taken, norms))
-            yield r, p, loss
-        return
-    scale = engine.pipeline.per_sample[0].scale
-    need_ref = engine.pipeline.error_feedback is not None
-    if isinstance(engine._aggregate, TwoPoint):  # a step-level preparation (the step's iterate is staged)
-        engine._aggregate.begin()
-    source = output_source(engine)
-    if source is not None:
-        source.keep_output = engine._outputs is not None
-    agg = engine._aggregate if getattr(engine, "_sharded", None) is None else engine._sharded  # (engine.sharded)
-    try:
-        for start in range(0, batch.size(x), engine.max_physical_batch):
-            sl = slice(start, start + engine.max_physical_batch)
-            with forward.examples(indices[sl] if indices is not None else None):
-                p, r, loss, norms = guarded(lambda xs, ys: agg(xs, ys, scale, need_ref),
-                                            batch.take(x, sl), batch.take(y, sl), engine.rows.layout.dim)
-            check_finite_norms(norms, indices[sl] if indices is not None else None)
-            if engine._outputs is not None and len(loss):
-                engine._outputs.append(source.last_out)
-            yield r, p, loss
-    finally:
-        if source is not None:
-            source.keep_output, source.last_out = False, None
+    """(reference sum, processed sum, losses) of ``engine``'s step per physical micro-batch, through its gradient
+    path (``GradPath.sums``); the finiteness of every example's gradient is checked on its norm either way. With
+    ``engine._outputs`` a list, the batch's outputs are appended to it."""
+    return engine.path.sums(StepBatch(x, y, indices, engine.steps_taken, engine.max_physical_batch, engine.rows,
+                                      engine.pipeline, engine._outputs, getattr(engine, "_sharded", None)))
 
 
 def output_source(engine):
     """What computes ``engine``'s forward where it can keep its output: the fast path, or the per-example
     gradients under the per-parameter rows (``ParamSums``); None elsewhere."""
-    agg = getattr(engine, "_aggregate", None)
-    return agg if isinstance(agg, BookKeeping) else agg.grads if isinstance(agg, ParamSums) else None
+    path = getattr(engine, "path", None)
+    return path.output_source() if path is not None else None
 
 
 def engine_aggregate(engine, grad_path: str, own_rows: bool, model: nn.Module, loss_fn: LossFn,
                      max_physical_batch: int):
-    """``choose_aggregate``'s (aggregate, PathChoice) for ``engine``; a model sharded with fully_shard takes the fast
+    """``choose_aggregate``'s (GradPath, PathChoice) for ``engine``; a model sharded with fully_shard takes the fast
     path (``auto`` means ``fast``) or is refused (``distributed.refuse_sharded_path``)."""
     if not engine.sharded:
         return choose_aggregate(grad_path, own_rows, model, loss_fn, engine.algo, engine.pipeline, engine.rows,
@@ -200,11 +157,12 @@ def engine_aggregate(engine, grad_path: str, own_rows: bool, model: nn.Module, l
         if not hasattr(e, "why"):
             raise
         distributed.refuse_sharded_path(e.why)
-    if type(agg) is not BookKeeping:
+    if agg.kind != "fast" or agg.two_point:
         distributed.refuse_sharded_path(f"{engine.algo.name} evaluates gradients at points other than the "
                                         f"current parameters")
     # --- fully_shard: sums, noise and update sharded where the release is coordinate-wise (engine/sharded.py)
     from . import sharded
+    agg: BookKeeping = agg.book_keeping()
     why = sharded.applies(engine, agg)
     if why is None:
         engine._sharded = sharded.ShardedSums(engine, agg)
@@ -244,7 +202,7 @@ def _attempt_sums(engine, x: Batch, y: Batch, indices: Tensor | None, keep_outpu
             else engine._sharded.zeros(dt, dev)  # (fully_shard: this rank's slice, engine/sharded.py)
         losses, failure = [], None
         # vmap refusing the model: auto's other path, while it has one (else one example at a time)
-        set_unvectorizable(engine, "refuse" if engine._other_path is not None else "loop")
+        set_unvectorizable(engine, "refuse" if engine.path.may_fall_back else "loop")
         try:
             # dropout masks from the key, per example index; a fully_shard model gathered whole for the sums;
             # under autocast=, the model's forwards in 16 bits
@@ -277,17 +235,12 @@ def fall_back(engine, err: PathRefusal) -> bool:
     other path (kept for the rest of the run) and say so; the caller computes the step again on the same
     batch (the same dropout masks: functions of the key, the step and the indices). False where there
     is no other path (then the refusal stands)."""
-    if engine._other_path is None or err.path != path_name(engine):
+    before = path_name(engine)
+    choice = engine.path.fall_back(err.path)  # auto's FallBack takes its other path; any other path: None
+    if choice is None:
         return False
     engine.rows.rollback()  # not drop_staged: the batch stays this step's (with bands too)
     engine.pipeline.rollback()
-    before = path_name(engine)
-    engine._aggregate, choice = engine._other_path
-    engine._other_path = None
-    if path_name(engine) == "fast":  # should it refuse too: the rows path, one example at a time
-        engine._other_path = other_path("auto", engine.own_rows, engine.model, engine.loss_fn, engine.algo,
-                                        engine.pipeline, engine.rows, engine.max_physical_batch,
-                                        engine.expected_batch_size, engine._aggregate)
     reason, now = str(err).split(". ")[0], path_name(engine)
     engine.grad_path_fallback = (f"{engine.grad_path_fallback}; then " if engine.grad_path_fallback else "") + \
         f"{before} -> {now}: {reason}"
@@ -302,14 +255,13 @@ def fall_back(engine, err: PathRefusal) -> bool:
 
 def path_name(engine) -> str:
     """``"fast"`` or ``"rows"``: the path ``engine``'s step's sums take."""
-    return "fast" if engine.fast is not None else "rows"
+    return refusal_name(engine.path)
 
 
 def set_unvectorizable(engine, what: str) -> None:
     """What the rows path's ``FuncGradients`` does with a model ``vmap`` cannot run: ``"loop"`` (one
     example at a time) or ``"refuse"`` (``PathRefusal``: auto's other path takes the step)."""
-    agg = getattr(engine._aggregate, "inner", engine._aggregate)
-    grads = agg.grads if isinstance(agg, ParamSums) else getattr(engine.rows, "grads", None)
+    grads = engine.path.func_grads(engine.rows)
     if isinstance(grads, FuncGradients):
         grads.unvectorizable = what
 
@@ -329,13 +281,21 @@ def _mixed(engine, dev: torch.device) -> precision.Mixed | None:
     return precision.Mixed(dev.type, *engine.autocast)
 
 
-def auto_other_path(engine, grad_path: str):
-    """Under ``grad_path="auto"`` with one process, the path ``engine`` did not choose (``other_path``), taken
-    once if the chosen one refuses the model at its first step (``fall_back``); else None."""
+def with_fall_back(engine, grad_path: str) -> GradPath:
+    """``engine``'s path; under ``grad_path="auto"`` with one process, where the path it did not choose
+    (``other_path``) applies, a ``FallBack`` composite of both: the other taken once if the chosen one refuses the
+    model at its first step (``fall_back``), and, where that is the fast path, the rows path after it."""
     if grad_path != "auto" or engine.world_size != 1:
-        return None
-    return other_path(grad_path, engine.own_rows, engine.model, engine.loss_fn, engine.algo, engine.pipeline,
-                      engine.rows, engine.max_physical_batch, engine.expected_batch_size, engine._aggregate)
+        return engine.path
+
+    def other_of(path: GradPath):
+        return other_path(grad_path, engine.own_rows, engine.model, engine.loss_fn, engine.algo, engine.pipeline,
+                          engine.rows, engine.max_physical_batch, engine.expected_batch_size, path)
+    other = other_of(engine.path)
+    if other is None:
+        return engine.path
+    # should the fast path refuse too: the rows path, one example at a time
+    return FallBack(engine.path, other, lambda now: other_of(now) if refusal_name(now) == "fast" else None)
 
 
 def drop_staged(engine) -> None:

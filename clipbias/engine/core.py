@@ -23,6 +23,8 @@ from ..config import AlgoConfig
 from ..errors import ConfigError
 from ..algorithms.bands import NoiseStrategy
 from ..grads.fast import BookKeeping, rule_kind
+from ..grads.path import GradPath
+from ..grads.rows import RowsPath
 from ..grads.rows import LossFn, PerSampleGradients, RowSource, as_row_source, cross_entropy
 from ..sampling.loader import PoissonLoader
 from ..privacy import PrivacyReport
@@ -31,7 +33,7 @@ from ..sampling.poisson import PoissonSampler
 from . import accounting, state as saved
 from .accounting import SEEDED_CAVEAT  # noqa: F401  (SEEDED_CAVEAT: engine's API)
 from .sum_precision import apply_sum_precision
-from .aggregate import apply_update, attempt_sums, auto_other_path, drop_staged, engine_aggregate, output_source
+from .aggregate import apply_update, attempt_sums, drop_staged, engine_aggregate, output_source, with_fall_back
 from .guard import StateGuard
 from .checks import check_arguments, check_distributed, check_mixed, check_step
 from .loop import run_steps
@@ -171,14 +173,15 @@ class DPEngine:
         self.sampler = PoissonSampler(n, self.sample_rate, self.key, self.plan.steps_per_epoch, bands)
         self.max_physical_batch = max_physical_batch
         self._sharded = None  # fully_shard with sums sharded: set by engine_aggregate (engine/sharded.py)
-        self._aggregate, path = engine_aggregate(self, grad_path, own_rows, model, loss_fn, max_physical_batch)
-        self.plan = self.plan.with_path(path)  # which gradient path, and why (``PathChoice``)
+        # the step's gradient path (grads.path.GradPath): the engine calls its ``sums`` and asks it, never its class
+        self.path, choice = engine_aggregate(self, grad_path, own_rows, model, loss_fn, max_physical_batch)
+        self.plan = self.plan.with_path(choice)  # which gradient path, and why (``PathChoice``)
         self.grad_path = grad_path
-        self._views_path = None  # (aggregate, rows) of the steps with several views of each example (``views``)
+        self._views_path = None  # (path, rows) of the steps with several views of each example (``views``)
         self.own_rows = own_rows  # a given backend may read labels its own way (the audit's canaries: y < 0)
         self.world_size = check_distributed(self.algo.name, self.rows, self.pipeline)
         self.grad_path_fallback: str | None = None  # grad_path="auto"'s fall-back, once it has happened
-        self._other_path = auto_other_path(self, grad_path)  # taken if the chosen path refuses the first step
+        self.path = with_fall_back(self, grad_path)  # auto: the other path taken if the chosen one refuses the first step
         # sum_precision (engine/sum_precision.py): "float32" ghost-layer sums, the noise scaled to C (1 + delta)
         apply_sum_precision(self, sum_precision)
         self.steps_taken, self.last_loss = 0, (0.0, 0)
@@ -261,17 +264,16 @@ class DPEngine:
         # commit or the rollback below, so no draw outlives the step)
         self.pipeline.draw_ahead(self.rows.layout.dim, dev)
         if views:  # the rows path, on each example's K views (auto's choice waits for a step without views)
-            saved = self._aggregate, self.rows, self._other_path
-            self._aggregate, self.rows = views_path(self)
-            self._other_path = None
+            saved = self.path, self.rows
+            self.path, self.rows = views_path(self)  # (no fall-back: a path of its own)
             try:
                 proc_sum, ref_sum, losses, failure = attempt_sums(self, x, y, indices, keep_outputs, views=True)
             finally:
-                self._aggregate, self.rows, self._other_path = saved
+                self.path, self.rows = saved
         else:
             proc_sum, ref_sum, losses, failure = attempt_sums(self, x, y, indices, keep_outputs)
-        if self._other_path is not None and batch.size(x) and failure is None and not views:
-            self._other_path = None  # auto's choice stands from the first step that ran the model
+        if batch.size(x) and failure is None and not views:
+            self.path = self.path.settled()  # auto's choice stands from the first step that ran the model
         mine = torch.cat(losses) if losses else torch.zeros(0, device=dev)
         self.last_loss = (float(mine.sum()), len(mine))
         if self._outputs:
@@ -304,9 +306,18 @@ class DPEngine:
     @property
     def fast(self) -> BookKeeping | None:
         """The book-keeping fast path when this engine runs it (``--grad-path``), else None."""
-        agg = getattr(self, "_aggregate", None)  # None while the engine is being built
-        agg = getattr(agg, "inner", agg)  # DiSK's two points wrap it
-        return agg if isinstance(agg, BookKeeping) else None
+        path = getattr(self, "path", None)  # None while the engine is being built
+        return path.book_keeping() if path is not None else None
+
+    @property
+    def _aggregate(self) -> GradPath | None:
+        """The path as the engine held it before paths were objects: None for the rows through the pipeline
+        (``grads.rows.RowsPath``); setting None takes that path."""
+        return None if self.path.kind == "rows" else self.path
+
+    @_aggregate.setter
+    def _aggregate(self, path: GradPath | None) -> None:
+        self.path = RowsPath() if path is None else path
 
     def local_share(self, indices: Tensor, step: int | None = None) -> Tensor:
         """This rank's share of the global sample ``indices`` (all of it with one process): the
@@ -403,7 +414,7 @@ def split_views(x: Batch) -> list:
 
 
 def views_path(engine: DPEngine) -> tuple:
-    """(aggregate, rows) of a step with several views of each example: the per-example gradients of the sum of
+    """(path, rows) of a step with several views of each example: the per-example gradients of the sum of
     the views' losses (``FuncGradients(views=True)``), summed per parameter where the step only scales rows by
     their norms (the fast path's steps too: book-keeping has no per-example sum over views), else per-example
     rows through the pipeline. Built once; refused (``ConfigError``, with the reason) where the engine does not
@@ -412,14 +423,13 @@ def views_path(engine: DPEngine) -> tuple:
         engine._views_path[1].key = engine.key  # (a state loaded since: the run's key)
         return engine._views_path
     from ..grads.rows import FuncGradients, ParamSums, PerExampleRows
-    from .aggregate import TwoPoint
     why = ("`grad_path='fast'` was asked for, and the fast path (book-keeping) has no per-example sum over views: "
            "use `grad_path='auto'` or `grad_path='rows'`" if engine.grad_path == "fast" else
            "the model is sharded with fully_shard, whose steps take the fast path" if engine.sharded else
            "a gradient backend was given" if not engine.own_rows else
-           "DiSK's two points" if isinstance(engine._aggregate, TwoPoint) else None)
-    agg, rows = engine._aggregate, engine.rows
-    if why is None and agg is not None:  # a norm-scaling step: the rows summed per parameter
+           "DiSK's two points" if engine.path.two_point else None)
+    agg, rows = RowsPath(), engine.rows
+    if why is None and engine.path.kind != "rows":  # a norm-scaling step: the rows summed per parameter
         agg = ParamSums(FuncGradients(engine.model, engine.loss_fn, views=True))
     elif why is None and type(rows) is PerExampleRows and isinstance(rows.grads, FuncGradients) \
             and not rows.grads.grouped:

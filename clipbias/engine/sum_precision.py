@@ -1,7 +1,7 @@
 """``DPEngine(sum_precision=...)``: the precision of the fast path's ghost-layer clipped sums.
 
 "float64" (the default) changes nothing. "float32" sets the fast path's ``BookKeeping.sum_precision`` (the chosen
-aggregate's and ``grad_path="auto"``'s other one) and scales the noise to the inflated sensitivity
+path's and ``grad_path="auto"``'s other one) and scales the noise to the inflated sensitivity
 ``C (1 + SUM32_DELTA)``: the noise stage's std (and, under a moving bound, its std per bound) times
 ``1 + SUM32_DELTA``, so that the noise multiplier the accountant reads stays the std over the sensitivity and
 every epsilon the engine reports holds as stated (docs/privacy.md, "Float32 clipped sums"). On the rows path
@@ -22,10 +22,10 @@ def apply_sum_precision(engine, sum_precision: str) -> float:
     engine.sum_precision, engine.sum_delta = sum_precision, 0.0
     if sum_precision == "float64":
         return 0.0
-    for agg in (getattr(engine, "_aggregate", None), (getattr(engine, "_other_path", None) or (None,))[0]):
-        agg = getattr(agg, "inner", agg)  # DiSK's two points wrap the fast path
-        if isinstance(agg, BookKeeping):
-            agg.sum_precision = sum_precision
+    for path in engine.path.paths():  # the chosen path and auto's other one (grads.path.FallBack)
+        fast: BookKeeping | None = path.book_keeping()  # (DiSK's two points through the fast path: its BookKeeping)
+        if fast is not None:
+            fast.sum_precision = sum_precision
     noise = getattr(engine.pipeline, "noise", None)
     if noise is not None and engine.algo.private:
         noise.std *= 1 + SUM32_DELTA

@@ -52,7 +52,6 @@ is skipped. The red-team cases are in ``tests/test_fastclip.py``."""
 from __future__ import annotations
 
 import contextlib
-import secrets
 from typing import Callable
 
 import torch
@@ -71,7 +70,8 @@ from .fast_losses import PerExampleLosses
 from .layers import RULES, LayerGrads
 from .layers.linear import float32_sum_route
 from .layers.tied import tie_cross, why_not_tied
-from .rows import LossFn, ParamLayout, check_model, cross_entropy
+from .path import GradPath, StepBatch
+from .rows import LossFn, ParamLayout, check_model, cross_entropy, micro_batch_sums
 
 
 def _supported(m: nn.Module) -> bool:
@@ -210,9 +210,12 @@ class _Combined:
         return [self.c * f + (1 - self.c) * n for f, n in zip(self.far.combo(idx, w), self.near.combo(idx, w))]
 
 
-class BookKeeping(RuntimeChecks, PerExampleLosses):
-    """``(clipped sum, reference sum, losses, norms)`` of a batch for a norm-scaling stage. Its run-time checks
-    (``grads.fast_checks``) and per-example losses (``grads.fast_losses``) are inherited."""
+class BookKeeping(GradPath):
+    """``(clipped sum, reference sum, losses, norms)`` of a batch for a norm-scaling stage; the fast path's
+    ``grads.path.GradPath`` (kind ``"fast"``). It holds its run-time checks (``checks``: ``grads.fast_checks``)
+    and its per-example losses (``losses``: ``grads.fast_losses``)."""
+
+    kind = "fast"
 
     sum_precision = "float64"
     """``precision.SUM_PRECISIONS``: "float32" sums the ghost layers the proof covers from per-example float32
@@ -227,7 +230,8 @@ class BookKeeping(RuntimeChecks, PerExampleLosses):
         reason = why_unsupported(model)
         if reason is not None:
             raise ConfigError(reason)
-        self.model, self.loss_fn, self.layout = model, loss_fn, ParamLayout.of(model)
+        self.model, self.layout = model, ParamLayout.of(model)
+        self.losses = PerExampleLosses(loss_fn)  # the [b] per-example losses of loss_fn (decided once how)
         self.layers = [m for m in model.modules() if _supported(m) and _trainable(m)]
         names = {id(p): n for n, p in model.named_parameters()}
         slot = {n: i for i, n in enumerate(self.layout.names)}
@@ -239,10 +243,43 @@ class BookKeeping(RuntimeChecks, PerExampleLosses):
         # (Embedding, Linear/Conv1D) sharing their weight, as why_unsupported allows: their cross term (layers.tied)
         self.ties = [tuple(sorted(js, key=lambda j: RULES.rule_for(self.layers[j]).tie(self.layers[j]) != "table"))
                      for js in users.values() if len(js) > 1]
-        self._check_rng = secrets.SystemRandom()  # the probes: unpredictable, from the OS CSPRNG
-        self._vector_loss: bool | None = None  # does loss_fn return per-example losses? (decided once)
+        self.checks = RuntimeChecks(self)  # the structural checks, the graph proof and the probe of every step
         self.keep_output, self.last_out = False, None  # the step's own forward output (clipbias.PrivacyEngine)
         self._keyed_calls = 0  # keyed dropout calls of the last forward (_backward)
+
+    loss_fn = property(lambda self: self.losses.loss_fn)
+    _proofs = property(lambda self: self.checks.proofs)  # the graph proofs' memo (grads.proof.Proofs)
+
+    # The probe's steps (grads.fast_checks), reached through these methods: tests and benchmarks wrap them
+    def _check_examples(self, rules: list, sq: Tensor, x: Batch, y: Batch, params: list, rng: tuple | None) -> None:
+        self.checks.check_examples(rules, sq, x, y, params, rng)
+
+    def _own(self, x: Batch, y: Batch, probes: list[int], params: list, w: list[float], call=None) -> list[Tensor]:
+        return self.checks.own(x, y, probes, params, w, call)
+
+    def _agree_in_float64(self, x: Batch, y: Batch, probes: list[int], w: list[float], attributed32: list) -> bool:
+        return self.checks.agree_in_float64(x, y, probes, w, attributed32)
+
+    def _alone(self, x: Batch, y: Batch, i: int, call: Callable | None = None) -> list[Tensor]:
+        return self.checks.alone(x, y, i, call)
+
+    def _alone_in_float64(self, x: Batch, y: Batch, i: int, attributed32: list) -> bool:
+        return self.checks.alone_in_float64(x, y, i, attributed32)
+
+    def _counterfactual(self, x: Batch, y: Batch, i: int, rng: tuple) -> list[Tensor]:
+        return self.checks.counterfactual(x, y, i, rng)
+
+    def _probe_weights(self, sq: Tensor, probes: list[int]) -> tuple[list[float], float]:
+        return self.checks.probe_weights(sq, probes)
+
+    def sums(self, step: StepBatch):
+        return micro_batch_sums(self, step)
+
+    def book_keeping(self) -> BookKeeping:
+        return self
+
+    def output_source(self) -> BookKeeping:
+        return self
 
     def __call__(self, x: Batch, y: Batch, scale: Callable[[Tensor], Tensor],
                  reference: bool, at: tuple[Callable, float] | None = None) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
@@ -309,11 +346,11 @@ class BookKeeping(RuntimeChecks, PerExampleLosses):
         keyed = forward.active() is not None  # the engine's step: dropout keyed per example, public draws refused
         rng = forward.snapshot(dev) if keyed else _rng_state(dev)
         buffers = [(b, b._version, b.detach().clone()) for b in self.model.buffers()]
-        self._loss_alone = True  # _losses_alone: the summed loss_fn's gradient taken one example at a time
+        self.losses.alone = True  # losses_alone: the summed loss_fn's gradient taken one example at a time
         with full_float32():  # the batch and the probes in the same (full) float32 arithmetic
             try:
                 # the step's aten program (decided before separable's hooks exist), frozen layers' inputs too
-                with self._graph_watch(x, y) as program, separable.watch(self.model, known=self.layers) as inputs:
+                with self.checks.graph_watch(x, y) as program, separable.watch(self.model, known=self.layers) as inputs:
                     losses, acts, grads = self._backward(x, y, params=self._unformed_params if reference else None,
                                                          keep=self.keep_output)
                 for m in self.layers:  # the trainable layers' inputs, as the hooks of the backward took them
@@ -334,9 +371,9 @@ class BookKeeping(RuntimeChecks, PerExampleLosses):
             # else the caller refuses the step; a model per-example by construction, under a loss of one
             # example at a time (a loss_fn returning per-example losses may combine them), needs no probe
             own_loss = self.loss_fn is cross_entropy or getattr(self.loss_fn, "per_example", False) \
-                or self._vector_loss is False and self._loss_alone
+                or self.losses.vector is False and self.losses.alone
             proven = not stochastic and (own_loss and separable.proven(self.model, inputs, batch.leaves(y))
-                                         or self._graph_proven(program, x, y, own_loss))
+                                         or self.checks.graph_proven(program, x, y, own_loss))
             if bool(torch.isfinite(sq).all()) and not proven:
                 self._check_examples(rules, sq, x, y, params, rng if stochastic else None)
         ref = None
@@ -392,16 +429,16 @@ class BookKeeping(RuntimeChecks, PerExampleLosses):
                 # around the model's own forward (not the float64 recheck's: ``call``)
                 mixed = precision.forward_autocast() if call is None else contextlib.nullcontext()
                 with forward.one_pass() as seen, mixed:
-                    losses = self._losses(self._kept(batch.call(call or self.model, x), keep), y, b)
+                    losses = self.losses(self._kept(batch.call(call or self.model, x), keep), y, b)
                 self._keyed_calls = seen.calls
-                self._check_layers(acts, outs, b)
+                self.checks.check_layers(acts, outs, b)
                 changed = [m for m in self.layers if outs[m]._version != versions[m]]
                 if changed:  # the backward would differentiate through the later in-place op
                     raise PathRefusal("fast", f"`grad_path='fast'`: the output of a {type(changed[0]).__name__} layer "
                                       f"is modified in place after the layer ran (ReLU(inplace=True) or h *= c, say); "
                                       f"use the out-of-place operation, or `grad_path='rows'`")
                 if check_graph:  # off only for the float64 recheck, whose leaves are copies
-                    self._check_graph(losses, outs, ins)
+                    self.checks.check_graph(losses, outs, ins)
                 # the outputs' graph edges, not the outputs: a language model's logits (the head's output,
                 # 1.65 GB for a 64M GPT at B = 128) are then freed once the loss has read them, as in a
                 # non-private step, instead of being held through the backward

@@ -1,4 +1,4 @@
-"""The fast path's run-time checks (``grads.fast.BookKeeping`` inherits them): that the layers the rules read
+"""The fast path's run-time checks (an object ``grads.fast.BookKeeping`` holds: ``checks``): that the layers the rules read
 ran once each, on batch-first rows, that every trainable parameter enters the graph only inside its own
 layer (exact, structural), and the secret probe that random examples' attributed gradients equal their own
 (``_check_examples``). What each refuses, and why, is in ``grads.fast``'s module docstring."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import secrets
 from typing import Callable
 
 import torch
@@ -53,45 +54,52 @@ def _trainable(m: nn.Module) -> list[nn.Parameter]:
 
 
 class RuntimeChecks:
-    """The checks of every fast-path step, as methods of ``BookKeeping`` (which provides ``model``, ``layout``,
-    ``layers``, ``slots``, ``ties``, ``_check_rng``, ``_backward``, ``_losses``, ``_ordered`` and
-    ``_rules_at``)."""
+    """The checks of every fast-path step, of the ``BookKeeping`` that holds them (``host``: its ``model``,
+    ``layout``, ``layers``, ``slots``, ``loss_fn``, per-example ``losses``, ``_backward``, ``_ordered`` and
+    ``_rules_at``). Their state: the probes' secret randomness (``rng``, the OS CSPRNG) and the graph proofs'
+    memo (``proofs``). The probe's steps are reached through the host's methods of the same names (``_own``,
+    ``_alone``, ``_alone_in_float64``, ``_counterfactual``, ``_agree_in_float64``), which tests wrap."""
 
-    def _check_graph(self, losses: Tensor, outs: dict, ins: dict) -> None:
+    def __init__(self, host) -> None:
+        self.host = host
+        self.rng = secrets.SystemRandom()  # the probes: unpredictable, from the OS CSPRNG
+        self.proofs = proof.Proofs()
+
+    def check_graph(self, losses: Tensor, outs: dict, ins: dict) -> None:
         """The soundness check of every step, exact and structural: every trainable parameter enters
         the autograd graph of the losses exactly once, inside its own layer's forward (reachable from
         the layer's output without passing its input). Then the parameter's gradient is the
         layer-local ``g^T a`` the rules attribute, and per-layer norms are the per-example norms. A
         parameter read anywhere else (directly by the model, a second layer, a reparametrisation
         before the layer) would make them understate the sensitivity: refused. A tied weight
-        (``self.ties``) enters once inside each of its layers and nowhere else. O(graph nodes)."""
+        (``self.host.ties``) enters once inside each of its layers and nowhere else. O(graph nodes)."""
         uses = _leaf_uses([losses.grad_fn], stop=set())
         users: dict[int, int] = {}  # the layers holding each parameter now (a fully_shard model's are swapped in)
-        for m in self.layers:
+        for m in self.host.layers:
             for p in _trainable(m):
                 users[id(p)] = users.get(id(p), 0) + 1
-        for m, slots in zip(self.layers, self.slots):
+        for m, slots in zip(self.host.layers, self.host.slots):
             local = _leaf_uses([outs[m].grad_fn], stop={ins[m]} if ins[m] is not None else set())
-            for p in _trainable(m):  # a tied weight: once inside each of its layers (self.ties), nowhere else
+            for p in _trainable(m):  # a tied weight: once inside each of its layers (self.host.ties), nowhere else
                 if uses.get(id(p), 0) != users[id(p)] or local.get(id(p), 0) != 1:
-                    name = self.layout.names[slots[_trainable(m).index(p)]]
+                    name = self.host.layout.names[slots[_trainable(m).index(p)]]
                     raise PathRefusal(
                         "fast", f"`grad_path='fast'`: parameter '{name}' enters the forward pass {uses.get(id(p), 0)} "
                         f"time(s), {local.get(id(p), 0)} of them inside its {type(m).__name__} layer: a use "
                         f"outside its layer's forward (read directly by the model, say) would make per-layer "
                         f"norms understate the per-example norms. Use `grad_path='rows'`")
 
-    def _check_layers(self, acts: dict, outs: dict, b: int) -> None:
-        missing = [m for m in self.layers if m not in outs]
+    def check_layers(self, acts: dict, outs: dict, b: int) -> None:
+        missing = [m for m in self.host.layers if m not in outs]
         if missing:
             raise PathRefusal("fast", f"`grad_path='fast'`: the {type(missing[0]).__name__} layer holding trainable "
                               f"parameters did not run in the forward pass; use `grad_path='rows'`")
-        bad = [m for m in self.layers if acts[m].shape[:1] != (b,) or outs[m].shape[:1] != (b,)]
+        bad = [m for m in self.host.layers if acts[m].shape[:1] != (b,) or outs[m].shape[:1] != (b,)]
         if bad:  # tokens folded into the batch, a sequence-first layout, a batch-shared input
             raise PathRefusal("fast", f"`grad_path='fast'`: a {type(bad[0]).__name__} layer sees a first dimension of "
                               f"{acts[bad[0]].shape[0]}, not the batch of {b}: its rows are not one per "
                               f"example, so per-layer norms would not be per-example norms. Use `grad_path='rows'`")
-        unbatched = [m for m in self.layers if acts[m].dim() != _batched_dims(m, acts[m].dim())]
+        unbatched = [m for m in self.host.layers if acts[m].dim() != _batched_dims(m, acts[m].dim())]
         if unbatched:  # e.g. a Conv1d given [b, L]: the batch read as one example's channels
             m = unbatched[0]
             raise ConfigError(f"grad_path=\"fast\": a {type(m).__name__} layer receives a {acts[m].dim()}-D input, "
@@ -99,38 +107,30 @@ class RuntimeChecks:
                               f"example. Give it a {_batched_dims(m, 0)}-D input, or use grad_path=\"rows\"")
 
     @contextlib.contextmanager
-    def _graph_watch(self, x: Batch, y: Batch):
+    def graph_watch(self, x: Batch, y: Batch):
         """Records the step's forward for the graph proof (``grads.proof``), its loss too where that is one
         plain call (cross-entropy, a ``per_example`` loss or one found to return per-example losses), and
         yields the program; yields None where the proof is not tried: a model per-example by its structure
         (``grads.separable``: no probe either way), a model that is itself a trainable layer, a 16-bit
         forward (autocast: the probe's float64 comparison also bounds the 16-bit rounding), or after
         ``proof.GIVE_UP`` steps in a row not proven (retried every ``proof.RETRY`` steps)."""
-        proofs = self.__dict__.get("_proofs")
-        if proofs is None:
-            proofs = self._proofs = proof.Proofs()
-        if not proof.ENABLED or self.model in self.layers or precision.active_mixed() is not None \
-                or separable.why_not(self.model) is None or not proofs.recording():
+        host = self.host
+        if not proof.ENABLED or host.model in host.layers or precision.active_mixed() is not None \
+                or separable.why_not(host.model) is None or not self.proofs.recording():
             yield None
             return
-        cover = self.loss_fn is cross_entropy or getattr(self.loss_fn, "per_example", False) or \
-            self._vector_loss is True
+        cover = host.loss_fn is cross_entropy or getattr(host.loss_fn, "per_example", False) or \
+            host.losses.vector is True
         labels = batch.leaves(y) if cover else []
-        with proof.watch(self.model, self.layers, batch.size(x), labels, until_loss=cover) as prog:
+        with proof.watch(host.model, host.layers, batch.size(x), labels, until_loss=cover) as prog:
             if cover:  # the recording ends with the losses (the backward is not recorded)
-                losses = self._losses
-
-                def ended(out, yy, b):
-                    got = losses(out, yy, b)
-                    prog.end(got)
-                    return got
-                self._losses = ended
+                host.losses.observer = prog.end
             try:
                 yield prog
             finally:
-                self.__dict__.pop("_losses", None)
+                host.losses.observer = None
 
-    def _graph_proven(self, program: proof.Program | None, x: Batch, y: Batch, own_loss: bool) -> bool:
+    def graph_proven(self, program: proof.Program | None, x: Batch, y: Batch, own_loss: bool) -> bool:
         """Whether the step's recorded program proves that no operation lets examples see each other (then the
         probe is skipped): the loss recorded with it, or one example's at a time by construction
         (``own_loss``); the labels plain tensors (a subclass's ``__torch_function__`` would run inside the
@@ -138,31 +138,31 @@ class RuntimeChecks:
         if program is None:
             return False
         if not all(type(t) is Tensor for t in batch.leaves(y)):
-            self._proofs.refuse("the labels are a tensor subclass")
+            self.proofs.refuse("the labels are a tensor subclass")
             return False
         if program.losses is None and not own_loss:
-            self._proofs.refuse("the loss returns per-example losses that were not recorded (its first step)")
+            self.proofs.refuse("the loss returns per-example losses that were not recorded (its first step)")
             return False
-        return self._proofs.proven(program, lambda: self._record_alone(x, y, program))
+        return self.proofs.proven(program, lambda: self.record_alone(x, y, program))
 
-    def _record_alone(self, x: Batch, y: Batch, step: proof.Program) -> proof.Program:
+    def record_alone(self, x: Batch, y: Batch, step: proof.Program) -> proof.Program:
         """The first example's forward (and loss, where the step's was recorded) as a batch of one, recorded: the
         program the probe would run for it, which the proof compares with the batch's."""
         taken: dict = {}  # a tensor both input and label (a language model's ids) taken once, as in the step
         xi, yi = (batch.tree_map(lambda t: taken.setdefault(id(t), t[:1]), v) for v in (x, y))
         loss = step.losses is not None
-        with proof.watch(self.model, self.layers, 1, batch.leaves(yi) if loss else [], until_loss=loss,
+        with proof.watch(self.host.model, self.host.layers, 1, batch.leaves(yi) if loss else [], until_loss=loss,
                          shared=step.shared) as prog, \
                 torch.enable_grad(), precision.forward_autocast():
             try:
-                out = batch.call(self.model, xi)
+                out = batch.call(self.host.model, xi)
                 if loss:
-                    prog.end(self._losses(out, yi, 1))
+                    prog.end(self.host.losses(out, yi, 1))
             except Exception as err:  # noqa: BLE001  (a model that cannot run one example alone: the probe decides)
                 prog.why = f"the model cannot run one example alone: {type(err).__name__}: {err}"
         return prog
 
-    def _check_examples(self, rules: list, sq: Tensor, x: Batch, y: Batch, params: list, rng: tuple | None) -> None:
+    def check_examples(self, rules: list, sq: Tensor, x: Batch, y: Batch, params: list, rng: tuple | None) -> None:
         """Every step, secret random examples' gradients as the per-layer rules attribute them must
         equal their own gradients (to 1e-4). A deterministic forward: ``PROBES`` examples, each run
         through the model alone (``_own``), and one secret random combination of their gradients is
@@ -180,28 +180,28 @@ class RuntimeChecks:
         x (examples affected) / b per step (docs/results.md)."""
         b = batch.size(x)
         if rng is not None:
-            i = self._check_rng.randrange(b)
-            mine = self._ordered([r.one(i) for r in rules])
+            i = self.rng.randrange(b)
+            mine = self.host._ordered([r.one(i) for r in rules])
             if forward.active() is not None:  # the engine's step: masks keyed per example, the same alone
-                if not (_close(mine, self._alone(x, y, i), params, 1e-4) or self._alone_in_float64(x, y, i, mine)):
+                if not (_close(mine, self.host._alone(x, y, i), params, 1e-4) or self.host._alone_in_float64(x, y, i, mine)):
                     raise PathRefusal("fast", _MIXING.format(i=i, alone="run alone under its own dropout masks"))
                 return
-            if not _close(mine, self._counterfactual(x, y, i, rng), params, 1e-4):  # torch's generator: copies
+            if not _close(mine, self.host._counterfactual(x, y, i, rng), params, 1e-4):  # torch's generator: copies
                 raise PathRefusal("fast", _MIXING.format(i=i, alone="among copies of itself"))
             return
-        probes = self._check_rng.sample(range(b), min(PROBES, b))
-        w, scale = self._probe_weights(sq, probes)
-        fast = self._ordered([r.combo(probes, w) for r in rules])
+        probes = self.rng.sample(range(b), min(PROBES, b))
+        w, scale = self.probe_weights(sq, probes)
+        fast = self.host._ordered([r.combo(probes, w) for r in rules])
         if precision.active_mixed() is not None:  # a 16-bit forward: a batch and one example alone round apart by
-            agree = self._agree_in_float64(x, y, probes, w, fast)  # ~2^-8, so the float64 recheck decides at once
+            agree = self.host._agree_in_float64(x, y, probes, w, fast)  # ~2^-8, so the float64 recheck decides at once
         else:
-            agree = _close(fast, self._own(x, y, probes, params, w), params, 1e-4, scale) or \
-                self._agree_in_float64(x, y, probes, w, fast)
+            agree = _close(fast, self.host._own(x, y, probes, params, w), params, 1e-4, scale) or \
+                self.host._agree_in_float64(x, y, probes, w, fast)
         if not agree:
             raise PathRefusal("fast", _MIXING.format(i=", ".join(map(str, probes)), alone="each run alone")
                               + (_MIXED_HINT if precision.active_mixed() is not None else ""))
 
-    def _probe_weights(self, sq: Tensor, probes: list[int]) -> tuple[list[float], float]:
+    def probe_weights(self, sq: Tensor, probes: list[int]) -> tuple[list[float], float]:
         """The probes' secret weights ``w_k = u_k / ||g_k||`` (``u_k`` uniform in [1, 2] from the OS
         CSPRNG, ``||g_k||`` the attributed norm, from the rules' summed squares ``sq``) and the comparison's scale ``sum_k w_k ||g_k||``.
         Each probe enters at unit size, so a mismatch of one example is measured relative to its own
@@ -210,10 +210,10 @@ class RuntimeChecks:
         cancel. Norms below ``MIN_PROBE_NORM`` count as that (the weight stays finite in float32 and
         the loss it scales does not overflow; such an example's gradient moves no sum)."""
         norms = _attributed_norms(sq, probes)
-        w = [(1.0 + self._check_rng.random()) / max(nk, MIN_PROBE_NORM) for nk in norms]
+        w = [(1.0 + self.rng.random()) / max(nk, MIN_PROBE_NORM) for nk in norms]
         return w, sum(wk * nk for wk, nk in zip(w, norms))
 
-    def _own(self, x: Batch, y: Batch, probes: list[int], params: list, w: list[float],
+    def own(self, x: Batch, y: Batch, probes: list[int], params: list, w: list[float],
              call: Callable | None = None) -> list[Tensor]:
         """``sum_k w_k grad L_k``, per parameter, with every probe run through the model alone (a batch
         of one), all of them in one vectorised forward (``vmap`` over the probes, the model seeing
@@ -227,24 +227,24 @@ class RuntimeChecks:
         batch of them; it is no stronger than a forward that keeps a batch statistic in a Python
         attribute for the probe's forward, which no probe catches. ``call`` runs the model (default:
         itself)."""
-        dev, call = params[0].device, call or self.model
+        dev, call = params[0].device, call or self.host.model
         idx = torch.tensor(probes, device=dev)
         xs, ys = batch.take(x, idx), batch.take(y, idx)
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), torch.enable_grad():
             try:
                 out = torch.vmap(lambda xi: batch.call(call, batch.unsqueeze(xi)))(xs)
                 out = batch.tree_map(lambda t: t.flatten(0, 1), out)  # [k, 1, ...] -> [k, ...]
-                losses = self._losses(out, ys, len(probes))
+                losses = self.host.losses(out, ys, len(probes))
             except Exception:  # no vmap for this forward (a RuntimeError), or an output vmap cannot return
                 # (a ValueError: e.g. a dict subclass such as Hugging Face's ModelOutput): the probes one at a
                 # time, where a real error of the model surfaces again
-                losses = torch.cat([self._losses(batch.call(call, batch.take(xs, slice(k, k + 1))),
+                losses = torch.cat([self.host.losses(batch.call(call, batch.take(xs, slice(k, k + 1))),
                                                  batch.take(ys, slice(k, k + 1)), 1) for k in range(len(probes))])
             weights = torch.tensor(w, dtype=losses.dtype, device=losses.device)
             grads = torch.autograd.grad((losses * weights).sum(), params, allow_unused=True)
         return [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params)]
 
-    def _agree_in_float64(self, x: Batch, y: Batch, probes: list[int], w: list[float],
+    def agree_in_float64(self, x: Batch, y: Batch, probes: list[int], w: list[float],
                           attributed32: list[Tensor]) -> bool:
         """The probes' combined attribution in the batch and their combined gradient with each
         run alone, both recomputed in float64 (the model's parameters, buffers and floating inputs
@@ -257,12 +257,12 @@ class RuntimeChecks:
         float32 only, as far as 5e-2 of the gradient; below that such a model, written to evade the
         check, passes (docs/results.md); under autocast the 16-bit attribution is compared at
         ``MIXED_RTOL``. False when the model cannot run in float64 (the float32 mismatch then stands)."""
-        call, leaves, xw = self._widened(x)
+        call, leaves, xw = self.widened(x)
         try:
-            _, acts, grads = self._backward(xw, y, call=call, check_graph=False)
-            rules = self._rules_at(acts, grads)
-            attributed = self._ordered([r.combo(probes, w) for r in rules])
-            together = self._own(xw, y, probes, leaves, w, call=call)
+            _, acts, grads = self.host._backward(xw, y, call=call, check_graph=False)
+            rules = self.host._rules_at(acts, grads)
+            attributed = self.host._ordered([r.combo(probes, w) for r in rules])
+            together = self.host._own(xw, y, probes, leaves, w, call=call)
         except (RuntimeError, ConfigError):  # an op without float64 support, a dtype clash inside the model
             return False
         scale = sum(wk * nk for wk, nk in zip(w, _attributed_norms(sum(r.sq for r in rules), probes)))
@@ -270,19 +270,19 @@ class RuntimeChecks:
             [t.to(a.dtype) for t, a in zip(attributed32, attributed)], attributed, leaves,
             MIXED_RTOL if precision.active_mixed() is not None else 5e-2)
 
-    def _widened(self, x: Batch) -> tuple[Callable, list[Tensor], Batch]:
+    def widened(self, x: Batch) -> tuple[Callable, list[Tensor], Batch]:
         """The model's float64 twin for a recheck: a call running the model on its parameters and buffers
         widened to float64 (the model itself unchanged), those parameters as gradient leaves in layout
         order, and ``x`` with its floating tensors widened."""
         wide = {n: t.detach().double() if t.is_floating_point() else t
-                for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]}
-        leaves = [wide[n].requires_grad_() for n in self.layout.names]
+                for n, t in [*self.host.model.named_parameters(), *self.host.model.named_buffers()]}
+        leaves = [wide[n].requires_grad_() for n in self.host.layout.names]
 
         def call(*args, **kwargs):
-            return torch.func.functional_call(self.model, wide, args, kwargs)
+            return torch.func.functional_call(self.host.model, wide, args, kwargs)
         return call, leaves, batch.tree_map(lambda t: t.double() if t.is_floating_point() else t, x)
 
-    def _alone(self, x: Batch, y: Batch, i: int, call: Callable | None = None) -> list[Tensor]:
+    def alone(self, x: Batch, y: Batch, i: int, call: Callable | None = None) -> list[Tensor]:
         """Example i's gradient with the example alone, a batch of one, under the keyed masks it draws in the
         step (``forward.only``: the masks are functions of the key, the step, the call and the example's
         index, laid out by the per-example shape, so the same as its row's in the batch). A model that
@@ -290,33 +290,33 @@ class RuntimeChecks:
         xi, yi = (batch.take(v, slice(i, i + 1)) for v in (x, y))
         try:
             with forward.only(i):
-                _, acts, grads = self._backward(xi, yi, call=call, check_graph=call is None)
+                _, acts, grads = self.host._backward(xi, yi, call=call, check_graph=call is None)
         except PathRefusal:
             raise
         except Exception as err:  # the model's own error on a batch of one (e.g. an output squeezed to a scalar)
             raise PathRefusal("fast", f"`grad_path='fast'`: the model cannot compute one example alone (a batch of "
                               f"one), which the fast path's check of each step needs: {type(err).__name__}: "
                               f"{err}. Use `grad_path='rows'`") from err
-        return self._ordered([r.one(0) for r in self._rules_at(acts, grads)])
+        return self.host._ordered([r.one(0) for r in self.host._rules_at(acts, grads)])
 
-    def _alone_in_float64(self, x: Batch, y: Batch, i: int, attributed32: list[Tensor]) -> bool:
+    def alone_in_float64(self, x: Batch, y: Batch, i: int, attributed32: list[Tensor]) -> bool:
         """Under dropout in the engine's step: example i's attribution in the batch and its gradient alone,
         both recomputed in float64 under the same keyed masks, agree to 1e-4, and the float32 attribution
         lies within 5e-2 of the float64 one (``MIXED_RTOL`` under autocast), as ``_agree_in_float64`` decides
         for a deterministic forward. A row that depends on the batch's size or on its position in the batch
         differs alone in float64 as in float32: refused. False when the model cannot run in float64."""
-        call, leaves, xw = self._widened(x)
+        call, leaves, xw = self.widened(x)
         try:
-            _, acts, grads = self._backward(xw, y, call=call, check_graph=False)
-            attributed = self._ordered([r.one(i) for r in self._rules_at(acts, grads)])
-            alone = self._alone(xw, y, i, call=call)
+            _, acts, grads = self.host._backward(xw, y, call=call, check_graph=False)
+            attributed = self.host._ordered([r.one(i) for r in self.host._rules_at(acts, grads)])
+            alone = self.host._alone(xw, y, i, call=call)
         except (RuntimeError, ConfigError):  # an op without float64 support, a dtype clash inside the model
             return False
         return _close(attributed, alone, leaves, 1e-4) and _close(
             [t.to(a.dtype) for t, a in zip(attributed32, attributed)], attributed, leaves,
             MIXED_RTOL if precision.active_mixed() is not None else 5e-2)
 
-    def _counterfactual(self, x: Batch, y: Batch, i: int, rng: tuple) -> list[Tensor]:
+    def counterfactual(self, x: Batch, y: Batch, i: int, rng: tuple) -> list[Tensor]:
         """Example i's attributed gradient in the batch whose every row is example i, under the
         random draws of the real step: in the engine's step every row draws example i's keyed masks
         (``forward.same_example``), elsewhere torch's generator is restored from ``rng`` (and continues
@@ -324,13 +324,13 @@ class RuntimeChecks:
         xi, yi = (batch.tree_map(lambda t: t[i:i + 1].expand_as(t).contiguous(), v) for v in (x, y))
         if forward.active() is not None:
             with forward.same_example(i):
-                _, acts, grads = self._backward(xi, yi)
-            return self._ordered([r.one(i) for r in self._rules_at(acts, grads)])
-        dev = self.layout.params(self.model)[0].device
+                _, acts, grads = self.host._backward(xi, yi)
+            return self.host._ordered([r.one(i) for r in self.host._rules_at(acts, grads)])
+        dev = self.host.layout.params(self.host.model)[0].device
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             _set_rng(rng, dev)
-            _, acts, grads = self._backward(xi, yi)
-        return self._ordered([r.one(i) for r in self._rules_at(acts, grads)])
+            _, acts, grads = self.host._backward(xi, yi)
+        return self.host._ordered([r.one(i) for r in self.host._rules_at(acts, grads)])
 
 
 def _attributed_norms(sq: Tensor, probes: list[int]) -> list[float]:

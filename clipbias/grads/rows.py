@@ -26,7 +26,9 @@ from ..data import batch
 from ..data.batch import Batch
 from ..errors import ConfigError, NonFiniteGradientError, PathRefusal, UnsupportedModelError
 from ..randomness import PROBE_STEP, SecretKey, forward
+from ..step.stage import StepContext
 from . import precision
+from .path import GradPath, StepBatch, Sums
 from .precision import full_float32, last_norms, sq_norms
 
 LossFn = Callable[..., Tensor]
@@ -286,16 +288,68 @@ def _scaled(loss: Tensor) -> Tensor:
     return loss if s == 1.0 else loss * s
 
 
-class ParamSums:
+class RowsPath(GradPath):
+    """The rows path through the pipeline (``grads.path.GradPath``): the row source's rows, micro-batch by
+    micro-batch, each row's norm checked finite, through the pipeline's per-example stages (stages that need
+    rows, a given gradient backend, an algorithm's own rows)."""
+
+    kind = "rows"
+
+    def sums(self, step: StepBatch) -> Iterator[Sums]:
+        for g, loss, idx in step.rows.iter_rows(step.x, step.y, step.indices, step.step, step.max_physical_batch):
+            norms = check_finite(g, idx)
+            r, p = step.pipeline.rows(g, StepContext(idx, step.step, norms))
+            yield r, p, loss
+
+
+def micro_batch_sums(path: GradPath, step: StepBatch) -> Iterator[Sums]:
+    """The sums of a norm-scaling aggregate (``ParamSums``, ``grads.fast.BookKeeping``, ``grads.two_point.TwoPoint``:
+    called ``(x, y, scale, reference) -> (processed sum, reference sum or None, losses, norms)``), physical
+    micro-batch by micro-batch, under the examples' keyed forward; each norm checked finite; with
+    ``step.outputs`` a list, each micro-batch's outputs appended to it (``path.output_source()``)."""
+    scale = step.pipeline.per_sample[0].scale
+    need_ref = step.pipeline.error_feedback is not None
+    source = path.output_source()
+    if source is not None:
+        source.keep_output = step.outputs is not None
+    call = path if step.via is None else step.via
+    x, y, indices, size = step.x, step.y, step.indices, step.max_physical_batch
+    try:
+        for start in range(0, batch.size(x), size):
+            sl = slice(start, start + size)
+            with forward.examples(indices[sl] if indices is not None else None):
+                p, r, loss, norms = guarded(lambda xs, ys: call(xs, ys, scale, need_ref),
+                                            batch.take(x, sl), batch.take(y, sl), step.rows.layout.dim)
+            check_finite_norms(norms, indices[sl] if indices is not None else None)
+            if step.outputs is not None and len(loss):
+                step.outputs.append(source.last_out)
+            yield r, p, loss
+    finally:
+        if source is not None:
+            source.keep_output, source.last_out = False, None
+
+
+class ParamSums(GradPath):
     """The rows path for a norm-scaling stage (clip, normalise) without the ``[b, d]`` matrix copy:
     per-example gradients by ``FuncGradients``, kept per parameter; norms, the weighted sum
     ``sum_i s_i g_i`` and the reference sum per parameter. Same numbers as concatenating first (up
     to float summation order); the concatenation was ~10 % of a cnn step. Called like
     ``fastclip.BookKeeping``: ``(x, y, scale, reference) -> (processed sum, reference sum or None,
-    losses, norms)``."""
+    losses, norms)``; a ``grads.path.GradPath`` of kind ``"sums"``."""
+
+    kind = "sums"
 
     def __init__(self, grads: FuncGradients) -> None:
         self.grads, self.layout = grads, grads.layout
+
+    def sums(self, step: StepBatch) -> Iterator[Sums]:
+        return micro_batch_sums(self, step)
+
+    def func_grads(self, rows) -> FuncGradients:
+        return self.grads
+
+    def output_source(self) -> FuncGradients:
+        return self.grads
 
     def __call__(self, x: Batch, y: Batch, scale: Callable[[Tensor], Tensor],
                  reference: bool, at: tuple[Callable, float] | None = None) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:

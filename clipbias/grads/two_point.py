@@ -1,6 +1,6 @@
 """Rows at two points of one step: ``c r(x_t + gamma d_t) + (1 - c) r(x_t)`` of a base row source ``r``
 (``d_t = x_t - x_{t-1}``, the released iterates). DiSK (``clipbias.algorithms.kalman_filter``) takes its rows this way;
-the engine's aggregates see only this row source type (``engine.aggregate.TwoPoint``), never the method.
+the engine's aggregates see only this row source type (``TwoPoint``, the gradient path of its rows), never the method.
 
 Each row is a function of one example and of the released iterates: the base's sensitivity holds."""
 
@@ -13,7 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from ..randomness import SecretKey
-from .rows import RowSource
+from .path import GradPath, StepBatch, Sums
+from .rows import RowSource, micro_batch_sums
 
 
 class TwoPointRows(RowSource):
@@ -119,3 +120,37 @@ class TwoPointRows(RowSource):
         self.prev = None if prev is None else [v.to(p.device) for v, p in zip(prev, self.params)]
         self._pending = None
         self.base.load_state_dict(state["base"])
+
+
+class TwoPoint(GradPath):
+    """Rows at two points ``c g(x_t + gamma d_t) + (1 - c) g(x_t)`` (``TwoPointRows``: DiSK's) through a
+    norm-scaling path (``grads.rows.ParamSums`` or ``grads.fast.BookKeeping``: ``inner``), itself a
+    ``grads.path.GradPath`` of its inner path's kind: it stages the step's iterate and gives the inner path the
+    extrapolated point (None at the first step or c = 0: x_t alone). ``begin()`` once per step, before its
+    micro-batches (also an empty step's: the iterate is staged all the same); ``sums`` begins the step."""
+
+    two_point = True
+
+    def __init__(self, inner: GradPath, rows: TwoPointRows) -> None:
+        self.inner, self.rows, self.point = inner, rows, None
+
+    kind = property(lambda self: self.inner.kind)
+
+    def begin(self) -> None:
+        self.point = self.rows.begin()
+
+    def __call__(self, x, y, scale, reference: bool):
+        if self.point is None:
+            return self.inner(x, y, scale, reference)
+        point = self.point
+        return self.inner(x, y, scale, reference, at=(lambda: self.rows.at(point), self.rows.c))
+
+    def sums(self, step: StepBatch) -> Iterator[Sums]:
+        self.begin()  # a step-level preparation (the step's iterate is staged)
+        yield from micro_batch_sums(self, step)
+
+    def book_keeping(self):
+        return self.inner.book_keeping()
+
+    def func_grads(self, rows):
+        return self.inner.func_grads(rows)

@@ -7,6 +7,7 @@ mixes; the fast path skips its probe exactly on proven steps, with the same resu
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -329,3 +330,85 @@ def test_rows_that_depend_on_the_batch_size_or_position_are_not_proven_and_the_p
     assert got is not None and "depends on the batch's size" in got, got
     with pytest.raises(PathRefusal):
         BookKeeping(BySize(how))(*_xy(), _scale, False)
+
+
+# ------------------------------------------------------------------------------------ keyed dropout
+
+class Dropped(nn.Module):
+    """An MLP with dropout in training (keyed per example in the engine's step); ``mix``: a batch mean before it;
+    ``seq_first``: dropout on ``[T, B, F]`` with T = B (its mask rows are positions, not examples)."""
+
+    def __init__(self, mix: bool = False, seq_first: bool = False) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(6, 16), nn.Linear(16, 3), nn.Dropout(0.3)
+        self.mix, self.seq_first = mix, seq_first
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        if self.mix:
+            h = h - h.mean(0)
+        if self.seq_first:  # x: [B, T, F] with T = B
+            return self.fc2(self.drop(h.transpose(0, 1)).transpose(0, 1)).sum(1)
+        return self.fc2(self.drop(h))
+
+
+def _keyed_steps(model: nn.Module, x, y, loss=None, steps: int = 4, b: int = 6):
+    """``steps`` fast-path steps of ``DPEngine`` under a fixed key (dropout keyed per example), each on the next
+    ``b`` examples; the weights after, the probes run and the engine's proofs."""
+    from clipbias.config import AlgoConfig
+    from clipbias.engine import DPEngine
+    n = len(y)
+    kw = {} if loss is None else {"loss_fn": loss}
+    e = DPEngine(model, "dpsgd", n=n, batch_size=float(b), steps=100, noise_multiplier=1.0,
+                 config=AlgoConfig(lr=0.1, clip=1.0), noise_seed=0, grad_path="fast", **kw)
+    calls = []
+    real = e.fast._check_examples
+    e.fast._check_examples = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (indices of the test's choosing: uncertified, as the test knows)
+        for s in range(steps):
+            idx = torch.arange(s * b, s * b + b) % n
+            e.step(batch_rows(x, idx), y[idx], idx)
+    return [p.detach().clone() for p in model.parameters()], len(calls), e.fast._proofs
+
+
+def batch_rows(x, idx):
+    return {k: v[idx] for k, v in x.items()} if isinstance(x, dict) else x[idx]
+
+
+KEYED = {
+    "mlp": (lambda: Dropped(), lambda n: torch.randn(n, 6), lambda x, n: torch.randint(0, 3, (n,)), None),
+    "bert": (lambda: bert(0.1), lambda n: tokens(n, 8, [8] * n), lambda x, n: torch.randint(0, 2, (n,)), classify),
+    "gpt2": (lambda: gpt2(0.1), lambda n: tokens(n, 8, [8] * n), lambda x, n: x["input_ids"], lm),
+}
+
+
+@pytest.mark.parametrize("name", KEYED)
+def test_keyed_dropout_is_proven_and_the_probe_skipped_with_the_same_result(name, monkeypatch):
+    """Dropout in training, keyed per example (the engine's step): the graph proof holds (each mask's rows are
+    each example's own), so steps after the first (or, with a ``loss_fn``, the first two) skip the probe; with the proof off every step is probed,
+    and the weights are the same bit for bit."""
+    make, data, labels, loss = KEYED[name]
+    torch.manual_seed(0)
+    x = data(24)
+    y = labels(x, 24)
+    torch.manual_seed(1)
+    proven, probes, proofs = _keyed_steps(make(), x, y, loss)
+    assert proofs.last is None and probes <= 2 and proofs.hits == 4 - probes  # (first steps: probed)
+    monkeypatch.setattr(proof, "ENABLED", False)
+    torch.manual_seed(1)
+    probed, every, _ = _keyed_steps(make(), x, y, loss)
+    assert every == 4
+    for a, b in zip(proven, probed):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["mix", "seq_first"])
+def test_keyed_dropout_on_rows_that_mix_examples_is_not_proven_and_the_probe_refuses_it(how):
+    """A batch mean before the dropout, or dropout on a sequence-first ``[T, B, F]`` (T = B: its mask's rows are
+    positions, each example's mask spread over the others): not proven, and the probe refuses the step."""
+    torch.manual_seed(0)
+    x = torch.randn(24, 6, 6) if how == "seq_first" else torch.randn(24, 6)
+    y = torch.randint(0, 3, (24,))
+    with pytest.raises(PathRefusal):  # (sequence-first: alone, its dropout input is not batch-first)
+        _keyed_steps(Dropped(**{how: True}), x, y)

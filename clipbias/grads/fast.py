@@ -372,8 +372,10 @@ class BookKeeping(GradPath):
             # example at a time (a loss_fn returning per-example losses may combine them), needs no probe
             own_loss = self.loss_fn is cross_entropy or getattr(self.loss_fn, "per_example", False) \
                 or self.losses.vector is False and self.losses.alone
-            proven = not stochastic and (own_loss and separable.proven(self.model, inputs, batch.leaves(y))
-                                         or self.checks.graph_proven(program, x, y, own_loss))
+            # a forward that drew only keyed dropout may be proven from its graph (grads.proof: its masks' rows are
+            # each example's own); separable's structural proof assumes no draw at all
+            proven = not stochastic and own_loss and separable.proven(self.model, inputs, batch.leaves(y)) or \
+                (not stochastic or keyed) and self.checks.graph_proven(program, x, y, own_loss)
             if bool(torch.isfinite(sq).all()) and not proven:
                 self._check_examples(rules, sq, x, y, params, rng if stochastic else None)
         ref = None

@@ -134,7 +134,8 @@ class RuntimeChecks:
         """Whether the step's recorded program proves that no operation lets examples see each other (then the
         probe is skipped): the loss recorded with it, or one example's at a time by construction
         (``own_loss``); the labels plain tensors (a subclass's ``__torch_function__`` would run inside the
-        loss). A step whose forward drew random numbers never gets here (``BookKeeping._rules``)."""
+        loss). A step whose forward drew random numbers gets here only where they were the engine's keyed
+        dropout (``BookKeeping._rules``; the proof takes each mask as the batch's, one row per example)."""
         if program is None:
             return False
         if not all(type(t) is Tensor for t in batch.leaves(y)):
@@ -153,11 +154,12 @@ class RuntimeChecks:
         loss = step.losses is not None
         with proof.watch(self.host.model, self.host.layers, 1, batch.leaves(yi) if loss else [], until_loss=loss,
                          shared=step.shared) as prog, \
-                torch.enable_grad(), precision.forward_autocast():
-            try:
-                out = batch.call(self.host.model, xi)
-                if loss:
-                    prog.end(self.host.losses(out, yi, 1))
+                torch.enable_grad(), precision.forward_autocast(), forward.only(0):
+            try:  # (in the engine's step: the first example's own keyed masks, under the step's call numbers)
+                with forward.one_pass():
+                    out = batch.call(self.host.model, xi)
+                    if loss:
+                        prog.end(self.host.losses(out, yi, 1))
             except Exception as err:  # noqa: BLE001  (a model that cannot run one example alone: the probe decides)
                 prog.why = f"the model cannot run one example alone: {type(err).__name__}: {err}"
         return prog

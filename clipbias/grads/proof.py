@@ -1,5 +1,5 @@
 """A proof, from the step's own aten-level program, that no operation lets examples see each other: where it
-holds, the fast path skips its probe (``RuntimeChecks._check_examples``).
+holds, the fast path skips its probe (``RuntimeChecks.check_examples``).
 
 The fast path attributes row i of every layer's input and output gradient to example i (``grads.fast``).
 Its probe checks that every step by recomputing a few secret examples alone, a sizeable part of a step
@@ -50,10 +50,9 @@ what this sees: C++ code reading tensor memory around torch's operators, operati
 thread during the forward, a model whose batch-of-one computation changes later while its batch program
 does not (the example alone is recorded when a program is first proven), and a function of the batch
 size equal at b and 1. A forward under autocast, or one that draws random numbers other than the engine's
-keyed dropout, keeps the probe (``RuntimeChecks._graph_watch``). **Keyed dropout** (the engine's step:
-``clipbias.randomness.forward``) is proven: each mask is told to the recording as it is made
-(``forward.observing``), before any operation reads it, and is a source of the batch, ``("k", call, p)``, one
-row per example: row r is drawn from example r's own keystream (the key, the step, the call and its index
+keyed dropout, keeps the probe (``RuntimeChecks.graph_watch``). **Keyed dropout** (the engine's step:
+``clipbias.randomness.forward``) is proven: a tensor the keyed mode made as a mask in this pass (``forward.mask_of``,
+by identity) is a source of the batch, ``("k", call, p)``, one row per example: row r is drawn from example r's own keystream (the key, the step, the call and its index
 alone), which is what its masks are run alone; the example alone is recorded under its own masks
 (``forward.only``), so the call numbers and rates must match too."""
 
@@ -133,6 +132,7 @@ class Program:
         self.inputs: list[tuple] = []  # (shape, dtype) of each input tensor
         self.b = 0
         self.why: str | None = None
+        self.names: frozenset = frozenset()  # the model's parameters' and buffers' names (the sources ``p``)
         self.done = False
         self.failed_at: int | None = None  # the operation the analysis stopped at
         self.losses: tuple | None = None  # the source of the per-example losses, where recorded
@@ -161,6 +161,10 @@ class _Recorder(TorchDispatchMode):
         hit = self.where.get(id(t))
         if hit is not None and hit[0]() is t:
             return hit[1]
+        mask = forward.mask_of(t)
+        if mask is not None:  # a keyed dropout mask made in this pass: the batch's, one row per example
+            self._set(t, ("k",) + mask)
+            return self.where[id(t)][1]
         meta = (tuple(t.shape), t.dtype, t.device.type)
         name = self.named.get(id(t))
         if name is not None and not by_value:
@@ -247,16 +251,15 @@ def watch(model: nn.Module, layers: list[nn.Module], b: int, labels: list[Tensor
         named = {id(t): n for n, t in [*model.named_parameters(remove_duplicate=False),
                                         *model.named_buffers(remove_duplicate=False)]}
         rec = _Recorder(prog, inputs, named)
+        prog.names = frozenset(named.values())
         seen: list = [[None, None] for _ in layers]
         if _saved_tensor_hooks(False) is not None:
             prog.why = "saved-tensor hooks are active in the forward (their unpack runs in the backward)"
         glob = nn.modules.module
         if any(getattr(glob, h, None) for h in _GLOBAL_HOOKS):  # they run before the model's own hooks
             prog.why = "a global module hook is registered"
-        masks = forward.observing(lambda t, call, p: rec._set(t, ("k", call, p)))  # keyed dropout: the batch's
         state.update(rec=rec, seen=seen, hooks=_layer_hooks(layers, rec, seen, shared), reads=_watch_python(prog),
-                     rng=(random.getstate(), np.random.get_state()[1].tobytes()), masks=masks)
-        masks.__enter__()
+                     rng=(random.getstate(), np.random.get_state()[1].tobytes()))
         rec.__enter__()
 
     def stop(m: nn.Module, args: tuple, kwargs: dict, out) -> None:
@@ -317,7 +320,6 @@ def _finish(state: dict) -> None:
     if "rec" in state and not state.get("exited"):
         state["exited"] = True
         state["rec"].__exit__(None, None, None)
-        state["masks"].__exit__(None, None, None)
         for h in state["hooks"]:
             h.remove()
         state["reads"]()
@@ -521,6 +523,8 @@ def analyze(prog: Program, alone: Program | None) -> str | None:
     for k in range(len(prog.inputs)):
         status[("i", k)] = (0, 1)
     for src, shape in prog.shapes.items():  # keyed dropout masks: row r is example r's alone (``forward._keep``)
+        if src[0] == "p" and src[1] not in prog.names:
+            return "a tensor labelled as a parameter or buffer the model does not hold"
         if src[0] == "k":
             if not shape or shape[0] != b:
                 return "a keyed dropout mask whose rows are not the batch's examples"

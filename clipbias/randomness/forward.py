@@ -63,12 +63,14 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import ConfigError, PathRefusal
 from .chacha import BLOCK_BYTES, MAX_BLOCKS
 from .draws import int_list, stream
 from .key import Purpose, SecretKey, forward_call_step
 
+_from_numpy = torch.from_numpy  # bound at import: a model that replaces torch.from_numpy does not make the masks
 _WORD_BYTES = 4
 _SELU_ALPHA = 1.7580993408473766  # torch's alpha_dropout constant
 _local = threading.local()
@@ -87,6 +89,7 @@ class KeyedForward(TorchFunctionMode):
         self.ids: list[int] | None = None
         self.position: Tensor | None = None
         self.calls = 0   # keyed dropout calls of the current forward pass
+        self.made: dict[int, tuple] = {}  # the masks made in the current pass: id -> (mask, call, p) (``mask_of``)
         self.inside = False  # within a forward pass (the mode is pushed)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -139,10 +142,9 @@ class KeyedForward(TorchFunctionMode):
             first[i] = r
             _gather(stream(self.key, Purpose.FORWARD_CALL, field, i, nbytes).view("<u4") < threshold, per_example,
                     pairs, keep[r])
-        made = torch.from_numpy(keep)
-        seen = getattr(_local, "observer", None)
-        if seen is not None:  # the graph proof's recording: row r is example ids[r]'s alone (``observing``)
-            seen(made, call, float(p))
+        with _disable_current_modes():  # (made outside any dispatch mode: a recording sees it first where it is read)
+            made = _from_numpy(keep)
+        self.made[id(made)] = (made, call, float(p))  # (the graph proof's: ``mask_of``)
         return made.view(len(ids), *per_example).to(device)
 
     def _check_layout(self, call: int, per_example: tuple[int, ...]) -> None:
@@ -476,18 +478,14 @@ def keyed(key: SecretKey, step: int, device: torch.device | str = "cpu", layouts
     check_generators(before, device)
 
 
-@contextlib.contextmanager
-def observing(observer) -> Iterator[None]:
-    """Inside, ``observer(mask, call, p)`` is told of each keyed mask as it is made, before any operation reads
-    it: ``mask`` the ``[rows, prod(per_example)]`` bool tensor whose row r is example ``ids[r]``'s mask of keyed
-    call ``call`` (a function of the key, the step, the call and that example alone), ``p`` its rate. The graph
-    proof (``clipbias.grads.proof.watch``) takes such a mask as an input of the batch, one row per example."""
-    saved = getattr(_local, "observer", None)
-    _local.observer = observer
-    try:
-        yield
-    finally:
-        _local.observer = saved
+def mask_of(t: Tensor) -> tuple[int, float] | None:
+    """``(call, p)`` where ``t`` is a keyed mask made in the current forward pass (``KeyedForward._keep``: the
+    ``[rows, prod(per_example)]`` bool tensor whose row r is example ``ids[r]``'s mask of keyed call ``call``, a
+    function of the key, the step, the call and that example alone; ``p`` its rate), else None. The graph proof
+    (``clipbias.grads.proof``) takes such a mask as an input of the batch, one row per example."""
+    mode = active()
+    hit = None if mode is None else mode.made.get(id(t))
+    return None if hit is None or hit[0] is not t else (hit[1], hit[2])
 
 
 @contextlib.contextmanager
@@ -554,12 +552,12 @@ def one_pass(position: Tensor | None = None) -> Iterator[Pass]:
     if mode is None:
         yield seen
         return
-    saved = mode.calls, mode.position, mode.inside
-    mode.calls, mode.position, mode.inside = 0, position, True
+    saved = mode.calls, mode.position, mode.inside, mode.made
+    mode.calls, mode.position, mode.inside, mode.made = 0, position, True, {}
     try:
         with mode if not saved[2] else contextlib.nullcontext():
             yield seen
         mode.check_calls()
     finally:
         seen.calls = mode.calls
-        mode.calls, mode.position, mode.inside = saved
+        mode.calls, mode.position, mode.inside, mode.made = saved

@@ -337,8 +337,11 @@ def test_dropout_model_is_checked_alone_under_its_keyed_masks(monkeypatch):
     """Under dropout, in the engine's step, the probed example is run alone (a batch of one) under the
     keyed masks it draws in the batch, and its attribution equals that gradient: no counterfactual batch
     of copies (a whole second forward and backward). Where the two differ in float32 (here: forced), the
-    float64 recheck of both decides: no false refusal. torch's generator is not drawn from."""
+    float64 recheck of both decides: no false refusal. torch's generator is not drawn from. (The graph proof,
+    which would skip the probe of the second step, is off: this tests the probe.)"""
     import clipbias.grads.fast as fc
+    from clipbias.grads import proof
+    monkeypatch.setattr(proof, "ENABLED", False)
     calls = []
     alone, copies, wide = fc.BookKeeping._alone, fc.BookKeeping._counterfactual, fc.BookKeeping._alone_in_float64
     monkeypatch.setattr(fc.BookKeeping, "_alone", lambda *a, **k: calls.append("alone") or alone(*a, **k))

@@ -376,28 +376,101 @@ def test_a_new_data_set_is_one_registration_and_the_cli_trains_on_it(tiny_data, 
     assert res["steps"] == 5 and res["certified"] is True
 
 
-def _catalog_imports(path: pathlib.Path) -> list[str]:
-    """The sibling modules a catalog imports (``from . import x``, ``from .x import ...``), in order."""
-    out = []
-    for node in _tree(path).body:
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            out += [a.name for a in node.names] if node.module is None else [node.module.split(".")[0]]
-    return out
+# Each package whose modules register: its catalog (the module that imports them), the call that registers, the
+# modules that define the registry, and today's registry in its order (a catalog that discovers its modules
+# imports the ones it listed before in the same order: no registry's order moves).
+CATALOGS = {
+    "algorithms": ("clipbias.algorithms", "register", ("base",), "ALGORITHMS",
+                   ["sgd", "clip-sgd", "ef-sgd", "dpsgd", "normalized", "dice", "dice-adam", "dice-auto",
+                    "dpgd-momentum", "inner-outer", "p-avg", "batch-clip", "adaptive", "disk", "perturb", "self-aug",
+                    "dice-perturb", "dice-self-aug"]),
+    "privacy": ("clipbias.privacy", "register", ("accountants",), "ACCOUNTANTS", ["pld", "rdp"]),
+    "data": ("clipbias.data.catalog", "register_dataset", ("dataset",), "DATASETS",
+             ["fashion-mnist", "digits", "digits-image", "breast-cancer", "wine", "cifar10", "npz"]),
+    "grads/layers": ("clipbias.grads.layers", "register", ("base",), "RULES",
+                     ["linear", "conv1d-transformers", "conv", "instance-norm", "group-norm", "layer-norm", "rms-norm",
+                      "rms-norm-transformers", "embedding", "prelu", "vit-embeddings"]),
+}
+# The recipes' new entries, each a module dropped into its package (the recipe's block), and where it lands.
+DROPPED = {"algorithms": ("half_clip", "Adding a method", "half-clip"),
+           "privacy": ("full_batch_gdp", "Adding an accountant", "full-batch-gdp"),
+           "data": ("tiny", "Adding a data set", "tiny"),
+           "grads/layers": ("batch_norm_eval", "Adding a layer rule", "batch-norm-eval")}
+
+_REGISTRIES = """
+import importlib, json, sys
+out = {}
+for package, (catalog, registry) in json.loads(sys.argv[1]).items():
+    module = importlib.import_module(catalog)
+    out[package] = {"names": list(getattr(module, registry)),
+                    "modules": sorted(m.rpartition(".")[2] for m in sys.modules
+                                      if m.startswith("clipbias." + package.replace("/", ".") + "."))}
+print(json.dumps(out))
+"""
+
+
+def _registries(root: pathlib.Path) -> dict:
+    """Each catalog's registry (its names, in order) and the modules of its package loaded, after importing the
+    catalogs alone in a fresh interpreter from the package at ``root`` (nothing else imported first)."""
+    import json
+    import subprocess
+    import sys
+    arg = json.dumps({p: (c[0], c[3]) for p, c in CATALOGS.items()})
+    done = subprocess.run([sys.executable, "-c", _REGISTRIES, arg], cwd=root, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(root), "PATH": ""}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def _registering(package: str) -> set[str]:
+    """The modules of ``package`` (a folder of clipbias/) that call its registering function, the registry's
+    own modules aside."""
+    _, call, own, _, _ = CATALOGS[package]
+    return {p.stem for p in (PKG / package).glob("*.py") if p.stem not in (*own, "__init__")
+            and any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == call
+                    for n in ast.walk(_tree(p)))}
 
 
 def test_every_module_that_registers_is_imported_by_its_catalog():
-    """A module of ``algorithms/``, ``privacy/`` or ``data/`` that registers something (an algorithm, an
-    accountant, a data set) is imported by its package's catalog, where one line adds it: a module that
-    registers and is not imported there is found by nobody."""
-    calls = {"algorithms": "register", "privacy": "register", "data": "register_dataset"}
-    catalogs = {"algorithms": "__init__.py", "privacy": "__init__.py", "data": "catalog.py"}
-    for package, call in calls.items():
-        registering = {p.stem for p in (PKG / package).glob("*.py")
-                       if p.stem not in ("base", "accountants", "dataset", "__init__")
-                       and any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == call
-                               for n in ast.walk(_tree(p)))}
-        imported = set(_catalog_imports(PKG / package / catalogs[package]))
-        assert registering and registering <= imported, (package, registering - imported)
+    """A module of ``algorithms/``, ``privacy/``, ``data/`` or ``grads/layers/`` that registers something (an
+    algorithm, an accountant, a data set, a layer rule) is imported by its package's catalog with no line of its
+    own: the catalogs discover their modules (those they listed before first, in that order, then the others by
+    name; the algorithms' compositions last). The helpers a catalog leaves to their users register nothing, and
+    the registries hold today's names in today's order."""
+    import importlib
+    got = _registries(PKG.parent)
+    for package, (catalog, _, _, _, names) in CATALOGS.items():
+        registering = _registering(package)
+        loaded = set(got[package]["modules"])
+        assert registering and registering <= loaded, (package, registering - loaded)
+        assert got[package]["names"] == names, (package, got[package]["names"])
+        module = importlib.import_module(catalog)
+        left = set(getattr(module, "_LAZY", ()) + getattr(module, "_NOT_SETS", ()))
+        assert not left & registering, (package, left & registering)
+    from clipbias import algorithms, privacy
+    from clipbias.data import catalog
+    assert algorithms._modules(["zz", "blt", "core", "compose", "bands", "aa", "_x"])[-4:] == ["aa", "zz", "compose",
+                                                                                             "bands"]
+    assert catalog._modules(["new", "text", "own", "catalog"])[-1] == "new"
+    assert privacy._modules(["a", "tuning"])[-1] == "a"
+
+
+def test_a_module_dropped_into_its_package_registers_with_no_other_edit(tmp_path):
+    """The recipes' blocks, each written as a module into its package in a copy of clipbias (nothing is
+    written into the package itself), register when the catalog is imported: no catalog line, no other
+    file; a new method lands after the methods listed before and before the compositions, the others last."""
+    import shutil
+    shutil.copytree(PKG, tmp_path / "clipbias", ignore=shutil.ignore_patterns("__pycache__"))
+    for package, (module, section, _) in DROPPED.items():
+        body = RECIPES.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+        code = textwrap.dedent(re.search(r"```python\n(.*?)```", body, re.S).group(1))
+        (tmp_path / "clipbias" / package / f"{module}.py").write_text(code)
+    got = _registries(tmp_path)
+    for package, (catalog, _, _, _, names) in CATALOGS.items():
+        module, _, name = DROPPED[package]
+        want = [*names[:-4], name, *names[-4:]] if package == "algorithms" else [*names, name]
+        assert got[package]["names"] == want, (package, got[package]["names"])
+        assert module in got[package]["modules"]
 
 
 def _table(text: str, heading: str) -> list[list[str]]:

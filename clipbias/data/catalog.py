@@ -2,8 +2,8 @@
 
 One entry point, :func:`load_dataset`, returns a :class:`Dataset` of in-memory tensors; the names it
 takes are the registry ``DATASETS`` (a ``DataSource`` each: ``fashion``, ``sklearn_sets`` and ``own``
-register the built-in ones, and a new data set is one module that calls ``register_dataset``, imported
-here).
+register the built-in ones, and a new data set is one module that calls ``register_dataset``: this
+catalog imports every module of the package itself, ``_modules``).
 The test split is fixed (part of each data set's definition). A validation split (carved out of
 the *training* split, for hyper-parameter tuning that never looks at the test set) is a keyed draw
 per example under a ``SecretKey`` (``with_validation``): never a public seed.
@@ -22,16 +22,37 @@ split: outside the guarantee, and runs on such data are reported ``certified: fa
 
 from __future__ import annotations
 
+import importlib
 import os
+import pkgutil
 
 from ..errors import ConfigError
 from ..randomness import SecretKey
 from .dataset import (DATASETS, HOLDOUT_CAVEAT, DataFormatError, DataNotFoundError, DataSource, Dataset,
                       IdxFormatError, holdout, keyed_split, register_dataset, stratified_split, with_validation)
-# the catalog: each module registers its data sets (``register_dataset``), in the order the CLI lists them
-from .fashion import (FASHION_MNIST_MEAN, FASHION_MNIST_STD, cache_dir, fashion_mnist_dir, load_fashion_mnist,
-                      read_idx)
-from . import sklearn_sets  # noqa: E402,F401  digits, digits-image, breast-cancer, wine
+
+# the catalog: each module registers its data sets (``register_dataset``). The modules are discovered
+# (``_modules``): ``_FIRST`` in its order (the order ``DATASETS`` and the CLI list the sets), then every other
+# module of the package by name (a new data set needs no line here). ``_NOT_SETS``: this catalog, the registry
+# and the helpers that register nothing (``batch``, ``text``: their users import them; ``text`` imports this).
+_FIRST = ("fashion", "sklearn_sets", "own")  # fashion-mnist; digits, digits-image, breast-cancer, wine; cifar10, npz
+_NOT_SETS = ("catalog", "dataset", "batch", "text")
+
+
+def _modules(found: list[str]) -> list[str]:
+    """The order in which the catalog imports the package's modules ``found`` (their names)."""
+    rest = sorted(set(found) - set(_FIRST) - set(_NOT_SETS))
+    return [*_FIRST, *(n for n in rest if not n.startswith("_"))]
+
+
+def _load() -> None:
+    for name in _modules([m.name for m in pkgutil.iter_modules([os.path.dirname(__file__)])]):
+        importlib.import_module(f"{__package__}.{name}")
+
+
+_load()
+from .fashion import (FASHION_MNIST_MEAN, FASHION_MNIST_STD, cache_dir, fashion_mnist_dir,  # noqa: E402
+                      load_fashion_mnist, read_idx)
 from .own import CIFAR10_CLASSES, load_cifar10, load_npz  # noqa: E402
 
 __all__ = ["CIFAR10_CLASSES", "DATASETS", "DataFormatError", "DataNotFoundError", "DataSource", "Dataset",

@@ -8,6 +8,8 @@ the noise multiplier for a target epsilon without overshooting.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import pkgutil
 import sys
 import threading
 import time
@@ -15,12 +17,32 @@ from dataclasses import asdict, replace
 
 from ..errors import ClipbiasError
 from . import cache, dice, gaussian
-from . import pld, rdp  # noqa: F401  the accountants: each registers itself (accountants.ACCOUNTANTS)
-from .dice import DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING, DiceBasis, DiceParams
-from .accountants import ACCOUNTANTS
-from .mechanisms import (MECHANISMS, AccountingSpec, Banded, BLTStrategy, Cyclic, ErrorFeedback, Independent,
-                         Mechanism, NonPrivate, Poisson, SubsampledGaussian, mechanism)
-from .report import (PrivacyReport, check_accountant, check_delta, check_epsilon, check_rate,  # noqa: F401
+
+# the accountants: each module registers itself (``accountants.ACCOUNTANTS``). The modules are discovered
+# (``_modules``): ``_FIRST`` in its order (the registry's), then every other module of the package by name (a
+# new accountant needs no line here). ``_LAZY`` register nothing and are imported by their users when needed
+# (banded noise's sensitivities, the tuning's accounting), not by the package.
+_FIRST = ("pld", "rdp")
+_LAZY = ("toeplitz", "tuning")
+
+
+def _modules(found: list[str]) -> list[str]:
+    """The order in which the package imports its modules ``found`` (their names)."""
+    rest = sorted(set(found) - set(_FIRST) - set(_LAZY))
+    return [*_FIRST, *(n for n in rest if not n.startswith("_"))]
+
+
+def _load() -> None:
+    for name in _modules([m.name for m in pkgutil.iter_modules(__path__)]):
+        importlib.import_module(f"{__name__}.{name}")
+
+
+_load()
+from .dice import DEFAULT_DICE_ACCOUNTING, DICE_ACCOUNTING, DiceBasis, DiceParams  # noqa: E402
+from .accountants import ACCOUNTANTS  # noqa: E402
+from .mechanisms import (MECHANISMS, AccountingSpec, Banded, BLTStrategy, Cyclic, ErrorFeedback,  # noqa: E402
+                         Independent, Mechanism, NonPrivate, Poisson, SubsampledGaussian, mechanism)
+from .report import (PrivacyReport, check_accountant, check_delta, check_epsilon, check_rate,  # noqa: E402, F401
                      check_steps, delta_warning)
 
 __all__ = ["AccountingSpec", "PrivacyReport", "DiceParams", "DiceBasis", "account", "calibrate", "ACCOUNTANTS",

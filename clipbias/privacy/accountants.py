@@ -7,7 +7,7 @@ multiplier it refuses (``floor``) and, optionally, which cheaper accountants aim
 inputs once and ask the accountant registered under the name; the CLI offers the registered names.
 
 A new accountant is one module of ``clipbias.privacy`` that subclasses ``Accountant`` and calls
-``register``, and its import in the package's ``__init__.py`` (``pld`` and ``rdp`` are the models).
+``register`` (the package's ``__init__.py`` imports every module of it; ``pld`` and ``rdp`` are the models).
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ forward, backward and rules) counts as the check's:
 * ``rules: norms``: ``_rules_of`` (every layer's rule: the ghost norms' Gram matrices and rounding bounds, the
   formed per-example gradients, the Embedding's rows);
 * ``rules: clipped sums``: every rule's ``sums`` (the ghost layers' float64 ``(s * g)^T a``);
-* ``check``: ``RuntimeChecks._check_examples`` (a secret random example run alone under its keyed dropout masks,
+* ``proof``: ``RuntimeChecks.graph_proven`` (the graph proof's look-up of the step's recorded program; on a new
+  program its analysis and the first example's recording alone); the recording itself runs in the forward;
+* ``check``: ``BookKeeping._check_examples`` (a secret random example run alone under its keyed dropout masks,
   or the probes run alone without dropout, their gradients compared; the float64 recheck where float32 parts
   them);
 * ``noise``: ``snapped_gaussian`` (ChaCha20 keystream, float64 Box-Muller, rounding onto the grid);
@@ -68,7 +70,8 @@ def instrument() -> None:
     modules = [fast] + [sys.modules[type(r).__module__] for r in RULES.values()]
     for cls in {c for mod in modules for c in vars(mod).values() if isinstance(c, type) and "sums" in vars(c)}:
         cls.sums = timed("rules: clipped sums", cls.sums)
-    fast_checks.RuntimeChecks._check_examples = timed("check", fast_checks.RuntimeChecks._check_examples)
+    fast.BookKeeping._check_examples = timed("check", fast.BookKeeping._check_examples)
+    fast_checks.RuntimeChecks.graph_proven = timed("proof", fast_checks.RuntimeChecks.graph_proven)
     noise.snapped_gaussian = timed("noise", noise.snapped_gaussian)
     torch.optim.AdamW.step = timed("optimizer", torch.optim.AdamW.step)
 
@@ -99,7 +102,8 @@ def run(name: str, rounds: int) -> dict:
         phases["other"] = step - sum(phases.values())
         if r:  # round 0 warms both up
             rows.append({"nonprivate_s": nonprivate, "private_s": step, "phases_s": phases})
-    med = {k: statistics.median(row["phases_s"][k] for row in rows) for k in rows[0]["phases_s"]}
+    names = sorted({k for row in rows for k in row["phases_s"]})  # (a step that skipped its check has none)
+    med = {k: statistics.median(row["phases_s"].get(k, 0.0) for row in rows) for k in names}
     non, pri = (statistics.median(row[k] for row in rows) for k in ("nonprivate_s", "private_s"))
     return {"model": name, "grad_path": eng.grad_path_note, "nonprivate_s_median": non, "private_s_median": pri,
             "ratio": pri / non, "phases_s_median": med, "rounds": rows}

@@ -88,3 +88,18 @@ class _Relabels(nn.Module):
 
 def test_a_tensor_labelled_as_a_parameter_the_model_does_not_hold_is_not_proven():
     assert "a parameter or buffer the model does not hold" in proof.prove(_Relabels(), torch.randn(4, 6))
+
+
+def test_a_spot_probe_on_a_dropout_step_runs_four_examples_alone(monkeypatch):
+    """An unproven dropout step runs one secret example alone; a proven one's secret spot probe runs ``PROBES``
+    (a leak into a few rows, in a model that leaks only where it expects no probe, is then met more often)."""
+    from clipbias.grads import fast_checks
+    from clipbias.grads.fast import BookKeeping
+    calls = []
+    alone = BookKeeping._alone
+    monkeypatch.setattr(BookKeeping, "_alone", lambda *a, **k: calls.append(1) or alone(*a, **k))
+    monkeypatch.setattr(proof, "SPOT", 1)
+    torch.manual_seed(0)
+    e, _ = _steps(_Honest())
+    assert e.fast._proofs.spot == 3  # steps 2-4: proven before (at step 1, probed), each a spot probe
+    assert len(calls) == 1 + 3 * fast_checks.PROBES  # step 1: one example alone

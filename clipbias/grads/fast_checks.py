@@ -181,13 +181,17 @@ class RuntimeChecks:
         gradients. A mixing confined to a few examples is caught with probability (examples probed)
         x (examples affected) / b per step (docs/results.md)."""
         b = batch.size(x)
+        if rng is not None and forward.active() is not None:  # the engine's step: masks keyed per example
+            # one example alone; ``PROBES`` on a proven step's secret spot probe (``proof.SPOT``), which meets a
+            # model that leaks only where it expects no probe: there a leak into a few rows is caught more often
+            for i in self.rng.sample(range(b), min(PROBES if self.proofs.spotted else 1, b)):
+                mine = self.host._ordered([r.one(i) for r in rules])
+                if not (_close(mine, self.host._alone(x, y, i), params, 1e-4) or self.host._alone_in_float64(x, y, i, mine)):
+                    raise PathRefusal("fast", _MIXING.format(i=i, alone="run alone under its own dropout masks"))
+            return
         if rng is not None:
             i = self.rng.randrange(b)
             mine = self.host._ordered([r.one(i) for r in rules])
-            if forward.active() is not None:  # the engine's step: masks keyed per example, the same alone
-                if not (_close(mine, self.host._alone(x, y, i), params, 1e-4) or self.host._alone_in_float64(x, y, i, mine)):
-                    raise PathRefusal("fast", _MIXING.format(i=i, alone="run alone under its own dropout masks"))
-                return
             if not _close(mine, self.host._counterfactual(x, y, i, rng), params, 1e-4):  # torch's generator: copies
                 raise PathRefusal("fast", _MIXING.format(i=i, alone="among copies of itself"))
             return

@@ -1437,9 +1437,11 @@ class Proofs:
         self.unjudged = False  # a program was recorded and not judged (its step kept the probe)
         self.last: str | None = None  # why the last judged step was not proven, or None
         self.hits = self.analysed = self.spot = 0  # (spot: proven steps that kept the probe by ``SPOT``)
+        self.spotted = False  # this step is a spot probe (``RuntimeChecks.check_examples`` then probes more)
 
     def recording(self) -> bool:
         """Whether to record this step's forward (once per step)."""
+        self.spotted = False
         if self.unjudged:
             self.failures += 1
             self.last = "the step kept its probe (a random forward, or a loss of several examples)"
@@ -1485,7 +1487,7 @@ class Proofs:
         # node hook) then meets the probe on the first step of every new program; a steady program skips it but
         # on a secret share of its steps (``SPOT``: a model that leaks only where it expects no probe)
         if why is None and not fresh and SPOT and _SPOT_RNG.randrange(SPOT) == 0:
-            self.spot += 1
+            self.spot, self.spotted = self.spot + 1, True
             return False
         return why is None and not fresh
 

@@ -282,6 +282,8 @@ def test_hf_evaluation_on_the_training_set_is_refused(tmp_path):
         trainer.evaluate()
     with pytest.raises(ConfigError, match="eval_dataset is the train_dataset"):
         trainer.evaluate(eval_dataset=train)
+    with pytest.raises(ConfigError, match="eval_dataset is the train_dataset or holds its examples"):
+        trainer.evaluate(eval_dataset=torch.utils.data.Subset(train, range(4)))  # (red team round 11: certified)
     trainer.evaluate(eval_dataset=valid)  # a held-out split is fine
     trainer = _trainer(tmp_path, train, eval_dataset=valid, eval_strategy="steps", eval_steps=1)
     trainer.train()

@@ -526,6 +526,20 @@ def test_public_data_of_the_private_batchs_size_names_that_count_as_released(siz
     assert (SIZES_RELEASED in report.released) == sized
 
 
+def test_public_data_whose_size_follows_the_batchs_names_that_count_as_released():
+    """Red team round 11: a public batch of ``2 b`` rows follows the private batch's size as well; a public call
+    whose number of rows changes during the run names the sizes (6 secret Poisson batches, an epoch: all of one
+    size with probability about 3e-6)."""
+    pe, m, model, opt, loader = _make(seed=None)
+    for i, (xb, yb) in enumerate(loader):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(xb), yb) + 0.1 * model(clipbias.public(torch.randn(2 * len(xb), D))).pow(2).mean()
+        loss.backward()
+        opt.step()
+    report = pe.privacy_report()
+    assert report.certified and SIZES_RELEASED in report.released
+
+
 def test_public_clip_trains_each_generated_rows_gradient_clipped():
     """``make_private`` by default (``public_clip=True``, as Opacus clips every row through the wrapped module): the
     fake term of a DCGAN's discriminator step reaches the update as

@@ -417,3 +417,15 @@ def test_an_optimizer_that_is_not_one_is_refused_in_the_interfaces_words():
         PrivacyEngine().make_private(module=model, optimizer=list(model.parameters()),
                                      data_loader=DataLoader(TensorDataset(x, y), batch_size=B), noise_multiplier=1.0,
                                      max_grad_norm=1.0)
+
+
+@pytest.mark.parametrize("algorithm", ["sgd", "clip-sgd", "ef-sgd"])
+def test_a_non_private_algorithm_is_refused_as_the_other_adapters_refuse_it(algorithm):
+    """Red team round 11: ``make_private(noise_multiplier=1.0, algorithm="sgd")`` trained without noise, the
+    noise_multiplier ignored (reported honestly as uncertified, but silent); DPCallback and DPTrainer refuse it."""
+    x, y = _data()
+    model = nn.Linear(D, K)
+    with pytest.raises(ConfigError, match="is not private"):
+        PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                     data_loader=DataLoader(TensorDataset(x, y), batch_size=B), noise_multiplier=1.0,
+                                     max_grad_norm=1.0, algorithm=algorithm)

@@ -273,11 +273,15 @@ def opacus_settings(extra: dict, *, noise_multiplier: float | None, epsilon: flo
 
 
 def check_opacus_keywords(extra: dict) -> None:
-    """Refuse a clipbias keyword ``make_private`` does not take, and an algorithm that needs public features."""
+    """Refuse a clipbias keyword ``make_private`` does not take, a non-private algorithm (its ``noise_multiplier``
+    would be ignored; the other adapters refuse it too) and one that needs public features."""
     unknown = set(extra) - OPACUS_KEYWORDS
     if unknown:
         raise ConfigError(f"make_private got unexpected keyword(s) {sorted(unknown)}")
     algorithm = extra.get("algorithm", "dpsgd")
+    if not algorithms.get(algorithm).private:
+        raise ConfigError(f"algorithm={algorithm!r} is not private (no noise: noise_multiplier would be ignored); "
+                          f"make_private trains privately: use dpsgd, dice, ...")
     if algorithms.get(algorithm).needs_public:
         raise ConfigError(f"algorithm={algorithm!r} needs public features beside the private data; it runs from "
                           f"`TrainConfig` (`public_size`) or the clipbias CLI, not through make_private")

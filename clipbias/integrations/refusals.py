@@ -186,14 +186,17 @@ def check_training_args(args: Any) -> None:
 
 
 def check_eval_data(train: Any, evaluated: Any) -> None:
-    """Refuse an evaluation on the training set (the same dataset object, alone or in a dict of eval sets):
-    its metrics are statistics of the private training data, computed outside the private step without
-    noise, and the Trainer logs them (to every ``report_to``): they would be released outside the guarantee."""
+    """Refuse an evaluation on the training set (alone or in a dict of eval sets: the same dataset, a Subset
+    meeting the training indices, a TensorDataset over the training tensors' memory: ``_shares_examples``, as
+    Lightning's validation): its metrics are statistics of the private training data, computed outside the
+    private step without noise, and the Trainer logs them (to every ``report_to``): they would be released
+    outside the guarantee."""
     sets = evaluated.values() if isinstance(evaluated, Mapping) else [evaluated]
-    if train is not None and any(d is train for d in sets):
-        raise ConfigError(_on_training_data("DPTrainer: eval_dataset is the train_dataset: its metrics (loss, "
-                                            "accuracy, ...)", "the Trainer", "Evaluate on a held-out split (e.g. "
-                                            "train_test_split) or pass eval_dataset=None"))
+    if train is not None and any(_shares_examples(d, train) for d in sets):
+        raise ConfigError(_on_training_data(
+            "DPTrainer: eval_dataset is the train_dataset or holds its examples (the same dataset, a Subset of its "
+            "indices, its tensors): its metrics (loss, accuracy, ...)", "the Trainer",
+            "Evaluate on a held-out split (e.g. train_test_split) or pass eval_dataset=None"))
 
 
 def _on_training_data(what: str, logger: str, fix: str) -> str:

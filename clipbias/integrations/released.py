@@ -8,7 +8,7 @@ N_RELEASED = "n, the number of training examples (the sampling rate B / n and th
 TIMES_RELEASED = "the run's timings (steps per second, runtime: they grow with the private batches' sizes)"
 
 
-SIZES_RELEASED = ("the private batches' sizes, through public data of their size (a forward on generated data of "
+SIZES_RELEASED = ("the private batches' sizes, through public data whose size follows them (a forward on generated data of "
                   "len(x) rows, as a DCGAN's torch.randn(batch_size, nz)): each step's public term, clipped per row or "
                   "exact, is a function of that count")
 """What a run releases where a public forward has as many rows as the private batch (``Session._follow``)."""

@@ -102,13 +102,17 @@ def _with_clipped_rows(session: "Session", pending: Pending, public: list) -> li
     return public
 
 
-def _sizes_named(released: tuple, args: tuple, kwargs: dict, sizes: tuple) -> tuple:
-    """``released`` with ``SIZES_RELEASED`` where a public call's first tensor argument has one of the private
-    batch's ``sizes`` of rows (its chunk's, its own)."""
+def _sizes_named(session: "Session", args: tuple, kwargs: dict, sizes: tuple) -> None:
+    """``SIZES_RELEASED`` added to ``session.released`` where a public call's first tensor argument has one of the
+    private batch's ``sizes`` of rows (its chunk's, its own), or a number of rows that has changed during the run
+    (``2 b`` or ``b + 1`` rows follow the batch's size too: red team round 11)."""
     first = next((t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim() > 0), None)
-    if SIZES_RELEASED in released or first is None or first.shape[0] not in sizes:
-        return released
-    return (*released, SIZES_RELEASED)
+    if SIZES_RELEASED in session.released or first is None:
+        return
+    seen = session.__dict__.setdefault("_public_rows", set())  # the public calls' row counts so far
+    seen.add(first.shape[0])
+    if first.shape[0] in sizes or len(seen) > 1:
+        session.released = (*session.released, SIZES_RELEASED)
 
 
 def epoch_steps(n: int, batch_size: int, drop_last: bool = False) -> int:
@@ -272,7 +276,7 @@ class Session:
         with its graph, whose gradient the loop's backward adds to the update exactly (``rowtrace._backward``)."""
         chunk = pending.chunk
         if rowtrace.forward_kind(*traced, chunk, pending.data) == "public":
-            self.released = _sizes_named(self.released, args, kwargs, (chunk.size, len(pending.indices)))
+            _sizes_named(self, args, kwargs, (chunk.size, len(pending.indices)))
             if self.public_clip is not None and torch.is_grad_enabled():
                 return _public_rows_call(self, fn, pending, args, kwargs)
             return rowtrace.public_output(self.guarded(fn, *args, **kwargs), chunk)

@@ -51,10 +51,11 @@ thread during the forward, a model whose batch-of-one computation changes later 
 does not (the example alone is recorded when a program is first proven), and a function of the batch
 size equal at b and 1. A forward under autocast, or one that draws random numbers other than the engine's
 keyed dropout, keeps the probe (``RuntimeChecks.graph_watch``). **Keyed dropout** (the engine's step:
-``clipbias.randomness.forward``) is proven: a tensor the keyed mode made as a mask in this pass (``forward.mask_of``,
-by identity) is a source of the batch, ``("k", call, p)``, one row per example: row r is drawn from example r's own keystream (the key, the step, the call and its index
-alone), which is what its masks are run alone; the example alone is recorded under its own masks
-(``forward.only``), so the call numbers and rates must match too."""
+``clipbias.randomness.forward``) is proven: a tensor the keyed mode made as a mask in this pass
+(``forward.mask_of``, by identity) is a source of the batch, ``("k", call, p)``, one row per example: row r is
+drawn from example r's own keystream (the key, the step, the call and its index alone), which is what its masks
+are run alone; the example alone is recorded under its own masks (``forward.only``), so the call numbers and
+rates must match too."""
 
 from __future__ import annotations
 

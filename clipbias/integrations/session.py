@@ -104,8 +104,9 @@ def _with_clipped_rows(session: "Session", pending: Pending, public: list) -> li
 
 def _sizes_named(session: "Session", args: tuple, kwargs: dict, sizes: tuple) -> None:
     """``SIZES_RELEASED`` added to ``session.released`` where a public call's first tensor argument has one of the
-    private batch's ``sizes`` of rows (its chunk's, its own), or a number of rows that has changed during the run
-    (``2 b`` or ``b + 1`` rows follow the batch's size too: red team round 11)."""
+    private batch's ``sizes`` of rows (its chunk's, its own), or where the run's public calls have had more than one
+    number of rows (``2 b`` or ``b + 1`` rows follow the batch's size too: red team round 11; public calls of two
+    fixed sizes are named as well, conservatively)."""
     first = next((t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim() > 0), None)
     if SIZES_RELEASED in session.released or first is None:
         return

@@ -335,7 +335,9 @@ def test_hugging_faces_mlm_collator_with_a_seed_is_uncertified_and_keyed_under_d
         warnings.simplefilter("always")
         for x, y, idx in PoissonLoader(eng, data, collate_fn=collator).epoch(3):
             eng.step(x, y, idx)
-    assert not eng.privacy().certified and "random" in eng.fetch_caveats
+    # (the seeded collator's draws go by fetch order: the example alone twice differs, "random", or, where its two
+    # draws alone happen to agree (a short sentence masked alike), its row in the batch differs, "batch")
+    assert not eng.privacy().certified and {"random", "batch"} & set(eng.fetch_caveats), eng.fetch_caveats
     assert any("no longer certified" in str(w.message) for w in seen)
 
     keyed = keyed_collator(collator)  # the same rule, each example's masks from its own keyed stream

@@ -1162,3 +1162,39 @@ def test_input_rows_are_the_unfolded_input_bit_for_bit():
         for x in inputs:
             got, want = input_rows(layer, x), unfold_input(layer, x).transpose(1, 2)
             assert got.is_contiguous() and got.dtype == x.dtype and torch.equal(got, want), (layer, x.shape)
+
+
+def test_the_dropout_probe_does_not_refuse_an_honest_model_whose_examples_are_fit_to_a_tiny_gradient(monkeypatch):
+    """An honest dropout model whose softmax is saturated (example gradients down to ~1e-14) was refused as mixing
+    (a red team's run at lr = 1: step 140-349): float32 is far off float64 at that size, relative to the example's
+    own gradient. The float32-vs-float64 comparison is now relative to at least ``FLOOR`` C as well; the bound C is
+    read off the step's scaling (``RuntimeChecks.bound``)."""
+    import torch.nn.functional as F
+    from clipbias.grads import fast_checks, proof
+    monkeypatch.setattr(proof, "ENABLED", False)  # every step probed
+
+    class Saturated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2, self.drop = nn.Linear(6, 16), nn.Linear(16, 3), nn.Dropout(0.1)
+
+        def forward(self, x):
+            return self.fc2(self.drop(F.gelu(self.fc1(x))))
+    torch.manual_seed(0)
+    m = Saturated()
+    with torch.no_grad():
+        m.fc1.weight.mul_(4)
+        m.fc2.weight.mul_(20)
+    x = torch.randn(64, 6, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        y = m.fc2(F.gelu(m.fc1(x))).argmax(1)
+    eng = DPEngine(m, "dpsgd", n=64, batch_size=8, steps=10, noise_multiplier=1.0,
+                   config=AlgoConfig(lr=1e-12, clip=0.7), grad_path="fast")
+    for s in range(8):
+        idx = torch.arange(s * 8, s * 8 + 8)
+        eng.step(x[idx], y[idx], idx)
+    assert eng.steps_taken == 8
+    assert eng.fast.checks.bound(torch.device("cpu")) == pytest.approx(0.7)
+    eng.fast.checks.scale = lambda n: torch.ones_like(n)  # no clipping: no bound, relative comparisons only
+    assert eng.fast.checks.bound(torch.device("cpu")) == 0.0
+    assert fast_checks.FLOOR == 2.0 ** -20

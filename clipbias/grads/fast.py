@@ -288,6 +288,7 @@ class BookKeeping(GradPath):
         checked as always, combined exactly (``_Combined``, its terms in float64: the expansion of the
         combination's norm cancels, and float32 terms would understate it)."""
         dtype, ref, cheap = None, None, None
+        self.checks.scale = scale  # (the probe's float64 recheck reads the per-example bound C off it)
         if at is None:  # the reference sum: from the formed rows where a layer has them, else autograd's (below)
             losses, rules, ref = self._rules(x, y, reference=reference)
             # where _rules left a parameter's reference to the rows (None): that layer's sums take a ones row

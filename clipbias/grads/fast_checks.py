@@ -25,6 +25,10 @@ from .rows import cross_entropy
 PROBES = 4
 """Examples probed per step (deterministic forward)."""
 
+FLOOR = 2.0 ** -20
+"""Under dropout, the float32 attribution is compared with the float64 one relative to at least ``FLOOR`` times the
+per-example bound C (``alone_in_float64``)."""
+
 MIN_PROBE_NORM = 1e-30
 """Attributed norms below this weigh a probe as if they were this (``_probe_weights``)."""
 
@@ -64,6 +68,7 @@ class RuntimeChecks:
         self.host = host
         self.rng = secrets.SystemRandom()  # the probes: unpredictable, from the OS CSPRNG
         self.proofs = proof.Proofs()
+        self.scale: Callable | None = None  # the step's norm-scaling factors (``BookKeeping.__call__``)
 
     def check_graph(self, losses: Tensor, outs: dict, ins: dict) -> None:
         """The soundness check of every step, exact and structural: every trainable parameter enters
@@ -318,9 +323,21 @@ class RuntimeChecks:
             alone = self.host._alone(xw, y, i, call=call)
         except (RuntimeError, ConfigError):  # an op without float64 support, a dtype clash inside the model
             return False
+        # the float32 attribution within 5e-2 of the float64 one, relative to that gradient or, for an example whose
+        # gradient is far below the clip (a saturated softmax's 1e-14, where float32 is 59 % off: an honest model
+        # was refused), to ``FLOOR`` C: a model that mixed only in float32 would move a row by < 5e-2 FLOOR C
         return _close(attributed, alone, leaves, 1e-4) and _close(
             [t.to(a.dtype) for t, a in zip(attributed32, attributed)], attributed, leaves,
-            MIXED_RTOL if precision.active_mixed() is not None else 5e-2)
+            MIXED_RTOL if precision.active_mixed() is not None else 5e-2, FLOOR * self.bound(leaves[0].device))
+
+    def bound(self, device: torch.device) -> float:
+        """The step's per-example bound, C for a clip (``n f(n)`` at a huge norm ``n``, ``f`` the stage's scaling
+        factors); 0 where that is not a finite positive number (then the comparisons are relative only)."""
+        try:
+            c = float(self.scale(torch.tensor([1e30], dtype=torch.float64, device=device))[0]) * 1e30
+        except Exception:  # noqa: BLE001  (no scale, or one that takes no such norm: relative comparisons only)
+            return 0.0
+        return c if math.isfinite(c) and 0 < c < 1e20 else 0.0
 
     def counterfactual(self, x: Batch, y: Batch, i: int, rng: tuple) -> list[Tensor]:
         """Example i's attributed gradient in the batch whose every row is example i, under the

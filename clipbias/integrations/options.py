@@ -279,10 +279,11 @@ def check_opacus_keywords(extra: dict) -> None:
     if unknown:
         raise ConfigError(f"make_private got unexpected keyword(s) {sorted(unknown)}")
     algorithm = extra.get("algorithm", "dpsgd")
-    if not algorithms.get(algorithm).private:
+    algo = algorithms.get(algorithm)
+    if not algo.private:
         raise ConfigError(f"algorithm={algorithm!r} is not private (no noise: noise_multiplier would be ignored); "
                           f"make_private trains privately: use dpsgd, dice, ...")
-    if algorithms.get(algorithm).needs_public:
+    if algo.needs_public:
         raise ConfigError(f"algorithm={algorithm!r} needs public features beside the private data; it runs from "
                           f"`TrainConfig` (`public_size`) or the clipbias CLI, not through make_private")
 

@@ -110,9 +110,8 @@ def _sizes_named(session: "Session", args: tuple, kwargs: dict, sizes: tuple) ->
     first = next((t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim() > 0), None)
     if SIZES_RELEASED in session.released or first is None:
         return
-    seen = session.__dict__.setdefault("_public_rows", set())  # the public calls' row counts so far
-    seen.add(first.shape[0])
-    if first.shape[0] in sizes or len(seen) > 1:
+    session.public_rows.add(first.shape[0])
+    if first.shape[0] in sizes or len(session.public_rows) > 1:
         session.released = (*session.released, SIZES_RELEASED)
 
 
@@ -201,6 +200,7 @@ class Session:
                  eager: bool | None = None, public_clip: float | None = None) -> None:
         self.engine, self.unstepped, self.released, self.public_clip = engine, unstepped, released, public_clip
         self.pending: Pending | None = None
+        self.public_rows: set[int] = set()  # the row counts of the run's public calls (``_sizes_named``)
         self.run = rowtrace.Run(engine.state_guard.model)  # reads of a batch after its step (``follows``)
         self.anchor = torch.zeros((), requires_grad=True)
         self.eager = eager  # whether the forward may take the step (criterion; None: its first forward decides)

@@ -48,12 +48,8 @@ class Cyclic:
 
 
 # ---------------------------------------------------------------- the noise's correlation across steps
-@dataclass(frozen=True)
-class Independent:
-    """Independent Gaussian noise at every step (the identity strategy): sensitivity 1, Poisson participation."""
-
-    participation = Poisson()
-    bands = 1
+class _Amplified:
+    """A strategy whose releases are the subsampled Gaussian amplified by its ``participation``, at sensitivity 1."""
 
     def sensitivity(self, steps: int) -> float:
         """Delta(steps) in units of the per-example sensitivity."""
@@ -64,7 +60,15 @@ class Independent:
 
 
 @dataclass(frozen=True)
-class Banded:
+class Independent(_Amplified):
+    """Independent Gaussian noise at every step (the identity strategy): sensitivity 1, Poisson participation."""
+
+    participation = Poisson()
+    bands = 1
+
+
+@dataclass(frozen=True)
+class Banded(_Amplified):
     """b-banded noise with unit-norm coefficients (``clipbias.algorithms.bands``): under cyclic participation in b
     classes each participation reaches b releases, those of different participations are disjoint, so it is the
     subsampled Gaussian at rate b q for ceil(T / b) steps (docs/privacy.md, "Banded noise")."""
@@ -74,12 +78,6 @@ class Banded:
     @property
     def participation(self) -> Cyclic:
         return Cyclic(self.bands)
-
-    def sensitivity(self, steps: int) -> float:
-        return 1.0
-
-    def rate_and_steps(self, q: float, steps: int) -> tuple[float, int]:
-        return self.participation.amplified(q, steps)
 
 
 @dataclass(frozen=True)

@@ -178,10 +178,12 @@ class Traced(Tensor):
             _refuse_state_write(name, args, kwargs, found)
         if name in ("backward", "grad") and func in (Tensor.backward, torch.autograd.backward, torch.autograd.grad):
             return _backward(func, args, kwargs, found)
-        if name in HOOKS and any(lab.kind != PUBLIC for lab in found):
+        if name in HOOKS and found:  # (a public tensor's too: its hook may add the private batch to the exact
+            # public term, unclipped: red team round 12 moved the update by 6,035 C so)
             raise ConfigError(f"`{name}` on a tensor of the private step: a hook may change the gradient in ways "
                               f"clipbias cannot follow per example (a hook that normalises by the batch couples the "
-                              f"examples); compute what it does in the loss instead")
+                              f"examples; one on a public output can carry the private batch into the public term); "
+                              f"compute what it does in the loss instead")
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         if name == "grad" and found and isinstance(out, Tensor):  # the gradient of a private loss is private
@@ -624,6 +626,10 @@ def _shape_label(name: str, args, kwargs, rows: Rows, kinds: set, tensors: list[
                 and tensors[0].shape[0] == idx.shape[0]:
             return Label(ROWS, rows)
         return Label(ONE, rows)
+    if first._label.kind != ROWS:  # the rows of the tensor reshaped are not one example each, nor are the result's,
+        return Label(ONE, rows)      # whatever the other operands (``y[:1].expand_as(y)``: red team round 12)
+    if name in ("expand", "expand_as", "broadcast_to") and any(t.dim() > first.dim() for t in tensors):
+        return Label(ONE, rows)  # new leading dimensions: each row of the result holds every example's values
     if name in ("transpose", "swapaxes", "swapdims", "movedim", "moveaxis", "permute", "t", "T", "mT", "H", "mH"):
         keeps = _keeps_first(name, args, kwargs, first)
         return Label(ROWS if keeps and _leading(tensors, rows) else ONE, rows)
@@ -781,6 +787,13 @@ def _backward(func: Callable, args, kwargs, found: list[Label]):
             lab.rows.escaped = "torch.autograd.grad of a loss on the private batch"
     chunks = {id(lab.rows): lab.rows for lab in found if lab.rows is not None}.values()
     watch = [c for c in chunks if c.reaches_params or any(lab.kind == PUBLIC and lab.rows is c for lab in found)]
+    hooked = [p for c in watch for p in c.params if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)]
+    if hooked:  # the public part is what this backward adds to the parameters' .grad, and a hook changes it
+        raise ConfigError(
+            f"a gradient hook is registered on a parameter of the model ({tuple(hooked[0].shape)}; "
+            f"`register_hook`, `register_post_accumulate_grad_hook`): the backward of your loop's loss adds a public "
+            f"term (a public forward or a parameter term) to the parameters' gradients, and a hook may add values of "
+            f"the private batch to it, unclipped and without noise. Remove the hook, or compute what it does in the loss")
     before = [[p.grad.detach().clone() if p.grad is not None else None for p in c.params] for c in watch]
     with torch._C.DisableTorchFunctionSubclass():
         result = func(*args, **kwargs)

@@ -131,21 +131,25 @@ class StateGuard:
     # ------------------------------------------------------------------ fingerprints
     def snapshot(self, copies: bool = True) -> tuple[dict, list]:
         """``({(module name, slot, name): fingerprint}, [(module name, module, name, buffer, copy)])``; without
-        ``copies`` (the comparison's side) the buffers are not copied and the list is empty."""
-        prints, buffers = {}, []
-        own = {_storage(t) for t in (*self.model.parameters(), *self.model.buffers())} - {None}
+        ``copies`` (the comparison's side) the buffers are not copied and the list is empty. Every module of the
+        tree as it is now (``_modules``), parameters and buffers first (their storages, ``own``, decide how a
+        tensor attribute is printed), then attributes."""
+        prints, buffers, own = {}, [], set()
+        modules = [(mname, m, _derived(m)) for mname, m in _walk(self.model) if not _metric_type(type(m))]
         with torch.no_grad():
-            for mname, m in self.model.named_modules():
-                if _metric(m):
-                    continue
-                skip = _derived(m)
+            for mname, m, skip in modules:
                 for name, p in m._parameters.items():
-                    prints[(mname, "parameter", name)] = _print(p)
+                    prints[(mname, "parameter", name)] = got = _print(p)
+                    own.add(got[2] if got is not None else None)
                 for name, b in m._buffers.items():
+                    got = _print(b)
+                    own.add(got[2] if got is not None else None)
                     if ("buffer", name) not in skip:
-                        prints[(mname, "buffer", name)] = _print(b)
+                        prints[(mname, "buffer", name)] = got
                         if b is not None and copies:
                             buffers.append((mname, m, name, b, b.detach().clone()))
+            own.discard(None)
+            for mname, m, skip in modules:
                 for name, v in vars(m).items():
                     if name not in _INTERNAL and ("attribute", name) not in skip:
                         prints[(mname, "attribute", name)] = _print_value(v, own)
@@ -236,6 +240,21 @@ def _storage(t: Tensor) -> int | None:
         return None
 
 
+def _walk(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()`` (each module once, under its first name, in the same order), without its
+    recursive generators: a stack of ``_modules`` dicts (the guard walks the tree four times a step)."""
+    out, seen, stack = [], set(), [("", model)]
+    while stack:
+        name, m = stack.pop()
+        if m is None or id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append((name, m))
+        prefix = name + "." if name else ""
+        stack.extend((prefix + k, c) for k, c in reversed(list(m._modules.items())))
+    return out
+
+
 def _print(t: Tensor | None) -> tuple | None:
     """A parameter's or buffer's fingerprint: object, storage, layout and version counter."""
     if t is None:
@@ -286,7 +305,9 @@ def _print_value(v: Any, own: set[int]) -> Any:
         return _Values(v)
     if isinstance(v, weakref.ref):
         return ("ref", _print_value(v(), own))
-    if v is None or isinstance(v, (bool, int, float, complex, str, bytes, np.generic)):
+    if v is None or type(v) in (bool, int, str, bytes):  # (equal by value: the value itself)
+        return (type(v), v)
+    if isinstance(v, (bool, int, float, complex, str, bytes, np.generic)):  # (a NaN equals only its repr)
         return (type(v), repr(v))
     if isinstance(v, np.ndarray):
         return _Values(torch.from_numpy(v.copy())) if v.dtype != object else (id(v), type(v))
@@ -299,10 +320,17 @@ def _print_value(v: Any, own: set[int]) -> Any:
     return (id(v), type(v))
 
 
-def _metric(m: nn.Module) -> bool:
-    """A ``torchmetrics.Metric``: its state is the running statistic it exists to keep, logged (released outside
-    the guarantee, as the loss is: docs/privacy.md) and not in ``state_dict``."""
-    return any(c.__module__.startswith("torchmetrics.") and c.__name__ == "Metric" for c in type(m).__mro__)
+@functools.lru_cache(maxsize=None)
+def _metric_type(cls: type) -> bool:
+    """A ``torchmetrics.Metric`` class: its state is the running statistic it exists to keep, logged (released
+    outside the guarantee, as the loss is: docs/privacy.md) and not in ``state_dict``."""
+    return any(c.__module__.startswith("torchmetrics.") and c.__name__ == "Metric" for c in cls.__mro__)
+
+
+@functools.lru_cache(maxsize=None)
+def _lightning_type(cls: type) -> type | None:
+    """The ``LightningModule`` class among ``cls``'s bases, or None."""
+    return next((c for c in cls.__mro__ if c.__name__ == "LightningModule"), None)
 
 
 def _derived(m: nn.Module) -> set[tuple[str, str]]:
@@ -324,7 +352,7 @@ def _derived(m: nn.Module) -> set[tuple[str, str]]:
         skip |= {("buffer", "_u"), ("buffer", "_v")}
     if "warnings_issued" in vars(m):
         skip.add(("attribute", "warnings_issued"))
-    lightning = next((c for c in type(m).__mro__ if c.__name__ == "LightningModule"), None)
+    lightning = _lightning_type(type(m))
     if lightning is not None:
         skip |= {("attribute", k) for k in _lightning_own(lightning)}
     return skip

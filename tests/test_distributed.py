@@ -336,7 +336,13 @@ def _counted(run):
     calls: dict[str, int] = {}
     padded = [0]
     saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-    pad = ShardedSums.pad
+    pad, reduce = ShardedSums.pad, ShardedSums._reduce
+    freed: list = []  # per all-reduce of a round this rank ran: (its last round, every unit resharded)
+
+    def reducing(self, slot, piece, out, own=False):
+        if piece is not None:
+            freed.append((self.rounds + 1 == self.mine, all(g.is_sharded for g in self.groups)))
+        return reduce(self, slot, piece, out, own)
 
     def counting(name, fn):
         def call(*args, **kwargs):
@@ -350,12 +356,13 @@ def _counted(run):
     try:
         for name, fn in saved.items():
             setattr(dist, name, counting(name, fn))
-        ShardedSums.pad = padding
+        ShardedSums.pad, ShardedSums._reduce = padding, reducing
+        calls["freed"] = freed
         return run(), calls, padded[0]
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
-        ShardedSums.pad = pad
+        ShardedSums.pad, ShardedSums._reduce = pad, reduce
 
 
 def _sharded_rank(rank: int, result: str) -> None:
@@ -429,10 +436,13 @@ def test_sharded_sums_keep_every_rank_in_step_and_shard_the_step(ranks):
     """The sharded step (dpsgd: the sums, noise and update sharded, engine/sharded.py): every rank issues the same
     collectives, as many of each, though the ranks ran different numbers of micro-batches (one padded rounds with
     zeros) and one failed a step; each rank holds its slice of the processed sum and about half of the parameters
-    and momentum. dice (error feedback) keeps the whole sums and still gives the one-process weights."""
+    and momentum, and frees the gathered model before the sums of its last micro-batch. dice (error feedback) keeps the whole sums and still gives the one-process weights."""
     torch.set_num_threads(1)
     got = [torch.load(ranks / f"fsdp.{r}") for r in range(2)]
+    freed = [g["calls"].pop("freed") for g in got]
     assert got[0]["calls"] == got[1]["calls"] and got[0]["calls"]["all_reduce"] > 10
+    for f in freed:  # the gathered parameters freed (every unit resharded) for the sums of a rank's last round only
+        assert {last for last, _ in f} == {True, False} and all(last == sharded for last, sharded in f)
     assert got[0]["padded"] + got[1]["padded"] > 0  # the shares' micro-batch counts differed in some step
     d = _sharded_model()
     whole = sum(p.numel() for p in d.parameters())
@@ -448,14 +458,17 @@ def test_sharded_sums_keep_every_rank_in_step_and_shard_the_step(ranks):
 
 def test_a_ranks_noise_is_its_coordinates_of_the_one_process_draw():
     """``sharded.normals_at``: the normals of coordinates start .. stop of a noise draw, the whole draw's at those
-    positions (across a chunk boundary of the stream, from inside a chunk, and at its start)."""
-    from clipbias.engine.sharded import _CHUNK, normals_at
+    positions (across a chunk boundary of the stream, from inside a chunk, and at its start), in pieces of at most
+    ``_PIECE`` normals whatever the alignment of start and stop."""
+    from clipbias.engine.sharded import _CHUNK, _PIECE, normals_at
     from clipbias.randomness import Purpose, SecretKey
     from clipbias.randomness.draws import normals
     key = SecretKey.of(7)
     whole = normals(key, Purpose.NOISE, 3, 0, _CHUNK + 1000)
-    for start, stop in [(_CHUNK - 5, _CHUNK + 7), (11, 40), (0, 3), (_CHUNK, _CHUNK + 1000)]:
-        got = torch.empty(stop - start, dtype=torch.float64)
+    for start, stop in [(_CHUNK - 5, _CHUNK + 7), (11, 40), (0, 3), (_CHUNK, _CHUNK + 1000), (17, _PIECE + 1),
+                        (_PIECE - 3, 3 * _PIECE + 5), (_CHUNK - 2 * _PIECE - 9, _CHUNK + 999)]:
+        got = torch.full((stop - start,), float("nan"), dtype=torch.float64)
         for off, z in normals_at(key, 3, start, stop, "cpu"):
+            assert 0 < len(z) <= _PIECE
             got[off:off + len(z)] = z
         assert torch.equal(got, whole[start:stop])

@@ -9,10 +9,13 @@ normals and the gradient handed to the optimizer (docs/architecture.md, "Sharded
   time, in the model's layer order) is all-reduced and each rank keeps its rows of it. Every rank runs the same
   number of such rounds per step, ``K = max_r ceil(share_r / max_physical_batch)``: a rank with fewer
   micro-batches (or a failed one) all-reduces zeros for the rest (``pad``), so the collectives of a step depend
-  on the global batch's size alone, never on the data or on which rank holds what.
+  on the global batch's size alone, never on the data or on which rank holds what. A rank frees the gathered
+  parameters after its last micro-batch's forward, backward and check (``_model_done``: resharding is local),
+  so its last sums and the release run on 1/N of the model.
 * **Noise once.** Each rank draws the normals of its own coordinates of the one-process noise vector (the same
-  key, draw counter and stream positions: ``normals_at``) and adds them to its slice; every coordinate is drawn
-  by exactly one rank and the ranks' slices together are the one-process release.
+  key, draw counter and stream positions: ``normals_at``, ``_PIECE`` normals at a time) and adds them to its
+  slice in place; every coordinate is drawn by exactly one rank and the ranks' slices together are the
+  one-process release.
 * **Update.** The slice is this rank's shards' update, wrapped as DTensors (``distributed.shard_like``).
 
 It applies to the steps whose release is coordinate-wise after the sums (``applies``): no error feedback (its
@@ -37,6 +40,7 @@ from ..randomness.noise import noise_grid, snap
 from ..step import GaussianNoise
 
 _CHUNK = 2 * _CHUNK_PAIRS  # normals per chunk of the stream (``randomness.draws``)
+_PIECE = 1 << 16  # normals a rank draws and adds at a time (``normals_at``): 0.5 MiB of float64 a temporary
 
 
 def applies(engine, agg) -> str | None:
@@ -57,14 +61,20 @@ def applies(engine, agg) -> str | None:
 
 def normals_at(key: SecretKey, draw: int, start: int, stop: int, device: torch.device | str):
     """The standard normals ``start .. stop`` of the noise draw ``draw`` (``normals(key, NOISE, draw, 0, n)[start:stop]``
-    for any n >= stop, the same values), as ``(offset from start, values)`` pieces of at most one chunk."""
+    for any n >= stop, the same values), as ``(offset from start, values)`` pieces of at most ``_PIECE`` normals
+    (pair i of a chunk is the same whatever pairs are asked for: a piece's temporaries stay small)."""
     address = nonce(Purpose.NOISE, draw, 0)
     for chunk in range(start // _CHUNK, -(-stop // _CHUNK)):
         first = chunk * _CHUNK
-        pairs = min(_CHUNK_PAIRS, -(-(stop - first) // 2))  # pair i is the same whatever the count asked for
-        z = _normals_of(_stream_runs(key, address, chunk, pairs), torch.device(device))
-        lo, hi = max(start, first) - first, min(stop, first + len(z)) - first
-        yield first + lo - start, z[lo:hi]
+        lo_pair = (max(start, first) - first) // 2 // 8 * 8  # (keystream blocks hold 8 pairs' integers)
+        hi_pair = min(_CHUNK_PAIRS, -(-(stop - first) // 2))
+        for p0 in range(lo_pair, hi_pair, _PIECE // 2):
+            pairs = min(_PIECE // 2, hi_pair - p0)
+            z = _normals_of(_stream_runs(key, address, chunk, pairs, first=p0), torch.device(device))
+            at = first + 2 * p0  # the draw's position of z[0]
+            lo, hi = max(start, at) - at, min(stop, at + len(z)) - at
+            if hi > lo:
+                yield at + lo - start, z[lo:hi]
 
 
 class ShardedSums:
@@ -85,7 +95,8 @@ class ShardedSums:
             offset, local = offset + q.numel(), local + shape[0] * row
         self.local_dim = local  # this rank's coordinates of the update
         self.order = [s for slots in agg.slots for s in slots]  # a round's all-reduces: the model's layer order
-        self.rounds = self.total = self.calls = 0  # this step's rounds: run, agreed; its all-reduces made
+        self.rounds = self.total = self.calls = self.mine = 0  # this step's rounds: run, agreed, this rank's; all-reduces
+        self.groups: list = []  # the model's FSDP parameter groups (``gathered``)
         self.acc: Tensor | None = None  # this rank's slice of the step's processed sum (``zeros``)
 
     def zeros(self, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -114,6 +125,7 @@ class ShardedSums:
         if getattr(agg, "sum_precision", "float64") != "float64" or at is not None:
             return self._assembled(x, y, scale, reference, at)
         losses, rules, _ = agg._rules(x, y)
+        self._model_done()
         norms = torch.sqrt(sum(r.sq for r in rules))  # over every layer of every unit, before any factor
         dtype = self.engine.params[0].dtype
         if not bool(torch.isfinite(norms).all()):  # the caller refuses the step; this round is padded with zeros
@@ -137,11 +149,25 @@ class ShardedSums:
                     self._reduce(s, t, self.acc)
             self.rounds += 1
             return self.acc.new_zeros(())
-        agg._assemble = assemble  # (an instance attribute: the class's method again once deleted)
+        def rules(*args, **kwargs):
+            got = type(agg)._rules(agg, *args, **kwargs)
+            if at is None:  # (DiSK's two points run the rules twice: not on this route, ``applies``)
+                self._model_done()
+            return got
+        agg._assemble, agg._rules = assemble, rules  # (instance attributes: the class's methods again once deleted)
         try:
             return agg(x, y, scale, reference, at)
         finally:
-            del agg._assemble
+            del agg._assemble, agg._rules
+
+    def _model_done(self) -> None:
+        """After a micro-batch's forward, backward and check: on this rank's last micro-batch of the step the
+        gathered parameters are freed (every unit resharded: local, no collective) before its sums and their
+        all-reduces, which read the layers' inputs and output gradients, not the weights. The sums' peak then
+        holds 1/N of the model instead of all of it (docs/architecture.md, "Sharded models")."""
+        if self.rounds + 1 >= self.mine:
+            for g in self.groups:
+                g.reshard()
 
     @contextlib.contextmanager
     def gathered(self, examples: int):
@@ -151,9 +177,11 @@ class ShardedSums:
 
         from .. import distributed
         dev = self.engine.params[0].device
-        mine = torch.tensor([-(-examples // self.engine.max_physical_batch)], dtype=torch.int64, device=dev)
+        self.mine = -(-examples // self.engine.max_physical_batch)  # this rank's micro-batches
+        mine = torch.tensor([self.mine], dtype=torch.int64, device=dev)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         self.total, self.rounds, self.calls = int(mine), 0, 0
+        self.groups = distributed._fsdp_groups(self.engine.model)  # (inside, ``plain`` hides the units' class)
         try:
             with distributed.unsharded(self.engine.model):
                 yield
@@ -187,13 +215,13 @@ class ShardedSums:
     def _noisy(self, v: Tensor, noise: GaussianNoise) -> Tensor:
         """``round_g(v + std Z)`` on this rank's coordinates, Z the one-process draw's normals at those coordinates
         (``snapped_gaussian``'s arithmetic, element by element: the same values as the one-process release)."""
-        g, out = noise_grid(noise.std), torch.empty_like(v)
+        g = noise_grid(noise.std)
         for off, n, row, r0, nr, at in self.rows:
             start = off + r0 * row
             for k, z in normals_at(noise.key, noise.draws, start, start + nr * row, v.device):
                 piece = slice(at + k, at + k + len(z))
-                out[piece] = snap(v[piece].to(torch.float64), z.mul_(noise.std), g)
-        return out
+                v[piece] = snap(v[piece].to(torch.float64), z.mul_(noise.std), g)  # (in place: ``v`` is finish's own)
+        return v
 
     def unflatten(self, update: Tensor, public: list | None) -> list[Tensor]:
         """This rank's slice of the update as its shards' local pieces (``param.to_local()``'s shapes), with this

@@ -126,16 +126,21 @@ def _on_device(device: torch.device, pairs: int) -> bool:
                      else _GPU_KEYSTREAM_PAIRS)
 
 
-def _stream_runs(key: SecretKey, address: bytes, chunk: int, pairs: int, out: np.ndarray | None = None) -> np.ndarray:
-    """The 64-bit integers H, L, A of the first ``pairs`` pairs of chunk ``chunk`` of the address, by
-    OpenSSL, as ``[3, pairs]`` uint64 (written into ``out`` when given: rows contiguous).
+def _stream_runs(key: SecretKey, address: bytes, chunk: int, pairs: int, out: np.ndarray | None = None,
+                 first: int = 0) -> np.ndarray:
+    """The 64-bit integers H, L, A of pairs ``first .. first + pairs`` of chunk ``chunk`` of the address, by
+    OpenSSL, as ``[3, pairs]`` uint64 (written into ``out`` when given: rows contiguous); ``first`` a multiple
+    of 8 (a keystream block holds 8 integers).
 
     Stream layout: chunk c (pairs ``c * _CHUNK_PAIRS ...``) occupies ``PAIR_BYTES * _CHUNK_PAIRS`` bytes,
     its H integers first, then its L, then its A (little-endian), so that pair i is the same whatever
     the number of normals asked for."""
+    if first % (BLOCK_BYTES // 8) or first + pairs > _CHUNK_PAIRS:
+        raise ValueError(f"_stream_runs: pairs {first} .. {first + pairs} are not block-aligned pairs of one chunk")
     out = np.empty((3, pairs), dtype="<u8") if out is None else out
     for part in range(3):
-        keystream(key.bytes, address, 8 * pairs, 8 * (3 * chunk + part) * _CHUNK_PAIRS // BLOCK_BYTES, out=out[part])
+        keystream(key.bytes, address, 8 * pairs, (8 * (3 * chunk + part) * _CHUNK_PAIRS + 8 * first) // BLOCK_BYTES,
+                  out=out[part])
     return out
 
 

@@ -76,12 +76,12 @@ def instrument() -> None:
     torch.optim.AdamW.step = timed("optimizer", torch.optim.AdamW.step)
 
 
-def run(name: str, rounds: int) -> dict:
+def run(name: str, rounds: int, sum_precision: str = "float64") -> dict:
     model, make = hf.build(name)
     model.train()
     batches = hf.fixed_batches(make, rounds + 1)
     plain = hf.Loss(name == "gpt2")
-    eng = hf.engine(model, name, rounds + 1, "fast")
+    eng = hf.engine(model, name, rounds + 1, "fast", sum_precision)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rows = []
     for r, (x, y, idx) in enumerate(batches):
@@ -114,14 +114,18 @@ def main() -> None:
     p.add_argument("--models", nargs="+", choices=["gpt2", "bert", "vit"], default=["bert"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8, help="examples per step (default 8)")
+    p.add_argument("--sum-precision", choices=["float64", "float32"], default="float64",
+                   help="DPEngine(sum_precision=...): the ghost layers' clipped sums (default float64)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
+    hf.B = a.batch_size
     instrument()
-    out = {"cpu": cpu_description(), "threads": a.threads, "torch": torch.__version__, "batch_size": hf.B,
+    out = {"cpu": cpu_description(), "threads": a.threads, "torch": torch.__version__, "batch_size": hf.B, "sum_precision": a.sum_precision,
            "seq_len": hf.T, "command": " ".join(sys.argv), "models": []}
     for name in a.models:
-        res = run(name, a.rounds)
+        res = run(name, a.rounds, a.sum_precision)
         out["models"].append(res)
         print(f"{name}: non-private {res['nonprivate_s_median']:.2f} s, private {res['private_s_median']:.2f} s "
               f"({res['ratio']:.2f}x)", flush=True)

@@ -12,7 +12,8 @@ from their configs (nothing downloaded), eager attention, dropout as the config 
 
 Arms, one fresh process each (peak RSS = the process's max RSS): ``nonprivate`` (one backward of the batch's mean
 loss, AdamW), ``clipbias`` (``DPEngine(..., "dpsgd", grad_path="auto")``, AdamW; the path auto took is
-``engine.grad_path_note``), ``clipbias-fast`` (``grad_path="fast"``), ``opacus-hooks`` and ``opacus-ghost``
+``engine.grad_path_note``), ``clipbias-fast`` (``grad_path="fast"``), ``clipbias-f32`` (``grad_path="auto"``,
+``sum_precision="float32"``), ``opacus-hooks`` and ``opacus-ghost``
 (``PrivacyEngine().make_private(..., poisson_sampling=False, grad_sample_mode=...)``, AdamW). Every arm runs the
 same fixed batches of exactly B examples (step s takes examples 8s..8s+7 of one seeded random data set): no
 Poisson sampling, so all arms do the same work. clipbias's engine is called as ``engine.step(x, y, indices)`` on
@@ -47,7 +48,7 @@ from torch import nn
 from speed import cpu_description  # benchmarks/speed.py: name, vector extensions, cores
 
 B, T = 8, 128
-ARMS = ("nonprivate", "clipbias", "clipbias-fast", "opacus-hooks", "opacus-ghost")
+ARMS = ("nonprivate", "clipbias", "clipbias-fast", "clipbias-f32", "opacus-hooks", "opacus-ghost")
 
 
 def build(name: str):
@@ -100,13 +101,13 @@ def fixed_batches(make, count: int) -> list:
              torch.arange(s * B, (s + 1) * B)) for s in range(count)]
 
 
-def engine(model, name: str, steps: int, grad_path: str):
+def engine(model, name: str, steps: int, grad_path: str, sum_precision: str = "float64"):
     """clipbias's arm: ``DPEngine(..., "dpsgd")`` with AdamW, one physical batch of B, per-example losses."""
     from clipbias.config import AlgoConfig
     from clipbias.engine.core import DPEngine
     return DPEngine(model, "dpsgd", n=B * steps, batch_size=B, steps=steps, noise_multiplier=1.0,
                     config=AlgoConfig(lr=1e-4, clip=1.0, optimizer="adamw"), loss_fn=Loss(name == "gpt2", "none"),
-                    max_physical_batch=B, noise_seed=0, grad_path=grad_path)
+                    max_physical_batch=B, noise_seed=0, grad_path=grad_path, sum_precision=sum_precision)
 
 
 def opacus_private(which: str, model, opt, crit, n: int, b: int) -> tuple:
@@ -130,7 +131,8 @@ def arm(name: str, which: str, steps: int) -> dict:
     crit = Loss(name == "gpt2")
     note = None
     if which.startswith("clipbias"):
-        eng = engine(model, name, steps + 1, "fast" if which == "clipbias-fast" else "auto")
+        eng = engine(model, name, steps + 1, "fast" if which == "clipbias-fast" else "auto",
+                     "float32" if which == "clipbias-f32" else "float64")
 
         def step(x, y, idx):
             eng.step(x, y, idx)

@@ -38,6 +38,7 @@ write state as stock layers and common code do, not a sandbox.
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import functools
@@ -107,7 +108,7 @@ class StateGuard:
         after, _ = self.snapshot(copies=False)
         changed = {k for k in prints.keys() | after.keys() if k[1] != "parameter" and prints.get(k) != after.get(k)}
         changed |= {(mname, "buffer", name) for mname, m, name, b, copy in buffers
-                    if m._buffers.get(name) is b and not _same_bits(b, copy)}
+                    if m._buffers.get(name) is b and not same_bits(b, copy)}
         if not changed:
             return
         names = [f"{kind} {(mname + '.' if mname else '') + name}" for mname, kind, name in sorted(changed)]
@@ -207,11 +208,11 @@ class _Watch(TorchFunctionMode):
     def compare(self) -> ConfigError | None:
         after, _ = self.guard.snapshot(copies=False)
         changed = {k for k in self.prints.keys() | after.keys() if self.prints.get(k) != after.get(k)}
-        changed |= {k for k, (t, copy) in self.copies.items() if not _same_bits(t, copy)}
+        changed |= {k for k, (t, copy) in self.copies.items() if not same_bits(t, copy)}
         # a buffer's values too (it is copied anyway, to be restored): a write through an alias outside the watched
         # forwards (``.data`` in a backward hook) bumps no counter
         changed |= {(mname, "buffer", name) for mname, m, name, b, copy in self.buffers
-                    if m._buffers.get(name) is b and not _same_bits(b, copy)}
+                    if m._buffers.get(name) is b and not same_bits(b, copy)}
         if not changed:
             return None
         changed = sorted(changed)
@@ -287,9 +288,12 @@ class _Values:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Values) and self.copy is not None and other.copy is not None \
-            and _same_bits(self.copy, other.copy)
+            and same_bits(self.copy, other.copy)
 
     __hash__ = None
+
+
+_SCALARS = (bool, int, float, complex, str, bytes)
 
 
 def _print_value(v: Any, own: set[int]) -> Any:
@@ -307,14 +311,20 @@ def _print_value(v: Any, own: set[int]) -> Any:
         return ("ref", _print_value(v(), own))
     if v is None or type(v) in (bool, int, str, bytes):  # (equal by value: the value itself)
         return (type(v), v)
-    if isinstance(v, (bool, int, float, complex, str, bytes, np.generic)):  # (a NaN equals only its repr)
+    if isinstance(v, (bool, int, float, complex, str, bytes)):  # a NaN equals only its repr; a subclass's value by
+        base = next(b for b in _SCALARS if isinstance(v, b))    # its base class's repr (its own may hide it), and
+        return (type(v), base.__repr__(v), _print_value(dict(vars(v)), own) if hasattr(v, "__dict__") else None)
+    if isinstance(v, np.generic):  # (its attributes too)
         return (type(v), repr(v))
+    if isinstance(v, (bytearray, array.array, memoryview)):  # mutable bytes, by value
+        return (type(v), bytes(v), getattr(v, "typecode", None) or getattr(v, "format", None))
     if isinstance(v, np.ndarray):
         return _Values(torch.from_numpy(v.copy())) if v.dtype != object else (id(v), type(v))
     if isinstance(v, (tuple, list, collections.deque)):
         return (type(v), tuple(_print_value(e, own) for e in v))
-    if isinstance(v, (set, frozenset)):
-        return (type(v), frozenset(repr(e) for e in v))
+    if isinstance(v, (set, frozenset)):  # tensors by their values (a repr shows a large one's ends alone)
+        return (type(v), frozenset(repr(e) for e in v if not isinstance(e, Tensor)),
+                tuple(_print_value(e, own) for e in sorted((e for e in v if isinstance(e, Tensor)), key=id)))
     if isinstance(v, Mapping):
         return (type(v), tuple((repr(k), _print_value(e, own)) for k, e in list(v.items())))
     return (id(v), type(v))
@@ -379,7 +389,8 @@ def _lightning_own(cls: type) -> frozenset:
     return (frozenset(vars(cls())) | _LIGHTNING_SETS) - _LIGHTNING_COMPARED
 
 
-def _same_bits(a: Tensor, b: Tensor) -> bool:
+def same_bits(a: Tensor, b: Tensor) -> bool:
+    """``a`` and ``b`` hold the same shape, dtype, device and bits (a NaN equals itself, -0.0 differs from 0.0)."""
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
         return False
     if a.dtype.is_complex:

@@ -61,6 +61,7 @@ import torch
 from torch import Tensor
 
 from ..data import batch
+from ..engine.guard import same_bits
 from ..errors import ConfigError
 
 ROWS, ONE, SUM, PUBLIC, MIXED = "rows", "one", "sum", "public", "mixed"
@@ -80,7 +81,7 @@ class Rows:
         self.backwards = 0  # backward passes followed (proved per-example)
         self.public: list[Tensor | None] = [None] * len(params)  # what they added to the parameters' .grad
         self.unproven: str | None = None  # why a backward could not be proved per example (``_backward``)
-        self.watched: list[tuple[Tensor, tuple]] = []  # yielded tensors and handed outputs, with fingerprints
+        self.watched: list[tuple[Tensor, Tensor]] = []  # yielded tensors and handed outputs, with their copies
 
     def watch(self, t: Tensor) -> None:
         """Fingerprint ``t`` now: an in-place change through an alias the labels do not see (``x.data -= ...``)
@@ -88,7 +89,7 @@ class Rows:
         self.watched.append((t, _fingerprint(t)))
 
     def changed(self) -> bool:
-        return any(_fingerprint(t) != f for t, f in self.watched)
+        return any(not _same(t, f) for t, f in self.watched)
 
 
 class Run:
@@ -136,13 +137,16 @@ def _storage_of(t: Tensor) -> int | None:
         return None
 
 
-def _fingerprint(t: Tensor) -> tuple:
+def _fingerprint(t: Tensor) -> Tensor:
+    """A copy of ``t``'s values, compared bit for bit (``_same``): a sum and a sum of squares missed every
+    rearrangement of the rows written through an alias (red team round 13: 10.6 C, certified)."""
     with torch._C.DisableTorchFunctionSubclass():
-        d = t.detach()
-        if d.numel() == 0:
-            return ()
-        d = d.to(torch.float64) if d.is_floating_point() or not d.is_complex() else d
-        return float(d.sum()), float((d * d).sum())
+        return t.detach().clone()
+
+
+def _same(t: Tensor, copy: Tensor) -> bool:
+    with torch._C.DisableTorchFunctionSubclass():
+        return same_bits(t.detach(), copy)
 
 
 @dataclass(frozen=True)
@@ -482,7 +486,14 @@ def _label(name: str, args, kwargs, found: list[Label], out: Any) -> Label:
         return mixed(f"`{name}` over the batch's first dimension (it combines examples" + (
             "; the mean of a selection of rows divides by a count that depends on other examples: sum it and divide "
             "by the batch size" if name == "mean" else "") + ")")
-    if name in POINTWISE or name in PRODUCTS and _product_of_rows(args, kwargs, name):
+    if name in PRODUCTS and _product_of_rows(args, kwargs, name):
+        # the other operands are weights (not aligned with the rows); a result with more dimensions than the rows
+        # broadcast the batch against them (``x @ W`` with W [B, D, K]: row b of the result is ``x @ W[b]``)
+        if kinds == {ROWS} and all(t.dim() <= args[0].dim() for t in tensors) and _leading(tensors, rows) or \
+                one and _leading(tensors, rows):
+            return Label(ROWS, rows)
+        return mixed(f"`{name}` combines rows of different examples (a product over the batch)")
+    if name in POINTWISE:
         if kinds == {ROWS} and (_aligned(args, kwargs, rows, tensors) or one):
             return Label(ROWS, rows) if _leading(tensors, rows) else Label(ONE, rows)
         if len(private) == 1 and kinds == {ONE} and name in POINTWISE:
@@ -593,11 +604,17 @@ def _index_ok(name: str, args, kwargs, rows: Rows) -> bool:
                                     and t.shape[0] == args[0].shape[0] for t in idx)
 
 
+_CONV_DIMS = {"conv1d": 3, "conv2d": 4, "conv3d": 5}
+"""A convolution's batched input: its examples, channels and spatial dimensions."""
+
+
 def _product_of_rows(args, kwargs, name: str) -> bool:
     """A matrix product acting on each example's rows alone: the first operand private rows, the others
     constants (a weight); only a batched product (``bmm``, ``matmul`` of 3-D tensors) takes private rows of the
     same examples as its second operand (``F.linear(out, out)`` is the Gram matrix of the batch)."""
-    if not args or not isinstance(args[0], Traced) or args[0].dim() < 2 and name not in ("linear",):
+    if not args or not isinstance(args[0], Traced) or args[0].dim() < 2 or name == "__rmatmul__":
+        return False  # (a [B] input is one example of B features; ``x.__rmatmul__(W)`` is ``W @ x``, over the rows)
+    if args[0].dim() != _CONV_DIMS.get(name, args[0].dim()):  # an unbatched conv takes the batch for channels
         return False
     batched = name in ("bmm", "baddbmm", "matmul", "__matmul__") and args[0].dim() >= 3
     return all(batched and t.dim() >= 3 and t.shape[0] == args[0].shape[0]

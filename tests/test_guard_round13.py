@@ -69,13 +69,23 @@ def test_the_same_products_on_each_example_stay_certified():
 
 def test_a_rearrangement_of_the_targets_through_an_alias_is_seen():
     """Sorting the targets in place through ``.data``, in an order example 0 decides: the sum and the sum of squares
-    stay, the values moved (10.6 C certified before). The step is trained and reported uncertified."""
+    stay, the values moved (10.6 C certified before). Refused: the memory of the targets was written with values
+    of several examples (round 14's taint); through an alias the tracing does not see, the bit-for-bit comparison
+    of the targets with their copy reports the step uncertified."""
     def loss(model, xb, yb):
         out = model(xb)
         yb.data.copy_(torch.where(xb[:1, 0] > 10, yb.sort().values, yb.sort(descending=True).values))
         return F.cross_entropy(out, yb)
-    report = _one_step(loss)
-    assert not report.certified
+    with pytest.raises(ConfigError, match="written in place"):
+        _one_step(loss)
+
+    def unseen(model, xb, yb):
+        out = model(xb)
+        with torch.no_grad():
+            flipped = yb.flip(0).clone()
+        torch._C.TensorBase.copy_(torch._C.TensorBase.as_subclass(yb, torch.Tensor), flipped)  # (no torch function)
+        return F.cross_entropy(out, yb)
+    assert not _one_step(unseen).certified
 
 
 class _Quiet(int):

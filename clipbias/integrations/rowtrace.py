@@ -37,7 +37,8 @@ What the labels cannot see, and docs/integrations.md states: values that leave t
 the batch out of torch (``.item()``, ``bool``, ``repr``, ``.numpy()``, ``.tolist()``, ``torch.equal``: any
 call on a traced tensor whose result holds no tensor, but its shape) is recorded (``Rows.escaped``), and a
 backward after it is not proved (``_unproven``): the loss, or whether and which loss reaches the backward, may
-depend on the value read; so is a step whose batch or outputs changed through an alias (fingerprints), whose
+depend on the value read (a shape that follows the batch's values too: ``_dynamic``); so is a step whose batch
+or outputs changed through an alias (copies, compared bit for bit), whose
 loss has a custom ``autograd.Function``, or that called the model on other data not declared public
 (``public``): torch lets a copy of the batch escape without a read (``torch.tensor(x)``,
 ``torch.asarray(x, copy=True)``, ``torch.nested``, dlpack, ``_make_subclass``), also into declared public data
@@ -82,6 +83,7 @@ class Rows:
         self.public: list[Tensor | None] = [None] * len(params)  # what they added to the parameters' .grad
         self.unproven: str | None = None  # why a backward could not be proved per example (``_backward``)
         self.watched: list[tuple[Tensor, Tensor]] = []  # yielded tensors and handed outputs, with their copies
+        self.tainted: dict[int, tuple] = {}  # memory written in place with values of several examples: (why, it)
 
     def watch(self, t: Tensor) -> None:
         """Fingerprint ``t`` now: an in-place change through an alias the labels do not see (``x.data -= ...``)
@@ -165,9 +167,11 @@ def mixed(why: str) -> Label:
 
 
 class Traced(Tensor):
-    """A tensor of the private batch, or computed from it, with its ``Label`` (``_label``)."""
+    """A tensor of the private batch, or computed from it, with its ``Label`` (``_label``); ``_dynamic``: its
+    shape depends on values of the batch (a selection by a private mask, or computed from one)."""
 
     _label: Label
+    _dynamic: bool = False
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -175,8 +179,17 @@ class Traced(Tensor):
         name = getattr(func, "__name__", "")
         if name == "__get__":  # an attribute: .shape, .dtype, .data, .T, .grad ...
             name = getattr(getattr(func, "__self__", None), "__name__", "__get__")
-        found = [t._label for t in _traced(args, kwargs)]
+        traced = _traced(args, kwargs)
+        found = [_label_now(t) for t in traced]
         _after_step(found)
+        if torch.is_grad_enabled() and any(lab.kind != PUBLIC for lab in found) and \
+                torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+            raise ConfigError("the loop computes on the private batch inside `saved_tensors_hooks` (or activation "
+                              "checkpointing in the loss): its unpack hook may hand the backward other values than "
+                              "those the loss was computed from, which clipbias cannot follow per example")
+        if name in SHAPE_READS and any(t._dynamic for t in traced) or name in DYNAMIC and _dynamic_result(name, args,
+                                                                                                     kwargs, found):
+            _escape(found, name, args)  # a shape that depends on values of the batch is a value read out of torch
         if _writes(name, kwargs) and any(lab.kind != PUBLIC and lab.rows is not None and lab.rows.stepped
                                          for lab in found):
             _refuse_state_write(name, args, kwargs, found)
@@ -201,6 +214,8 @@ class Traced(Tensor):
             _escape(found, name, args)
             if not _holds_tensor(out):
                 return out
+        if name in LIKE and any(t._dynamic for t in traced):  # (its shape is the batch's values)
+            _escape(found, name, args)
         if name in LIKE and not _traced(args[1:], kwargs) or name in ESCAPES:  # (a public tensor's shape: public)
             return wrap(out, Label(PUBLIC, None)) if name in LIKE and all(lab.kind == PUBLIC for lab in found) \
                 and isinstance(out, Tensor) else out
@@ -209,7 +224,8 @@ class Traced(Tensor):
             label = Label(label.kind, next((lab.rows for lab in found if lab.rows is not None), None), label.why)
         if _writes(name, kwargs):
             _written(name, args, kwargs, label)
-        return wrap(out, label)
+        dynamic = any(t._dynamic for t in traced) or name == "__getitem__" and _private_index(args)
+        return _dynamic_shape(wrap(out, label), dynamic)
 
     def __deepcopy__(self, memo):  # (a copy, not a read: it stays traced)
         with torch._C.DisableTorchFunctionSubclass():
@@ -227,6 +243,58 @@ class Traced(Tensor):
         _escape([self._label], "__reduce_ex__", ())
         with torch._C.DisableTorchFunctionSubclass():
             return _plain(self).__reduce_ex__(proto)
+
+
+SHAPE_READS = frozenset("size shape __len__ numel nelement stride".split())
+"""Reads of a tensor's shape: values of the batch where its shape follows them (``Traced._dynamic``)."""
+
+DYNAMIC = frozenset("nonzero argwhere masked_select unique unique_consecutive bincount repeat_interleave one_hot "
+                    "where nonzero_static".split())
+"""Operations whose result's shape may depend on the values of their input (``_dynamic_result``)."""
+
+
+def _dynamic_result(name: str, args, kwargs, found: list[Label]) -> bool:
+    """``name`` applied to a private tensor gives a result whose shape depends on the batch's values (a read)."""
+    if not any(lab.kind != PUBLIC for lab in found):
+        return False
+    if name == "where":
+        return len(args) + len(kwargs) == 1  # ``torch.where(cond)``: ``nonzero``
+    if name == "one_hot":
+        k = kwargs.get("num_classes", args[1] if len(args) > 1 else -1)
+        return k is None or int(k) < 0
+    if name == "repeat_interleave":
+        reps = kwargs.get("repeats", args[1] if len(args) > 1 else args[0])
+        return isinstance(reps, Tensor) and reps.numel() > 1
+    return name != "nonzero_static"
+
+
+def _private_index(args) -> bool:
+    """A ``__getitem__`` whose index holds a traced boolean or integer tensor (its result's shape follows it)."""
+    index = args[1] if len(args) > 1 else None
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, Traced) and p._label.kind != PUBLIC and p.dtype == torch.bool for p in parts)
+
+
+def _dynamic_shape(out: Any, dynamic: bool) -> Any:
+    if dynamic:
+        for t in batch.leaves(out) if _tensor_tree(out) else []:
+            if isinstance(t, Traced) and t.dim() > 0:
+                t._dynamic = True
+    return out
+
+
+def _memory(t: Tensor) -> int:
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch._C.TensorBase.untyped_storage(t).data_ptr()
+
+
+def _label_now(t: "Traced") -> Label:
+    """``t``'s label, or MIXED where memory it shares was written with values of several examples."""
+    rows = t._label.rows
+    if rows is None or not rows.tainted or t._label.kind == PUBLIC:
+        return t._label
+    hit = rows.tainted.get(_memory(t))
+    return t._label if hit is None else mixed(f"a tensor whose memory was written in place ({hit[0]})")
 
 
 def _plain(t: Tensor) -> Tensor:
@@ -374,11 +442,20 @@ def _escape(found: list[Label], name: str, args) -> None:
 
 
 def _written(name: str, args, kwargs, label: Label) -> None:
-    """An in-place operation: the tensor written carries the result's label; an untraced one cannot."""
+    """An in-place operation: the tensor written carries the result's label; an untraced one cannot. Where the
+    result is not one row per example, every tensor sharing the memory written is no longer either (``tainted``:
+    the base of a view written, ``t[1:].add_(t[:1])``, kept its label before: 50.8 C, red team round 14)."""
     target = kwargs.get("out", args[0] if args else None)
+    # (an elementwise write of the target's own values and constants moves no value to another position)
+    own = name in POINTWISE and "out" not in kwargs and all(t is target for t in _traced(args[1:], kwargs))
     for t in (target if isinstance(target, (tuple, list)) else [target]):
         if isinstance(t, Traced):
             t._label = label
+            if label.kind not in (ROWS, PUBLIC) and label.rows is not None and not own:
+                with torch._C.DisableTorchFunctionSubclass():  # (the storage held: its address is not reused)
+                    memory = torch._C.TensorBase.untyped_storage(t)
+                label.rows.tainted[memory.data_ptr()] = (label.why or f"an in-place `{name}` that combines examples",
+                                                         memory)
         elif isinstance(t, Tensor) and label.kind != PUBLIC and label.rows is not None and label.rows.escaped is None:
             label.rows.escaped = f"an in-place `{name}` wrote a tensor of the private batch into an untraced tensor"
 
@@ -486,6 +563,8 @@ def _label(name: str, args, kwargs, found: list[Label], out: Any) -> Label:
         return mixed(f"`{name}` over the batch's first dimension (it combines examples" + (
             "; the mean of a selection of rows divides by a count that depends on other examples: sum it and divide "
             "by the batch size" if name == "mean" else "") + ")")
+    if name == "one_hot" and kinds == {ROWS}:  # (a row per example, a new last dimension)
+        return Label(ROWS, rows) if _leading(tensors, rows) else Label(ONE, rows)
     if name in PRODUCTS and _product_of_rows(args, kwargs, name):
         # the other operands are weights (not aligned with the rows); a result with more dimensions than the rows
         # broadcast the batch against them (``x @ W`` with W [B, D, K]: row b of the result is ``x @ W[b]``)
@@ -629,9 +708,11 @@ def _shape_label(name: str, args, kwargs, rows: Rows, kinds: set, tensors: list[
         seq = args[0] if args else kwargs.get("tensors", [])
         dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
         ts = [t for t in seq if isinstance(t, Tensor)]
-        along_rows = dim == 0 if name not in ("hstack", "column_stack") else False
+        along_rows = dim == 0 if name not in ("hstack", "column_stack") else \
+            name == "hstack" and any(t.dim() == 1 for t in ts)  # (hstack joins 1-D tensors end to end)
         if not along_rows and all(t.dim() > 0 and t.shape[0] == ts[0].shape[0] for t in ts) \
                 and all(isinstance(t, Traced) for t in ts if t.requires_grad) and _leading(tensors, rows) \
+                and all(_label_now(t).kind in (ROWS, PUBLIC) for t in ts if isinstance(t, Traced)) \
                 and (name != "stack" or dim != 0):
             return Label(ROWS, rows)
         return Label(ROWS if one and _leading(tensors, rows) else ONE, rows)
@@ -919,6 +1000,21 @@ def private_leaf(out: Tensor, rows: Rows) -> Tensor:
 
 def public_output(out: Any, rows: Rows) -> Any:
     return batch.map_tensors(lambda t: wrap(t, Label(PUBLIC, rows)), out)
+
+
+def check_public(out: Any) -> Any:
+    """``out`` of a public call, refused where a tensor in it was computed with values of the private batch (a
+    forward hook or pre-hook reading the batch kept in a closure: 9,655 C through the exact public term, red team
+    round 14)."""
+    def check(t: Tensor) -> Tensor:
+        if isinstance(t, Traced) and t._label.kind != PUBLIC:
+            raise ConfigError("a call of the model on public data computed its output with values of the private "
+                              "batch (a forward hook or pre-hook, or the model itself, reading it from outside its "
+                              "arguments): the public term would carry them into the update unclipped. Keep the "
+                              "private batch out of the public forward")
+        return t
+    batch.map_tensors(check, out)
+    return out
 
 
 def outputs_of(out: Any, args, kwargs) -> Any:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset, default_collate
@@ -73,7 +74,7 @@ def _public_rows_call(session: "Session", fn: Callable, pending: Pending, args: 
     """A public call under ``public_clip``: run without a graph (under the state guard), its floating outputs
     handed as leaves labelled public; the step clips each row's gradient (``_with_clipped_rows``)."""
     with torch.no_grad():
-        out = session.guarded(fn, *args, **kwargs)
+        out = rowtrace.check_public(session.guarded(fn, *args, **kwargs))
     leaves: list = []
 
     def leaf(t: Tensor) -> Tensor:
@@ -280,7 +281,7 @@ class Session:
             _sizes_named(self, args, kwargs, (chunk.size, len(pending.indices)))
             if self.public_clip is not None and torch.is_grad_enabled():
                 return _public_rows_call(self, fn, pending, args, kwargs)
-            return rowtrace.public_output(self.guarded(fn, *args, **kwargs), chunk)
+            return rowtrace.public_output(rowtrace.check_public(self.guarded(fn, *args, **kwargs)), chunk)
         record = torch.is_grad_enabled()  # a no_grad pass (a "teacher" forward) is not the step's, but guarded
         with torch.no_grad(), keyed_rows(self.engine, pending, (args, kwargs)):  # (the step's own dropout masks)
             out = self.guarded(fn, *args, **kwargs)
@@ -740,6 +741,16 @@ class OptimizerWatch:
                               f"may depend on its values (a learning rate of 0 when the loss spikes releases which "
                               f"batches held an outlier). Set it before the batch is drawn (at the top of the epoch), "
                               f"or with a learning-rate scheduler stepped after optimizer.step()")
+        hooks = [h for d in (getattr(self.optimizer, "_optimizer_step_pre_hooks", {}),
+                             getattr(self.optimizer, "_optimizer_step_post_hooks", {}),
+                             torch_optimizer._global_optimizer_pre_hooks,
+                             torch_optimizer._global_optimizer_post_hooks) for h in d.values()]
+        if hooks:  # they run inside the step, after this check: a red team set the lr or .grad from the batch there
+            raise ConfigError(f"the optimizer has a step hook ({getattr(hooks[0], '__qualname__', hooks[0])}; "
+                              f"`register_step_pre_hook`, `register_step_post_hook` or a global optimizer hook): it runs "
+                              f"inside optimizer.step(), where it may change the private update, the learning rate or "
+                              f"the weights with values of the batch, unclipped and without noise. Remove it; do what it "
+                              f"does before the batch is drawn or after optimizer.step() returns")
         state = _state_print(self.optimizer)
         windows = (("after the last private step and before this batch was drawn", self.after, self.state),
                    ("after the private data loader drew this batch and before its step", self.state, state))

@@ -24,6 +24,7 @@ the same batches, ``--rounds`` times after one warm-up round of each::
 
     PYTHONPATH=.:benchmarks python benchmarks/fast_step_breakdown.py --models bert gpt2 --rounds 3 \\
         --out benchmarks/results/speed/fast_step_breakdown.json
+    PYTHONPATH=.:benchmarks python benchmarks/fast_step_breakdown.py --models cnn --batch-size 256 --rounds 30
 """
 
 from __future__ import annotations
@@ -74,20 +75,40 @@ def instrument() -> None:
     fast_checks.RuntimeChecks.graph_proven = timed("proof", fast_checks.RuntimeChecks.graph_proven)
     noise.snapped_gaussian = timed("noise", noise.snapped_gaussian)
     torch.optim.AdamW.step = timed("optimizer", torch.optim.AdamW.step)
+    torch.optim.SGD.step = timed("optimizer", torch.optim.SGD.step)
+
+
+def _cnn(rounds: int, sum_precision: str):
+    """The library's Tramer-Boneh CNN on 28x28 images (random pixels, 10 classes), dpsgd on the fast path with SGD
+    (``benchmarks/speed.py``'s ``dpsgd-fast`` arm), and its non-private twin: (model, batches, loss, engine, opt)."""
+    from clipbias.config import AlgoConfig
+    from clipbias.engine.core import DPEngine
+    from clipbias.models import build_model
+    torch.manual_seed(0)
+    model, b = build_model("cnn", (1, 28, 28), 10), hf.B
+    x, y = torch.randn(b * (rounds + 1), 1, 28, 28), torch.randint(0, 10, (b * (rounds + 1),))
+    batches = [(x[s * b:(s + 1) * b], y[s * b:(s + 1) * b], torch.arange(s * b, (s + 1) * b)) for s in range(rounds + 1)]
+    eng = DPEngine(model, "dpsgd", n=b * (rounds + 1), batch_size=b, steps=rounds + 1, noise_multiplier=1.0,
+                   config=AlgoConfig(lr=0.1, clip=1.0), noise_seed=0, grad_path="fast", max_physical_batch=b,
+                   sum_precision=sum_precision)
+    return model, batches, torch.nn.functional.cross_entropy, eng, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
 def run(name: str, rounds: int, sum_precision: str = "float64") -> dict:
-    model, make = hf.build(name)
+    if name == "cnn":
+        model, batches, plain, eng, opt = _cnn(rounds, sum_precision)
+    else:
+        model, make = hf.build(name)
+        batches = hf.fixed_batches(make, rounds + 1)
+        plain = hf.Loss(name == "gpt2")
+        eng = hf.engine(model, name, rounds + 1, "fast", sum_precision)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model.train()
-    batches = hf.fixed_batches(make, rounds + 1)
-    plain = hf.Loss(name == "gpt2")
-    eng = hf.engine(model, name, rounds + 1, "fast", sum_precision)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rows = []
     for r, (x, y, idx) in enumerate(batches):
         t = time.perf_counter()
         opt.zero_grad()
-        plain(model(**x), y).backward()
+        plain(model(**x) if isinstance(x, dict) else model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         nonprivate = time.perf_counter() - t
@@ -111,7 +132,8 @@ def run(name: str, rounds: int, sum_precision: str = "float64") -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", choices=["gpt2", "bert", "vit"], default=["bert"])
+    p.add_argument("--models", nargs="+", choices=["gpt2", "bert", "vit", "cnn"], default=["bert"],
+                   help="Hugging Face models at full size, or the library's cnn (use --batch-size 256)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8, help="examples per step (default 8)")
@@ -127,10 +149,10 @@ def main() -> None:
     for name in a.models:
         res = run(name, a.rounds, a.sum_precision)
         out["models"].append(res)
-        print(f"{name}: non-private {res['nonprivate_s_median']:.2f} s, private {res['private_s_median']:.2f} s "
-              f"({res['ratio']:.2f}x)", flush=True)
+        print(f"{name}: non-private {res['nonprivate_s_median'] * 1e3:.1f} ms, private "
+              f"{res['private_s_median'] * 1e3:.1f} ms ({res['ratio']:.2f}x)", flush=True)
         for k, v in sorted(res["phases_s_median"].items(), key=lambda kv: -kv[1]):
-            print(f"  {k:24s} {v:6.2f} s  {v / res['private_s_median']:5.1%}  "
+            print(f"  {k:24s} {v * 1e3:9.1f} ms  {v / res['private_s_median']:5.1%}  "
                   f"{v / res['nonprivate_s_median']:.2f}x non-private", flush=True)
         if a.out:
             with open(a.out, "w") as f:

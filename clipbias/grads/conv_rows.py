@@ -5,12 +5,14 @@ Example i's weight gradient of a ``Conv1d``/``Conv2d``/``Conv3d`` is the correla
 channels), the correlation of each group's input channels with the same group's output gradients.
 A padding other than plain zeros (``padding_mode`` "reflect", "replicate", "circular";
 ``padding="same"``) is applied to the input first, as the layer's forward applies it (``_as_nd``).
-Three computations give it, equal up to the order of float additions, and which is fastest depends
+Four computations give it, equal up to the order of float additions, and which is fastest depends
 on the shapes, the backend and the CPU (measured on one AMD EPYC with AVX-512, B = 256: 1.2-3.3 ms
 for the Tramer & Boneh cnn's first layer, 1.0-10.6 ms for its second):
 
 * ``unfold``: im2col (``F.unfold``; ``input_rows`` for a Conv3d) then one batched product
   ``g_i [o, L] @ a_i [L, k]``, per group;
+* ``rows``: the same product on ``input_rows`` (a copy of a strided view of the padded input, already
+  ``[b, L, c k]``; ``F.unfold``'s im2col took 5 ms a step of the cnn's 20 under a profiler);
 * ``grouped``: the convolution's own weight-gradient kernel with the batch folded into the channels
   and ``groups = b * groups`` (``aten.convolution_backward``), one group per example and layer group;
 * ``dilated`` (``groups=1`` only): a forward convolution of the input (channels as batch) with the
@@ -94,6 +96,19 @@ def _unfold(m: nn.Module, a: Tensor, g: Tensor) -> Tensor:
     return torch.bmm(gg, cc.transpose(1, 2)).reshape(b, o, -1)
 
 
+def _rows(m: nn.Module, a: Tensor, g: Tensor) -> Tensor:
+    """``unfold``'s product on ``input_rows`` (one copy of a strided view of the input, ``[b, L, c k]``: no im2col,
+    and the product's second operand contiguous as it reads it), per group."""
+    G, b, o = m.groups, g.shape[0], g.shape[1]
+    rows = input_rows(m, a)
+    if G == 1:
+        return torch.bmm(g.flatten(2), rows)
+    L = rows.shape[1]
+    gg = g.flatten(2).reshape(b * G, o // G, -1)                               # [b G, o / G, L]
+    cc = rows.reshape(b, L, G, -1).transpose(1, 2).reshape(b * G, L, -1)       # [b G, L, c / G * prod(kernel)]
+    return torch.bmm(gg, cc).reshape(b, o, -1)
+
+
 def _grouped(m: nn.Module, a: Tensor, g: Tensor) -> Tensor:
     a, g, k, s, p, d = _as_nd(m, a, g)
     b, c, o, G = a.shape[0], a.shape[1], g.shape[1], m.groups
@@ -117,7 +132,7 @@ def _dilated(m: nn.Module, a: Tensor, g: Tensor) -> Tensor:
 
 
 KERNELS: dict[str, Callable[[nn.Module, Tensor, Tensor], Tensor]] = {
-    "unfold": _unfold, "grouped": _grouped, "dilated": _dilated}
+    "unfold": _unfold, "rows": _rows, "grouped": _grouped, "dilated": _dilated}
 """The exact kernels, by name; ``unfold`` is the reference the others are checked against."""
 
 _CHOICE: dict[tuple, str] = {}

@@ -269,7 +269,8 @@ def _dynamic_result(name: str, args, kwargs, found: list[Label]) -> bool:
 
 
 def _private_index(args) -> bool:
-    """A ``__getitem__`` whose index holds a traced boolean or integer tensor (its result's shape follows it)."""
+    """A ``__getitem__`` whose index holds a private boolean mask (its result's shape follows the mask's values;
+    a private integer index is refused: ``_shape_label``)."""
     index = args[1] if len(args) > 1 else None
     parts = index if isinstance(index, tuple) else (index,)
     return any(isinstance(p, Traced) and p._label.kind != PUBLIC and p.dtype == torch.bool for p in parts)

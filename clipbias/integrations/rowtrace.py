@@ -84,6 +84,7 @@ class Rows:
         self.unproven: str | None = None  # why a backward could not be proved per example (``_backward``)
         self.watched: list[tuple[Tensor, Tensor]] = []  # yielded tensors and handed outputs, with their copies
         self.tainted: dict[int, tuple] = {}  # memory written in place with values of several examples: (why, it)
+        self.made: set[int] = set()  # the leaves clipbias handed to the loop (the outputs of private and public calls)
 
     def watch(self, t: Tensor) -> None:
         """Fingerprint ``t`` now: an in-place change through an alias the labels do not see (``x.data -= ...``)
@@ -187,8 +188,10 @@ class Traced(Tensor):
             raise ConfigError("the loop computes on the private batch inside `saved_tensors_hooks` (or activation "
                               "checkpointing in the loss): its unpack hook may hand the backward other values than "
                               "those the loss was computed from, which clipbias cannot follow per example")
-        if name in SHAPE_READS and any(t._dynamic for t in traced) or name in DYNAMIC and _dynamic_result(name, args,
-                                                                                                     kwargs, found):
+        if name in SHAPE_READS and any(t._dynamic for t in traced) or (name in DYNAMIC or name in SIZED) and \
+                _dynamic_result(name, args, kwargs, found) or name == "__setstate__" or name in RUNNING and \
+                _running_stats(args, kwargs) or name == "__set__" and \
+                getattr(getattr(func, "__self__", None), "__name__", "") == "data":  # (``t.data = v``: unlabelled)
             _escape(found, name, args)  # a shape that depends on values of the batch is a value read out of torch
         if _writes(name, kwargs) and any(lab.kind != PUBLIC and lab.rows is not None and lab.rows.stepped
                                          for lab in found):
@@ -245,26 +248,53 @@ class Traced(Tensor):
             return _plain(self).__reduce_ex__(proto)
 
 
-SHAPE_READS = frozenset("size shape __len__ numel nelement stride".split())
+SHAPE_READS = frozenset("size shape __len__ numel nelement stride nbytes unbind split chunk tensor_split __iter__ "
+                        "split_with_sizes hsplit vsplit dsplit".split())
 """Reads of a tensor's shape: values of the batch where its shape follows them (``Traced._dynamic``)."""
 
-DYNAMIC = frozenset("nonzero argwhere masked_select unique unique_consecutive bincount repeat_interleave one_hot "
-                    "where nonzero_static".split())
+DYNAMIC = frozenset("nonzero argwhere masked_select unique unique_consecutive bincount one_hot where "
+                    "nonzero_static".split())
+RUNNING = frozenset("batch_norm instance_norm".split())
+"""Functions that write running statistics of their input into tensors passed to them (``_running_stats``)."""
+
+
+def _running_stats(args, kwargs) -> bool:
+    """``F.batch_norm(x, running_mean, running_var, training=True)``: the batch's statistics written into the
+    running tensors, untraced copies (a read)."""
+    names = ("running_mean", "running_var")
+    given = [kwargs.get(n, args[i + 1] if len(args) > i + 1 else None) for i, n in enumerate(names)]
+    training = kwargs.get("training", kwargs.get("use_input_stats", args[5] if len(args) > 5 else False))
+    return any(t is not None for t in given) and bool(training)
 """Operations whose result's shape may depend on the values of their input (``_dynamic_result``)."""
+
+
+SIZED = frozenset("""zeros ones empty full rand randn randint arange linspace logspace eye pad expand narrow reshape
+view topk kthvalue roll repeat tile unflatten split tensor_split split_with_sizes repeat_interleave select new_zeros
+new_ones new_empty new_full new_tensor broadcast_to resize_ as_strided""".split())
+"""Operations that read sizes, counts or positions from their arguments: a traced integer there is its value read."""
+
+
+def _reads_a_size(name: str, args, kwargs) -> bool:
+    """A traced integer or boolean tensor of the batch passed where ``name`` takes a size, a count or a position
+    (``torch.zeros(k)``, ``F.pad(o, (0, k))``, ``o.expand(k)``, ``torch.tensor_split(o, k)``): the result's shape
+    is its value."""
+    first_is_data = name not in ("zeros ones empty full rand randn randint arange linspace logspace eye "
+                                 "repeat_interleave".split())  # (``torch.repeat_interleave(counts)``: counts first)
+    rest = (args[1:] if first_is_data else args, kwargs)
+    return any(t._label.kind != PUBLIC and not t.is_floating_point() for t in _traced(*rest))
 
 
 def _dynamic_result(name: str, args, kwargs, found: list[Label]) -> bool:
     """``name`` applied to a private tensor gives a result whose shape depends on the batch's values (a read)."""
     if not any(lab.kind != PUBLIC for lab in found):
         return False
+    if name in SIZED:
+        return _reads_a_size(name, args, kwargs)
     if name == "where":
         return len(args) + len(kwargs) == 1  # ``torch.where(cond)``: ``nonzero``
     if name == "one_hot":
         k = kwargs.get("num_classes", args[1] if len(args) > 1 else -1)
         return k is None or int(k) < 0
-    if name == "repeat_interleave":
-        reps = kwargs.get("repeats", args[1] if len(args) > 1 else args[0])
-        return isinstance(reps, Tensor) and reps.numel() > 1
     return name != "nonzero_static"
 
 
@@ -832,6 +862,9 @@ def _unproven(loss: Tensor, rows: Rows) -> str | None:
         return rows.escaped + " before the backward"
     if rows.changed():
         return "a tensor of the batch or an output of the model changed in place through an alias (`.data`)"
+    if rows.tainted:  # (memory the graph saved may be among it: the backward would read the written values)
+        return f"memory of the step's tensors written in place with values of several examples ({next(iter(rows.tainted.values()))[0]})"
+    params = {id(p) for p in rows.params}
     with torch._C.DisableTorchFunctionSubclass():
         first = loss.grad_fn
     seen, todo = set(), [first]
@@ -842,6 +875,10 @@ def _unproven(loss: Tensor, rows: Rows) -> str | None:
         seen.add(node)
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             return f"a custom autograd.Function ({type(node).__name__}) in the loss's graph"
+        leaf = getattr(node, "variable", None)  # (AccumulateGrad: a leaf that requires grad)
+        if leaf is not None and not isinstance(leaf, Traced) and id(leaf) not in params and id(leaf) not in rows.made:
+            return ("a tensor that requires grad and is not a parameter of the model in the loss's graph (its value "
+                    "may be one of the batch, copied where the tracing cannot see: `torch.add(..., alpha=x[0, 0])`)")
         todo.extend(n for n, _ in node.next_functions)
     return None
 
@@ -996,6 +1033,7 @@ def private_leaf(out: Tensor, rows: Rows) -> Tensor:
     """A private forward's output handed to the loop: a leaf that requires grad, ``ROWS`` of the chunk."""
     leaf = out.detach().requires_grad_()
     rows.watch(leaf)
+    rows.made.add(id(leaf))
     return leaf, wrap(leaf, Label(ROWS, rows))
 
 

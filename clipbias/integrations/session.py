@@ -83,6 +83,7 @@ def _public_rows_call(session: "Session", fn: Callable, pending: Pending, args: 
         leaves.append(t.detach().requires_grad_())
         return leaves[-1]
     handed = batch.map_tensors(leaf, out)
+    pending.chunk.made.update(map(id, leaves))  # (leaves of the loss's graph that are clipbias's: rowtrace._unproven)
     # a copy of the inputs as the call saw them: the rows' gradients are computed from it at the step, and a
     # loop could write private rows into the public tensor in between (a red team moved the update 128x so)
     seen = pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, (args, kwargs))
@@ -721,6 +722,7 @@ class OptimizerWatch:
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
+        self.step_code = _step_code(optimizer)  # its step as wrapped: a step replaced later runs after the checks
         self.settings: list | None = None  # the settings when the pending batch was drawn
         self.state: dict | None = None  # the state when the pending batch was drawn
         self.after: dict | None = None  # the state when the last step ended (None: none yet, or loaded since)
@@ -745,6 +747,11 @@ class OptimizerWatch:
                              getattr(self.optimizer, "_optimizer_step_post_hooks", {}),
                              torch_optimizer._global_optimizer_pre_hooks,
                              torch_optimizer._global_optimizer_post_hooks) for h in d.values()]
+        if _step_code(self.optimizer) != self.step_code:  # (an instance's or its class's step patched since)
+            raise ConfigError("the optimizer's step was replaced after make_private (on the optimizer or its class): "
+                              "the new step runs inside optimizer.step(), after its checks, where it may change the "
+                              "private update or the weights with values of the batch. Wrap the optimizer you train "
+                              "with as it is; patch its step before make_private, if at all")
         if hooks:  # they run inside the step, after this check: a red team set the lr or .grad from the batch there
             raise ConfigError(f"the optimizer has a step hook ({getattr(hooks[0], '__qualname__', hooks[0])}; "
                               f"`register_step_pre_hook`, `register_step_post_hook` or a global optimizer hook): it runs "
@@ -766,6 +773,18 @@ class OptimizerWatch:
                 f"without noise. Leave optimizer.state to optimizer.step(); to reset it, do so before training, or "
                 f"load a saved state with optimizer.load_state_dict. This run's optimizer now holds the written state: "
                 f"its later steps are refused until such a state is loaded")
+
+
+def _step_code(optimizer: Any) -> tuple:
+    """Which ``step`` the optimizer runs: its instance's own (a patch; a learning-rate scheduler's counting wrapper,
+    which calls the function it wraps, as that function) and its class's, by identity."""
+    own = vars(optimizer).get("step")
+    while getattr(own, "_wrapped_by_lr_sched", False) and hasattr(own, "__wrapped__") and \
+            getattr(getattr(own, "__code__", None), "co_filename", "") == torch.optim.lr_scheduler.__file__:
+        own = own.__wrapped__
+    cls = type(optimizer).step
+    own = getattr(own, "__func__", own)
+    return (None if own is cls else own, cls)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -1,0 +1,106 @@
+"""Red team round 15 (the round-14 fixes attacked): each route that kept a run certified while example 0 moved the
+update by 19 C to 96,553 C, in miniature, now reported uncertified or refused; the honest twin stays certified."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import clipbias
+from clipbias.errors import ConfigError
+from test_guard_round14 import K, _one_step, _target
+
+_Z = torch.randn(6, 5, generator=torch.Generator().manual_seed(2))
+
+
+def _sel(x):  # one row, or two where example 0 is an outlier: a shape that follows the batch's values
+    return x[(x[:, 0] > 1.0) | (torch.arange(len(x)) == 1)]
+
+
+def _flag(x):
+    return (x[0, 0] > 1.0).long()
+
+
+def _scaled(k, m, x, y):
+    return (1 - 2 * k) * F.cross_entropy(m(x), y, reduction="sum") / len(x)
+
+
+UNCERTIFIED = {
+    "len of unbind": lambda m, x, y: _scaled(len(_sel(x)[:, 0].unbind(0)), m, x, y),
+    "len of split": lambda m, x, y: _scaled(len(_sel(x).split(1)), m, x, y),
+    "iterating over rows": lambda m, x, y: _scaled(sum(1 for _ in _sel(x)), m, x, y),
+    "nbytes": lambda m, x, y: _scaled(_sel(x)[:, 0].nbytes // 4, m, x, y),
+    "tensor_split by a traced index": lambda m, x, y: _scaled(
+        torch.tensor_split(m(x), _flag(x).reshape(1), dim=1)[0].shape[1], m, x, y),
+    "repeat_interleave of counts": lambda m, x, y: _scaled(len(torch.repeat_interleave(_flag(x).reshape(1))), m, x, y),
+    "zeros of a count": lambda m, x, y: _scaled(len(torch.zeros(_flag(x))), m, x, y),
+    "pad by a count": lambda m, x, y: _scaled(F.pad(m(x), (0, _flag(x))).shape[1], m, x, y),
+}
+
+
+def _late_write(m, x, y):  # the difference the graph saved, rewritten through .data after the loss was built
+    d = m(x) - 10 * torch.tanh(x[:, :K] - 20.0)
+    loss = (d * d).sum() / len(x)
+    d.data.copy_(d.data[:1].expand_as(d))
+    return loss
+
+
+def _data_setter(m, x, y):
+    t = x[:, :K] * 1
+    t.data = x[:1, :K].expand(len(x), K).clone()
+    return _target(m(x), t)
+
+
+def _batch_norm(m, x, y):
+    rm, rv = torch.zeros(K), torch.ones(K)
+    F.batch_norm(x[:, :K], rm, rv, training=True)
+    return _target(m(x), rm.expand(len(x), K))
+
+
+def _foreign_leaf(m, x, y):  # a value of the batch hidden in a tensor that requires grad, scaling the public term
+    c = torch.add(torch.zeros(()), torch.ones((), requires_grad=True), alpha=1 + torch.tanh(x[0, 0] - 20.0))
+    return F.cross_entropy(m(x), y) + 100 * (m(clipbias.public(_Z)) * c).sum()
+
+
+UNCERTIFIED.update({"a write through .data after the loss": _late_write, "t.data = v": _data_setter,
+                    "batch_norm's running statistics": _batch_norm, "a foreign leaf in the loss": _foreign_leaf})
+
+
+@pytest.mark.parametrize("name", list(UNCERTIFIED))
+def test_uncertified(name):
+    fn = UNCERTIFIED[name]
+    report = _one_step(lambda m, x, y, raw, opt: fn(m, x, y))
+    assert not report.certified, name
+
+
+def test_a_step_replaced_after_make_private_is_refused_and_a_schedulers_wrapper_is_not():
+    def patched(m, x, y, raw, opt):
+        inner = opt.original_optimizer
+        step = inner.step
+        inner.step = lambda *a, **k: step(*a, **k)
+        return F.cross_entropy(m(x), y)
+    with pytest.raises(ConfigError, match="step was replaced"):
+        _one_step(patched)
+
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from clipbias import PrivacyEngine
+    x = torch.randn(32, 5, generator=torch.Generator().manual_seed(0))
+    y = (x[:, 0] > 0).long()
+    raw = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, K))
+    pe = PrivacyEngine()
+    model, opt, loader = pe.make_private(module=raw, optimizer=torch.optim.SGD(raw.parameters(), lr=0.5),
+                                         data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
+                                         noise_multiplier=1.0, max_grad_norm=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt.original_optimizer, 3)  # (wraps step to count its calls)
+    for xb, yb in loader:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(xb), yb) + 1e-3 * (model(clipbias.public(_Z)) ** 2).sum() \
+            + 1e-4 * sum((p ** 2).sum() for p in raw.parameters())  # (a regulariser's leaves: the parameters)
+        loss.backward()
+        opt.step()
+        sched.step()
+        break
+    assert pe.privacy_report().certified

@@ -104,3 +104,35 @@ def test_a_step_replaced_after_make_private_is_refused_and_a_schedulers_wrapper_
         sched.step()
         break
     assert pe.privacy_report().certified
+
+
+# ---------------------------------------------------------------- red team round 16 (the fixes above attacked)
+def _count(x):
+    return (x[0, 0] > 1.0).long()
+
+
+ROUND16 = {  # a count of the batch used where torch takes a number: its value read (19.2 C each before)
+    "a slice's bound": lambda m, x, y: _scaled(m(x)[:, :_count(x)].shape[1], m, x, y),
+    "chunk(k)": lambda m, x, y: _scaled(len(m(x).chunk(_count(x) + 1, dim=1)), m, x, y),
+    "unsqueeze(k)": lambda m, x, y: _scaled(m(x).unsqueeze(_count(x)).shape[0], m, x, y),
+    "diff(n=k)": lambda m, x, y: _scaled(m(x).diff(n=_count(x) + 0, dim=1).shape[1], m, x, y),
+    # a copy the tracing cannot see, made to require grad through a parameter, scaling the public term (96,553 C)
+    "a public term times a computed tensor": lambda m, x, y: F.cross_entropy(m(x), y) + 100 * (
+        m(clipbias.public(_Z)) * (torch.tensor(1 + torch.tanh(x[0, 0] - 20.0)) + 0 * next(m.parameters()).sum())
+    ).sum(),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUND16))
+def test_round16_uncertified(name):
+    fn = ROUND16[name]
+    assert not _one_step(lambda m, x, y, raw, opt: fn(m, x, y)).certified, name
+
+
+def test_round16_honest_twins_stay_certified():
+    """Python numbers as sizes and slices, and a public term plus a regulariser of the model's parameters."""
+    def loss(m, x, y, raw, opt):
+        o = m(x)
+        return F.cross_entropy(o[:, :K], y) + 1e-3 * m(clipbias.public(_Z)).sum() \
+            + 1e-4 * sum((p ** 2).sum() for p in raw.parameters()) + 0 * len(o.chunk(2, dim=1))
+    assert _one_step(loss).certified

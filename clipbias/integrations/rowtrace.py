@@ -85,6 +85,7 @@ class Rows:
         self.watched: list[tuple[Tensor, Tensor]] = []  # yielded tensors and handed outputs, with their copies
         self.tainted: dict[int, tuple] = {}  # memory written in place with values of several examples: (why, it)
         self.made: set[int] = set()  # the leaves clipbias handed to the loop (the outputs of private and public calls)
+        self.undeclared = False  # a public term met a computed tensor that requires grad, not declared public
 
     def watch(self, t: Tensor) -> None:
         """Fingerprint ``t`` now: an in-place change through an alias the labels do not see (``x.data -= ...``)
@@ -189,7 +190,7 @@ class Traced(Tensor):
                               "checkpointing in the loss): its unpack hook may hand the backward other values than "
                               "those the loss was computed from, which clipbias cannot follow per example")
         if name in SHAPE_READS and any(t._dynamic for t in traced) or (name in DYNAMIC or name in SIZED) and \
-                _dynamic_result(name, args, kwargs, found) or name == "__setstate__" or name in RUNNING and \
+                _dynamic_result(name, args, kwargs, found) or _count_argument(name, args, kwargs) or name == "__setstate__" or name in RUNNING and \
                 _running_stats(args, kwargs) or name == "__set__" and \
                 getattr(getattr(func, "__self__", None), "__name__", "") == "data":  # (``t.data = v``: unlabelled)
             _escape(found, name, args)  # a shape that depends on values of the batch is a value read out of torch
@@ -282,6 +283,37 @@ def _reads_a_size(name: str, args, kwargs) -> bool:
                                  "repeat_interleave".split())  # (``torch.repeat_interleave(counts)``: counts first)
     rest = (args[1:] if first_is_data else args, kwargs)
     return any(t._label.kind != PUBLIC and not t.is_floating_point() for t in _traced(*rest))
+
+
+FACTORIES = frozenset("""zeros ones empty full rand randn randint randperm arange range linspace logspace eye
+empty_strided tril_indices triu_indices hann_window hamming_window blackman_window bartlett_window kaiser_window
+repeat_interleave""".split())
+"""Functions whose first argument is a number (a size, a count), not a tensor operated on."""
+
+
+def _count_argument(name: str, args, kwargs) -> bool:
+    """A 0-dim integer or boolean tensor of the batch passed where an operation takes a number (a size, a count, a
+    position, a dimension, a slice's bound: ``o[:, :k]``, ``o.chunk(k)``, ``o.unsqueeze(k)``, ``torch.randperm(k)``):
+    torch reads its value (red team round 16, 19.2 C through a dozen such functions). Operands of elementwise
+    operations, products and losses are values the labels follow, not numbers read."""
+    if name in POINTWISE or name in PRODUCTS or name in LOSSES or name in ("__setitem__", "backward", "grad"):
+        return False
+    rest = [args[1:] if args and isinstance(args[0], Tensor) and name not in FACTORIES else args, kwargs]
+    found: list = []
+    _visit(_slices_opened(rest), lambda t: found.append(t) if isinstance(t, Traced) and t.dim() == 0 and
+           not t.is_floating_point() and not t.is_complex() and t._label.kind != PUBLIC else None, -1)
+    return bool(found)
+
+
+def _slices_opened(obj):
+    """``obj`` with every ``slice`` replaced by its (start, stop, step): their tensors visited too."""
+    if isinstance(obj, slice):
+        return (obj.start, obj.stop, obj.step)
+    if isinstance(obj, (list, tuple)):
+        return [_slices_opened(o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _slices_opened(v) for k, v in obj.items()}
+    return obj
 
 
 def _dynamic_result(name: str, args, kwargs, found: list[Label]) -> bool:
@@ -544,8 +576,12 @@ def _label(name: str, args, kwargs, found: list[Label], out: Any) -> Label:
         return _setitem_label(args, found)
     private = [lab for lab in found if lab.private]
     if not private:  # (combined with a tensor not declared public, a copy of the batch may hide in it: ``UNDECLARED``)
-        undeclared = any(not t.requires_grad for t in _plain_tensors(args, kwargs))
+        # (a plain tensor that requires grad and is computed, not a parameter, may hold a copy of the batch that the
+        # tracing did not see: ``torch.tensor(v) + 0 * p.sum()`` scaled a public term by 96,553 C, red team round 16)
+        undeclared = any(not t.requires_grad or t.grad_fn is not None for t in _plain_tensors(args, kwargs))
         why = UNDECLARED if undeclared else next((lab.why for lab in found if lab.why), "")
+        if undeclared and found[0].rows is not None and any(t.requires_grad for t in _plain_tensors(args, kwargs)):
+            found[0].rows.undeclared = True  # (a public term that may carry such a copy: ``_unproven``)
         return Label(PUBLIC, found[0].rows, why)
     rows = private[0].rows
     if any(lab.rows is not rows for lab in private):
@@ -594,15 +630,8 @@ def _label(name: str, args, kwargs, found: list[Label], out: Any) -> Label:
         return mixed(f"`{name}` over the batch's first dimension (it combines examples" + (
             "; the mean of a selection of rows divides by a count that depends on other examples: sum it and divide "
             "by the batch size" if name == "mean" else "") + ")")
-    if name == "one_hot" and kinds == {ROWS}:  # (a row per example, a new last dimension)
-        return Label(ROWS, rows) if _leading(tensors, rows) else Label(ONE, rows)
-    if name in PRODUCTS and _product_of_rows(args, kwargs, name):
-        # the other operands are weights (not aligned with the rows); a result with more dimensions than the rows
-        # broadcast the batch against them (``x @ W`` with W [B, D, K]: row b of the result is ``x @ W[b]``)
-        if kinds == {ROWS} and all(t.dim() <= args[0].dim() for t in tensors) and _leading(tensors, rows) or \
-                one and _leading(tensors, rows):
-            return Label(ROWS, rows)
-        return mixed(f"`{name}` combines rows of different examples (a product over the batch)")
+    if name == "one_hot" and kinds == {ROWS} or name in PRODUCTS and _product_of_rows(args, kwargs, name):
+        return _product_label(name, args, rows, kinds, tensors, one)
     if name in POINTWISE:
         if kinds == {ROWS} and (_aligned(args, kwargs, rows, tensors) or one):
             return Label(ROWS, rows) if _leading(tensors, rows) else Label(ONE, rows)
@@ -615,6 +644,18 @@ def _label(name: str, args, kwargs, found: list[Label], out: Any) -> Label:
     if one:
         return Label(ROWS, rows) if _leading(tensors, rows) else Label(ONE, rows)
     return mixed(f"`{name}` (an operation clipbias does not prove to keep examples apart)")
+
+
+def _product_label(name: str, args, rows: Rows, kinds: set, tensors: list[Tensor], one: bool) -> Label:
+    """``F.one_hot`` of rows (a row per example, a new last dimension), or a product whose first operand is the rows
+    (``_product_of_rows``): its other operands are weights, not aligned with the rows; a result with more dimensions
+    than the rows broadcast the batch against them (``x @ W`` with W [B, D, K]: row b of the result is ``x @ W[b]``)."""
+    if name == "one_hot":
+        return Label(ROWS, rows) if _leading(tensors, rows) else Label(ONE, rows)
+    if kinds == {ROWS} and all(t.dim() <= args[0].dim() for t in tensors) and _leading(tensors, rows) or \
+            one and _leading(tensors, rows):
+        return Label(ROWS, rows)
+    return mixed(f"`{name}` combines rows of different examples (a product over the batch)")
 
 
 def _setitem_label(args, found: list[Label]) -> Label:
@@ -862,6 +903,9 @@ def _unproven(loss: Tensor, rows: Rows) -> str | None:
         return rows.escaped + " before the backward"
     if rows.changed():
         return "a tensor of the batch or an output of the model changed in place through an alias (`.data`)"
+    if rows.undeclared:
+        return ("a public term combined with a computed tensor that requires grad and was not declared public (it may "
+                "hold a value of the batch copied where the tracing cannot see: `torch.tensor(v) + 0 * p.sum()`)")
     if rows.tainted:  # (memory the graph saved may be among it: the backward would read the written values)
         return f"memory of the step's tensors written in place with values of several examples ({next(iter(rows.tainted.values()))[0]})"
     params = {id(p) for p in rows.params}

@@ -136,3 +136,40 @@ def test_round16_honest_twins_stay_certified():
         return F.cross_entropy(o[:, :K], y) + 1e-3 * m(clipbias.public(_Z)).sum() \
             + 1e-4 * sum((p ** 2).sum() for p in raw.parameters()) + 0 * len(o.chunk(2, dim=1))
     assert _one_step(loss).certified
+
+
+# ---------------------------------------------------------------- red team round 17
+def _count1(x):  # a one-element 1-D count (torch reads it as a number as it reads a 0-dim one)
+    return (x[:1, 0] > 1.0).long() + 1
+
+
+def _ops_copy(m, x, y):  # a value of the batch written into a plain tensor through torch.ops (24,682 C before)
+    c = torch.zeros(())
+    torch.ops.aten.copy_.default(c, x[0, 0])
+    return F.cross_entropy(m(x), y) + (m(clipbias.public(_Z)) * c).sum()
+
+
+ROUND17 = {
+    "a [1] count as a slice's bound": lambda m, x, y: _scaled(m(x)[:, :_count1(x)].shape[1], m, x, y),
+    "a [1] count as max_pool1d's kernel": lambda m, x, y: _scaled(
+        F.max_pool1d(m(x)[:, None], _count1(x)).shape[-1], m, x, y),
+    "torch.ops.aten.copy_ into a plain tensor": _ops_copy,
+}
+
+
+@pytest.mark.parametrize("name", list(ROUND17))
+def test_round17_uncertified(name):
+    fn = ROUND17[name]
+    assert not _one_step(lambda m, x, y, raw, opt: fn(m, x, y)).certified, name
+
+
+def test_a_frozen_teachers_forward_under_no_grad_is_a_row_per_example():
+    """Distillation: ``with torch.no_grad(): teacher(x)`` of a teacher whose parameters still require grad was refused
+    (its weights were taken for parameters the gradient reaches); under no_grad they are constants: certified."""
+    teacher = torch.nn.Linear(5, K)
+
+    def loss(m, x, y, raw, opt):
+        with torch.no_grad():
+            t = teacher(x).softmax(1)
+        return F.cross_entropy(m(x), y) + F.kl_div(m(x).log_softmax(1), t, reduction="sum") / len(x)
+    assert _one_step(loss).certified

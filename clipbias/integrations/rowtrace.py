@@ -178,7 +178,7 @@ class Traced(Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
+        name = getattr(func, "__name__", "").split(".")[0]  # (``torch.ops.aten.copy_.default``: ``copy_``)
         if name == "__get__":  # an attribute: .shape, .dtype, .data, .T, .grad ...
             name = getattr(getattr(func, "__self__", None), "__name__", "__get__")
         traced = _traced(args, kwargs)
@@ -292,16 +292,18 @@ repeat_interleave""".split())
 
 
 def _count_argument(name: str, args, kwargs) -> bool:
-    """A 0-dim integer or boolean tensor of the batch passed where an operation takes a number (a size, a count, a
-    position, a dimension, a slice's bound: ``o[:, :k]``, ``o.chunk(k)``, ``o.unsqueeze(k)``, ``torch.randperm(k)``):
-    torch reads its value (red team round 16, 19.2 C through a dozen such functions). Operands of elementwise
-    operations, products and losses are values the labels follow, not numbers read."""
+    """A one-element integer or boolean tensor computed from the batch passed where an operation takes a number (a
+    size, a count, a position, a dimension, a slice's bound: ``o[:, :k]``, ``o.chunk(k)``, ``o.unsqueeze(k)``,
+    ``F.max_pool1d(o, k)``): torch reads its value (red teams 16-17, 19.2 C through a dozen such functions).
+    Operands of elementwise operations, products and losses are values the labels follow, not numbers read."""
     if name in POINTWISE or name in PRODUCTS or name in LOSSES or name in ("__setitem__", "backward", "grad"):
         return False
     rest = [args[1:] if args and isinstance(args[0], Tensor) and name not in FACTORIES else args, kwargs]
     found: list = []
-    _visit(_slices_opened(rest), lambda t: found.append(t) if isinstance(t, Traced) and t.dim() == 0 and
-           not t.is_floating_point() and not t.is_complex() and t._label.kind != PUBLIC else None, -1)
+    # (one element, any shape: torch reads ``[k]`` as a number too; rows of the batch, ``y`` of a batch of one, are
+    # operands, not counts)
+    _visit(_slices_opened(rest), lambda t: found.append(t) if isinstance(t, Traced) and t.numel() == 1 and
+           not t.is_floating_point() and not t.is_complex() and t._label.kind not in (PUBLIC, ROWS) else None, -1)
     return bool(found)
 
 
@@ -588,7 +590,9 @@ def _label(name: str, args, kwargs, found: list[Label], out: Any) -> Label:
         return mixed(f"`{name}` combines tensors of two different batches")
     kinds = {lab.kind for lab in private}
     others = _plain_tensors(args, kwargs)
-    public = any(lab.kind == PUBLIC for lab in found) or any(t.requires_grad for t in others)
+    # (a tensor that requires grad is a parameter the result's gradient reaches; under no_grad it is a constant:
+    # a frozen teacher's forward, ``with torch.no_grad(): teacher(x)``)
+    public = any(lab.kind == PUBLIC for lab in found) or torch.is_grad_enabled() and any(t.requires_grad for t in others)
     if kinds == {SUM}:
         if name in ADDITIVE:
             rows.reaches_params |= public

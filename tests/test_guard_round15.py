@@ -173,3 +173,36 @@ def test_a_frozen_teachers_forward_under_no_grad_is_a_row_per_example():
             t = teacher(x).softmax(1)
         return F.cross_entropy(m(x), y) + F.kl_div(m(x).log_softmax(1), t, reduction="sum") / len(x)
     assert _one_step(loss).certified
+
+
+# ---------------------------------------------------------------- red team round 18
+def test_a_collate_that_writes_the_model_is_refused():
+    """A collate_fn that set a buffer of the model from the batch, read by the forward (7.8 C certified through the
+    Hugging Face trainer before: the first step had no earlier step to compare with): refused at the fetch."""
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset, default_collate
+
+    from clipbias import PrivacyEngine
+    x = torch.randn(32, 5, generator=torch.Generator().manual_seed(0))
+    y = (x[:, 0] > 0).long()
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, K)
+            self.register_buffer("scale", torch.ones(()))
+
+        def forward(self, v):
+            return self.lin(v) * self.scale
+    m = Scaled()
+
+    def collate(items):
+        out = default_collate(items)
+        m.scale.fill_(1.0 + float(out[0][:, 0].mean()))
+        return out
+    pe = PrivacyEngine()
+    model, opt, loader = pe.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.5),
+                                         data_loader=DataLoader(TensorDataset(x, y), batch_size=16, collate_fn=collate),
+                                         noise_multiplier=1.0, max_grad_norm=1.0)
+    with pytest.raises(ConfigError, match="fetched and collated"):
+        next(iter(loader))

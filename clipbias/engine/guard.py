@@ -120,6 +120,15 @@ class StateGuard:
             f"without noise, and the next step's forward reads it. Keep such state out of the model, or compute it "
             f"from public data; the model now holds it: do not release it, reload it from before")
 
+    def changed_since(self, before: tuple | None) -> list[str]:
+        """The parameters, buffers and attributes that differ from ``before`` (a ``snapshot(copies=False)``), named."""
+        if before is None:
+            return []
+        after, _ = self.snapshot(copies=False)
+        prints = before[0]
+        changed = sorted(k for k in prints.keys() | after.keys() if prints.get(k) != after.get(k))
+        return [f"{kind} {(mname + '.' if mname else '') + name}" for mname, kind, name in changed]
+
     def run(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` (a forward of the user's loop on a private batch), refused if it wrote the
         model's state (buffers restored, also when ``fn`` raised)."""

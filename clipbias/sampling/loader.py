@@ -258,6 +258,8 @@ class PoissonLoader:
         seed = secret_int(engine.key, Purpose.LOADER, engine.steps_taken)  # ChaCha20 output: reveals no key bit
         loader = DataLoader(self.fetch, batch_sampler=_Plan(engine, steps), collate_fn=_as_is,
                             generator=torch.Generator().manual_seed(seed), **self.options)
+        guard = getattr(engine, "state_guard", None)
+        before = guard.snapshot(copies=False) if guard is not None else None  # (the model before each fetch)
         try:
             for idx, data, step, moved in loader:
                 want = engine.local_share(engine.sampler.sample())
@@ -266,11 +268,20 @@ class PoissonLoader:
                                        "sampler used by another loop at the same time?)")
                 if check:  # fetch and collate a function of the example alone (refetch), or a caveat
                     refetch.check(engine, self.fetch.alone, idx, data, step, moved)
+                written = guard.changed_since(before) if guard is not None else []  # (the fetches above included)
+                if written:  # the dataset or collate_fn wrote the model while the batch was fetched (a red team's
+                    # collate set a buffer from the batch that the forward read: 7.8 C, certified, before)
+                    raise ConfigError(
+                        f"the model's state changed while the private data loader fetched and collated a batch "
+                        f"({', '.join(written[:6])}{' and more' if len(written) > 6 else ''}): a dataset or "
+                        f"collate_fn that writes the model from the batch releases that statistic without noise. "
+                        f"Keep the data pipeline out of the model's state; the model now holds it: do not release "
+                        f"it, reload it from before")
                 # the batch as fetched, before the loop can change it, and the model's state: the step compares
                 # both (engine.drawn, engine.guard: the loop, its hooks and callbacks may not write the model)
-                guard = getattr(engine, "state_guard", None)
                 engine.sampler.fetched = (idx, batch.tree_map(lambda t: t.detach().clone(), data),
                                           guard.snapshot() if guard is not None else None)
                 yield idx, data
+                before = guard.snapshot(copies=False) if guard is not None else None  # (after the loop's step)
         finally:  # a loop that stopped (break, an error) before stepping on the last batch: counted as skipped
             engine.sampler.abandon()  # (a failed step gave its batch back already: ``aggregate.drop_staged``)

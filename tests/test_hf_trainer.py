@@ -251,3 +251,36 @@ def test_epsilon_is_on_the_progress_bar_and_in_its_log_lines(tmp_path, capfd):
     for epsilon in logged:
         assert f"epsilon={epsilon:.4g}]" in err.replace("\r", "\n"), err[-2000:]
         assert f"'epsilon': '{epsilon:.4g}'" in out + err
+
+
+@pytest.mark.parametrize("when", ["on_pre_optimizer_step", "on_step_end"])
+def test_a_callback_writing_the_update_or_the_weights_is_refused(tmp_path, when):
+    """The private update reaches optimizer.step() as the engine left it, and the parameters reach the next private
+    step (or the end of training) as the optimizer left them: a callback that wrote a value of the batch into
+    .grad before the optimizer's step (8,611 C, certified, before) or into the weights after it (86 C) is refused,
+    and the report says why; an honest run is certified (red team round 19)."""
+    from transformers import TrainerCallback
+
+    class Write(TrainerCallback):
+        def __init__(self):
+            self.trainer = None
+
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            if when == "on_pre_optimizer_step":
+                for p in self.trainer.model.parameters():
+                    p.grad.add_(1.0)
+
+        def on_step_end(self, args, state, control, **kw):
+            if when == "on_step_end":
+                with torch.no_grad():
+                    next(self.trainer.model.parameters()).add_(0.1)
+    cb = Write()
+    tr = DPTrainer(model=bert(), args=targs(tmp_path, max_steps=2, gradient_accumulation_steps=1),
+                   train_dataset=Tokens(32, 6, causal=False), data_collator=collate,
+                   dp_args=DPArguments(noise_multiplier=1.0, max_grad_norm=1.0), callbacks=[cb])
+    cb.trainer = tr
+    with pytest.raises(ConfigError, match="changed between the private step and optimizer.step|changed after an "
+                                          "optimizer step"):
+        tr.train()
+    if when == "on_step_end":
+        assert not tr.privacy_report().certified

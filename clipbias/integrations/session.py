@@ -626,6 +626,66 @@ class DPOptimizer(torch.optim.Optimizer):
         return loss
 
 
+class ReleasedUpdate:
+    """Where the framework steps your optimizer after the private step (Hugging Face's ``Trainer``): the private
+    update the engine left in ``.grad`` must reach ``optimizer.step()`` as it was left, at the settings of the
+    step, and the parameters the step wrote must reach the next private step as they were (a red team's callback
+    added a value of the batch to ``.grad`` or the learning rate in ``on_pre_optimizer_step``, 8,611-10,915 C, or to
+    the parameters in ``on_step_end``, 86 C, certified, before). Checked by a step pre-hook and post-hook of
+    clipbias's own on your optimizer, by version counters (every in-place write bumps them)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = getattr(optimizer, "optimizer", optimizer)  # (accelerate's wrapper: the torch optimizer)
+        self.left: tuple | None = None  # the update as the engine left it: (gradients' prints, settings)
+        self.after: list | None = None  # the parameters as the optimizer's step left them
+
+        def before(opt, args, kwargs):
+            self._before()
+
+        def after(opt, args, kwargs):
+            self.after = self._params()
+        for hook in (before, after):
+            hook._clipbias_own = True
+        self.optimizer.register_step_pre_hook(before)
+        self.optimizer.register_step_post_hook(after)
+
+    def _tensors(self) -> list:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _params(self) -> list:
+        return [(id(p), p._version) for p in self._tensors()]
+
+    def _grads(self) -> list:
+        return [(id(p), p._version, None if p.grad is None else (id(p.grad), p.grad._version)) for p in self._tensors()]
+
+    def left_update(self) -> None:
+        """The engine's step left the private update in ``.grad``."""
+        self.left = (self._grads(), _settings(self.optimizer))
+
+    def _before(self) -> None:
+        left, self.left = self.left, None
+        if left is None:
+            raise ConfigError("the optimizer stepped without a private step before it: its .grad is not the private "
+                              "update (step it only through the DPTrainer's training loop)")
+        if self._grads() != left[0] or not _same(_settings(self.optimizer), left[1]):
+            raise ConfigError("the private update (.grad), the parameters or the optimizer's settings changed between "
+                              "the private step and optimizer.step() (a callback's on_pre_optimizer_step, or a "
+                              "training_step override after the private step): a value of the batch written there "
+                              "reaches the weights unclipped and without noise. Leave them to the private step")
+
+    def check_between(self) -> None:
+        """Before a private step, and when training ends: the parameters as the last optimizer step left them
+        (``written`` keeps the refusal: the report is then uncertified)."""
+        if self.after is not None and self._params() != self.after:
+            self.written = ("the model's parameters changed after an optimizer step, before the next private step or "
+                            "the end of training (a callback's on_optimizer_step or on_step_end): a value of the batch "
+                            "written there is released with the model without noise. Leave the parameters to the "
+                            "optimizer")
+            raise ConfigError(self.written)
+
+    written: str | None = None
+
+
 class Deferred(torch.optim.Optimizer):
     """The engine's view of your optimizer where the framework steps it (Hugging Face's ``Trainer``): the engine
     leaves the private update in ``.grad`` and the framework steps your optimizer on it (after its logging and
@@ -746,7 +806,8 @@ class OptimizerWatch:
         hooks = [h for d in (getattr(self.optimizer, "_optimizer_step_pre_hooks", {}),
                              getattr(self.optimizer, "_optimizer_step_post_hooks", {}),
                              torch_optimizer._global_optimizer_pre_hooks,
-                             torch_optimizer._global_optimizer_post_hooks) for h in d.values()]
+                             torch_optimizer._global_optimizer_post_hooks) for h in d.values()
+                 if not getattr(h, "_clipbias_own", False)]  # (``ReleasedUpdate``'s are clipbias's)
         if _step_code(self.optimizer) != self.step_code:  # (an instance's or its class's step patched since)
             raise ConfigError("the optimizer's step was replaced after make_private (on the optimizer or its class): "
                               "the new step runs inside optimizer.step(), after its checks, where it may change the "

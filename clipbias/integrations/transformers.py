@@ -23,6 +23,7 @@ that fetch and collate are a function of the example alone (``clipbias.sampling.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 from collections.abc import Mapping
@@ -43,7 +44,7 @@ from .losses import causal_lm_loss, resolve_loss, sequence_classification_loss
 from .options import DPOptions
 from .refusals import check_eval_data, check_map_style, check_training_args
 from .released import TRAINER_RELEASED
-from .session import Deferred, Session, chunk_taken, epoch_steps, exact_chunks, is_mapping
+from .session import Deferred, ReleasedUpdate, Session, chunk_taken, epoch_steps, exact_chunks, is_mapping
 
 __all__ = ["DPArguments", "DPTrainer", "PerExampleIds", "causal_lm_loss", "keyed_collator",
            "sequence_classification_loss"]
@@ -221,7 +222,7 @@ class DPTrainer(transformers.Trainer):
         check_map_style(kwargs.get("train_dataset", args[3] if len(args) > 3 else None))
         super().__init__(*args, **kwargs)
         check_training_args(self.args)
-        self.dp_args, self.dp_engine, self.dp_session = dp_args, None, None
+        self.dp_args, self.dp_engine, self.dp_session, self.dp_released = dp_args, None, None, None
 
     # ------------------------------------------------------------------ the private batches and step
     @property
@@ -252,6 +253,7 @@ class DPTrainer(transformers.Trainer):
         if self.dp_engine is None:
             self.dp_engine = self._build_engine(optimizer)
             self.dp_session = Session(self.dp_engine, released=TRAINER_RELEASED)
+            self.dp_released = ReleasedUpdate(optimizer)
         elif self.dp_engine.optimizer.original is not getattr(optimizer, "optimizer", optimizer):  # (accelerate's)
             raise ConfigError("DPTrainer: the optimizer changed after the private engine was built; one DPTrainer "
                               "trains one run")
@@ -294,7 +296,9 @@ class DPTrainer(transformers.Trainer):
         model.train()
         x, y = self._split_labels(pending.data)
         x, y = self._prepare_input(x), self._prepare_input(y)
+        self.dp_released.check_between()  # (the parameters as the last optimizer step left them)
         losses = self.dp_engine.step(x, y, pending.indices)  # chunks changed in place: uncertified (engine.drawn)
+        self.dp_released.left_update()  # (optimizer.step() finds the update as left: session.ReleasedUpdate)
         return (losses.sum() / max(len(losses), 1)).detach().to(self.args.device)
 
     def _split_labels(self, data: Mapping) -> tuple[dict, Tensor]:
@@ -322,7 +326,10 @@ class DPTrainer(transformers.Trainer):
                 f"run that starts from these trained weights adds its epsilon to this run's")
         if str(getattr(self.args.eval_strategy, "value", self.args.eval_strategy)) != "no":
             check_eval_data(self.train_dataset, self.eval_dataset)
-        return super().train(*args, **kwargs)
+        out = super().train(*args, **kwargs)
+        if self.dp_released is not None:  # (the last optimizer step's parameters, as training ends)
+            self.dp_released.check_between()
+        return out
 
     def evaluate(self, eval_dataset: Any = None, *args, **kwargs) -> dict:
         """``Trainer.evaluate`` (same arguments).
@@ -355,7 +362,10 @@ class DPTrainer(transformers.Trainer):
         """
         if self.dp_session is None:
             raise ConfigError("DPTrainer.privacy_report: no private step yet; call train() first")
-        return self.dp_session.report()
+        report = self.dp_session.report()
+        written = getattr(self.dp_released, "written", None)
+        return report if written is None else dataclasses.replace(report, certified=False,
+                                                                   caveats=(*report.caveats, written))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.dp_engine is not None and ("loss" in logs or "train_loss" in logs):

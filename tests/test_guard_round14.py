@@ -3,41 +3,15 @@ moved the update by 19 C to 9,655 C, in miniature, now refused or reported uncer
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from opacus_step import B, K
+from opacus_step import Z as _Z
+from opacus_step import one_step as _one_step
 
 import clipbias
-from clipbias import PrivacyEngine
 from clipbias.errors import ConfigError
-
-N, D, K, B = 32, 5, 2, 16
-_Z = torch.randn(6, D, generator=torch.Generator().manual_seed(1))
-
-
-def _one_step(loss_of, **kw):
-    """One step of the Opacus interface; ``loss_of(model, xb, yb, raw, opt)``: the privacy report."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(N, D, generator=g)
-    y = (x[:, 0] > 0).long()
-    torch.manual_seed(0)
-    raw = nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, K))
-    pe = PrivacyEngine()
-    model, opt, loader = pe.make_private(module=raw, optimizer=torch.optim.SGD(raw.parameters(), lr=0.5),
-                                         data_loader=DataLoader(TensorDataset(x, y), batch_size=B),
-                                         noise_multiplier=1.0, max_grad_norm=1.0, **kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for xb, yb in loader:
-            opt.zero_grad()
-            loss_of(model, xb, yb, raw, opt).backward()
-            opt.step()
-            break
-    return pe.privacy_report()
 
 
 def _target(o, t):

@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from opacus_step import K
+from opacus_step import one_step as _one_step
+from test_guard_round14 import _target
 
 import clipbias
 from clipbias.errors import ConfigError
-from test_guard_round14 import K, _one_step, _target
 
 _Z = torch.randn(6, 5, generator=torch.Generator().manual_seed(2))
 
@@ -201,8 +203,8 @@ def test_a_collate_that_writes_the_model_is_refused():
         m.scale.fill_(1.0 + float(out[0][:, 0].mean()))
         return out
     pe = PrivacyEngine()
-    model, opt, loader = pe.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.5),
-                                         data_loader=DataLoader(TensorDataset(x, y), batch_size=16, collate_fn=collate),
-                                         noise_multiplier=1.0, max_grad_norm=1.0)
+    _, _, loader = pe.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.5),
+                                   data_loader=DataLoader(TensorDataset(x, y), batch_size=16, collate_fn=collate),
+                                   noise_multiplier=1.0, max_grad_norm=1.0)
     with pytest.raises(ConfigError, match="fetched and collated"):
         next(iter(loader))

@@ -105,13 +105,11 @@ class StateGuard:
         if before is None:
             return
         prints, buffers = before
-        after, _ = self.snapshot(copies=False)
-        changed = {k for k in prints.keys() | after.keys() if k[1] != "parameter" and prints.get(k) != after.get(k)}
-        changed |= {(mname, "buffer", name) for mname, m, name, b, copy in buffers
-                    if m._buffers.get(name) is b and not same_bits(b, copy)}
+        changed = {k for k in _differ(prints, self.snapshot(copies=False)[0]) if k[1] != "parameter"}
+        changed |= _buffers_rewritten(buffers)
         if not changed:
             return
-        names = [f"{kind} {(mname + '.' if mname else '') + name}" for mname, kind, name in sorted(changed)]
+        names = _named(changed)
         self.after_step = None  # (said once; the next step compares from its own end)
         raise ConfigError(
             f"the model's state changed after the last private step, before this one ({', '.join(names[:6])}"
@@ -120,14 +118,9 @@ class StateGuard:
             f"without noise, and the next step's forward reads it. Keep such state out of the model, or compute it "
             f"from public data; the model now holds it: do not release it, reload it from before")
 
-    def changed_since(self, before: tuple | None) -> list[str]:
-        """The parameters, buffers and attributes that differ from ``before`` (a ``snapshot(copies=False)``), named."""
-        if before is None:
-            return []
-        after, _ = self.snapshot(copies=False)
-        prints = before[0]
-        changed = sorted(k for k in prints.keys() | after.keys() if prints.get(k) != after.get(k))
-        return [f"{kind} {(mname + '.' if mname else '') + name}" for mname, kind, name in changed]
+    def changed_since(self, before: tuple | None, now: tuple) -> list[str]:
+        """The parameters, buffers and attributes whose fingerprints differ between two snapshots, named."""
+        return [] if before is None else _named(_differ(before[0], now[0]))
 
     def run(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` (a forward of the user's loop on a private batch), refused if it wrote the
@@ -215,19 +208,17 @@ class _Watch(TorchFunctionMode):
                     self.copies[(mname, kind, name)] = (state, state.detach().clone())
 
     def compare(self) -> ConfigError | None:
-        after, _ = self.guard.snapshot(copies=False)
-        changed = {k for k in self.prints.keys() | after.keys() if self.prints.get(k) != after.get(k)}
+        changed = _differ(self.prints, self.guard.snapshot(copies=False)[0])
         changed |= {k for k, (t, copy) in self.copies.items() if not same_bits(t, copy)}
         # a buffer's values too (it is copied anyway, to be restored): a write through an alias outside the watched
         # forwards (``.data`` in a backward hook) bumps no counter
-        changed |= {(mname, "buffer", name) for mname, m, name, b, copy in self.buffers
-                    if m._buffers.get(name) is b and not same_bits(b, copy)}
+        changed |= _buffers_rewritten(self.buffers)
         if not changed:
             return None
         changed = sorted(changed)
         restored = _restore_buffers(self.buffers, {(m, n) for m, kind, n in changed if kind == "buffer"},
                                     dict(self.guard.model.named_modules()))
-        names = [f"{kind} {(mname + '.' if mname else '') + name}" for mname, kind, name in changed]
+        names = _named(changed)
         shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
         others = [k for k in changed if k[1] != "buffer"]
         return ConfigError(
@@ -240,6 +231,21 @@ class _Watch(TorchFunctionMode):
             + "Make such state a constant or compute it outside the private step (BatchNorm: clipbias.fix(model) "
               "replaces it by GroupNorm; nn.Embedding(max_norm=...): renormalise the weights after each step "
               "instead, outside the forward; running statistics: keep them out of the module)")
+
+
+def _differ(before: dict, after: dict) -> set:
+    """The keys of two snapshots' fingerprints that differ (or are in one only)."""
+    return {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+
+
+def _buffers_rewritten(buffers: list) -> set:
+    """The buffers, still in their slots, whose values differ from the copies a snapshot took, bit for bit."""
+    return {(mname, "buffer", name) for mname, m, name, b, copy in buffers
+            if m._buffers.get(name) is b and not same_bits(b, copy)}
+
+
+def _named(changed) -> list[str]:
+    return [f"{kind} {(mname + '.' if mname else '') + name}" for mname, kind, name in sorted(changed)]
 
 
 def _storage(t: Tensor) -> int | None:

@@ -135,10 +135,12 @@ def _param_prints(model: torch.nn.Module) -> list:
 
 
 def _storage_of(t: Tensor) -> int | None:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
+    """The address of ``t``'s storage (a traced tensor's too: read without tracing), or None where it has none."""
+    with torch._C.DisableTorchFunctionSubclass():
+        try:
+            return torch._C.TensorBase.untyped_storage(t).data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return None
 
 
 def _fingerprint(t: Tensor) -> Tensor:
@@ -189,7 +191,7 @@ class Traced(Tensor):
             raise ConfigError("the loop computes on the private batch inside `saved_tensors_hooks` (or activation "
                               "checkpointing in the loss): its unpack hook may hand the backward other values than "
                               "those the loss was computed from, which clipbias cannot follow per example")
-        if name in SHAPE_READS and any(t._dynamic for t in traced) or (name in DYNAMIC or name in SIZED) and \
+        if name in SHAPE_READS and any(t._dynamic for t in traced) or name in DYNAMIC and \
                 _dynamic_result(name, args, kwargs, found) or _count_argument(name, args, kwargs) or name == "__setstate__" or name in RUNNING and \
                 _running_stats(args, kwargs) or name == "__set__" and \
                 getattr(getattr(func, "__self__", None), "__name__", "") == "data":  # (``t.data = v``: unlabelled)
@@ -272,17 +274,8 @@ def _running_stats(args, kwargs) -> bool:
 SIZED = frozenset("""zeros ones empty full rand randn randint arange linspace logspace eye pad expand narrow reshape
 view topk kthvalue roll repeat tile unflatten split tensor_split split_with_sizes repeat_interleave select new_zeros
 new_ones new_empty new_full new_tensor broadcast_to resize_ as_strided""".split())
-"""Operations that read sizes, counts or positions from their arguments: a traced integer there is its value read."""
-
-
-def _reads_a_size(name: str, args, kwargs) -> bool:
-    """A traced integer or boolean tensor of the batch passed where ``name`` takes a size, a count or a position
-    (``torch.zeros(k)``, ``F.pad(o, (0, k))``, ``o.expand(k)``, ``torch.tensor_split(o, k)``): the result's shape
-    is its value."""
-    first_is_data = name not in ("zeros ones empty full rand randn randint arange linspace logspace eye "
-                                 "repeat_interleave".split())  # (``torch.repeat_interleave(counts)``: counts first)
-    rest = (args[1:] if first_is_data else args, kwargs)
-    return any(t._label.kind != PUBLIC and not t.is_floating_point() for t in _traced(*rest))
+"""Operations that read sizes, counts or positions from their arguments: any integer tensor of the batch there
+(``tensor_split(o, idx)`` too) is read (``_count_argument``)."""
 
 
 FACTORIES = frozenset("""zeros ones empty full rand randn randint randperm arange range linspace logspace eye
@@ -300,10 +293,12 @@ def _count_argument(name: str, args, kwargs) -> bool:
         return False
     rest = [args[1:] if args and isinstance(args[0], Tensor) and name not in FACTORIES else args, kwargs]
     found: list = []
-    # (one element, any shape: torch reads ``[k]`` as a number too; rows of the batch, ``y`` of a batch of one, are
-    # operands, not counts)
-    _visit(_slices_opened(rest), lambda t: found.append(t) if isinstance(t, Traced) and t.numel() == 1 and
-           not t.is_floating_point() and not t.is_complex() and t._label.kind not in (PUBLIC, ROWS) else None, -1)
+    # one element, any shape (torch reads ``[k]`` as a number too; rows of the batch, ``y`` of a batch of one, are
+    # operands, not counts), or any integer tensor where ``name`` takes sizes or positions
+    sized = name in SIZED
+    _visit(_slices_opened(rest), lambda t: found.append(t) if isinstance(t, Traced) and not t.is_floating_point() and
+           not t.is_complex() and t._label.kind != PUBLIC and (sized or t.numel() == 1 and t._label.kind != ROWS)
+           else None, -1)
     return bool(found)
 
 
@@ -322,8 +317,6 @@ def _dynamic_result(name: str, args, kwargs, found: list[Label]) -> bool:
     """``name`` applied to a private tensor gives a result whose shape depends on the batch's values (a read)."""
     if not any(lab.kind != PUBLIC for lab in found):
         return False
-    if name in SIZED:
-        return _reads_a_size(name, args, kwargs)
     if name == "where":
         return len(args) + len(kwargs) == 1  # ``torch.where(cond)``: ``nonzero``
     if name == "one_hot":
@@ -348,17 +341,12 @@ def _dynamic_shape(out: Any, dynamic: bool) -> Any:
     return out
 
 
-def _memory(t: Tensor) -> int:
-    with torch._C.DisableTorchFunctionSubclass():
-        return torch._C.TensorBase.untyped_storage(t).data_ptr()
-
-
 def _label_now(t: "Traced") -> Label:
     """``t``'s label, or MIXED where memory it shares was written with values of several examples."""
     rows = t._label.rows
     if rows is None or not rows.tainted or t._label.kind == PUBLIC:
         return t._label
-    hit = rows.tainted.get(_memory(t))
+    hit = rows.tainted.get(_storage_of(t))
     return t._label if hit is None else mixed(f"a tensor whose memory was written in place ({hit[0]})")
 
 
@@ -393,9 +381,8 @@ def _refuse_state_write(name: str, args, kwargs, found: list[Label]) -> None:
     if not targets or run is None:
         return
     state = run.state_storages()
-    with torch._C.DisableTorchFunctionSubclass():
-        if not any(_storage_of(t) in state for t in targets):
-            return
+    if not any(_storage_of(t) in state for t in targets):
+        return
     raise ConfigError(
         f"an in-place `{name}` after optimizer.step() would write a value computed from the private batch into the "
         f"model's parameters: the model is released, and such a write reaches it unclipped and without noise (the "

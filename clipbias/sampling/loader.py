@@ -268,7 +268,8 @@ class PoissonLoader:
                                        "sampler used by another loop at the same time?)")
                 if check:  # fetch and collate a function of the example alone (refetch), or a caveat
                     refetch.check(engine, self.fetch.alone, idx, data, step, moved)
-                written = guard.changed_since(before) if guard is not None else []  # (the fetches above included)
+                now = guard.snapshot() if guard is not None else None  # (the fetches above included)
+                written = guard.changed_since(before, now) if guard is not None else []
                 if written:  # the dataset or collate_fn wrote the model while the batch was fetched (a red team's
                     # collate set a buffer from the batch that the forward read: 7.8 C, certified, before)
                     raise ConfigError(
@@ -279,8 +280,7 @@ class PoissonLoader:
                         f"it, reload it from before")
                 # the batch as fetched, before the loop can change it, and the model's state: the step compares
                 # both (engine.drawn, engine.guard: the loop, its hooks and callbacks may not write the model)
-                engine.sampler.fetched = (idx, batch.tree_map(lambda t: t.detach().clone(), data),
-                                          guard.snapshot() if guard is not None else None)
+                engine.sampler.fetched = (idx, batch.tree_map(lambda t: t.detach().clone(), data), now)
                 yield idx, data
                 before = guard.snapshot(copies=False) if guard is not None else None  # (after the loop's step)
         finally:  # a loop that stopped (break, an error) before stepping on the last batch: counted as skipped

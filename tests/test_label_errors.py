@@ -174,7 +174,9 @@ def _trainer(tmp_path, model, labels):
     from transformers import TrainingArguments
 
     from clipbias.integrations.transformers import DPArguments, DPTrainer
-    args = TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=1, save_strategy="no",
+    # (8 planned steps: a Poisson batch of the 16 examples at q = 1/4 is empty with probability 1 %, and the labels
+    # are checked at the first step that holds one; 8 empty batches in a row: 1e-16)
+    args = TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=8, save_strategy="no",
                              report_to=[], use_cpu=True, disable_tqdm=True)
     return DPTrainer(model=model, args=args, train_dataset=_Items(labels), data_collator=_collate,
                      dp_args=DPArguments(noise_multiplier=1.0, max_grad_norm=1.0, grad_path="fast"))
